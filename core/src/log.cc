@@ -1,0 +1,117 @@
+#include "zinf/core/log.h"
+
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cctype>
+#include <ctime>
+#include <mutex>
+#include <string>
+
+#include "zinf/core/check.h"
+#include "zinf/core/env.h"
+
+namespace zinf {
+namespace {
+
+struct LogState {
+  std::atomic<int> level{static_cast<int>(LogLevel::kInfo)};
+  std::atomic<bool> all_ranks{false};
+};
+
+// Reads ZINF_LOG_LEVEL and ZINF_LOG_ALL_RANKS once, before the first line, and warns about
+// unknown ZINF_* variables (after the state exists, so the warning itself can be logged).
+LogState& State() {
+  static LogState state;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::string bad_level;
+    if (auto text = GetEnv("ZINF_LOG_LEVEL")) {
+      LogLevel level;
+      if (ParseLogLevel(*text, &level)) {
+        state.level.store(static_cast<int>(level));
+      } else {
+        bad_level = *text;
+      }
+    }
+    if (auto all = GetEnv("ZINF_LOG_ALL_RANKS")) state.all_ranks.store(*all != "0");
+    if (!bad_level.empty()) {
+      LogLine(LogLevel::kWarn,
+              fmt::format("ZINF_LOG_LEVEL='{}' is not one of trace|debug|info|warn|error|off; "
+                          "using info",
+                          bad_level));
+    }
+    if (std::string unknown = UnknownZinfEnvVars(); !unknown.empty()) {
+      LogLine(LogLevel::kWarn, fmt::format("unknown ZINF_* environment variables ignored: {} "
+                                           "(README.md lists the known ones)",
+                                           unknown));
+    }
+  });
+  return state;
+}
+
+std::string_view LevelName(LogLevel level) {
+  switch (level) {
+    case LogLevel::kTrace: return "trace";
+    case LogLevel::kDebug: return "debug";
+    case LogLevel::kInfo: return "info";
+    case LogLevel::kWarn: return "warn";
+    case LogLevel::kError: return "error";
+    case LogLevel::kOff: return "off";
+  }
+  return "?";
+}
+
+}  // namespace
+
+bool ParseLogLevel(std::string_view text, LogLevel* level) {
+  std::string lower;
+  for (char c : text) lower.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  static constexpr std::pair<std::string_view, LogLevel> kNames[] = {
+      {"trace", LogLevel::kTrace}, {"debug", LogLevel::kDebug}, {"info", LogLevel::kInfo},
+      {"warn", LogLevel::kWarn},   {"warning", LogLevel::kWarn}, {"error", LogLevel::kError},
+      {"off", LogLevel::kOff}};
+  for (const auto& [name, value] : kNames) {
+    if (lower == name) {
+      *level = value;
+      return true;
+    }
+  }
+  return false;
+}
+
+void SetLogLevel(LogLevel level) { State().level.store(static_cast<int>(level)); }
+LogLevel GetLogLevel() { return static_cast<LogLevel>(State().level.load()); }
+void SetLogAllRanks(bool all_ranks) { State().all_ranks.store(all_ranks); }
+
+bool LogEnabled(LogLevel level) {
+  LogState& state = State();
+  if (level == LogLevel::kOff || static_cast<int>(level) < state.level.load()) return false;
+  if (level >= LogLevel::kWarn || state.all_ranks.load()) return true;
+  return ProcessRank() <= 0;  // rank 0, or a process that is not part of an MPI job
+}
+
+void LogLine(LogLevel level, std::string_view message) {
+  timeval tv;
+  gettimeofday(&tv, nullptr);
+  tm local;
+  localtime_r(&tv.tv_sec, &local);
+  char when[32];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", &local);
+  int rank = ProcessRank();
+  int size = ProcessWorldSize();
+  std::string rank_text = rank < 0 ? std::string("rank ?")
+                                   : fmt::format("rank {}/{}", rank, size < 0 ? 1 : size);
+  std::string line = fmt::format("[{}.{:03d}] [{}] [{}] {}\n", when, tv.tv_usec / 1000,
+                                 LevelName(level), rank_text, message);
+  // One write per line keeps lines of concurrent threads and ranks whole.
+  std::string_view rest = line;
+  while (!rest.empty()) {
+    ssize_t n = ::write(STDERR_FILENO, rest.data(), rest.size());
+    if (n <= 0) break;
+    rest.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+}  // namespace zinf
