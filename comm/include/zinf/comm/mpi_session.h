@@ -1,0 +1,58 @@
+// MpiSession: owns MPI initialization for the process.
+//
+//   auto session = zinf::comm::MpiSession::Init(&argc, &argv);
+//   if (!session) { ... }            // e.g. the thread level MPI gave is too low
+//   zinf::comm::Communicator& world = session->world();
+//
+// Init initializes MPI unless the host program already did (then it adopts it and will not
+// finalize it). It checks the thread level MPI provides against the one asked for, sets the
+// process rank for logs and checks (zinf::SetProcessRank), and builds the world communicator (a
+// dup of MPI_COMM_WORLD with MPI_ERRORS_RETURN) and its topology. The destructor finalizes MPI only
+// if this session initialized it; Finalize() does so explicitly and reports errors.
+//
+// Thread safety: create one session per process, from the main thread.
+#pragma once
+
+#include <memory>
+
+#include "zinf/comm/communicator.h"
+#include "zinf/core/status.h"
+
+namespace zinf::comm {
+
+enum class ThreadLevel { kSingle, kFunneled, kSerialized, kMultiple };
+
+class MpiSession {
+ public:
+  // Errors: FailedPrecondition if MPI was already finalized or the provided thread level is below
+  // `required`; Internal for MPI failures.
+  static Result<MpiSession> Init(int* argc, char*** argv,
+                                 ThreadLevel required = ThreadLevel::kFunneled);
+
+  MpiSession(MpiSession&& other) noexcept;
+  MpiSession& operator=(MpiSession&& other) noexcept;
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+  ~MpiSession();
+
+  // The world communicator (dup of MPI_COMM_WORLD, errors returned, topology known).
+  Communicator& world() { return *world_; }
+  const Communicator& world() const { return *world_; }
+
+  // True if this session called MPI_Init_thread (and so will finalize).
+  bool owns_mpi() const { return owns_mpi_; }
+  ThreadLevel thread_level() const { return provided_; }
+
+  // Frees the world communicator and, if this session initialized MPI, finalizes it. Idempotent.
+  // Not collective in the zinf sense (MPI_Finalize is collective over MPI itself).
+  Status Finalize();
+
+ private:
+  MpiSession() = default;
+  std::unique_ptr<Communicator> world_;
+  bool owns_mpi_ = false;
+  bool finalized_ = false;
+  ThreadLevel provided_ = ThreadLevel::kSingle;
+};
+
+}  // namespace zinf::comm
