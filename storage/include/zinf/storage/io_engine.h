@@ -1,0 +1,92 @@
+// IoEngine: asynchronous, checked block I/O between aligned host buffers and files.
+//
+// The contract every engine keeps (DESIGN.md, "I/O engine contract"):
+// - A request (op, file, offset, buffer) is split into blocks of `block_size`; up to
+//   `queue_depth` blocks are in flight per ring/worker, and `intra_op_parallelism` rings/workers
+//   each take a contiguous slice of a request.
+// - EVERY completion is checked. A negative result becomes an Error naming the op, the path, the
+//   offset, the length and the errno; a short transfer is resubmitted for the remainder; EAGAIN
+//   and EINTR are retried. A read that hits end-of-file before the requested length is DataLoss
+//   ("short read at EOF"), never silently zero-filled.
+// - A request's buffer must stay alive and untouched until Wait() has reported that request. The
+//   engine never frees or reuses a buffer: destroying an engine first drains every op in flight.
+// - For O_DIRECT files, buffer address, offset and length must be multiples of the file's
+//   alignment (File::alignment()); a violation is InvalidArgument at Submit, not an EINVAL later.
+//
+// Thread safety: one thread submits and waits on an engine at a time (an engine may use worker
+// threads internally). Use two engines to read and write concurrently (the pipelined swapper does).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zinf/core/status.h"
+#include "zinf/storage/file.h"
+
+namespace zinf::storage {
+
+// DeepSpeed's `aio` section: same names, same defaults.
+struct AioOptions {
+  std::uint64_t block_size = 1 << 20;  // bytes per block I/O; a multiple of the file alignment
+  int queue_depth = 8;                 // blocks in flight per ring (worker)
+  int intra_op_parallelism = 1;        // rings (workers), each with its own thread and slice
+  bool single_submit = false;          // submit blocks one at a time instead of in batches
+  bool overlap_events = true;          // keep the queue full while reaping (else submit in waves)
+};
+
+enum class IoOp { kRead, kWrite };
+std::string_view IoOpName(IoOp op);  // "read" / "write"
+
+struct IoRequest {
+  IoOp op = IoOp::kRead;
+  const File* file = nullptr;          // must outlive the request
+  std::uint64_t offset_bytes = 0;      // file offset
+  std::span<std::byte> buffer;         // read into / write from; see alignment rules above
+};
+
+struct IoCompletion {
+  std::uint64_t id = 0;       // the id Submit returned
+  std::uint64_t bytes = 0;    // bytes transferred (== buffer size on success)
+};
+
+enum class EngineKind { kAuto, kUring, kPosix };
+std::string_view EngineKindName(EngineKind kind);
+// "uring", "posix", "auto" -> kind; InvalidArgument otherwise.
+Result<EngineKind> ParseEngineKind(std::string_view text);
+
+class IoEngine {
+ public:
+  virtual ~IoEngine() = default;
+  virtual std::string_view name() const = 0;
+  virtual const AioOptions& options() const = 0;
+
+  // Queues a request and returns its id (increasing from 1). Errors: InvalidArgument for
+  // misaligned O_DIRECT requests, a null file or a write to a read-only file.
+  virtual Result<std::uint64_t> Submit(const IoRequest& request) = 0;
+
+  // Blocks until at least `min_requests` requests (whole requests, not blocks) have completed, or
+  // none are pending; appends their completions to *done. If any completed request failed, returns
+  // the first failure (and still reports the successful ones in *done); later calls go on with the
+  // remaining requests.
+  virtual Status Wait(std::size_t min_requests, std::vector<IoCompletion>* done) = 0;
+
+  // Waits for every pending request; returns the first failure among them, if any.
+  Status WaitAll();
+
+  // Requests submitted and not yet returned by Wait.
+  virtual std::size_t pending() const = 0;
+};
+
+// Creates an engine. kAuto probes io_uring (ring setup plus a tiny O_DIRECT round trip in
+// `probe_dir`) and falls back to the POSIX thread-pool engine; the choice and the reason are
+// logged once. ZINF_IO_ENGINE overrides `kind`. Errors: Unimplemented if kUring is asked for and
+// io_uring is unavailable (the message says why); InvalidArgument for bad options.
+Result<std::unique_ptr<IoEngine>> CreateIoEngine(EngineKind kind, const AioOptions& options,
+                                                 std::string_view probe_dir);
+
+}  // namespace zinf::storage
