@@ -16,8 +16,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <source_location>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "zinf/core/status.h"
@@ -70,32 +72,36 @@ class Communicator {
   // out[i] = op over ranks of in[i]. in and out have the same size on every rank; in may alias
   // out exactly (in-place).
   template <typename T>
-  Status Allreduce(std::span<const T> in, std::span<T> out, ReduceOp op) const;
+  Status Allreduce(std::span<const std::type_identity_t<T>> in, std::span<T> out,
+                   ReduceOp op) const;
   template <typename T>
   Status AllreduceInPlace(std::span<T> data, ReduceOp op) const {
-    return Allreduce(std::span<const T>(data.data(), data.size()), data, op);
+    return Allreduce<T>(std::span<const T>(data.data(), data.size()), data, op);
   }
 
   // out = concatenation of every rank's `in` (all the same size); out.size() == size() * in.size().
   template <typename T>
-  Status Allgather(std::span<const T> in, std::span<T> out) const;
+  Status Allgather(std::span<const std::type_identity_t<T>> in, std::span<T> out) const;
 
   // Like Allgather with a different count per rank. `counts` (size() entries, the same on every
   // rank) gives each rank's count; out.size() == sum(counts).
   template <typename T>
-  Status Allgatherv(std::span<const T> in, std::span<T> out,
+  Status Allgatherv(std::span<const std::type_identity_t<T>> in, std::span<T> out,
                     std::span<const std::int64_t> counts) const;
 
   // MPI_Reduce_scatter_block: in has size() * out.size() elements; rank r receives op over ranks
   // of block r.
   template <typename T>
-  Status ReduceScatterBlock(std::span<const T> in, std::span<T> out, ReduceOp op) const;
+  Status ReduceScatterBlock(std::span<const std::type_identity_t<T>> in, std::span<T> out,
+                            ReduceOp op) const;
 
   // Collective. Every rank passes its local status and every rank returns the same status: OK if
   // all were OK; otherwise the most severe ErrorCode over all ranks, and the message (prefixed
   // "rank <r>: ") and errno of the lowest failing rank, plus "(and <k> more ranks failed)" when
   // several did. If the agreement itself fails at the MPI level, returns that error (Internal).
-  Status AgreeOnStatus(const Status& local) const;
+  // `loc` becomes the location of the agreed Error on the ranks that did not fail themselves.
+  Status AgreeOnStatus(const Status& local,
+                       std::source_location loc = std::source_location::current()) const;
 
   // The underlying MPI_Comm, as an opaque handle for modules that must hand it to MPI-aware
   // libraries (the HDF5 MPI-IO driver). Only zinf/comm/mpi_native.h turns it into MPI_Comm.
@@ -103,9 +109,13 @@ class Communicator {
 
  private:
   friend class MpiSession;
-  friend Result<Communicator> AdoptDup(void* mpi_comm);
+  friend struct CommunicatorAccess;
   Communicator() = default;
   Status Free();
+  // Agrees on `local_check` (argument validation), then runs `mpi_call` (returning an MPI error
+  // code) and agrees on its result.
+  template <typename F>
+  Status Collective(const Status& local_check, const char* what, F&& mpi_call) const;
 
   void* handle_ = nullptr;  // MPI_Comm*, owned; never MPI_COMM_WORLD itself
   int rank_ = 0;

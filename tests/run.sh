@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# THE test command (README quick start, .ci/run): installs missing dependencies, builds the
+# default preset (warnings as errors) and runs the whole CTest suite (labels unit, mpi, ...), then
+# runs the unit tests again under ASan+UBSan and the I/O engine tests under ThreadSanitizer.
+#
+#   tests/run.sh            everything
+#   ZINF_TEST_QUICK=1 tests/run.sh   default preset only (no sanitizer builds)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bash launch/install-deps.sh
+
+# mpirun refuses root without these; tests pass the flags too, these cover scripts and tools.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+jobs=$(nproc)
+start=$(date +%s)
+
+step() { printf '\n==== %s (%ds)\n' "$*" $(( $(date +%s) - start )); }
+
+step "configure + build: default preset"
+cmake --preset default >/dev/null
+cmake --build --preset default -j "$jobs"
+
+step "ctest: whole suite (default preset)"
+ctest --preset default -j 2 --no-tests=error
+
+if [ "${ZINF_TEST_QUICK:-0}" != "1" ]; then
+  step "configure + build: asan preset (ASan+UBSan)"
+  cmake --preset asan >/dev/null
+  cmake --build --preset asan -j "$jobs"
+  step "ctest: unit tests under ASan+UBSan"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --preset asan -j 2 -L unit --no-tests=error
+
+  step "configure + build: tsan preset (ThreadSanitizer)"
+  cmake --preset tsan >/dev/null
+  cmake --build --preset tsan -j "$jobs"
+  step "ctest: I/O engine tests under ThreadSanitizer"
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --preset tsan -j 2 -L engine
+fi
+
+step "all tests passed"

@@ -1,0 +1,91 @@
+// GoogleTest main for multi-rank tests: initializes MPI through MpiSession, lets rank 0 print the
+// usual output and other ranks print only their failures (prefixed with the rank), and makes every
+// rank exit with the combined result, so that mpirun's exit code fails when any rank failed.
+#include <stdlib.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <system_error>
+
+#include <gtest/gtest.h>
+
+#include "testing/mpi_env.h"
+#include "testing/test_env.h"
+#include "zinf/comm/mpi_session.h"
+#include "zinf/core/check.h"
+
+namespace zinf::testing {
+namespace {
+
+comm::Communicator* g_world = nullptr;
+
+// Prints failed assertions of a non-zero rank, one line each.
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& result) override {
+    if (!result.failed()) return;
+    const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::fprintf(stderr, "[rank %d] FAILED %s.%s at %s:%d\n%s\n", rank_,
+                 info ? info->test_suite_name() : "?", info ? info->name() : "?",
+                 result.file_name() ? result.file_name() : "?", result.line_number(),
+                 result.message());
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+
+comm::Communicator& World() {
+  ZINF_CHECK(g_world != nullptr, "World() called outside the MPI test main");
+  return *g_world;
+}
+
+SharedScratchDir::SharedScratchDir(const std::string& tag) {
+  if (World().rank() == 0) {
+    std::string pattern = TestTmpBase() + "/zinf-" + tag + "-XXXXXX";
+    ZINF_CHECK(mkdtemp(pattern.data()) != nullptr, "mkdtemp({}) failed", pattern);
+    path_ = pattern;
+  }
+  Status s = World().BroadcastString(&path_, 0);
+  ZINF_CHECK(s.has_value(), "SharedScratchDir: {}", s.error().ToString());
+}
+
+SharedScratchDir::~SharedScratchDir() {
+  (void)World().Barrier();
+  if (World().rank() == 0) {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+}
+
+}  // namespace zinf::testing
+
+int main(int argc, char** argv) {
+  auto session = zinf::comm::MpiSession::Init(&argc, &argv);
+  if (!session) {
+    std::fprintf(stderr, "MPI test main: %s\n", session.error().ToString().c_str());
+    return 1;
+  }
+  zinf::comm::Communicator& world = session->world();
+  zinf::testing::g_world = &world;
+  ::testing::InitGoogleTest(&argc, argv);
+  if (world.rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new zinf::testing::FailurePrinter(world.rank()));
+  }
+  std::int32_t failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  zinf::Status agreed = world.AllreduceInPlace<std::int32_t>(std::span(&failed, 1),
+                                                              zinf::comm::ReduceOp::kMax);
+  if (!agreed) {
+    std::fprintf(stderr, "MPI test main: combining results: %s\n", agreed.error().ToString().c_str());
+    failed = 1;
+  }
+  if (world.rank() == 0 && failed != 0) std::fprintf(stderr, "some rank had failures\n");
+  zinf::testing::g_world = nullptr;
+  (void)session->Finalize();
+  return failed;
+}
