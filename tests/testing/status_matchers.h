@@ -16,6 +16,14 @@
 namespace zinf {
 
 inline void PrintTo(const Error& e, std::ostream* os) { *os << e.ToString(); }
+template <typename T>
+void PrintTo(const Result<T>& r, std::ostream* os) {
+  if (r.has_value()) {
+    *os << "OK";
+  } else {
+    *os << r.error().ToString();
+  }
+}
 
 namespace testing {
 
