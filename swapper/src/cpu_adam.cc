@@ -1,0 +1,280 @@
+#include "zinf/swapper/cpu_adam.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "cpu_adam_kernels.h"
+#include "cpu_adam_thread_pool.h"
+#include "zinf/core/check.h"
+
+namespace zinf::swapper {
+namespace {
+
+using internal::AdamArrays;
+using internal::AdamScalars;
+
+constexpr int kMaxThreads = 1024;
+
+using StepKernel = void (*)(const AdamScalars&, const AdamArrays&, std::size_t, std::size_t);
+using NormKernel = double (*)(const float*, std::size_t);
+
+StepKernel StepKernelFor(SimdPath path) {
+  switch (path) {
+    case SimdPath::kAvx512:
+      return internal::AdamStepAvx512;
+    case SimdPath::kAvx2:
+      return internal::AdamStepAvx2;
+    case SimdPath::kScalar:
+    case SimdPath::kAuto:
+      break;
+  }
+  return internal::AdamStepScalar;
+}
+
+NormKernel NormKernelFor(SimdPath path) {
+  switch (path) {
+    case SimdPath::kAvx512:
+      return internal::SquaredNormBlockAvx512;
+    case SimdPath::kAvx2:
+      return internal::SquaredNormBlockAvx2;
+    case SimdPath::kScalar:
+    case SimdPath::kAuto:
+      break;
+  }
+  return internal::SquaredNormBlockScalar;
+}
+
+// Per-block partial sums added in block order: the result does not depend on who computed them.
+double BlockedNorm(std::span<const float> x, NormKernel kernel, internal::AdamThreadPool* pool) {
+  const std::size_t n = x.size();
+  const std::size_t blocks = (n + CpuAdam::kNormBlockNumel - 1) / CpuAdam::kNormBlockNumel;
+  auto block_sum = [&](std::size_t b) {
+    const std::size_t begin = b * CpuAdam::kNormBlockNumel;
+    return kernel(x.data() + begin, std::min(CpuAdam::kNormBlockNumel, n - begin));
+  };
+  double sum = 0.0;
+  if (pool == nullptr || blocks <= 1) {
+    for (std::size_t b = 0; b < blocks; ++b) sum += block_sum(b);
+    return sum;
+  }
+  std::vector<double> partial(blocks);
+  pool->Run(blocks, [&](std::size_t b) { partial[b] = block_sum(b); });
+  for (double p : partial) sum += p;
+  return sum;
+}
+
+std::string Lower(std::string_view text) {
+  std::string out(text);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+}  // namespace
+
+std::string_view SimdPathName(SimdPath path) {
+  switch (path) {
+    case SimdPath::kAuto:
+      return "auto";
+    case SimdPath::kScalar:
+      return "scalar";
+    case SimdPath::kAvx2:
+      return "avx2";
+    case SimdPath::kAvx512:
+      return "avx512";
+  }
+  return "unknown";
+}
+
+Result<SimdPath> ParseSimdPath(std::string_view text) {
+  for (SimdPath p : {SimdPath::kAuto, SimdPath::kScalar, SimdPath::kAvx2, SimdPath::kAvx512}) {
+    if (text == SimdPathName(p)) return p;
+  }
+  return InvalidArgumentError(
+      fmt::format("unknown SIMD path '{}' (expected auto, scalar, avx2 or avx512)", text));
+}
+
+bool SimdPathSupported(SimdPath path) {
+  switch (path) {
+    case SimdPath::kAuto:
+    case SimdPath::kScalar:
+      return true;
+    case SimdPath::kAvx2:
+      return __builtin_cpu_supports("avx2");
+    case SimdPath::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }
+  return false;
+}
+
+SimdPath BestSimdPath() {
+  if (SimdPathSupported(SimdPath::kAvx512)) return SimdPath::kAvx512;
+  if (SimdPathSupported(SimdPath::kAvx2)) return SimdPath::kAvx2;
+  return SimdPath::kScalar;
+}
+
+Status ValidateAdamOptions(const AdamOptions& o) {
+  // Written as !(ok) so that NaN fails every check.
+  if (!(o.lr >= 0.0) || !std::isfinite(o.lr)) {
+    return InvalidArgumentError(fmt::format("adam lr must be finite and >= 0, got {}", o.lr));
+  }
+  if (!(o.beta1 >= 0.0 && o.beta1 < 1.0)) {
+    return InvalidArgumentError(fmt::format("adam beta1 must be in [0, 1), got {}", o.beta1));
+  }
+  if (!(o.beta2 >= 0.0 && o.beta2 < 1.0)) {
+    return InvalidArgumentError(fmt::format("adam beta2 must be in [0, 1), got {}", o.beta2));
+  }
+  // eps is added in float: it must stay > 0 there too.
+  if (!(o.eps > 0.0) || !std::isfinite(o.eps) || static_cast<float>(o.eps) <= 0.0f) {
+    return InvalidArgumentError(
+        fmt::format("adam eps must be finite and > 0 (as a float), got {}", o.eps));
+  }
+  if (!(o.weight_decay >= 0.0) || !std::isfinite(o.weight_decay)) {
+    return InvalidArgumentError(
+        fmt::format("adam weight_decay must be finite and >= 0, got {}", o.weight_decay));
+  }
+  if (o.threads < 0 || o.threads > kMaxThreads) {
+    return InvalidArgumentError(fmt::format(
+        "adam threads must be in [0, {}] (0 = all cores), got {}", kMaxThreads, o.threads));
+  }
+  switch (o.simd) {
+    case SimdPath::kAuto:
+    case SimdPath::kScalar:
+    case SimdPath::kAvx2:
+    case SimdPath::kAvx512:
+      break;
+    default:
+      return InvalidArgumentError(
+          fmt::format("adam simd has no such path ({})", static_cast<int>(o.simd)));
+  }
+  return OkStatus();
+}
+
+Result<bool> ResolveAdamWMode(std::string_view optimizer_type, std::optional<bool> adam_w_mode) {
+  const std::string type = Lower(optimizer_type);
+  if (type == "adamw") return true;
+  if (type == "adam") return adam_w_mode.value_or(true);
+  return InvalidArgumentError(
+      fmt::format("optimizer type '{}' is not Adam or AdamW", optimizer_type));
+}
+
+float ClipCoefficient(double global_norm, double max_norm) {
+  const double coef = max_norm / (global_norm + 1e-6);
+  return static_cast<float>(std::isnan(coef) ? coef : std::min(coef, 1.0));
+}
+
+double SquaredL2Norm(std::span<const float> x) {
+  return BlockedNorm(x, NormKernelFor(BestSimdPath()), nullptr);
+}
+
+Result<CpuAdam> CpuAdam::Create(const AdamOptions& options) {
+  ZINF_RETURN_IF_ERROR(ValidateAdamOptions(options));
+  SimdPath path = options.simd;
+  if (path == SimdPath::kAuto) path = BestSimdPath();
+  if (!SimdPathSupported(path)) {
+    return UnimplementedError(
+        fmt::format("adam simd path {} is not supported by this CPU", SimdPathName(path)));
+  }
+  int threads = options.threads;
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  threads = std::min(threads, kMaxThreads);
+  ZINF_ASSIGN_OR_RETURN(auto pool, internal::AdamThreadPool::Create(threads));
+  return CpuAdam(options, path, threads, std::move(pool));
+}
+
+CpuAdam::CpuAdam(const AdamOptions& options, SimdPath path, int threads,
+                 std::unique_ptr<internal::AdamThreadPool> pool)
+    : options_(options), path_(path), threads_(threads), pool_(std::move(pool)) {}
+
+CpuAdam::CpuAdam(CpuAdam&&) noexcept = default;
+CpuAdam& CpuAdam::operator=(CpuAdam&&) noexcept = default;
+CpuAdam::~CpuAdam() = default;
+
+Status CpuAdam::Step(std::int64_t step, std::span<float> param, std::span<const float> grad,
+                     std::span<float> exp_avg, std::span<float> exp_avg_sq,
+                     const StepExtras& extras) {
+  if (pool_ == nullptr) return FailedPreconditionError("adam step on a moved-from CpuAdam");
+  if (step < 1) {
+    return InvalidArgumentError(
+        fmt::format("adam step must be >= 1 (counted from 1), got {}", step));
+  }
+  const std::size_t n = param.size();
+  auto check_size = [n](std::string_view name, std::size_t size) -> Status {
+    if (size == n) return OkStatus();
+    return InvalidArgumentError(
+        fmt::format("adam {} has {} elements, param has {}", name, size, n));
+  };
+  ZINF_RETURN_IF_ERROR(check_size("grad", grad.size()));
+  ZINF_RETURN_IF_ERROR(check_size("exp_avg", exp_avg.size()));
+  ZINF_RETURN_IF_ERROR(check_size("exp_avg_sq", exp_avg_sq.size()));
+  if (options_.amsgrad) {
+    ZINF_RETURN_IF_ERROR(check_size("max_exp_avg_sq (amsgrad)", extras.max_exp_avg_sq.size()));
+  } else if (!extras.max_exp_avg_sq.empty()) {
+    return InvalidArgumentError("adam max_exp_avg_sq given but amsgrad is off");
+  }
+  if (!extras.bf16_param.empty()) {
+    ZINF_RETURN_IF_ERROR(check_size("bf16_param", extras.bf16_param.size()));
+  }
+  if (!(extras.grad_scale >= 0.0f) || !std::isfinite(extras.grad_scale)) {
+    return InvalidArgumentError(
+        fmt::format("adam grad_scale must be finite and >= 0, got {}", extras.grad_scale));
+  }
+  const double lr = extras.lr.value_or(options_.lr);
+  if (!(lr >= 0.0) || !std::isfinite(lr)) {
+    return InvalidArgumentError(
+        fmt::format("adam lr override must be finite and >= 0, got {}", lr));
+  }
+
+  // The per-step scalars, in double as torch's Python code computes them.
+  const double bc1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step));
+  const bool decay = options_.weight_decay != 0.0;
+  const AdamScalars scalars = {
+      .beta1 = static_cast<float>(options_.beta1),
+      .one_minus_beta1 = static_cast<float>(1.0 - options_.beta1),
+      .beta2 = static_cast<float>(options_.beta2),
+      .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
+      .step_size = static_cast<float>(lr / bc1),
+      .bc2_sqrt = static_cast<float>(std::sqrt(bc2)),
+      .eps = static_cast<float>(options_.eps),
+      .grad_scale = extras.grad_scale,
+      .l2_decay = static_cast<float>(options_.weight_decay),
+      .param_decay = static_cast<float>(1.0 - lr * options_.weight_decay),
+      .scale_grad = extras.grad_scale != 1.0f,
+      .use_l2 = decay && !options_.adamw,
+      .use_param_decay = decay && options_.adamw,
+  };
+  const AdamArrays arrays = {
+      .param = param.data(),
+      .grad = grad.data(),
+      .exp_avg = exp_avg.data(),
+      .exp_avg_sq = exp_avg_sq.data(),
+      .max_exp_avg_sq = options_.amsgrad ? extras.max_exp_avg_sq.data() : nullptr,
+      .bf16 = extras.bf16_param.empty() ? nullptr : extras.bf16_param.data(),
+  };
+  const StepKernel kernel = StepKernelFor(path_);
+  const std::size_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
+  pool_->Run(chunks, [&](std::size_t c) {
+    const std::size_t begin = c * kChunkNumel;
+    kernel(scalars, arrays, begin, std::min(n, begin + kChunkNumel));
+  });
+  return OkStatus();
+}
+
+double CpuAdam::SquaredL2Norm(std::span<const float> x) {
+  ZINF_CHECK(pool_ != nullptr, "SquaredL2Norm on a moved-from CpuAdam");
+  return BlockedNorm(x, NormKernelFor(path_), pool_.get());
+}
+
+}  // namespace zinf::swapper

@@ -1,0 +1,101 @@
+// AVX-512 kernel: 16 floats at a time, the tail with masked loads and stores (lanes past the end
+// compute on zeros and are never stored). Only the kernels carry the target attribute, so no
+// AVX-512 code leaks into inline functions shared with other translation units.
+// GCC 12 warns inside its own intrinsics (_mm512_undefined_* as a pass-through operand); the
+// pragma must cover the header lines where the warning points.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu_adam_kernels.h"
+
+namespace zinf::swapper::internal {
+namespace {
+
+#define ZINF_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+// Round-to-nearest-even float -> bf16 in integer arithmetic (see FloatBitsToBf16).
+// vcvtneps2bf16 would be shorter but flushes denormal inputs to zero.
+ZINF_AVX512_TARGET inline __m512i ToBf16(__m512 p) {
+  const __m512i bits = _mm512_castps_si512(p);
+  const __m512i high = _mm512_srli_epi32(bits, 16);
+  const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 is_nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
+  return _mm512_mask_or_epi32(rounded, is_nan, high, _mm512_set1_epi32(0x40));
+}
+
+struct Avx512Scalars {
+  __m512 beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, grad_scale,
+      l2_decay, param_decay;
+};
+
+// One vector of 16 elements at i; `mask` selects the lanes that exist.
+ZINF_AVX512_TARGET inline void Step16(const AdamScalars& s, const Avx512Scalars& k,
+                                      const AdamArrays& a, std::size_t i, __mmask16 mask) {
+  __m512 g = _mm512_maskz_loadu_ps(mask, a.grad + i);
+  if (s.scale_grad) g = _mm512_mul_ps(g, k.grad_scale);
+  __m512 p = _mm512_maskz_loadu_ps(mask, a.param + i);
+  if (s.use_l2) g = _mm512_add_ps(g, _mm512_mul_ps(k.l2_decay, p));
+  if (s.use_param_decay) p = _mm512_mul_ps(p, k.param_decay);
+  const __m512 m = _mm512_add_ps(_mm512_mul_ps(k.beta1, _mm512_maskz_loadu_ps(mask, a.exp_avg + i)),
+                                 _mm512_mul_ps(k.one_minus_beta1, g));
+  const __m512 v =
+      _mm512_add_ps(_mm512_mul_ps(k.beta2, _mm512_maskz_loadu_ps(mask, a.exp_avg_sq + i)),
+                    _mm512_mul_ps(_mm512_mul_ps(k.one_minus_beta2, g), g));
+  _mm512_mask_storeu_ps(a.exp_avg + i, mask, m);
+  _mm512_mask_storeu_ps(a.exp_avg_sq + i, mask, v);
+  __m512 v_hat = v;
+  if (a.max_exp_avg_sq != nullptr) {
+    const __m512 old_max = _mm512_maskz_loadu_ps(mask, a.max_exp_avg_sq + i);
+    // max_ps(x, y) = x > y ? x : y, y when either is NaN; then a NaN old_max wins too.
+    v_hat = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(old_max, old_max, _CMP_UNORD_Q),
+                                 _mm512_max_ps(old_max, v), old_max);
+    _mm512_mask_storeu_ps(a.max_exp_avg_sq + i, mask, v_hat);
+  }
+  const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v_hat), k.bc2_sqrt), k.eps);
+  p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k.step_size, m), denom));
+  _mm512_mask_storeu_ps(a.param + i, mask, p);
+  if (a.bf16 != nullptr) _mm512_mask_cvtepi32_storeu_epi16(a.bf16 + i, mask, ToBf16(p));
+}
+
+}  // namespace
+
+ZINF_AVX512_TARGET void AdamStepAvx512(const AdamScalars& s, const AdamArrays& a, std::size_t begin,
+                                       std::size_t end) {
+  const Avx512Scalars k = {_mm512_set1_ps(s.beta1),     _mm512_set1_ps(s.one_minus_beta1),
+                           _mm512_set1_ps(s.beta2),     _mm512_set1_ps(s.one_minus_beta2),
+                           _mm512_set1_ps(s.step_size), _mm512_set1_ps(s.bc2_sqrt),
+                           _mm512_set1_ps(s.eps),       _mm512_set1_ps(s.grad_scale),
+                           _mm512_set1_ps(s.l2_decay),  _mm512_set1_ps(s.param_decay)};
+  std::size_t i = begin;
+  for (; i + 16 <= end; i += 16) Step16(s, k, a, i, 0xffff);
+  if (i < end) Step16(s, k, a, i, static_cast<__mmask16>((1u << (end - i)) - 1));
+}
+
+ZINF_AVX512_TARGET double SquaredNormBlockAvx512(const float* x, std::size_t n) {
+  __m512d lo = _mm512_setzero_pd();  // lanes 0..7
+  __m512d hi = _mm512_setzero_pd();  // lanes 8..15
+  for (std::size_t i = 0; i < n; i += kNormLanes) {
+    const __mmask16 mask =
+        n - i >= kNormLanes ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 f = _mm512_maskz_loadu_ps(mask, x + i);
+    const __m512d d_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
+    const __m512d d_hi =
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
+    // Masked-off lanes add +0.0: exact, and the accumulators start at +0.0.
+    lo = _mm512_add_pd(lo, _mm512_mul_pd(d_lo, d_lo));
+    hi = _mm512_add_pd(hi, _mm512_mul_pd(d_hi, d_hi));
+  }
+  alignas(64) double lanes[kNormLanes];
+  _mm512_store_pd(lanes, lo);
+  _mm512_store_pd(lanes + 8, hi);
+  return SumNormLanes(lanes);
+}
+
+}  // namespace zinf::swapper::internal

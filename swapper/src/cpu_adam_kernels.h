@@ -1,0 +1,65 @@
+// Private: the per-path kernels behind CpuAdam. Every kernel performs the operations listed at
+// the top of cpu_adam.h in that order, without FMA, so that all paths give the same bits.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace zinf::swapper::internal {
+
+// Per-step float scalars, computed once per Step() (in double, then rounded, as torch does).
+struct AdamScalars {
+  float beta1;
+  float one_minus_beta1;
+  float beta2;
+  float one_minus_beta2;
+  float step_size;  // lr / bc1
+  float bc2_sqrt;   // sqrt(1 - beta2^step)
+  float eps;
+  float grad_scale;
+  float l2_decay;        // Adam: weight_decay
+  float param_decay;     // AdamW: 1 - lr * weight_decay
+  bool scale_grad;       // grad_scale != 1
+  bool use_l2;           // Adam and weight_decay != 0
+  bool use_param_decay;  // AdamW and weight_decay != 0
+};
+
+// Base pointers of the whole spans; kernels work on [begin, end). max_exp_avg_sq and bf16 are
+// null when absent.
+struct AdamArrays {
+  float* param;
+  const float* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;
+  std::uint16_t* bf16;
+};
+
+void AdamStepScalar(const AdamScalars& s, const AdamArrays& a, std::size_t begin, std::size_t end);
+void AdamStepAvx2(const AdamScalars& s, const AdamArrays& a, std::size_t begin, std::size_t end);
+void AdamStepAvx512(const AdamScalars& s, const AdamArrays& a, std::size_t begin, std::size_t end);
+
+// Lanes of the fixed-order norm: element i of a block goes to lane i % kNormLanes; the lanes
+// are added 0..15 in order at the end of the block.
+inline constexpr std::size_t kNormLanes = 16;
+
+// Squared L2 norm of x[0, n) with the lane order above; n <= CpuAdam::kNormBlockNumel.
+double SquaredNormBlockScalar(const float* x, std::size_t n);
+double SquaredNormBlockAvx2(const float* x, std::size_t n);
+double SquaredNormBlockAvx512(const float* x, std::size_t n);
+
+// Shared by the scalar kernel and the AVX2 tail: lanes[] += x[i]^2 for i in [begin, n).
+inline void AccumulateNormLanes(const float* x, std::size_t begin, std::size_t n, double* lanes) {
+  for (std::size_t i = begin; i < n; ++i) {
+    const double d = x[i];
+    lanes[i % kNormLanes] += d * d;
+  }
+}
+
+inline double SumNormLanes(const double* lanes) {
+  double sum = lanes[0];
+  for (std::size_t j = 1; j < kNormLanes; ++j) sum += lanes[j];
+  return sum;
+}
+
+}  // namespace zinf::swapper::internal
