@@ -15,6 +15,18 @@
 //
 // Thread safety: one thread submits and waits on an engine at a time (an engine may use worker
 // threads internally). Use two engines to read and write concurrently (the pipelined swapper does).
+//
+// The engines:
+// - "uring": `intra_op_parallelism` io_uring rings, each created, filled and reaped by its own
+//   worker thread; each takes one contiguous slice of a request and keeps up to `queue_depth`
+//   blocks of it (and of the requests queued behind it) in flight. Files are registered with the
+//   ring while a slice on them is active; buffers given to RegisterBuffers use fixed-buffer ops.
+//   An io_uring_wait_cqe failure with ops in flight aborts the process: their buffers could
+//   still be written by the kernel, so they can never be handed back.
+// - "posix": intra_op_parallelism * queue_depth threads (at most 64) doing pread/pwrite, pulling
+//   blocks in order from one queue, so the same number of blocks is in flight.
+// Destroying an engine with requests pending drops blocks not yet issued and waits for those in
+// the kernel. Faults can be injected into either engine's completions (fault_injection.h).
 #pragma once
 
 #include <cstddef>
@@ -80,6 +92,15 @@ class IoEngine {
 
   // Requests submitted and not yet returned by Wait.
   virtual std::size_t pending() const = 0;
+
+  // Optional speed-up: registers long-lived I/O buffers (e.g. the pool) with the engine, replacing
+  // any earlier set; an empty list unregisters. Blocks that lie inside a registered buffer then
+  // use fixed-buffer ops (io_uring READ_FIXED/WRITE_FIXED), which skip pinning pages per I/O.
+  // Where the kernel or RLIMIT_MEMLOCK refuses, the engine silently keeps plain ops (a DEBUG line
+  // says so): success means "accepted", not "registered". The buffers must stay alive until they
+  // are replaced, unregistered or the engine is destroyed. Precondition: pending() == 0, else
+  // FailedPrecondition. The default does nothing.
+  virtual Status RegisterBuffers(std::span<const std::span<std::byte>> buffers);
 };
 
 // Creates an engine. kAuto probes io_uring (ring setup plus a tiny O_DIRECT round trip in

@@ -1,0 +1,514 @@
+// zinf-bench io: O_DIRECT write then read throughput of an I/O engine, and a DeepSpeed-style
+// sweep (ds_nvme_tune) over block size x queue depth x intra-op parallelism.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "bench_command.h"
+#include "zinf/core/status.h"
+#include "zinf/core/units.h"
+#include "zinf/storage/aligned_buffer.h"
+#include "zinf/storage/file.h"
+#include "zinf/storage/io_engine.h"
+
+namespace zinf::bench {
+namespace {
+
+using storage::AioOptions;
+using storage::AlignedBuffer;
+using storage::EngineKind;
+using storage::File;
+using storage::IoCompletion;
+using storage::IoEngine;
+using storage::IoOp;
+using storage::IoRequest;
+
+struct IoFlags {
+  std::string path;
+  std::string file;
+  std::string size = "1G";
+  std::string block_size = "1M";
+  int queue_depth = 8;
+  int intra_op_parallelism = 1;
+  bool single_submit = false;
+  bool no_overlap_events = false;
+  std::string engine = "uring";
+  std::string op = "both";
+  std::string chunk = "64M";
+  int chunks_in_flight = 4;
+  bool json = false;
+  bool verify = false;
+  bool fsync = false;
+  bool no_preallocate = false;
+  bool register_buffers = true;
+  bool keep = false;
+  bool sweep = false;
+  std::string csv;
+  std::string plot;
+};
+
+struct Measurement {
+  IoOp op;
+  std::string engine;
+  AioOptions options;
+  std::uint64_t size_bytes = 0;
+  double seconds = 0;
+  double mib_per_s() const { return seconds > 0 ? size_bytes / double(kMiB) / seconds : 0; }
+};
+
+// Word i of the file holds a value derived from its offset, so a misplaced block is caught too.
+void FillPattern(std::byte* data, std::uint64_t length, std::uint64_t file_offset) {
+  auto* words = reinterpret_cast<std::uint64_t*>(data);
+  for (std::uint64_t i = 0; i < length / 8; ++i) {
+    words[i] = (file_offset + i * 8) * 0x9E3779B97F4A7C15ull ^ 0x5A5A5A5A5A5A5A5Aull;
+  }
+}
+
+std::optional<std::uint64_t> FirstMismatch(const std::byte* data, std::uint64_t length,
+                                           std::uint64_t file_offset) {
+  const auto* words = reinterpret_cast<const std::uint64_t*>(data);
+  for (std::uint64_t i = 0; i < length / 8; ++i) {
+    if (words[i] != ((file_offset + i * 8) * 0x9E3779B97F4A7C15ull ^ 0x5A5A5A5A5A5A5A5Aull)) {
+      return file_offset + i * 8;
+    }
+  }
+  return std::nullopt;
+}
+
+// Streams `size` bytes through `chunks_in_flight` buffers of `chunk` bytes each, keeping all of
+// them submitted, like the swapper's buffer pool does.
+class Streamer {
+ public:
+  Streamer(IoEngine& engine, File& file, std::vector<AlignedBuffer>& buffers,
+           std::uint64_t chunk_bytes)
+      : engine_(engine), file_(file), buffers_(buffers), chunk_bytes_(chunk_bytes) {}
+
+  Result<double> Run(IoOp op, std::uint64_t size_bytes, bool verify, bool fsync) {
+    std::vector<std::uint64_t> offset_of(buffers_.size());
+    std::vector<std::uint64_t> id_to_buffer;  // index: request id
+    std::vector<std::uint64_t> length_of(buffers_.size());
+    std::uint64_t next_offset = 0;
+    const auto start = std::chrono::steady_clock::now();
+    auto submit = [&](std::size_t b) -> Status {
+      const std::uint64_t length = std::min(chunk_bytes_, size_bytes - next_offset);
+      if (op == IoOp::kWrite && verify) FillPattern(buffers_[b].data(), length, next_offset);
+      ZINF_ASSIGN_OR_RETURN(std::uint64_t id,
+                            engine_.Submit(IoRequest{op, &file_, next_offset,
+                                                     buffers_[b].span().subspan(0, length)}));
+      if (id_to_buffer.size() <= id) id_to_buffer.resize(id + 1);
+      id_to_buffer[id] = b;
+      offset_of[b] = next_offset;
+      length_of[b] = length;
+      next_offset += length;
+      return OkStatus();
+    };
+    for (std::size_t b = 0; b < buffers_.size() && next_offset < size_bytes; ++b) {
+      ZINF_RETURN_IF_ERROR(submit(b));
+    }
+    std::vector<IoCompletion> done;
+    while (engine_.pending() > 0) {
+      done.clear();
+      ZINF_RETURN_IF_ERROR(engine_.Wait(1, &done));
+      for (const IoCompletion& completion : done) {
+        const std::size_t b = id_to_buffer[completion.id];
+        if (op == IoOp::kRead && verify) {
+          if (auto bad = FirstMismatch(buffers_[b].data(), length_of[b], offset_of[b])) {
+            return DataLossError(
+                fmt::format("verify: {} differs at offset {}", file_.path(), *bad));
+          }
+        }
+        if (next_offset < size_bytes) ZINF_RETURN_IF_ERROR(submit(b));
+      }
+    }
+    if (op == IoOp::kWrite && fsync) ZINF_RETURN_IF_ERROR(file_.Sync());
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+ private:
+  IoEngine& engine_;
+  File& file_;
+  std::vector<AlignedBuffer>& buffers_;
+  std::uint64_t chunk_bytes_;
+};
+
+struct Plan {
+  std::string file_path;
+  std::uint64_t size_bytes;
+  std::uint64_t chunk_bytes;
+  EngineKind kind;
+  bool do_write;
+  bool do_read;
+};
+
+Result<std::vector<Measurement>> RunOnce(const IoFlags& flags, const Plan& plan,
+                                         const AioOptions& options, bool write_untimed_first) {
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> engine,
+                        storage::CreateIoEngine(plan.kind, options, flags.path));
+  storage::OpenOptions open_options;
+  open_options.mode = storage::OpenMode::kCreateOrOpen;
+  ZINF_ASSIGN_OR_RETURN(File file, File::Open(plan.file_path, open_options));
+  if (!file.direct()) {
+    std::fprintf(stderr, "zinf-bench io: warning: %s has no O_DIRECT; measuring buffered I/O\n",
+                 flags.path.c_str());
+  }
+  const std::uint64_t alignment = std::max<std::uint64_t>(4096, file.alignment());
+  if (plan.size_bytes % alignment != 0 || options.block_size % alignment != 0) {
+    return InvalidArgumentError(fmt::format(
+        "--size {} and --block-size {} must be multiples of the direct-I/O alignment {}",
+        plan.size_bytes, options.block_size, alignment));
+  }
+  storage::BufferOptions buffer_options;
+  buffer_options.alignment = alignment;
+  buffer_options.register_cuda = false;
+  std::vector<AlignedBuffer> buffers;
+  const std::uint64_t chunks = std::min<std::uint64_t>(
+      flags.chunks_in_flight, (plan.size_bytes + plan.chunk_bytes - 1) / plan.chunk_bytes);
+  for (std::uint64_t i = 0; i < chunks; ++i) {
+    ZINF_ASSIGN_OR_RETURN(AlignedBuffer buffer,
+                          AlignedBuffer::Allocate(plan.chunk_bytes, buffer_options));
+    if (!flags.verify) FillPattern(buffer.data(), buffer.size(), i * plan.chunk_bytes);
+    buffers.push_back(std::move(buffer));
+  }
+  if (flags.register_buffers) {
+    std::vector<std::span<std::byte>> spans;
+    for (AlignedBuffer& buffer : buffers) spans.push_back(buffer.span());
+    ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(spans));
+  }
+  Streamer streamer(*engine, file, buffers, plan.chunk_bytes);
+  std::vector<Measurement> out;
+  if (plan.do_write || write_untimed_first) {
+    ZINF_ASSIGN_OR_RETURN(std::uint64_t current, file.Size());
+    if (!flags.no_preallocate && current < plan.size_bytes) {
+      ZINF_RETURN_IF_ERROR(file.Allocate(0, plan.size_bytes));
+    }
+    ZINF_ASSIGN_OR_RETURN(double seconds,
+                          streamer.Run(IoOp::kWrite, plan.size_bytes, flags.verify, flags.fsync));
+    if (plan.do_write) {
+      out.push_back(Measurement{IoOp::kWrite, std::string(engine->name()), options, plan.size_bytes,
+                                seconds});
+    }
+  }
+  if (plan.do_read) {
+    ZINF_ASSIGN_OR_RETURN(double seconds,
+                          streamer.Run(IoOp::kRead, plan.size_bytes, flags.verify, false));
+    out.push_back(
+        Measurement{IoOp::kRead, std::string(engine->name()), options, plan.size_bytes, seconds});
+  }
+  ZINF_RETURN_IF_ERROR(engine->RegisterBuffers({}));
+  ZINF_RETURN_IF_ERROR(file.Close());
+  return out;
+}
+
+nlohmann::json ToJson(const Measurement& m, bool verify) {
+  return nlohmann::json{
+      {"op", std::string(storage::IoOpName(m.op))},
+      {"engine", m.engine},
+      {"size_bytes", m.size_bytes},
+      {"block_size", m.options.block_size},
+      {"queue_depth", m.options.queue_depth},
+      {"intra_op_parallelism", m.options.intra_op_parallelism},
+      {"single_submit", m.options.single_submit},
+      {"overlap_events", m.options.overlap_events},
+      {"verify", verify},
+      {"seconds", m.seconds},
+      {"mib_per_s", m.mib_per_s()},
+  };
+}
+
+void Print(const Measurement& m, const IoFlags& flags) {
+  if (flags.json) {
+    std::printf("%s\n", ToJson(m, flags.verify).dump().c_str());
+  } else {
+    std::printf("%-5s %-6s size %s block %s qd %d par %d: %.3f s, %.1f MiB/s\n",
+                std::string(storage::IoOpName(m.op)).c_str(), m.engine.c_str(),
+                FormatBytes(m.size_bytes).c_str(), FormatBytes(m.options.block_size).c_str(),
+                m.options.queue_depth, m.options.intra_op_parallelism, m.seconds, m.mib_per_s());
+  }
+  std::fflush(stdout);
+}
+
+bool HaveGnuplot() {
+  const char* path = std::getenv("PATH");
+  if (path == nullptr) return false;
+  std::string_view rest = path;
+  while (!rest.empty()) {
+    const auto colon = rest.find(':');
+    const std::string dir(rest.substr(0, colon));
+    if (!dir.empty() && ::access((dir + "/gnuplot").c_str(), X_OK) == 0) return true;
+    if (colon == std::string_view::npos) break;
+    rest.remove_prefix(colon + 1);
+  }
+  return false;
+}
+
+int Plot(const std::string& csv, const std::string& png, const std::vector<std::uint64_t>& blocks,
+         const std::vector<int>& parallelisms) {
+  if (!HaveGnuplot()) {
+    std::fprintf(stderr, "zinf-bench io: gnuplot is not installed; skipping the plot %s\n",
+                 png.c_str());
+    return 0;
+  }
+  std::string script = fmt::format(
+      "set terminal pngcairo size 1400,600\nset output '{}'\nset datafile separator ','\n"
+      "set logscale x 2\nset key outside right\nset grid\nset multiplot layout 1,2\n",
+      png);
+  for (const char* op : {"write", "read"}) {
+    script += fmt::format(
+        "set title 'zinf-bench io sweep: {}'\nset xlabel 'queue depth'\nset ylabel 'MiB/s'\n"
+        "plot ",
+        op);
+    bool first = true;
+    for (int p : parallelisms) {
+      for (std::uint64_t b : blocks) {
+        if (!first) script += ", ";
+        first = false;
+        script += fmt::format(
+            "'{}' skip 1 using ((strcol(1) eq '{}' && $2 == {} && $4 == {}) ? $3 : 1/0):7 "
+            "with linespoints dashtype {} title '{} par {}'",
+            csv, op, b, p, p, FormatBytes(b), p);
+      }
+    }
+    script += "\n";
+  }
+  script += "unset multiplot\n";
+  FILE* pipe = ::popen("gnuplot", "w");
+  if (pipe == nullptr) {
+    std::fprintf(stderr, "zinf-bench io: cannot run gnuplot: %s\n", std::strerror(errno));
+    return 1;
+  }
+  std::fwrite(script.data(), 1, script.size(), pipe);
+  const int rc = ::pclose(pipe);
+  if (rc != 0) {
+    std::fprintf(stderr, "zinf-bench io: gnuplot failed (status %d)\n", rc);
+    return 1;
+  }
+  std::fprintf(stderr, "zinf-bench io: wrote %s\n", png.c_str());
+  return 0;
+}
+
+int Sweep(const IoFlags& flags, const Plan& plan) {
+  const std::vector<std::uint64_t> blocks = {128 * kKiB, 256 * kKiB, 512 * kKiB, 1 * kMiB,
+                                             2 * kMiB,   4 * kMiB,   8 * kMiB};
+  const std::vector<int> depths = {1, 2, 4, 8, 16, 32};
+  const std::vector<int> parallelisms = {1, 2};
+  std::string csv_path = flags.csv;
+  if (csv_path.empty()) {
+    csv_path = flags.plot.empty() ? "" : fmt::format("/tmp/zinf-bench-io-sweep-{}.csv", getpid());
+  }
+  std::ofstream csv;
+  if (!csv_path.empty()) {
+    csv.open(csv_path);
+    if (!csv) {
+      std::fprintf(stderr, "zinf-bench io: cannot write %s\n", csv_path.c_str());
+      return 1;
+    }
+    csv << "op,block_size,queue_depth,intra_op_parallelism,size_bytes,seconds,mib_per_s\n";
+  }
+  std::fprintf(stderr, "zinf-bench io: sweeping %zu configurations x %s each way\n",
+               blocks.size() * depths.size() * parallelisms.size(),
+               FormatBytes(plan.size_bytes).c_str());
+  struct Row {
+    AioOptions options;
+    double write = 0;
+    double read = 0;
+  };
+  std::vector<Row> rows;
+  std::vector<Measurement> measurements;
+  for (int p : parallelisms) {
+    for (std::uint64_t b : blocks) {
+      for (int q : depths) {
+        AioOptions options;
+        options.block_size = b;
+        options.queue_depth = q;
+        options.intra_op_parallelism = p;
+        options.single_submit = flags.single_submit;
+        options.overlap_events = !flags.no_overlap_events;
+        Result<std::vector<Measurement>> result = RunOnce(flags, plan, options, false);
+        if (!result) {
+          std::fprintf(stderr, "zinf-bench io: %s\n", result.error().ToString().c_str());
+          return 1;
+        }
+        Row row{options};
+        for (const Measurement& m : *result) {
+          Print(m, flags);
+          (m.op == IoOp::kRead ? row.read : row.write) = m.mib_per_s();
+          measurements.push_back(m);
+        }
+        rows.push_back(row);
+      }
+    }
+  }
+  // Grouped by op so that each plotted series is a contiguous run of rows (gnuplot joins them).
+  for (IoOp op : {IoOp::kWrite, IoOp::kRead}) {
+    for (const Measurement& m : measurements) {
+      if (m.op != op || !csv.is_open()) continue;
+      csv << storage::IoOpName(m.op) << ',' << m.options.block_size << ',' << m.options.queue_depth
+          << ',' << m.options.intra_op_parallelism << ',' << m.size_bytes << ',' << m.seconds << ','
+          << m.mib_per_s() << '\n';
+    }
+  }
+  if (csv.is_open()) csv.close();
+  double best_read = 0, best_write = 0;
+  for (const Row& row : rows) {
+    best_read = std::max(best_read, row.read);
+    best_write = std::max(best_write, row.write);
+  }
+  // One config for both directions: the best sum of throughputs relative to each direction's best.
+  const Row* best = nullptr;
+  double best_score = -1;
+  for (const Row& row : rows) {
+    double score = 0;
+    if (best_read > 0) score += row.read / best_read;
+    if (best_write > 0) score += row.write / best_write;
+    if (score > best_score) {
+      best_score = score;
+      best = &row;
+    }
+  }
+  if (best != nullptr) {
+    nlohmann::json aio = {
+        {"block_size", best->options.block_size},
+        {"queue_depth", best->options.queue_depth},
+        {"intra_op_parallelism", best->options.intra_op_parallelism},
+        {"single_submit", best->options.single_submit},
+        {"overlap_events", best->options.overlap_events},
+    };
+    std::fprintf(stderr,
+                 "zinf-bench io: best config: write %.1f MiB/s (best %.1f), read %.1f MiB/s "
+                 "(best %.1f)\n",
+                 best->write, best_write, best->read, best_read);
+    std::printf("\"aio\": %s\n", aio.dump(2).c_str());
+  }
+  int rc = 0;
+  if (!flags.plot.empty()) rc = Plot(csv_path, flags.plot, blocks, parallelisms);
+  if (flags.csv.empty() && !csv_path.empty()) {
+    std::error_code ec;
+    std::filesystem::remove(csv_path, ec);  // only made for the plot
+  } else if (!csv_path.empty()) {
+    std::fprintf(stderr, "zinf-bench io: wrote %s\n", csv_path.c_str());
+  }
+  return rc;
+}
+
+int RunIo(const IoFlags& flags) {
+  auto fail = [](const std::string& message, int code) {
+    std::fprintf(stderr, "zinf-bench io: %s\n", message.c_str());
+    return code;
+  };
+  std::error_code ec;
+  if (!std::filesystem::is_directory(flags.path, ec)) {
+    return fail(fmt::format("--path {} is not a directory", flags.path), 2);
+  }
+  Result<std::uint64_t> size = ParseBytes(flags.size);
+  if (!size || *size == 0) return fail(fmt::format("bad --size '{}'", flags.size), 2);
+  Result<std::uint64_t> block = ParseBytes(flags.block_size);
+  if (!block || *block == 0) return fail(fmt::format("bad --block-size '{}'", flags.block_size), 2);
+  Result<std::uint64_t> chunk = ParseBytes(flags.chunk);
+  if (!chunk || *chunk == 0) return fail(fmt::format("bad --chunk '{}'", flags.chunk), 2);
+  Result<EngineKind> kind = storage::ParseEngineKind(flags.engine);
+  if (!kind) return fail(kind.error().message(), 2);
+  if (!flags.plot.empty() && !flags.sweep) return fail("--plot needs --sweep", 2);
+
+  Plan plan;
+  plan.file_path = flags.file.empty() ? fmt::format("{}/zinf-bench-io-{}.dat", flags.path, getpid())
+                                      : flags.file;
+  const bool existed = std::filesystem::exists(plan.file_path, ec);
+  if (!flags.file.empty() && flags.sweep) return fail("--file and --sweep do not mix", 2);
+  plan.size_bytes = *size;
+  plan.chunk_bytes = std::min(*chunk, *size);
+  plan.kind = *kind;
+  plan.do_write = flags.op != "read";
+  plan.do_read = flags.op != "write";
+
+  int rc = 0;
+  if (flags.sweep) {
+    rc = Sweep(flags, plan);
+  } else {
+    AioOptions options;
+    options.block_size = *block;
+    options.queue_depth = flags.queue_depth;
+    options.intra_op_parallelism = flags.intra_op_parallelism;
+    options.single_submit = flags.single_submit;
+    options.overlap_events = !flags.no_overlap_events;
+    // A read-only run needs the file's contents: write them first, untimed (unless --file names
+    // an existing file, which is then read as it is).
+    const bool prepare = !plan.do_write && !(existed && !flags.file.empty());
+    Result<std::vector<Measurement>> result = RunOnce(flags, plan, options, prepare);
+    if (!result) {
+      rc = fail(result.error().ToString(),
+                result.error().code() == ErrorCode::kInvalidArgument ? 2 : 1);
+    } else {
+      for (const Measurement& m : *result) Print(m, flags);
+    }
+  }
+  if (!flags.keep && !existed) std::filesystem::remove(plan.file_path, ec);
+  return rc;
+}
+
+const bool kRegistered = RegisterBenchCommand(
+    "io", "O_DIRECT write/read throughput of the I/O engines (and a config sweep)",
+    [](CLI::App& app) -> RunFn {
+      auto flags = std::make_shared<IoFlags>();
+      app.add_option("--path", flags->path, "directory for the test file (removed at the end)")
+          ->required();
+      app.add_option("--file", flags->file,
+                     "use this file instead of a fresh one in --path (an existing one is kept "
+                     "and, with --op read, read as it is)");
+      app.add_option("--size", flags->size, "bytes to write and read, e.g. 1G")
+          ->capture_default_str();
+      app.add_option("--block-size", flags->block_size, "aio.block_size, e.g. 1M")
+          ->capture_default_str();
+      app.add_option("--queue-depth", flags->queue_depth, "aio.queue_depth")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 4096));
+      app.add_option("--intra-op-parallelism", flags->intra_op_parallelism,
+                     "aio.intra_op_parallelism")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 64));
+      app.add_flag("--single-submit", flags->single_submit, "aio.single_submit = true");
+      app.add_flag("--no-overlap-events", flags->no_overlap_events, "aio.overlap_events = false");
+      app.add_option("--engine", flags->engine, "uring, posix or auto")
+          ->capture_default_str()
+          ->check(CLI::IsMember({"uring", "posix", "auto"}));
+      app.add_option("--op", flags->op, "write, read or both (write, then read)")
+          ->capture_default_str()
+          ->check(CLI::IsMember({"read", "write", "both"}));
+      app.add_option("--chunk", flags->chunk, "bytes per request (a pool buffer)")
+          ->capture_default_str();
+      app.add_option("--chunks-in-flight", flags->chunks_in_flight, "requests kept submitted")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 64));
+      app.add_flag("--json", flags->json, "one JSON object per op on stdout");
+      app.add_flag("--verify", flags->verify,
+                   "write an offset pattern and check it on read (timed: costs CPU)");
+      app.add_flag("--fsync", flags->fsync, "fdatasync after the write (timed)");
+      app.add_flag("--no-preallocate", flags->no_preallocate, "do not fallocate the file first");
+      app.add_flag("!--no-register-buffers", flags->register_buffers,
+                   "do not register the buffers with the engine");
+      app.add_flag("--keep", flags->keep, "keep the test file");
+      app.add_flag("--sweep", flags->sweep,
+                   "block size 128K..8M x queue depth 1..32 x parallelism 1,2; prints the best "
+                   "\"aio\" block");
+      app.add_option("--csv", flags->csv, "sweep results as CSV");
+      app.add_option("--plot", flags->plot, "sweep plot (PNG, needs gnuplot)");
+      return [flags] { return RunIo(*flags); };
+    });
+
+}  // namespace
+}  // namespace zinf::bench

@@ -1,0 +1,59 @@
+// zinf-bench: one binary, one subcommand per registered benchmark (see bench_command.h).
+#include <cstdio>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "bench_command.h"
+#include "zinf/core/check.h"
+
+namespace zinf::bench {
+namespace {
+
+struct Command {
+  std::string name;
+  std::string description;
+  SetupFn setup;
+};
+
+// A function-local static: registrations run during static initialization of other files.
+std::vector<Command>& Registry() {
+  static std::vector<Command> registry;
+  return registry;
+}
+
+}  // namespace
+
+bool RegisterBenchCommand(std::string name, std::string description, SetupFn setup) {
+  for (const Command& command : Registry()) {
+    ZINF_CHECK(command.name != name, "zinf-bench subcommand '{}' registered twice", name);
+  }
+  Registry().push_back(Command{std::move(name), std::move(description), std::move(setup)});
+  return true;
+}
+
+}  // namespace zinf::bench
+
+int main(int argc, char** argv) {
+  CLI::App app{"zinf-bench: benchmarks of the zinf building blocks (one subcommand each)"};
+  app.require_subcommand(1);
+  std::map<CLI::App*, zinf::bench::RunFn> runners;
+  for (const auto& command : zinf::bench::Registry()) {
+    CLI::App* sub = app.add_subcommand(command.name, command.description);
+    runners[sub] = command.setup(*sub);
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  for (CLI::App* sub : app.get_subcommands()) {
+    auto it = runners.find(sub);
+    if (it != runners.end()) return it->second();
+  }
+  std::fprintf(stderr, "zinf-bench: no subcommand chosen\n");
+  return 2;
+}

@@ -1,0 +1,120 @@
+// Fault injection for the I/O engines: make the Nth block transfer fail with EIO or ENOSPC, report
+// a short transfer, or ask for a retry (EAGAIN/EINTR), so that tests and end-to-end runs exercise
+// every error and retry path of the engines and of the code above them.
+//
+// Faults are injected inside the engines' completion handling (UringEngine, PosixEngine): the
+// real transfer happens, then its result is rewritten before the engine looks at it. So an
+// injected short transfer really makes the engine resubmit the remainder, an injected EAGAIN
+// really makes it retry the block, and an injected EIO/ENOSPC surfaces from Wait() as the error
+// the engine builds for a real one (op, path, offset, length, errno; DataLoss / ResourceExhausted).
+//
+// Spec syntax (code: ParseFaultSpec; environment: ZINF_FAULT_INJECT, applied by CreateIoEngine):
+//
+//   ZINF_FAULT_INJECT="write:3:eio,read:1:short,read:2:eagain,rank=1"
+//
+//   rule   := OP ':' N ['+'] ':' KIND
+//   OP     := read | write | any
+//   N      := 1, 2, ...: the Nth block completion of OP in this process (every completion counts,
+//             resubmissions and retries included; "any" counts reads and writes together).
+//             With '+', the Nth and every later one ("write:1+:enospc": every write fails).
+//   KIND   := eio | enospc | eagain | eintr | short
+//             short: the transfer reports half of what it moved, rounded down to the file's
+//             alignment (a no-op when that is 0, e.g. a one-sector O_DIRECT block).
+//   rank=R := apply the spec only on world rank R (zinf::ProcessRank()); default: every rank.
+//
+// Rules are separated by commas; whitespace around tokens is ignored. A malformed spec is
+// InvalidArgument naming the bad token. The environment spec has one process-wide injector, shared
+// by every engine CreateIoEngine makes, so "the 3rd write" counts across engines.
+//
+// Thread safety: FaultInjector is thread safe (engines call it from their worker threads).
+// FaultInjectingEngine has the IoEngine threading contract.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zinf/core/status.h"
+#include "zinf/storage/io_engine.h"
+
+namespace zinf::storage {
+
+enum class FaultKind { kEio, kEnospc, kEagain, kEintr, kShort };
+std::string_view FaultKindName(FaultKind kind);  // "eio", "enospc", ...
+
+struct FaultRule {
+  std::optional<IoOp> op;  // nullopt: any op
+  std::uint64_t nth = 1;   // 1-based count of block completions of `op`
+  bool and_later = false;  // also every completion after the nth
+  FaultKind kind = FaultKind::kEio;
+};
+
+struct FaultSpec {
+  std::vector<FaultRule> rules;
+  int rank = -1;  // apply only on this world rank; -1: every rank
+};
+
+// Parses the syntax above. Errors: InvalidArgument naming the bad token.
+Result<FaultSpec> ParseFaultSpec(std::string_view text);
+// The spec in the syntax above ("write:3:eio,rank=1").
+std::string FormatFaultSpec(const FaultSpec& spec);
+
+class FaultInjector {
+ public:
+  explicit FaultInjector(FaultSpec spec);
+
+  // Called by an engine once per block completion with the kernel's result (`result` bytes moved,
+  // or -errno) and the file's alignment; returns the result the engine must act on.
+  std::int64_t Apply(IoOp op, std::int64_t result, std::uint64_t alignment);
+
+  // How many results were rewritten so far.
+  std::uint64_t injected() const { return injected_.load(std::memory_order_relaxed); }
+  const FaultSpec& spec() const { return spec_; }
+
+ private:
+  FaultSpec spec_;
+  std::atomic<std::uint64_t> reads_{0};
+  std::atomic<std::uint64_t> writes_{0};
+  std::atomic<std::uint64_t> any_{0};
+  std::atomic<std::uint64_t> injected_{0};
+};
+
+// The injector for ZINF_FAULT_INJECT: nullptr when the variable is unset or the spec names another
+// rank; one shared instance per distinct spec text. Errors: InvalidArgument for a malformed spec.
+Result<std::shared_ptr<FaultInjector>> FaultInjectorFromEnv();
+
+// An engine whose block completions pass through `injector`. Takes ownership of `inner`, which must
+// be an engine made by CreateIoEngine (directly or unwrapped); other IoEngine implementations have
+// no completion hook and give Unimplemented. Replaces any injector already attached to `inner`.
+class FaultInjectingEngine final : public IoEngine {
+ public:
+  static Result<std::unique_ptr<IoEngine>> Wrap(std::unique_ptr<IoEngine> inner,
+                                                std::shared_ptr<FaultInjector> injector);
+
+  std::string_view name() const override { return name_; }
+  const AioOptions& options() const override { return inner_->options(); }
+  Result<std::uint64_t> Submit(const IoRequest& request) override {
+    return inner_->Submit(request);
+  }
+  Status Wait(std::size_t min_requests, std::vector<IoCompletion>* done) override {
+    return inner_->Wait(min_requests, done);
+  }
+  std::size_t pending() const override { return inner_->pending(); }
+  Status RegisterBuffers(std::span<const std::span<std::byte>> buffers) override {
+    return inner_->RegisterBuffers(buffers);
+  }
+
+  FaultInjector& injector() { return *injector_; }
+
+ private:
+  FaultInjectingEngine(std::unique_ptr<IoEngine> inner, std::shared_ptr<FaultInjector> injector);
+  std::unique_ptr<IoEngine> inner_;
+  std::shared_ptr<FaultInjector> injector_;
+  std::string name_;
+};
+
+}  // namespace zinf::storage

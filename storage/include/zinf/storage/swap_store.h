@@ -1,0 +1,255 @@
+// SwapStore: one rank's optimizer state on node-local NVMe (DESIGN.md, "Swap store").
+//
+// On-disk layout. For each configured path P (in order, index p of n):
+//
+//   <P>/zinf-<job_id>/                 job directory, 0700, shared by the job's ranks on the node
+//   <P>/zinf-<job_id>/rank<r>/         this rank's store directory, 0700
+//   <P>/zinf-<job_id>/rank<r>/swap.bin preallocated (fallocate) data file, 0600, O_NOFOLLOW,
+//                                      O_DIRECT where the file system supports it
+//   <P0>/zinf-<job_id>/rank<r>/manifest  (first path only) stripe unit, path count and the
+//                                      reserved tensors in order; checked when resuming
+//
+// Striping. Reserved tensors are laid out one after the other in a logical space of stripe units
+// (`stripe_unit_bytes` each); tensor t occupies units [first_unit, first_unit + num_units) with
+// num_units = ceil(size_bytes / stripe_unit_bytes), so every tensor starts on a unit boundary and
+// its tail is padded. Logical unit g lives in the swap.bin of path g % n at file offset
+// (g / n) * stripe_unit_bytes: a tensor of N units puts unit i on path (first_unit + i) % n, so
+// several drives add up without RAID-0. One path means one plain file with tensors back to back.
+//
+// Alignment. alignment() is the largest File::alignment() of the data files (the direct-I/O
+// alignment of each path's file system; 1 where the file system has no O_DIRECT, e.g. tmpfs,
+// and the file is used buffered). stripe_unit_bytes must be a multiple of it. An I/O transfers
+// AlignUp(length, alignment()) bytes: buffers for the asynchronous calls must be that large and
+// their address aligned to alignment() (an AlignedBuffer from the same file system qualifies).
+//
+// Lifetime and cleanup. Open() creates the directories (or, with `resume`, reopens an existing
+// store), Reserve() places tensors and preallocates space after a free-space preflight,
+// Close() (or the destructor, best effort) removes the store unless `keep` is set. Removal only
+// happens at a clean Close()/destruction: a process that is killed leaves its store behind, and
+// the next instance with the same job_id and rank gets AlreadyExists unless it asks to resume.
+//
+// Verification (`verify_swap`). A checksum (XXH3-64) is recorded per stripe unit of a tensor
+// whenever a write covers that unit's bytes completely, and checked when a read covers it
+// completely (Read(), or VerifyRead() after an asynchronous read): a mismatch is DataLoss naming
+// tensor, file and offset. Units without a recorded checksum (partly written, or written by an
+// earlier process before a resume) are not checked. Checksums live in memory only.
+//
+// Thread safety: Open/Reserve/Sync/Close must not run concurrently with any other call. Between
+// them, Submit*/Read/Write/VerifyRead and the accessors may be called from several threads (the
+// checksum table is locked); each engine keeps its own threading rule (see io_engine.h).
+//
+// Ownership: the store owns its files and directory descriptors. Requests it submits point at
+// its File objects: every request must have been waited for before Close() or destruction.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "zinf/core/status.h"
+#include "zinf/storage/file.h"
+#include "zinf/storage/io_engine.h"
+
+namespace zinf::storage {
+
+struct SwapStoreOptions {
+  std::vector<std::string> paths;  // node-local directories; at least one; tensors are striped
+  std::string job_id;              // [A-Za-z0-9_.-]+, no ".."; keys the store directory
+  int world_rank = 0;              // this rank; names rank<world_rank>/
+  std::uint64_t stripe_unit_bytes = 1 << 20;  // striping unit; a multiple of alignment()
+  bool keep = false;         // keep the store at Close() (for inspection or a later resume)
+  bool resume = false;       // reopen an existing store of this job and rank instead of failing
+  bool verify_swap = false;  // checksum every stripe unit on write, check it on read
+  bool direct = true;        // O_DIRECT where supported (falls back to buffered otherwise)
+};
+
+struct TensorSpec {
+  std::string name;  // unique in the store, no whitespace, e.g. "sg3/exp_avg"
+  std::uint64_t size_bytes = 0;
+};
+
+// Where a reserved tensor lives, in units of the store's striping.
+struct TensorExtent {
+  std::string name;
+  std::uint64_t size_bytes = 0;         // the tensor's bytes
+  std::uint64_t io_size_bytes = 0;      // AlignUp(size_bytes, alignment()): minimum buffer size
+  std::uint64_t padded_size_bytes = 0;  // num_units * stripe_unit_bytes (space used on disk)
+  std::uint64_t first_unit = 0;         // logical stripe unit of the first byte
+  std::uint64_t num_units = 0;
+};
+
+// Space a store needs on one configured path (see PlanSpace).
+struct PathSpace {
+  std::string path;                   // the configured path
+  std::uint64_t device_id = 0;        // st_dev of the path: equal ids share a file system
+  std::uint64_t needed_bytes = 0;     // bytes the store adds to this path's file
+  std::uint64_t fs_needed_bytes = 0;  // sum of needed_bytes over the paths on this file system
+  std::uint64_t available_bytes = 0;  // statvfs f_bavail * f_frsize of the file system
+};
+
+class SwapStore {
+ public:
+  // Validates `options`, then creates (or with `resume`, reopens) the store directories and
+  // opens the data files (empty when new; no space is allocated before Reserve()).
+  // Errors: InvalidArgument (bad job_id, empty or duplicate paths, stripe unit not a multiple of
+  // the alignment, negative rank); NotFound (a path does not exist); FailedPrecondition (a path,
+  // the job or rank directory or a file is a symlink or not a directory/file, a store directory
+  // or file is owned by another uid, a resumed store is incomplete or its manifest disagrees
+  // with `options`); AlreadyExists (the rank directory exists and `resume` is false); errno
+  // errors from mkdir/open. On failure, whatever this call created is removed again.
+  static Result<std::unique_ptr<SwapStore>> Open(const SwapStoreOptions& options);
+
+  // The space a fresh store with `specs` (reserved in this order) needs on each path of
+  // `options`, with the free space there. Reads only the file systems (statvfs/stat); creates
+  // nothing. For a per-node collective check, sum needed_bytes over ranks per device_id.
+  // Errors: InvalidArgument (options as in Open), NotFound / errno errors from stat.
+  static Result<std::vector<PathSpace>> PlanSpace(const SwapStoreOptions& options,
+                                                  std::span<const TensorSpec> specs);
+  // ResourceExhausted if any file system lacks fs_needed_bytes; the message names every short
+  // path with its needed and available bytes.
+  static Status CheckSpace(std::span<const PathSpace> space);
+
+  SwapStore(const SwapStore&) = delete;
+  SwapStore& operator=(const SwapStore&) = delete;
+  // Best-effort Close() if it was not called (errors are logged).
+  ~SwapStore();
+
+  // Places `specs` after the tensors reserved so far, checks free space (ResourceExhausted with
+  // needed and available bytes per path, before anything is allocated), grows the data files
+  // with fallocate and, for a new layout, rewrites the manifest. May be called more than once.
+  // Resumed stores: the first specs must match the manifest's tensors (name and size, in order;
+  // FailedPrecondition otherwise) and the files must hold them (DataLoss if truncated).
+  // Errors: InvalidArgument (bad name), AlreadyExists (name reserved twice), ResourceExhausted,
+  // errno errors from fallocate. On failure no tensor of `specs` is reserved.
+  Status Reserve(std::vector<TensorSpec> specs);
+
+  // Synchronous whole-tensor I/O through an internal bounce buffer of one stripe unit (pwrite /
+  // pread); `data`/`out` may have any address and must be exactly the tensor's size_bytes.
+  // Read() verifies checksums when `verify_swap` is on. Errors: NotFound (unknown name),
+  // InvalidArgument (size), DataLoss (short read at EOF, checksum mismatch), errno errors.
+  Status Write(std::string_view name, std::span<const std::byte> data);
+  Status Read(std::string_view name, std::span<std::byte> out);
+
+  // Asynchronous I/O: splits the tensor (or the range [offset_bytes, offset_bytes + length_bytes)
+  // of it) into per-stripe-unit requests on the right files and offsets, submits them to
+  // `engine` and returns their ids; the caller waits for them on `engine` and keeps `buffer`
+  // alive and untouched until then. buffer[0] is the range's first byte; the buffer's address
+  // must be aligned to alignment() and its size at least AlignUp(length, alignment()).
+  // offset_bytes must be a multiple of alignment(), and length_bytes too unless the range ends
+  // at the end of the tensor. SubmitWrite records checksums (verify_swap) at submit time.
+  // Errors: NotFound, InvalidArgument (range, buffer size or alignment), engine Submit errors
+  // (requests already submitted before an error stay in the engine: wait for them).
+  Result<std::vector<std::uint64_t>> SubmitWrite(std::string_view name,
+                                                 std::span<const std::byte> buffer,
+                                                 IoEngine& engine);
+  Result<std::vector<std::uint64_t>> SubmitRead(std::string_view name, std::span<std::byte> buffer,
+                                                IoEngine& engine);
+  Result<std::vector<std::uint64_t>> SubmitWriteRange(std::string_view name,
+                                                      std::uint64_t offset_bytes,
+                                                      std::uint64_t length_bytes,
+                                                      std::span<const std::byte> buffer,
+                                                      IoEngine& engine);
+  Result<std::vector<std::uint64_t>> SubmitReadRange(std::string_view name,
+                                                     std::uint64_t offset_bytes,
+                                                     std::uint64_t length_bytes,
+                                                     std::span<std::byte> buffer, IoEngine& engine);
+
+  // After an asynchronous read completed: checks the recorded checksums of the stripe units that
+  // [offset_bytes, offset_bytes + data.size()) covers completely (data[0] is the byte at
+  // offset_bytes; pass the tensor's bytes, not the alignment padding). OK without verify_swap.
+  // Errors: NotFound, InvalidArgument (range outside the tensor), DataLoss (mismatch).
+  Status VerifyRead(std::string_view name, std::span<const std::byte> data,
+                    std::uint64_t offset_bytes = 0) const;
+
+  // fdatasync of every data file: the durability point (on buffered file systems, the only one).
+  Status Sync();
+
+  // Closes the files and, unless `keep`, removes the data files, the manifest, the rank
+  // directories and the job directories that became empty. With `keep`, syncs first.
+  // Idempotent: later calls return OK. Every submitted request must have completed.
+  Status Close();
+
+  // Accessors.
+  Result<TensorExtent> Extent(std::string_view name) const;
+  std::uint64_t alignment() const { return alignment_; }
+  std::uint64_t stripe_unit_bytes() const { return options_.stripe_unit_bytes; }
+  std::size_t num_paths() const { return paths_.size(); }
+  // Rank directory on path `index` (<P>/zinf-<job_id>/rank<r>) and its data file.
+  const std::string& directory(std::size_t index) const { return paths_[index].rank_dir; }
+  const File& file(std::size_t index) const { return paths_[index].file; }
+  // True when every data file is open with O_DIRECT.
+  bool direct() const;
+  // True when Open() found and reopened an existing store.
+  bool resumed() const { return resumed_; }
+  // Logical stripe units reserved so far.
+  std::uint64_t total_units() const { return total_units_; }
+  const SwapStoreOptions& options() const { return options_; }
+
+ private:
+  struct PathState {
+    std::string path;      // configured path P
+    std::string job_dir;   // P/zinf-<job_id>
+    std::string rank_dir;  // P/zinf-<job_id>/rank<r>
+    int path_fd = -1;
+    int job_fd = -1;
+    int rank_fd = -1;
+    bool created_job_dir = false;
+    bool created_rank_dir = false;
+    File file;
+  };
+  struct Tensor {
+    TensorExtent extent;
+    std::vector<std::uint64_t> checksums;  // per unit, when verify_swap
+    std::vector<bool> checksum_valid;
+  };
+  // One contiguous piece of a tensor range inside one stripe unit.
+  struct Segment {
+    std::size_t path_index;
+    std::uint64_t file_offset_bytes;
+    std::uint64_t tensor_offset_bytes;
+    std::uint64_t length_bytes;  // I/O length (aligned, may include tail padding)
+  };
+
+  explicit SwapStore(const SwapStoreOptions& options);
+
+  Status OpenImpl();
+  Status ReadManifest();
+  Status WriteManifest();
+  Result<std::size_t> Find(std::string_view name) const;
+  Status CheckRange(const Tensor& tensor, std::uint64_t offset_bytes, std::uint64_t length_bytes,
+                    std::size_t buffer_size, const void* buffer_address) const;
+  std::vector<Segment> MapRange(const Tensor& tensor, std::uint64_t offset_bytes,
+                                std::uint64_t io_length_bytes) const;
+  Result<std::vector<std::uint64_t>> SubmitRange(IoOp op, std::string_view name,
+                                                 std::uint64_t offset_bytes,
+                                                 std::uint64_t length_bytes,
+                                                 std::span<std::byte> buffer, IoEngine& engine);
+  // Records (or, with `invalidate`, forgets) the checksums of the units `data` touches.
+  void RecordChecksums(std::size_t tensor_index, std::uint64_t offset_bytes,
+                       std::span<const std::byte> data, bool invalidate = false);
+  Status VerifyChecksums(const Tensor& tensor, std::uint64_t offset_bytes,
+                         std::span<const std::byte> data) const;
+  std::uint64_t FileSizeForUnits(std::size_t path_index, std::uint64_t total_units) const;
+  // Removes what this instance created (all = false) or the whole store (all = true).
+  Status RemoveStore(bool all);
+  void CloseDescriptors();
+
+  SwapStoreOptions options_;
+  std::vector<PathState> paths_;
+  std::uint64_t alignment_ = 1;
+  std::uint64_t total_units_ = 0;
+  bool resumed_ = false;
+  bool closed_ = false;
+  std::vector<TensorSpec> manifest_tensors_;  // from the manifest when resumed
+  std::vector<Tensor> tensors_;
+  std::unordered_map<std::string, std::size_t> index_;
+  mutable std::mutex checksum_mutex_;
+};
+
+}  // namespace zinf::storage

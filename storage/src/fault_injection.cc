@@ -1,0 +1,220 @@
+#include "zinf/storage/fault_injection.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <mutex>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "io_engine_internal.h"
+#include "zinf/core/check.h"
+#include "zinf/core/env.h"
+#include "zinf/core/log.h"
+#include "zinf/core/units.h"
+
+namespace zinf::storage {
+namespace {
+
+std::string_view Trim(std::string_view text) {
+  const auto begin = text.find_first_not_of(" \t\n");
+  if (begin == std::string_view::npos) return {};
+  const auto end = text.find_last_not_of(" \t\n");
+  return text.substr(begin, end - begin + 1);
+}
+
+Error BadToken(std::string_view token, std::string_view why) {
+  return InvalidArgumentError(fmt::format(
+      "fault injection spec: bad token '{}': {} (expected OP:N[+]:KIND with OP read|write|any, "
+      "N >= 1, KIND eio|enospc|eagain|eintr|short; or rank=R)",
+      token, why));
+}
+
+bool ParseUint(std::string_view text, std::uint64_t* value) {
+  if (text.empty()) return false;
+  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), *value);
+  return ec == std::errc() && ptr == text.data() + text.size();
+}
+
+}  // namespace
+
+std::string_view FaultKindName(FaultKind kind) {
+  switch (kind) {
+    case FaultKind::kEio:
+      return "eio";
+    case FaultKind::kEnospc:
+      return "enospc";
+    case FaultKind::kEagain:
+      return "eagain";
+    case FaultKind::kEintr:
+      return "eintr";
+    case FaultKind::kShort:
+      return "short";
+  }
+  return "unknown";
+}
+
+Result<FaultSpec> ParseFaultSpec(std::string_view text) {
+  FaultSpec spec;
+  if (Trim(text).empty()) return InvalidArgumentError("fault injection spec is empty");
+  bool have_rank = false;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    std::size_t comma = text.find(',', pos);
+    if (comma == std::string_view::npos) comma = text.size();
+    const std::string_view token = Trim(text.substr(pos, comma - pos));
+    pos = comma + 1;
+    if (token.empty()) return BadToken(token, "empty rule");
+    if (token.starts_with("rank=")) {
+      std::uint64_t rank = 0;
+      if (!ParseUint(token.substr(5), &rank) || rank > 1'000'000) {
+        return BadToken(token, "rank must be a non-negative integer");
+      }
+      if (have_rank) return BadToken(token, "rank given twice");
+      have_rank = true;
+      spec.rank = static_cast<int>(rank);
+      continue;
+    }
+    const std::size_t c1 = token.find(':');
+    const std::size_t c2 = c1 == std::string_view::npos ? c1 : token.find(':', c1 + 1);
+    if (c2 == std::string_view::npos || token.find(':', c2 + 1) != std::string_view::npos) {
+      return BadToken(token, "a rule has three fields separated by ':'");
+    }
+    const std::string_view op = token.substr(0, c1);
+    std::string_view nth = token.substr(c1 + 1, c2 - c1 - 1);
+    const std::string_view kind = token.substr(c2 + 1);
+    FaultRule rule;
+    if (op == "read") {
+      rule.op = IoOp::kRead;
+    } else if (op == "write") {
+      rule.op = IoOp::kWrite;
+    } else if (op != "any") {
+      return BadToken(token, fmt::format("unknown op '{}'", op));
+    }
+    if (nth.ends_with('+')) {
+      rule.and_later = true;
+      nth.remove_suffix(1);
+    }
+    if (!ParseUint(nth, &rule.nth) || rule.nth == 0) {
+      return BadToken(token, fmt::format("'{}' is not a count >= 1", nth));
+    }
+    if (kind == "eio") {
+      rule.kind = FaultKind::kEio;
+    } else if (kind == "enospc") {
+      rule.kind = FaultKind::kEnospc;
+    } else if (kind == "eagain") {
+      rule.kind = FaultKind::kEagain;
+    } else if (kind == "eintr") {
+      rule.kind = FaultKind::kEintr;
+    } else if (kind == "short") {
+      rule.kind = FaultKind::kShort;
+    } else {
+      return BadToken(token, fmt::format("unknown kind '{}'", kind));
+    }
+    spec.rules.push_back(rule);
+  }
+  if (spec.rules.empty()) return InvalidArgumentError("fault injection spec has no rule");
+  return spec;
+}
+
+std::string FormatFaultSpec(const FaultSpec& spec) {
+  std::string out;
+  for (const FaultRule& rule : spec.rules) {
+    if (!out.empty()) out += ',';
+    out += fmt::format("{}:{}{}:{}", rule.op ? IoOpName(*rule.op) : "any", rule.nth,
+                       rule.and_later ? "+" : "", FaultKindName(rule.kind));
+  }
+  if (spec.rank >= 0) out += fmt::format(",rank={}", spec.rank);
+  return out;
+}
+
+FaultInjector::FaultInjector(FaultSpec spec) : spec_(std::move(spec)) {}
+
+std::int64_t FaultInjector::Apply(IoOp op, std::int64_t result, std::uint64_t alignment) {
+  if (spec_.rank >= 0 && ProcessRank() != spec_.rank) return result;
+  const std::uint64_t op_count =
+      (op == IoOp::kRead ? reads_ : writes_).fetch_add(1, std::memory_order_relaxed) + 1;
+  const std::uint64_t any_count = any_.fetch_add(1, std::memory_order_relaxed) + 1;
+  for (const FaultRule& rule : spec_.rules) {
+    if (rule.op.has_value() && *rule.op != op) continue;
+    const std::uint64_t count = rule.op.has_value() ? op_count : any_count;
+    if (count != rule.nth && !(rule.and_later && count > rule.nth)) continue;
+    std::int64_t rewritten = result;
+    switch (rule.kind) {
+      case FaultKind::kEio:
+        rewritten = -EIO;
+        break;
+      case FaultKind::kEnospc:
+        rewritten = -ENOSPC;
+        break;
+      case FaultKind::kEagain:
+        rewritten = -EAGAIN;
+        break;
+      case FaultKind::kEintr:
+        rewritten = -EINTR;
+        break;
+      case FaultKind::kShort:
+        if (result > 0) {
+          rewritten = static_cast<std::int64_t>(AlignDown(static_cast<std::uint64_t>(result) / 2,
+                                                          std::max<std::uint64_t>(1, alignment)));
+          // Reporting 0 bytes would mean end-of-file, not a short transfer.
+          if (rewritten == 0) rewritten = result;
+        }
+        break;
+    }
+    if (rewritten != result) {
+      injected_.fetch_add(1, std::memory_order_relaxed);
+      ZINF_LOG_DEBUG("fault injection: {} #{} ({}): result {} -> {}", IoOpName(op), count,
+                     FaultKindName(rule.kind), result, rewritten);
+    }
+    return rewritten;
+  }
+  return result;
+}
+
+Result<std::shared_ptr<FaultInjector>> FaultInjectorFromEnv() {
+  const std::optional<std::string> text = GetEnv("ZINF_FAULT_INJECT");
+  if (!text.has_value()) return std::shared_ptr<FaultInjector>();
+  // One injector per spec text, so that counts run across all engines of the process.
+  static std::mutex mu;
+  static std::string cached_text;
+  static std::shared_ptr<FaultInjector> cached;
+  std::lock_guard<std::mutex> lock(mu);
+  if (cached == nullptr || cached_text != *text) {
+    Result<FaultSpec> spec = ParseFaultSpec(*text);
+    if (!spec) return std::move(spec).error().WithContext("ZINF_FAULT_INJECT: ");
+    cached = std::make_shared<FaultInjector>(std::move(*spec));
+    cached_text = *text;
+  }
+  if (cached->spec().rank >= 0 && cached->spec().rank != ProcessRank()) {
+    return std::shared_ptr<FaultInjector>();
+  }
+  return cached;
+}
+
+FaultInjectingEngine::FaultInjectingEngine(std::unique_ptr<IoEngine> inner,
+                                           std::shared_ptr<FaultInjector> injector)
+    : inner_(std::move(inner)),
+      injector_(std::move(injector)),
+      name_(fmt::format("{}+faults", inner_->name())) {}
+
+Result<std::unique_ptr<IoEngine>> FaultInjectingEngine::Wrap(
+    std::unique_ptr<IoEngine> inner, std::shared_ptr<FaultInjector> injector) {
+  if (inner == nullptr || injector == nullptr) {
+    return InvalidArgumentError("FaultInjectingEngine::Wrap: null engine or injector");
+  }
+  if (inner->pending() != 0) {
+    return FailedPreconditionError(
+        fmt::format("FaultInjectingEngine::Wrap: {} requests pending", inner->pending()));
+  }
+  auto* base = dynamic_cast<internal::EngineBase*>(inner.get());
+  if (base == nullptr) {
+    return UnimplementedError(
+        fmt::format("engine '{}' has no completion hook for fault injection", inner->name()));
+  }
+  base->SetFaultInjector(injector);
+  return std::unique_ptr<IoEngine>(new FaultInjectingEngine(std::move(inner), std::move(injector)));
+}
+
+}  // namespace zinf::storage

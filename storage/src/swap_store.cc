@@ -1,0 +1,952 @@
+#include "zinf/storage/swap_store.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "zinf/core/check.h"
+#include "zinf/core/log.h"
+#include "zinf/core/units.h"
+#include "zinf/storage/aligned_buffer.h"
+#include "zinf/storage/checksum.h"
+
+namespace zinf::storage {
+namespace {
+
+constexpr const char* kDataFileName = "swap.bin";
+constexpr const char* kManifestName = "manifest";
+constexpr const char* kManifestTmpName = "manifest.tmp";
+constexpr const char* kManifestMagic = "zinf-swap-store 1";
+constexpr std::size_t kMaxJobIdLength = 200;
+constexpr std::size_t kMaxTensorNameLength = 1024;
+
+std::string JobDirName(const SwapStoreOptions& options) { return "zinf-" + options.job_id; }
+std::string RankDirName(const SwapStoreOptions& options) {
+  return fmt::format("rank{}", options.world_rank);
+}
+
+// "a/b//" -> "a/b" (a trailing slash would make O_NOFOLLOW follow a symlink); "/" stays.
+std::string StripTrailingSlashes(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  return path;
+}
+
+Status ValidateJobId(const std::string& job_id) {
+  if (job_id.empty()) return InvalidArgumentError("swap store: job_id is empty");
+  if (job_id.size() > kMaxJobIdLength) {
+    return InvalidArgumentError(fmt::format("swap store: job_id is {} characters long (at most {})",
+                                            job_id.size(), kMaxJobIdLength));
+  }
+  for (char c : job_id) {
+    const bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '.' || c == '-';
+    if (!ok) {
+      return InvalidArgumentError(fmt::format(
+          "swap store: job_id '{}' has character '{}'; allowed are [A-Za-z0-9_.-]", job_id, c));
+    }
+  }
+  if (job_id.find("..") != std::string::npos || job_id == ".") {
+    return InvalidArgumentError(fmt::format("swap store: job_id '{}' contains '..'", job_id));
+  }
+  return OkStatus();
+}
+
+Status ValidateTensorName(const std::string& name) {
+  if (name.empty()) return InvalidArgumentError("swap store: tensor name is empty");
+  if (name.size() > kMaxTensorNameLength) {
+    return InvalidArgumentError(fmt::format("swap store: tensor name of {} characters (at most {})",
+                                            name.size(), kMaxTensorNameLength));
+  }
+  for (unsigned char c : name) {
+    if (c <= ' ' || c == 0x7f) {
+      return InvalidArgumentError(fmt::format(
+          "swap store: tensor name '{}' contains whitespace or a control character", name));
+    }
+  }
+  return OkStatus();
+}
+
+Status ValidateOptions(const SwapStoreOptions& options) {
+  if (options.paths.empty()) {
+    return InvalidArgumentError("swap store: no path configured (nvme_path is empty)");
+  }
+  std::set<std::string> seen;
+  for (const std::string& raw : options.paths) {
+    if (raw.empty()) return InvalidArgumentError("swap store: an empty path in nvme_path");
+    std::string path = StripTrailingSlashes(raw);
+    if (!seen.insert(path).second) {
+      return InvalidArgumentError(
+          fmt::format("swap store: path '{}' is configured twice in nvme_path", path));
+    }
+  }
+  ZINF_RETURN_IF_ERROR(ValidateJobId(options.job_id));
+  if (options.world_rank < 0) {
+    return InvalidArgumentError(
+        fmt::format("swap store: world_rank {} is negative", options.world_rank));
+  }
+  if (options.stripe_unit_bytes == 0) {
+    return InvalidArgumentError("swap store: stripe_unit_bytes is 0");
+  }
+  return OkStatus();
+}
+
+std::uint64_t UnitsFor(std::uint64_t size_bytes, std::uint64_t stripe_unit_bytes) {
+  return size_bytes / stripe_unit_bytes + (size_bytes % stripe_unit_bytes != 0 ? 1 : 0);
+}
+
+// Bytes of the data file on path `index` of `num_paths` when `total_units` units are reserved.
+std::uint64_t FileBytes(std::size_t index, std::size_t num_paths, std::uint64_t total_units,
+                        std::uint64_t stripe_unit_bytes) {
+  if (total_units <= index) return 0;
+  const std::uint64_t units = (total_units - index + num_paths - 1) / num_paths;
+  return units * stripe_unit_bytes;
+}
+
+Result<std::uint64_t> SumUnits(std::span<const TensorSpec> specs, std::uint64_t stripe_unit_bytes,
+                               std::uint64_t start_units) {
+  std::uint64_t total = start_units;
+  for (const TensorSpec& spec : specs) {
+    const std::uint64_t units = UnitsFor(spec.size_bytes, stripe_unit_bytes);
+    std::uint64_t bytes = 0;
+    if (!CheckedAdd(total, units, &total) || !CheckedMul(total, stripe_unit_bytes, &bytes)) {
+      return InvalidArgumentError(
+          fmt::format("swap store: reserving tensor '{}' ({} bytes) overflows 64 bits", spec.name,
+                      spec.size_bytes));
+    }
+  }
+  return total;
+}
+
+// Free space of the file systems of `paths`, with `needed` bytes per path.
+Result<std::vector<PathSpace>> MeasureSpace(const std::vector<std::string>& paths,
+                                            const std::vector<std::uint64_t>& needed) {
+  std::vector<PathSpace> space(paths.size());
+  std::map<std::uint64_t, std::uint64_t> per_device;
+  for (std::size_t i = 0; i < paths.size(); ++i) {
+    struct stat st {};
+    if (::stat(paths[i].c_str(), &st) != 0) {
+      return ErrnoError(errno, fmt::format("swap store: stat {}", paths[i]));
+    }
+    struct statvfs vfs {};
+    int rc;
+    do {
+      rc = ::statvfs(paths[i].c_str(), &vfs);
+    } while (rc != 0 && errno == EINTR);
+    if (rc != 0) return ErrnoError(errno, fmt::format("swap store: statvfs {}", paths[i]));
+    space[i].path = paths[i];
+    space[i].device_id = static_cast<std::uint64_t>(st.st_dev);
+    space[i].needed_bytes = needed[i];
+    space[i].available_bytes =
+        static_cast<std::uint64_t>(vfs.f_bavail) * static_cast<std::uint64_t>(vfs.f_frsize);
+    per_device[space[i].device_id] += needed[i];
+  }
+  for (PathSpace& s : space) s.fs_needed_bytes = per_device[s.device_id];
+  return space;
+}
+
+// Opens directory `name` under `parent_fd` without following a symlink; `full_path` names it in
+// errors.
+Result<int> OpenDirNoFollow(int parent_fd, const std::string& name, const std::string& full_path) {
+  int fd;
+  do {
+    fd = ::openat(parent_fd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  if (fd >= 0) return fd;
+  const int err = errno;
+  if (err == ELOOP || err == ENOTDIR) {
+    struct stat st {};
+    if (::fstatat(parent_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+      if (S_ISLNK(st.st_mode)) {
+        return FailedPreconditionError(fmt::format(
+            "swap store: {} is a symbolic link; refusing to follow it (configure the real "
+            "directory)",
+            full_path));
+      }
+      if (!S_ISDIR(st.st_mode)) {
+        return FailedPreconditionError(
+            fmt::format("swap store: {} exists and is not a directory", full_path));
+      }
+    }
+  }
+  return ErrnoError(err, fmt::format("swap store: open directory {}", full_path));
+}
+
+Status CheckOwner(int fd, const std::string& what) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return ErrnoError(errno, fmt::format("swap store: fstat {}", what));
+  if (st.st_uid != ::geteuid()) {
+    return FailedPreconditionError(fmt::format(
+        "swap store: {} is owned by uid {}, not by this process (uid {}); refusing to use "
+        "another user's swap store",
+        what, st.st_uid, ::geteuid()));
+  }
+  return OkStatus();
+}
+
+Status SetMode(int fd, mode_t mode, const std::string& what) {
+  if (::fchmod(fd, mode) != 0) {
+    return ErrnoError(errno, fmt::format("swap store: chmod {:o} {}", mode, what));
+  }
+  return OkStatus();
+}
+
+Status WriteAll(int fd, std::string_view text, const std::string& what) {
+  std::size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, fmt::format("swap store: write {}", what));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  return OkStatus();
+}
+
+Status PwriteFull(const File& file, const std::byte* data, std::uint64_t length_bytes,
+                  std::uint64_t offset_bytes) {
+  std::uint64_t done = 0;
+  while (done < length_bytes) {
+    const ssize_t n = ::pwrite(file.fd(), data + done, length_bytes - done,
+                               static_cast<off_t>(offset_bytes + done));
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return ErrnoError(errno, fmt::format("pwrite {} offset {} length {}", file.path(),
+                                           offset_bytes + done, length_bytes - done));
+    }
+    done += static_cast<std::uint64_t>(n);
+  }
+  return OkStatus();
+}
+
+Status PreadFull(const File& file, std::byte* data, std::uint64_t length_bytes,
+                 std::uint64_t offset_bytes) {
+  std::uint64_t done = 0;
+  while (done < length_bytes) {
+    const ssize_t n = ::pread(file.fd(), data + done, length_bytes - done,
+                              static_cast<off_t>(offset_bytes + done));
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return ErrnoError(errno, fmt::format("pread {} offset {} length {}", file.path(),
+                                           offset_bytes + done, length_bytes - done));
+    }
+    if (n == 0) {
+      return DataLossError(fmt::format("pread {} offset {} length {}: short read at EOF",
+                                       file.path(), offset_bytes + done, length_bytes - done));
+    }
+    done += static_cast<std::uint64_t>(n);
+  }
+  return OkStatus();
+}
+
+// Removes `name` under `dir_fd`; a missing entry is fine.
+Status UnlinkIfPresent(int dir_fd, const char* name, int flags, const std::string& full_path) {
+  if (::unlinkat(dir_fd, name, flags) != 0 && errno != ENOENT) {
+    return ErrnoError(errno, fmt::format("swap store: remove {}", full_path));
+  }
+  return OkStatus();
+}
+
+void CloseFd(int* fd) {
+  if (*fd >= 0) {
+    ::close(*fd);  // read-only directory descriptors: nothing to lose on close
+    *fd = -1;
+  }
+}
+
+}  // namespace
+
+SwapStore::SwapStore(const SwapStoreOptions& options) : options_(options) {
+  for (std::string& path : options_.paths) path = StripTrailingSlashes(path);
+}
+
+SwapStore::~SwapStore() {
+  if (closed_) return;
+  Status status = Close();
+  if (!status) ZINF_LOG_WARN("swap store: close in destructor: {}", status.error().ToString());
+}
+
+Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& options) {
+  ZINF_RETURN_IF_ERROR(ValidateOptions(options));
+  std::unique_ptr<SwapStore> store(new SwapStore(options));
+  Status status = store->OpenImpl();
+  if (!status) {
+    Status removed = store->RemoveStore(/*all=*/false);
+    if (!removed) {
+      ZINF_LOG_WARN("swap store: cleaning up after a failed open: {}", removed.error().ToString());
+    }
+    store->CloseDescriptors();
+    store->closed_ = true;
+    return std::move(status).error();
+  }
+  ZINF_LOG_INFO("swap store {} ({} path(s)): {}, stripe unit {}, alignment {}{}{}",
+                store->paths_[0].rank_dir, store->paths_.size(),
+                store->direct() ? "O_DIRECT" : "buffered", FormatBytes(options.stripe_unit_bytes),
+                store->alignment_, store->resumed_ ? ", resumed" : "",
+                options.verify_swap ? ", verify_swap" : "");
+  return store;
+}
+
+Status SwapStore::OpenImpl() {
+  const std::string job_name = JobDirName(options_);
+  const std::string rank_name = RankDirName(options_);
+  paths_.resize(options_.paths.size());
+  std::set<std::pair<dev_t, ino_t>> inodes;
+  // Pass 1: the configured paths and the job directories (shared with the node's other ranks).
+  for (std::size_t i = 0; i < paths_.size(); ++i) {
+    PathState& ps = paths_[i];
+    ps.path = options_.paths[i];
+    ps.job_dir = ps.path + (ps.path == "/" ? "" : "/") + job_name;
+    ps.rank_dir = ps.job_dir + "/" + rank_name;
+    ZINF_ASSIGN_OR_RETURN(ps.path_fd, OpenDirNoFollow(AT_FDCWD, ps.path, ps.path));
+    struct stat st {};
+    if (::fstat(ps.path_fd, &st) != 0) {
+      return ErrnoError(errno, fmt::format("swap store: fstat {}", ps.path));
+    }
+    if (!inodes.insert({st.st_dev, st.st_ino}).second) {
+      return InvalidArgumentError(fmt::format(
+          "swap store: path {} is the same directory as another configured path", ps.path));
+    }
+    // Another rank of the job may remove an empty job directory between our mkdir and open
+    // (its Close): try again a few times.
+    for (int attempt = 0;; ++attempt) {
+      if (::mkdirat(ps.path_fd, job_name.c_str(), 0700) == 0) {
+        ps.created_job_dir = true;
+      } else if (errno != EEXIST) {
+        return ErrnoError(errno, fmt::format("swap store: mkdir {}", ps.job_dir));
+      }
+      Result<int> fd = OpenDirNoFollow(ps.path_fd, job_name, ps.job_dir);
+      if (fd) {
+        ps.job_fd = *fd;
+        break;
+      }
+      if (fd.error().code() != ErrorCode::kNotFound || attempt == 3) return std::move(fd).error();
+      ps.created_job_dir = false;
+    }
+    ZINF_RETURN_IF_ERROR(CheckOwner(ps.job_fd, ps.job_dir));
+    ZINF_RETURN_IF_ERROR(SetMode(ps.job_fd, 0700, ps.job_dir));
+  }
+  // Pass 2: does this rank's store exist already (on which paths)?
+  std::size_t present = 0;
+  for (PathState& ps : paths_) {
+    struct stat st {};
+    if (::fstatat(ps.job_fd, rank_name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      if (errno == ENOENT) continue;
+      return ErrnoError(errno, fmt::format("swap store: stat {}", ps.rank_dir));
+    }
+    ++present;
+    ZINF_ASSIGN_OR_RETURN(ps.rank_fd, OpenDirNoFollow(ps.job_fd, rank_name, ps.rank_dir));
+    ZINF_RETURN_IF_ERROR(CheckOwner(ps.rank_fd, ps.rank_dir));
+    if (!options_.resume) {
+      return AlreadyExistsError(fmt::format(
+          "swap store {} exists; another instance of job '{}' (rank {}) is running, or a killed "
+          "one left it behind: set resume to reuse it, or remove it",
+          ps.rank_dir, options_.job_id, options_.world_rank));
+    }
+  }
+  if (present != 0 && present != paths_.size()) {
+    return FailedPreconditionError(fmt::format(
+        "swap store of job '{}' rank {} exists on {} of {} paths (e.g. {} is missing); cannot "
+        "resume an incomplete store",
+        options_.job_id, options_.world_rank, present, paths_.size(),
+        std::find_if(paths_.begin(), paths_.end(), [](const PathState& p) {
+          return p.rank_fd < 0;
+        })->rank_dir));
+  }
+  resumed_ = present != 0;
+  // Pass 3: create the rank directories of a new store, then open (or create) the data files.
+  for (PathState& ps : paths_) {
+    if (!resumed_) {
+      if (::mkdirat(ps.job_fd, rank_name.c_str(), 0700) != 0) {
+        if (errno == EEXIST) {
+          return AlreadyExistsError(
+              fmt::format("swap store {} was created concurrently by another instance of job '{}'",
+                          ps.rank_dir, options_.job_id));
+        }
+        return ErrnoError(errno, fmt::format("swap store: mkdir {}", ps.rank_dir));
+      }
+      ps.created_rank_dir = true;
+      ZINF_ASSIGN_OR_RETURN(ps.rank_fd, OpenDirNoFollow(ps.job_fd, rank_name, ps.rank_dir));
+    }
+    ZINF_RETURN_IF_ERROR(SetMode(ps.rank_fd, 0700, ps.rank_dir));
+    OpenOptions open_options;
+    open_options.mode = resumed_ ? OpenMode::kReadWrite : OpenMode::kCreate;
+    open_options.direct = options_.direct;
+    open_options.no_follow = true;
+    open_options.permissions = 0600;
+    const std::string file_path = ps.rank_dir + "/" + kDataFileName;
+    ZINF_ASSIGN_OR_RETURN(ps.file, Annotate(File::Open(file_path, open_options), "swap store: "));
+    struct stat st {};
+    if (::fstat(ps.file.fd(), &st) != 0) {
+      return ErrnoError(errno, fmt::format("swap store: fstat {}", file_path));
+    }
+    if (!S_ISREG(st.st_mode)) {
+      return FailedPreconditionError(
+          fmt::format("swap store: {} is not a regular file", file_path));
+    }
+    ZINF_RETURN_IF_ERROR(CheckOwner(ps.file.fd(), file_path));
+    ZINF_RETURN_IF_ERROR(SetMode(ps.file.fd(), 0600, file_path));
+    alignment_ =
+        std::max<std::uint64_t>(alignment_, std::max<std::uint64_t>(1, ps.file.alignment()));
+  }
+  if (options_.stripe_unit_bytes % alignment_ != 0) {
+    return InvalidArgumentError(fmt::format(
+        "swap store: stripe_unit_bytes {} is not a multiple of the direct-I/O alignment {} of "
+        "the swap paths",
+        options_.stripe_unit_bytes, alignment_));
+  }
+  if (resumed_) return ReadManifest();
+  return WriteManifest();
+}
+
+Status SwapStore::WriteManifest() {
+  std::string text = fmt::format("{}\nstripe_unit_bytes {}\npaths {}\ntensors {}\n", kManifestMagic,
+                                 options_.stripe_unit_bytes, paths_.size(), tensors_.size());
+  for (const Tensor& t : tensors_) {
+    text += fmt::format("tensor {} {}\n", t.extent.size_bytes, t.extent.name);
+  }
+  const PathState& ps = paths_[0];
+  const std::string tmp_path = ps.rank_dir + "/" + kManifestTmpName;
+  int fd;
+  do {
+    fd = ::openat(ps.rank_fd, kManifestTmpName,
+                  O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) return ErrnoError(errno, fmt::format("swap store: create {}", tmp_path));
+  Status status = WriteAll(fd, text, tmp_path);
+  if (status && ::fsync(fd) != 0) status = ErrnoError(errno, "swap store: fsync " + tmp_path);
+  if (::close(fd) != 0 && status) status = ErrnoError(errno, "swap store: close " + tmp_path);
+  ZINF_RETURN_IF_ERROR(status);
+  if (::renameat(ps.rank_fd, kManifestTmpName, ps.rank_fd, kManifestName) != 0) {
+    return ErrnoError(errno, fmt::format("swap store: rename {} to {}", tmp_path, kManifestName));
+  }
+  if (::fsync(ps.rank_fd) != 0) {
+    return ErrnoError(errno, fmt::format("swap store: fsync directory {}", ps.rank_dir));
+  }
+  return OkStatus();
+}
+
+Status SwapStore::ReadManifest() {
+  const PathState& ps = paths_[0];
+  const std::string path = ps.rank_dir + "/" + kManifestName;
+  int fd;
+  do {
+    fd = ::openat(ps.rank_fd, kManifestName, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) {
+      return FailedPreconditionError(fmt::format(
+          "swap store: cannot resume: {} is missing (not a zinf swap store, or its creation was "
+          "interrupted)",
+          path));
+    }
+    return ErrnoError(err, fmt::format("swap store: open {}", path));
+  }
+  std::string text;
+  char chunk[4096];
+  for (;;) {
+    const ssize_t n = ::read(fd, chunk, sizeof(chunk));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      return ErrnoError(err, fmt::format("swap store: read {}", path));
+    }
+    if (n == 0) break;
+    text.append(chunk, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+
+  auto corrupt = [&](std::string_view why) {
+    return DataLossError(fmt::format("swap store: manifest {} is corrupt: {}", path, why));
+  };
+  std::istringstream in(text);
+  std::string line;
+  if (!std::getline(in, line) || line != kManifestMagic) return corrupt("bad first line");
+  std::string key;
+  std::uint64_t stripe_unit = 0, num_paths = 0, num_tensors = 0;
+  if (!(in >> key >> stripe_unit) || key != "stripe_unit_bytes") return corrupt("stripe unit");
+  if (!(in >> key >> num_paths) || key != "paths") return corrupt("path count");
+  if (!(in >> key >> num_tensors) || key != "tensors") return corrupt("tensor count");
+  if (stripe_unit != options_.stripe_unit_bytes || num_paths != paths_.size()) {
+    return FailedPreconditionError(fmt::format(
+        "swap store: cannot resume {}: it was created with stripe_unit_bytes {} over {} path(s), "
+        "now configured {} over {}",
+        ps.rank_dir, stripe_unit, num_paths, options_.stripe_unit_bytes, paths_.size()));
+  }
+  manifest_tensors_.clear();
+  for (std::uint64_t i = 0; i < num_tensors; ++i) {
+    TensorSpec spec;
+    if (!(in >> key >> spec.size_bytes >> spec.name) || key != "tensor") {
+      return corrupt(fmt::format("tensor {} of {}", i, num_tensors));
+    }
+    manifest_tensors_.push_back(std::move(spec));
+  }
+  return OkStatus();
+}
+
+Result<std::vector<PathSpace>> SwapStore::PlanSpace(const SwapStoreOptions& options,
+                                                    std::span<const TensorSpec> specs) {
+  ZINF_RETURN_IF_ERROR(ValidateOptions(options));
+  ZINF_ASSIGN_OR_RETURN(std::uint64_t total_units, SumUnits(specs, options.stripe_unit_bytes, 0));
+  std::vector<std::string> paths;
+  std::vector<std::uint64_t> needed;
+  for (std::size_t i = 0; i < options.paths.size(); ++i) {
+    paths.push_back(StripTrailingSlashes(options.paths[i]));
+    needed.push_back(FileBytes(i, options.paths.size(), total_units, options.stripe_unit_bytes));
+  }
+  return MeasureSpace(paths, needed);
+}
+
+Status SwapStore::CheckSpace(std::span<const PathSpace> space) {
+  std::string shortfall;
+  std::set<std::uint64_t> reported;
+  for (const PathSpace& s : space) {
+    if (s.fs_needed_bytes <= s.available_bytes || !reported.insert(s.device_id).second) continue;
+    std::string paths;
+    for (const PathSpace& other : space) {
+      if (other.device_id != s.device_id) continue;
+      paths += fmt::format("{}{} needs {}", paths.empty() ? "" : ", ", other.path,
+                           FormatBytes(other.needed_bytes));
+    }
+    shortfall += fmt::format("{}{}: {} needed on that file system, {} available",
+                             shortfall.empty() ? "" : "; ", paths, FormatBytes(s.fs_needed_bytes),
+                             FormatBytes(s.available_bytes));
+  }
+  if (shortfall.empty()) return OkStatus();
+  return ResourceExhaustedError("not enough free space for the swap store: " + shortfall);
+}
+
+Status SwapStore::Reserve(std::vector<TensorSpec> specs) {
+  if (closed_) return FailedPreconditionError("swap store: Reserve after Close");
+  std::set<std::string> names;
+  for (const TensorSpec& spec : specs) {
+    ZINF_RETURN_IF_ERROR(ValidateTensorName(spec.name));
+    if (index_.contains(spec.name) || !names.insert(spec.name).second) {
+      return AlreadyExistsError(
+          fmt::format("swap store: tensor '{}' is reserved twice", spec.name));
+    }
+  }
+  // A resumed store must be reserved in the order its manifest recorded.
+  for (std::size_t k = 0; k < specs.size(); ++k) {
+    const std::size_t i = tensors_.size() + k;
+    if (i >= manifest_tensors_.size()) break;
+    const TensorSpec& old = manifest_tensors_[i];
+    if (old.name != specs[k].name || old.size_bytes != specs[k].size_bytes) {
+      return FailedPreconditionError(fmt::format(
+          "swap store: cannot resume {}: tensor {} is '{}' of {} bytes there, but '{}' of {} "
+          "bytes now (the layout changed)",
+          paths_[0].rank_dir, i, old.name, old.size_bytes, specs[k].name, specs[k].size_bytes));
+    }
+  }
+  const std::uint64_t su = options_.stripe_unit_bytes;
+  ZINF_ASSIGN_OR_RETURN(std::uint64_t new_total, SumUnits(specs, su, total_units_));
+
+  // Units the manifest promises are on disk already: the files must hold them.
+  std::uint64_t resumed_units = total_units_;
+  for (std::size_t k = 0; k < specs.size() && tensors_.size() + k < manifest_tensors_.size(); ++k) {
+    resumed_units += UnitsFor(specs[k].size_bytes, su);
+  }
+  std::vector<std::string> paths;
+  std::vector<std::uint64_t> needed;
+  std::vector<std::uint64_t> target;
+  bool grow = false;
+  for (std::size_t i = 0; i < paths_.size(); ++i) {
+    ZINF_ASSIGN_OR_RETURN(std::uint64_t current, Annotate(paths_[i].file.Size(), "swap store: "));
+    const std::uint64_t resumed_bytes = FileBytes(i, paths_.size(), resumed_units, su);
+    if (current < resumed_bytes) {
+      return DataLossError(fmt::format(
+          "swap store: cannot resume: {} holds {} bytes, the manifest's tensors need {} "
+          "(truncated file)",
+          paths_[i].file.path(), current, resumed_bytes));
+    }
+    target.push_back(FileBytes(i, paths_.size(), new_total, su));
+    needed.push_back(target.back() > current ? target.back() - current : 0);
+    grow = grow || needed.back() > 0;
+    paths.push_back(paths_[i].path);
+  }
+  if (grow) {
+    ZINF_ASSIGN_OR_RETURN(std::vector<PathSpace> space, MeasureSpace(paths, needed));
+    ZINF_RETURN_IF_ERROR(
+        Annotate(CheckSpace(space), fmt::format("rank {}: ", options_.world_rank)));
+  }
+  for (std::size_t i = 0; i < paths_.size(); ++i) {
+    if (target[i] == 0) continue;
+    ZINF_RETURN_IF_ERROR(Annotate(paths_[i].file.Allocate(0, target[i]),
+                                  fmt::format("swap store: preallocate {} of {}",
+                                              FormatBytes(target[i]), paths_[i].file.path())));
+  }
+
+  const std::size_t old_count = tensors_.size();
+  const std::uint64_t old_total = total_units_;
+  for (TensorSpec& spec : specs) {
+    Tensor t;
+    t.extent.name = std::move(spec.name);
+    t.extent.size_bytes = spec.size_bytes;
+    t.extent.io_size_bytes = AlignUp(spec.size_bytes, alignment_);
+    t.extent.num_units = UnitsFor(spec.size_bytes, su);
+    t.extent.padded_size_bytes = t.extent.num_units * su;
+    t.extent.first_unit = total_units_;
+    total_units_ += t.extent.num_units;
+    if (options_.verify_swap) {
+      t.checksums.assign(t.extent.num_units, 0);
+      t.checksum_valid.assign(t.extent.num_units, false);
+    }
+    index_.emplace(t.extent.name, tensors_.size());
+    tensors_.push_back(std::move(t));
+  }
+  if (tensors_.size() > manifest_tensors_.size()) {
+    Status written = WriteManifest();
+    if (!written) {
+      for (std::size_t i = old_count; i < tensors_.size(); ++i)
+        index_.erase(tensors_[i].extent.name);
+      tensors_.resize(old_count);
+      total_units_ = old_total;
+      return written;
+    }
+  }
+  return OkStatus();
+}
+
+Result<std::size_t> SwapStore::Find(std::string_view name) const {
+  auto it = index_.find(std::string(name));
+  if (it == index_.end()) {
+    return NotFoundError(fmt::format("swap store: no tensor '{}' is reserved", name));
+  }
+  return it->second;
+}
+
+Result<TensorExtent> SwapStore::Extent(std::string_view name) const {
+  ZINF_ASSIGN_OR_RETURN(std::size_t i, Find(name));
+  return tensors_[i].extent;
+}
+
+bool SwapStore::direct() const {
+  return std::all_of(paths_.begin(), paths_.end(),
+                     [](const PathState& ps) { return ps.file.direct(); });
+}
+
+std::vector<SwapStore::Segment> SwapStore::MapRange(const Tensor& tensor,
+                                                    std::uint64_t offset_bytes,
+                                                    std::uint64_t io_length_bytes) const {
+  const std::uint64_t su = options_.stripe_unit_bytes;
+  const std::uint64_t n = paths_.size();
+  std::vector<Segment> segments;
+  std::uint64_t pos = offset_bytes;
+  const std::uint64_t end = offset_bytes + io_length_bytes;
+  while (pos < end) {
+    const std::uint64_t unit = pos / su;
+    const std::uint64_t within = pos % su;
+    const std::uint64_t length = std::min(su - within, end - pos);
+    const std::uint64_t g = tensor.extent.first_unit + unit;
+    segments.push_back(
+        Segment{static_cast<std::size_t>(g % n), (g / n) * su + within, pos, length});
+    pos += length;
+  }
+  return segments;
+}
+
+Status SwapStore::CheckRange(const Tensor& tensor, std::uint64_t offset_bytes,
+                             std::uint64_t length_bytes, std::size_t buffer_size,
+                             const void* buffer_address) const {
+  const TensorExtent& e = tensor.extent;
+  if (offset_bytes > e.size_bytes || length_bytes > e.size_bytes - offset_bytes) {
+    return InvalidArgumentError(
+        fmt::format("swap store: range [{}, +{}) is outside tensor '{}' of {} bytes", offset_bytes,
+                    length_bytes, e.name, e.size_bytes));
+  }
+  if (offset_bytes % alignment_ != 0 ||
+      (length_bytes % alignment_ != 0 && offset_bytes + length_bytes != e.size_bytes)) {
+    return InvalidArgumentError(fmt::format(
+        "swap store: range [{}, +{}) of tensor '{}' is not aligned to {} (only the tensor's "
+        "tail may have an unaligned length)",
+        offset_bytes, length_bytes, e.name, alignment_));
+  }
+  const std::uint64_t io_length = AlignUp(length_bytes, alignment_);
+  if (buffer_size < io_length) {
+    return InvalidArgumentError(fmt::format(
+        "swap store: buffer of {} bytes for {} bytes of tensor '{}' (needs {} bytes: the length "
+        "rounded up to the alignment {})",
+        buffer_size, length_bytes, e.name, io_length, alignment_));
+  }
+  if (reinterpret_cast<std::uintptr_t>(buffer_address) % alignment_ != 0) {
+    return InvalidArgumentError(
+        fmt::format("swap store: buffer for tensor '{}' at {} is not aligned to {}", e.name,
+                    buffer_address, alignment_));
+  }
+  return OkStatus();
+}
+
+void SwapStore::RecordChecksums(std::size_t tensor_index, std::uint64_t offset_bytes,
+                                std::span<const std::byte> data, bool invalidate) {
+  if (!options_.verify_swap || data.empty()) return;
+  const std::uint64_t su = options_.stripe_unit_bytes;
+  std::lock_guard<std::mutex> lock(checksum_mutex_);
+  Tensor& t = tensors_[tensor_index];
+  const std::uint64_t end = offset_bytes + data.size();
+  for (std::uint64_t u = offset_bytes / su; u < t.extent.num_units && u * su < end; ++u) {
+    const std::uint64_t unit_begin = u * su;
+    const std::uint64_t unit_end = std::min(unit_begin + su, t.extent.size_bytes);
+    const bool covered = unit_begin >= offset_bytes && unit_end <= end;
+    if (covered && !invalidate) {
+      t.checksums[u] = Checksum64(data.subspan(unit_begin - offset_bytes, unit_end - unit_begin));
+      t.checksum_valid[u] = true;
+    } else {
+      t.checksum_valid[u] = false;
+    }
+  }
+}
+
+Status SwapStore::VerifyChecksums(const Tensor& t, std::uint64_t offset_bytes,
+                                  std::span<const std::byte> data) const {
+  if (!options_.verify_swap || data.empty()) return OkStatus();
+  const std::uint64_t su = options_.stripe_unit_bytes;
+  const std::uint64_t n = paths_.size();
+  const std::uint64_t end = offset_bytes + data.size();
+  std::lock_guard<std::mutex> lock(checksum_mutex_);
+  for (std::uint64_t u = offset_bytes / su; u < t.extent.num_units && u * su < end; ++u) {
+    const std::uint64_t unit_begin = u * su;
+    const std::uint64_t unit_end = std::min(unit_begin + su, t.extent.size_bytes);
+    if (unit_begin < offset_bytes || unit_end > end || !t.checksum_valid[u]) continue;
+    const std::uint64_t g = t.extent.first_unit + u;
+    ZINF_RETURN_IF_ERROR(VerifyChecksum(
+        data.subspan(unit_begin - offset_bytes, unit_end - unit_begin), t.checksums[u],
+        fmt::format("swap store tensor '{}' bytes [{}, {}) (stripe unit {} of {} at offset {}, "
+                    "rank {})",
+                    t.extent.name, unit_begin, unit_end, u, paths_[g % n].file.path(), (g / n) * su,
+                    options_.world_rank)));
+  }
+  return OkStatus();
+}
+
+Status SwapStore::VerifyRead(std::string_view name, std::span<const std::byte> data,
+                             std::uint64_t offset_bytes) const {
+  ZINF_ASSIGN_OR_RETURN(std::size_t i, Find(name));
+  const Tensor& t = tensors_[i];
+  if (offset_bytes > t.extent.size_bytes || data.size() > t.extent.size_bytes - offset_bytes) {
+    return InvalidArgumentError(
+        fmt::format("swap store: VerifyRead range [{}, +{}) is outside tensor '{}' of {} bytes",
+                    offset_bytes, data.size(), t.extent.name, t.extent.size_bytes));
+  }
+  return VerifyChecksums(t, offset_bytes, data);
+}
+
+Result<std::vector<std::uint64_t>> SwapStore::SubmitRange(IoOp op, std::string_view name,
+                                                          std::uint64_t offset_bytes,
+                                                          std::uint64_t length_bytes,
+                                                          std::span<std::byte> buffer,
+                                                          IoEngine& engine) {
+  if (closed_) return FailedPreconditionError("swap store: I/O after Close");
+  ZINF_ASSIGN_OR_RETURN(std::size_t index, Find(name));
+  const Tensor& t = tensors_[index];
+  ZINF_RETURN_IF_ERROR(CheckRange(t, offset_bytes, length_bytes, buffer.size(), buffer.data()));
+  const std::uint64_t io_length = AlignUp(length_bytes, alignment_);
+  std::vector<Segment> segments = MapRange(t, offset_bytes, io_length);
+  // Units that follow each other in one file (always, with one path) become one request.
+  std::vector<Segment> merged;
+  for (const Segment& s : segments) {
+    if (!merged.empty()) {
+      Segment& last = merged.back();
+      if (last.path_index == s.path_index &&
+          last.file_offset_bytes + last.length_bytes == s.file_offset_bytes &&
+          last.tensor_offset_bytes + last.length_bytes == s.tensor_offset_bytes) {
+        last.length_bytes += s.length_bytes;
+        continue;
+      }
+    }
+    merged.push_back(s);
+  }
+  const auto data = std::span<const std::byte>(buffer).first(length_bytes);
+  if (op == IoOp::kWrite) RecordChecksums(index, offset_bytes, data);
+  std::vector<std::uint64_t> ids;
+  ids.reserve(merged.size());
+  for (const Segment& s : merged) {
+    IoRequest request;
+    request.op = op;
+    request.file = &paths_[s.path_index].file;
+    request.offset_bytes = s.file_offset_bytes;
+    request.buffer = buffer.subspan(s.tensor_offset_bytes - offset_bytes, s.length_bytes);
+    Result<std::uint64_t> id = engine.Submit(request);
+    if (!id) {
+      if (op == IoOp::kWrite) RecordChecksums(index, offset_bytes, data, /*invalidate=*/true);
+      return std::move(id).error().WithContext(fmt::format(
+          "swap store: submit {} of tensor '{}' bytes [{}, +{}) ({} of {} requests submitted): ",
+          IoOpName(op), t.extent.name, offset_bytes, length_bytes, ids.size(), merged.size()));
+    }
+    ids.push_back(*id);
+  }
+  return ids;
+}
+
+Result<std::vector<std::uint64_t>> SwapStore::SubmitWrite(std::string_view name,
+                                                          std::span<const std::byte> buffer,
+                                                          IoEngine& engine) {
+  ZINF_ASSIGN_OR_RETURN(std::size_t i, Find(name));
+  return SubmitWriteRange(name, 0, tensors_[i].extent.size_bytes, buffer, engine);
+}
+
+Result<std::vector<std::uint64_t>> SwapStore::SubmitRead(std::string_view name,
+                                                         std::span<std::byte> buffer,
+                                                         IoEngine& engine) {
+  ZINF_ASSIGN_OR_RETURN(std::size_t i, Find(name));
+  return SubmitReadRange(name, 0, tensors_[i].extent.size_bytes, buffer, engine);
+}
+
+Result<std::vector<std::uint64_t>> SwapStore::SubmitWriteRange(std::string_view name,
+                                                               std::uint64_t offset_bytes,
+                                                               std::uint64_t length_bytes,
+                                                               std::span<const std::byte> buffer,
+                                                               IoEngine& engine) {
+  // The engine takes one span type for both directions; a write only reads the buffer.
+  std::span<std::byte> mutable_buffer(const_cast<std::byte*>(buffer.data()), buffer.size());
+  return SubmitRange(IoOp::kWrite, name, offset_bytes, length_bytes, mutable_buffer, engine);
+}
+
+Result<std::vector<std::uint64_t>> SwapStore::SubmitReadRange(std::string_view name,
+                                                              std::uint64_t offset_bytes,
+                                                              std::uint64_t length_bytes,
+                                                              std::span<std::byte> buffer,
+                                                              IoEngine& engine) {
+  return SubmitRange(IoOp::kRead, name, offset_bytes, length_bytes, buffer, engine);
+}
+
+Status SwapStore::Write(std::string_view name, std::span<const std::byte> data) {
+  if (closed_) return FailedPreconditionError("swap store: Write after Close");
+  ZINF_ASSIGN_OR_RETURN(std::size_t index, Find(name));
+  const Tensor& t = tensors_[index];
+  if (data.size() != t.extent.size_bytes) {
+    return InvalidArgumentError(fmt::format("swap store: Write of {} bytes to tensor '{}' of {}",
+                                            data.size(), t.extent.name, t.extent.size_bytes));
+  }
+  if (data.empty()) return OkStatus();
+  BufferOptions buffer_options;
+  buffer_options.alignment = std::bit_ceil(std::max<std::uint64_t>(alignment_, 4096));
+  buffer_options.register_cuda = false;
+  buffer_options.zero = false;
+  ZINF_ASSIGN_OR_RETURN(AlignedBuffer bounce,
+                        AlignedBuffer::Allocate(options_.stripe_unit_bytes, buffer_options));
+  // Forget old checksums first: a failed write leaves the units in an unknown state.
+  RecordChecksums(index, 0, data, /*invalidate=*/true);
+  for (const Segment& s : MapRange(t, 0, t.extent.io_size_bytes)) {
+    const std::uint64_t payload =
+        std::min(s.length_bytes, t.extent.size_bytes - s.tensor_offset_bytes);
+    std::memcpy(bounce.data(), data.data() + s.tensor_offset_bytes, payload);
+    std::memset(bounce.data() + payload, 0, s.length_bytes - payload);
+    ZINF_RETURN_IF_ERROR(Annotate(
+        PwriteFull(paths_[s.path_index].file, bounce.data(), s.length_bytes, s.file_offset_bytes),
+        fmt::format("swap store: write tensor '{}': ", t.extent.name)));
+  }
+  RecordChecksums(index, 0, data);
+  return OkStatus();
+}
+
+Status SwapStore::Read(std::string_view name, std::span<std::byte> out) {
+  if (closed_) return FailedPreconditionError("swap store: Read after Close");
+  ZINF_ASSIGN_OR_RETURN(std::size_t index, Find(name));
+  const Tensor& t = tensors_[index];
+  if (out.size() != t.extent.size_bytes) {
+    return InvalidArgumentError(fmt::format("swap store: Read of {} bytes from tensor '{}' of {}",
+                                            out.size(), t.extent.name, t.extent.size_bytes));
+  }
+  if (out.empty()) return OkStatus();
+  BufferOptions buffer_options;
+  buffer_options.alignment = std::bit_ceil(std::max<std::uint64_t>(alignment_, 4096));
+  buffer_options.register_cuda = false;
+  buffer_options.zero = false;
+  ZINF_ASSIGN_OR_RETURN(AlignedBuffer bounce,
+                        AlignedBuffer::Allocate(options_.stripe_unit_bytes, buffer_options));
+  for (const Segment& s : MapRange(t, 0, t.extent.io_size_bytes)) {
+    ZINF_RETURN_IF_ERROR(Annotate(
+        PreadFull(paths_[s.path_index].file, bounce.data(), s.length_bytes, s.file_offset_bytes),
+        fmt::format("swap store: read tensor '{}': ", t.extent.name)));
+    const std::uint64_t payload =
+        std::min(s.length_bytes, t.extent.size_bytes - s.tensor_offset_bytes);
+    std::memcpy(out.data() + s.tensor_offset_bytes, bounce.data(), payload);
+  }
+  return VerifyChecksums(t, 0, out);
+}
+
+Status SwapStore::Sync() {
+  if (closed_) return FailedPreconditionError("swap store: Sync after Close");
+  for (PathState& ps : paths_) {
+    ZINF_RETURN_IF_ERROR(Annotate(ps.file.Sync(), "swap store: sync: "));
+  }
+  return OkStatus();
+}
+
+Status SwapStore::RemoveStore(bool all) {
+  const std::string job_name = JobDirName(options_);
+  const std::string rank_name = RankDirName(options_);
+  Status first = OkStatus();
+  auto note = [&first](Status s) {
+    if (!s && first) first = std::move(s);
+  };
+  for (std::size_t i = 0; i < paths_.size(); ++i) {
+    PathState& ps = paths_[i];
+    if (ps.file.is_open()) note(ps.file.Close());
+    if (ps.rank_fd >= 0 && (all || ps.created_rank_dir)) {
+      note(UnlinkIfPresent(ps.rank_fd, kDataFileName, 0, ps.rank_dir + "/" + kDataFileName));
+      if (i == 0) {
+        note(UnlinkIfPresent(ps.rank_fd, kManifestName, 0, ps.rank_dir + "/" + kManifestName));
+        note(
+            UnlinkIfPresent(ps.rank_fd, kManifestTmpName, 0, ps.rank_dir + "/" + kManifestTmpName));
+      }
+      CloseFd(&ps.rank_fd);
+      note(UnlinkIfPresent(ps.job_fd, rank_name.c_str(), AT_REMOVEDIR, ps.rank_dir));
+    }
+    // The job directory is shared with the node's other ranks: the last one out removes it.
+    if (ps.job_fd >= 0 && (all || ps.created_job_dir)) {
+      CloseFd(&ps.job_fd);
+      if (::unlinkat(ps.path_fd, job_name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOTEMPTY &&
+          errno != EEXIST && errno != ENOENT && errno != EBUSY) {
+        note(ErrnoError(errno, fmt::format("swap store: remove {}", ps.job_dir)));
+      }
+    }
+  }
+  return first;
+}
+
+void SwapStore::CloseDescriptors() {
+  for (PathState& ps : paths_) {
+    CloseFd(&ps.rank_fd);
+    CloseFd(&ps.job_fd);
+    CloseFd(&ps.path_fd);
+  }
+}
+
+Status SwapStore::Close() {
+  if (closed_) return OkStatus();
+  closed_ = true;
+  Status first = OkStatus();
+  if (options_.keep) {
+    for (PathState& ps : paths_) {
+      Status s = Annotate(ps.file.Sync(), "swap store: sync at close: ");
+      if (!s && first) first = std::move(s);
+    }
+    for (PathState& ps : paths_) {
+      Status s = Annotate(ps.file.Close(), "swap store: close: ");
+      if (!s && first) first = std::move(s);
+    }
+    ZINF_LOG_INFO("swap store {} kept (keep_swap)", paths_[0].rank_dir);
+  } else {
+    Status s = RemoveStore(/*all=*/true);
+    if (!s && first) first = std::move(s);
+  }
+  CloseDescriptors();
+  return first;
+}
+
+}  // namespace zinf::storage

@@ -1,0 +1,676 @@
+#include "zinf/storage/swap_store.h"
+
+#include <fcntl.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "testing/status_matchers.h"
+#include "testing/test_env.h"
+#include "zinf/core/units.h"
+#include "zinf/storage/aligned_buffer.h"
+#include "zinf/storage/io_engine.h"
+
+namespace zinf::storage {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::zinf::testing::IsOk;
+using ::zinf::testing::ScratchDir;
+using ::zinf::testing::StatusIs;
+
+namespace fs = std::filesystem;
+
+std::string UniqueJob(const std::string& tag) { return fmt::format("{}-{}", tag, ::getpid()); }
+
+SwapStoreOptions MakeOptions(std::vector<std::string> paths, const std::string& job,
+                             std::uint64_t stripe_unit_bytes = 64 * kKiB) {
+  SwapStoreOptions options;
+  options.paths = std::move(paths);
+  options.job_id = job;
+  options.world_rank = 3;
+  options.stripe_unit_bytes = stripe_unit_bytes;
+  return options;
+}
+
+// Deterministic bytes that differ per tensor and per position.
+std::vector<std::byte> Pattern(const std::string& name, std::uint64_t size_bytes) {
+  std::uint64_t state = std::hash<std::string>{}(name) | 1;
+  std::vector<std::byte> out(size_bytes);
+  for (std::uint64_t i = 0; i < size_bytes; ++i) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    out[i] = static_cast<std::byte>(state >> 56);
+  }
+  return out;
+}
+
+std::vector<std::byte> RawRead(const std::string& path, std::uint64_t offset_bytes,
+                               std::uint64_t length_bytes) {
+  std::vector<std::byte> out(length_bytes);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  EXPECT_GE(fd, 0) << path << ": " << std::strerror(errno);
+  if (fd < 0) return out;
+  const ssize_t n = ::pread(fd, out.data(), length_bytes, static_cast<off_t>(offset_bytes));
+  EXPECT_EQ(n, static_cast<ssize_t>(length_bytes)) << path;
+  ::close(fd);
+  return out;
+}
+
+mode_t ModeOf(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
+  return st.st_mode & 07777;
+}
+
+Result<AlignedBuffer> IoBuffer(const SwapStore& store, std::uint64_t size_bytes) {
+  BufferOptions options;
+  options.alignment = std::bit_ceil(std::max<std::uint64_t>(store.alignment(), 4096));
+  options.register_cuda = false;
+  return AlignedBuffer::Allocate(std::max<std::uint64_t>(size_bytes, 1), options);
+}
+
+Result<std::unique_ptr<IoEngine>> MakeEngine(const std::string& dir) {
+  AioOptions aio;
+  aio.block_size = 64 * kKiB;
+  aio.queue_depth = 8;
+  return CreateIoEngine(EngineKind::kAuto, aio, dir);
+}
+
+const std::vector<TensorSpec> kOddTensors = {
+    {"sg0/fp32", 1},
+    {"sg0/exp_avg", 4095},
+    {"sg0/exp_avg_sq", 4097},
+    {"sg0/grad", 100'003},
+    {"sg1/fp32", 3 * 64 * 1024 + 17},
+    {"sg1/exp_avg", 64 * 1024},
+    {"sg1/exp_avg_sq", 12345},
+    {"sg1/grad", 2 * 64 * 1024 - 1},
+};
+
+class SwapStoreEngineTest : public ::testing::TestWithParam<EngineKind> {};
+
+TEST_P(SwapStoreEngineTest, OddSizedTensorsRoundTrip) {
+  ScratchDir dir("swap");
+  ZINF_ASSERT_OK_AND_ASSIGN(auto store,
+                            SwapStore::Open(MakeOptions({dir.path()}, UniqueJob("roundtrip"))));
+  ZINF_ASSERT_OK(store->Reserve(kOddTensors));
+  AioOptions aio;
+  aio.block_size = 64 * kKiB;
+  auto engine_or = CreateIoEngine(GetParam(), aio, dir.path());
+  if (!engine_or && engine_or.error().code() == ErrorCode::kUnimplemented) {
+    GTEST_SKIP() << "engine unavailable: " << engine_or.error().ToString();
+  }
+  ZINF_ASSERT_OK(engine_or);
+  std::unique_ptr<IoEngine> engine = std::move(*engine_or);
+
+  std::vector<AlignedBuffer> buffers;
+  for (const TensorSpec& spec : kOddTensors) {
+    ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent(spec.name));
+    EXPECT_EQ(extent.size_bytes, spec.size_bytes);
+    EXPECT_EQ(extent.io_size_bytes, AlignUp(spec.size_bytes, store->alignment()));
+    ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, extent.io_size_bytes));
+    const std::vector<std::byte> data = Pattern(spec.name, spec.size_bytes);
+    std::memcpy(buffer.data(), data.data(), data.size());
+    ZINF_ASSERT_OK(store->SubmitWrite(spec.name, buffer.span(), *engine));
+    buffers.push_back(std::move(buffer));
+  }
+  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(store->Sync());
+
+  for (std::size_t i = 0; i < kOddTensors.size(); ++i) {
+    std::memset(buffers[i].data(), 0xee, buffers[i].size());
+    ZINF_ASSERT_OK(store->SubmitRead(kOddTensors[i].name, buffers[i].span(), *engine));
+  }
+  ZINF_ASSERT_OK(engine->WaitAll());
+  for (std::size_t i = 0; i < kOddTensors.size(); ++i) {
+    const TensorSpec& spec = kOddTensors[i];
+    const std::vector<std::byte> expected = Pattern(spec.name, spec.size_bytes);
+    EXPECT_EQ(std::memcmp(buffers[i].data(), expected.data(), expected.size()), 0) << spec.name;
+    // The synchronous path reads the same bytes.
+    std::vector<std::byte> out(spec.size_bytes);
+    ZINF_ASSERT_OK(store->Read(spec.name, out));
+    EXPECT_EQ(out, expected) << spec.name;
+  }
+  ZINF_EXPECT_OK(store->Close());
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, SwapStoreEngineTest,
+                         ::testing::Values(EngineKind::kPosix, EngineKind::kUring),
+                         [](const ::testing::TestParamInfo<EngineKind>& param_info) {
+                           return std::string(EngineKindName(param_info.param));
+                         });
+
+TEST(SwapStore, SynchronousWriteThenAsynchronousRead) {
+  ScratchDir dir("swap");
+  ZINF_ASSERT_OK_AND_ASSIGN(auto store,
+                            SwapStore::Open(MakeOptions({dir.path()}, UniqueJob("sync"))));
+  ZINF_ASSERT_OK(store->Reserve(kOddTensors));
+  for (const TensorSpec& spec : kOddTensors) {
+    ZINF_ASSERT_OK(store->Write(spec.name, Pattern(spec.name, spec.size_bytes)));
+  }
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, MakeEngine(dir.path()));
+  for (const TensorSpec& spec : kOddTensors) {
+    ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent(spec.name));
+    ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, extent.io_size_bytes));
+    ZINF_ASSERT_OK(store->SubmitRead(spec.name, buffer.span(), *engine));
+    ZINF_ASSERT_OK(engine->WaitAll());
+    const std::vector<std::byte> expected = Pattern(spec.name, spec.size_bytes);
+    EXPECT_EQ(std::memcmp(buffer.data(), expected.data(), expected.size()), 0) << spec.name;
+  }
+}
+
+TEST(SwapStore, StripesUnitsRoundRobinAcrossThreePaths) {
+  ScratchDir a("swap-a"), b("swap-b"), c("swap-c");
+  constexpr std::uint64_t kUnit = 4096;
+  const std::string job = UniqueJob("stripe");
+  ZINF_ASSERT_OK_AND_ASSIGN(
+      auto store, SwapStore::Open(MakeOptions({a.path(), b.path(), c.path()}, job, kUnit)));
+  const std::vector<TensorSpec> specs = {
+      {"t0", 5 * kUnit + 100}, {"t1", 2 * kUnit}, {"t2", 1}, {"t3", 4 * kUnit - 7}};
+  ZINF_ASSERT_OK(store->Reserve(specs));
+  EXPECT_EQ(store->total_units(), 6u + 2u + 1u + 4u);
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, MakeEngine(a.path()));
+  std::vector<AlignedBuffer> buffers;
+  for (const TensorSpec& spec : specs) {
+    ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent(spec.name));
+    ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, extent.io_size_bytes));
+    const std::vector<std::byte> data = Pattern(spec.name, spec.size_bytes);
+    std::memcpy(buffer.data(), data.data(), data.size());
+    ZINF_ASSERT_OK_AND_ASSIGN(std::vector<std::uint64_t> ids,
+                              store->SubmitWrite(spec.name, buffer.span(), *engine));
+    // One request per stripe unit: consecutive units never sit side by side in one file.
+    EXPECT_EQ(ids.size(), extent.num_units) << spec.name;
+    buffers.push_back(std::move(buffer));
+  }
+  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(store->Sync());
+
+  const std::vector<std::string> files = {a.path() + "/zinf-" + job + "/rank3/swap.bin",
+                                          b.path() + "/zinf-" + job + "/rank3/swap.bin",
+                                          c.path() + "/zinf-" + job + "/rank3/swap.bin"};
+  // 13 units: paths 0, 1, 2 hold 5, 4, 4 units.
+  EXPECT_EQ(fs::file_size(files[0]), 5 * kUnit);
+  EXPECT_EQ(fs::file_size(files[1]), 4 * kUnit);
+  EXPECT_EQ(fs::file_size(files[2]), 4 * kUnit);
+  for (const TensorSpec& spec : specs) {
+    ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent(spec.name));
+    const std::vector<std::byte> data = Pattern(spec.name, spec.size_bytes);
+    for (std::uint64_t i = 0; i < extent.num_units; ++i) {
+      const std::uint64_t g = extent.first_unit + i;
+      const std::uint64_t length = std::min(kUnit, spec.size_bytes - i * kUnit);
+      const std::vector<std::byte> raw = RawRead(files[g % 3], (g / 3) * kUnit, length);
+      EXPECT_TRUE(std::equal(raw.begin(), raw.end(), data.begin() + i * kUnit))
+          << spec.name << " unit " << i << " (global " << g << ") in " << files[g % 3];
+    }
+  }
+}
+
+TEST(SwapStore, DirectoriesAre0700AndFiles0600WhateverTheUmask) {
+  ScratchDir dir("swap");
+  const std::string job = UniqueJob("modes");
+  const std::string job_dir = dir.path() + "/zinf-" + job;
+  // A job directory left too open (e.g. by another rank's older run) is tightened.
+  ASSERT_EQ(::mkdir(job_dir.c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(job_dir.c_str(), 0777), 0);
+  const mode_t old_umask = ::umask(0);
+  auto store = SwapStore::Open(MakeOptions({dir.path()}, job));
+  ::umask(old_umask);
+  ZINF_ASSERT_OK(store);
+  ZINF_ASSERT_OK((*store)->Reserve({{"x", 5000}}));
+  EXPECT_EQ(ModeOf(job_dir), 0700u);
+  EXPECT_EQ(ModeOf(job_dir + "/rank3"), 0700u);
+  EXPECT_EQ(ModeOf(job_dir + "/rank3/swap.bin"), 0600u);
+  EXPECT_EQ(ModeOf(job_dir + "/rank3/manifest"), 0600u);
+  EXPECT_EQ((*store)->directory(0), job_dir + "/rank3");
+}
+
+TEST(SwapStore, RefusesSymlinkedPath) {
+  ScratchDir dir("swap");
+  ASSERT_EQ(::mkdir(dir.Join("real").c_str(), 0700), 0);
+  ASSERT_EQ(::symlink(dir.Join("real").c_str(), dir.Join("link").c_str()), 0);
+  EXPECT_THAT(SwapStore::Open(MakeOptions({dir.Join("link")}, UniqueJob("symlink"))),
+              StatusIs(ErrorCode::kFailedPrecondition,
+                       AllOf(HasSubstr(dir.Join("link")), HasSubstr("symbolic link"))));
+  // A trailing slash must not sneak past O_NOFOLLOW.
+  EXPECT_THAT(SwapStore::Open(MakeOptions({dir.Join("link") + "/"}, UniqueJob("symlink"))),
+              StatusIs(ErrorCode::kFailedPrecondition));
+  EXPECT_TRUE(fs::is_empty(dir.Join("real")));
+}
+
+TEST(SwapStore, RefusesSymlinkedJobAndRankDirectories) {
+  ScratchDir dir("swap"), elsewhere("swap-elsewhere");
+  const std::string job = UniqueJob("symlink2");
+  const std::string job_dir = dir.path() + "/zinf-" + job;
+  ASSERT_EQ(::symlink(elsewhere.path().c_str(), job_dir.c_str()), 0);
+  EXPECT_THAT(SwapStore::Open(MakeOptions({dir.path()}, job)),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr(job_dir)));
+  EXPECT_TRUE(fs::is_empty(elsewhere.path()));
+
+  ASSERT_EQ(::unlink(job_dir.c_str()), 0);
+  ASSERT_EQ(::mkdir(job_dir.c_str(), 0700), 0);
+  ASSERT_EQ(::symlink(elsewhere.path().c_str(), (job_dir + "/rank3").c_str()), 0);
+  SwapStoreOptions options = MakeOptions({dir.path()}, job);
+  options.resume = true;
+  EXPECT_THAT(SwapStore::Open(options),
+              StatusIs(ErrorCode::kFailedPrecondition,
+                       AllOf(HasSubstr(job_dir + "/rank3"), HasSubstr("symbolic link"))));
+  EXPECT_TRUE(fs::is_empty(elsewhere.path()));
+  // The failed open removed nothing it did not create.
+  EXPECT_TRUE(fs::is_symlink(job_dir + "/rank3"));
+}
+
+TEST(SwapStore, RefusesStoreOwnedByAnotherUser) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to chown a directory to another uid";
+  ScratchDir dir("swap");
+  SwapStoreOptions options = MakeOptions({dir.path()}, UniqueJob("owner"));
+  options.keep = true;
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+    ZINF_ASSERT_OK(store->Close());
+  }
+  const std::string rank_dir = dir.path() + "/zinf-" + options.job_id + "/rank3";
+  ASSERT_EQ(::chown(rank_dir.c_str(), 65534, 65534), 0) << std::strerror(errno);
+  options.resume = true;
+  EXPECT_THAT(SwapStore::Open(options),
+              StatusIs(ErrorCode::kFailedPrecondition,
+                       AllOf(HasSubstr(rank_dir), HasSubstr("owned by uid 65534"))));
+  options.resume = false;
+  EXPECT_THAT(SwapStore::Open(options), StatusIs(ErrorCode::kFailedPrecondition));
+  EXPECT_TRUE(fs::exists(rank_dir + "/swap.bin"));
+}
+
+TEST(SwapStore, ExistingStoreWithoutResumeIsAlreadyExists) {
+  ScratchDir dir("swap");
+  const SwapStoreOptions options = MakeOptions({dir.path()}, UniqueJob("exists"));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto first, SwapStore::Open(options));
+  ZINF_ASSERT_OK(first->Reserve({{"x", 100}}));
+  ZINF_ASSERT_OK(first->Write("x", Pattern("x", 100)));
+  EXPECT_THAT(
+      SwapStore::Open(options),
+      StatusIs(ErrorCode::kAlreadyExists, AllOf(HasSubstr(first->directory(0)),
+                                                HasSubstr(options.job_id), HasSubstr("resume"))));
+  // The refused instance left the running one alone.
+  std::vector<std::byte> out(100);
+  ZINF_ASSERT_OK(first->Read("x", out));
+  EXPECT_EQ(out, Pattern("x", 100));
+  // Another job on the same path gets its own store.
+  ZINF_ASSERT_OK_AND_ASSIGN(auto other,
+                            SwapStore::Open(MakeOptions({dir.path()}, UniqueJob("exists2"))));
+  EXPECT_NE(other->directory(0), first->directory(0));
+}
+
+TEST(SwapStore, ResumeReopensAndDataSurvives) {
+  ScratchDir a("swap-a"), b("swap-b");
+  SwapStoreOptions options = MakeOptions({a.path(), b.path()}, UniqueJob("resume"), 4096);
+  options.keep = true;
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+    EXPECT_FALSE(store->resumed());
+    ZINF_ASSERT_OK(store->Reserve(kOddTensors));
+    for (const TensorSpec& spec : kOddTensors) {
+      ZINF_ASSERT_OK(store->Write(spec.name, Pattern(spec.name, spec.size_bytes)));
+    }
+    ZINF_ASSERT_OK(store->Close());
+  }
+  options.resume = true;
+  {
+    // A different layout is refused, and nothing of it is reserved.
+    ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+    EXPECT_TRUE(store->resumed());
+    std::vector<TensorSpec> changed = kOddTensors;
+    changed[2].size_bytes += 1;
+    EXPECT_THAT(store->Reserve(changed),
+                StatusIs(ErrorCode::kFailedPrecondition,
+                         AllOf(HasSubstr(kOddTensors[2].name), HasSubstr("layout changed"))));
+    EXPECT_THAT(store->Extent(kOddTensors[0].name), StatusIs(ErrorCode::kNotFound));
+    ZINF_ASSERT_OK(store->Close());  // keep: the store stays
+  }
+  {
+    // A different stripe unit is refused at Open.
+    SwapStoreOptions other_unit = options;
+    other_unit.stripe_unit_bytes = 8192;
+    EXPECT_THAT(SwapStore::Open(other_unit),
+                StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("stripe_unit_bytes 4096")));
+  }
+  options.keep = false;
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+    EXPECT_TRUE(store->resumed());
+    ZINF_ASSERT_OK(store->Reserve(kOddTensors));
+    for (const TensorSpec& spec : kOddTensors) {
+      std::vector<std::byte> out(spec.size_bytes);
+      ZINF_ASSERT_OK(store->Read(spec.name, out));
+      EXPECT_EQ(out, Pattern(spec.name, spec.size_bytes)) << spec.name;
+    }
+    // New tensors after the resumed ones extend the store.
+    ZINF_ASSERT_OK(store->Reserve({{"extra", 10'000}}));
+    ZINF_ASSERT_OK(store->Write("extra", Pattern("extra", 10'000)));
+    std::vector<std::byte> out(10'000);
+    ZINF_ASSERT_OK(store->Read("extra", out));
+    EXPECT_EQ(out, Pattern("extra", 10'000));
+    ZINF_ASSERT_OK(store->Close());
+  }
+  EXPECT_FALSE(fs::exists(a.path() + "/zinf-" + options.job_id));
+  EXPECT_FALSE(fs::exists(b.path() + "/zinf-" + options.job_id));
+}
+
+TEST(SwapStore, ResumeOfTruncatedStoreIsDataLoss) {
+  ScratchDir dir("swap");
+  SwapStoreOptions options = MakeOptions({dir.path()}, UniqueJob("truncated"), 4096);
+  options.keep = true;
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+    ZINF_ASSERT_OK(store->Reserve({{"x", 3 * 4096}}));
+    ZINF_ASSERT_OK(store->Close());
+  }
+  const std::string file = dir.path() + "/zinf-" + options.job_id + "/rank3/swap.bin";
+  fs::resize_file(file, 4096);
+  options.resume = true;
+  ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+  EXPECT_THAT(store->Reserve({{"x", 3 * 4096}}),
+              StatusIs(ErrorCode::kDataLoss, AllOf(HasSubstr(file), HasSubstr("truncated"))));
+}
+
+TEST(SwapStore, PreflightRefusesMoreThanAvailableWithoutAllocating) {
+  ScratchDir a("swap-a"), b("swap-b");
+  struct statvfs vfs {};
+  ASSERT_EQ(::statvfs(a.path().c_str(), &vfs), 0);
+  const std::uint64_t available = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  const std::uint64_t unit = 1 * kMiB;
+  SwapStoreOptions options = MakeOptions({a.path(), b.path()}, UniqueJob("preflight"), unit);
+  // Two paths on one file system: each needs ~60% of the free space, together 120%.
+  const std::uint64_t half = AlignUp(available * 6 / 10, 2 * unit);
+  const std::vector<TensorSpec> specs = {{"big", 2 * half}};
+
+  ZINF_ASSERT_OK_AND_ASSIGN(std::vector<PathSpace> plan, SwapStore::PlanSpace(options, specs));
+  ASSERT_EQ(plan.size(), 2u);
+  EXPECT_EQ(plan[0].device_id, plan[1].device_id);
+  EXPECT_EQ(plan[0].needed_bytes, half);
+  EXPECT_EQ(plan[1].needed_bytes, half);
+  EXPECT_EQ(plan[0].fs_needed_bytes, 2 * half);
+  EXPECT_THAT(SwapStore::CheckSpace(plan),
+              StatusIs(ErrorCode::kResourceExhausted,
+                       AllOf(HasSubstr(a.path()), HasSubstr(b.path()),
+                             HasSubstr(FormatBytes(2 * half)), HasSubstr("available"))));
+
+  ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+  EXPECT_THAT(store->Reserve(specs),
+              StatusIs(ErrorCode::kResourceExhausted,
+                       AllOf(HasSubstr(a.path()), HasSubstr(FormatBytes(half)),
+                             HasSubstr(FormatBytes(2 * half)), HasSubstr("available"))));
+  EXPECT_EQ(fs::file_size(store->file(0).path()), 0u);
+  EXPECT_EQ(fs::file_size(store->file(1).path()), 0u);
+  EXPECT_THAT(store->Extent("big"), StatusIs(ErrorCode::kNotFound));
+  // A small reservation still works afterwards.
+  ZINF_EXPECT_OK(store->Reserve({{"small", 3 * unit}}));
+  EXPECT_EQ(fs::file_size(store->file(0).path()), 2 * unit);
+  EXPECT_EQ(fs::file_size(store->file(1).path()), 1 * unit);
+}
+
+TEST(SwapStore, VerifySwapCatchesACorruptedByte) {
+  ScratchDir a("swap-a"), b("swap-b");
+  SwapStoreOptions options = MakeOptions({a.path(), b.path()}, UniqueJob("verify"), 4096);
+  options.verify_swap = true;
+  ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+  const std::uint64_t size = 5 * 4096 + 123;
+  ZINF_ASSERT_OK(store->Reserve({{"pad", 100}, {"sg0/exp_avg", size}}));
+  const std::vector<std::byte> data = Pattern("sg0/exp_avg", size);
+  ZINF_ASSERT_OK(store->Write("sg0/exp_avg", data));
+  std::vector<std::byte> out(size);
+  ZINF_ASSERT_OK(store->Read("sg0/exp_avg", out));
+  ZINF_ASSERT_OK(store->Sync());
+
+  // Unit 2 of the tensor is global unit 1 + 2 = 3: path 1, file offset 4096.
+  ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent("sg0/exp_avg"));
+  ASSERT_EQ(extent.first_unit, 1u);
+  const std::string file = store->file(1).path();
+  {
+    const int fd = ::open(file.c_str(), O_RDWR | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    const std::byte flipped = data[2 * 4096 + 77] ^ std::byte{0x40};
+    ASSERT_EQ(::pwrite(fd, &flipped, 1, 4096 + 77), 1);
+    ASSERT_EQ(::fsync(fd), 0);
+    ::close(fd);
+  }
+  EXPECT_THAT(store->Read("sg0/exp_avg", out),
+              StatusIs(ErrorCode::kDataLoss,
+                       AllOf(HasSubstr("sg0/exp_avg"), HasSubstr(file), HasSubstr("offset 4096"),
+                             HasSubstr("checksum mismatch"))));
+
+  // The asynchronous path: read, then VerifyRead.
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, MakeEngine(a.path()));
+  ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, extent.io_size_bytes));
+  ZINF_ASSERT_OK(store->SubmitRead("sg0/exp_avg", buffer.span(), *engine));
+  ZINF_ASSERT_OK(engine->WaitAll());
+  const auto bytes = std::span<const std::byte>(buffer.span()).first(size);
+  EXPECT_THAT(store->VerifyRead("sg0/exp_avg", bytes), StatusIs(ErrorCode::kDataLoss));
+  // Units not covered by the corruption verify fine on their own.
+  ZINF_EXPECT_OK(store->VerifyRead("sg0/exp_avg", bytes.first(2 * 4096)));
+  // Rewriting the tensor records fresh checksums.
+  ZINF_ASSERT_OK(store->Write("sg0/exp_avg", data));
+  ZINF_EXPECT_OK(store->Read("sg0/exp_avg", out));
+  EXPECT_EQ(out, data);
+}
+
+TEST(SwapStore, RangeWritesStreamChunksAndMisalignedRangesAreRefused) {
+  ScratchDir dir("swap");
+  SwapStoreOptions options = MakeOptions({dir.path()}, UniqueJob("range"), 64 * kKiB);
+  options.verify_swap = true;
+  ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+  const std::uint64_t size = 5 * 64 * kKiB + 999;
+  ZINF_ASSERT_OK(store->Reserve({{"t", size}}));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, MakeEngine(dir.path()));
+  const std::vector<std::byte> data = Pattern("t", size);
+  const std::uint64_t chunk = 2 * 64 * kKiB;
+  ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, chunk));
+  for (std::uint64_t offset = 0; offset < size; offset += chunk) {
+    const std::uint64_t length = std::min(chunk, size - offset);
+    std::memcpy(buffer.data(), data.data() + offset, length);
+    ZINF_ASSERT_OK(store->SubmitWriteRange("t", offset, length, buffer.span(), *engine));
+    ZINF_ASSERT_OK(engine->WaitAll());
+  }
+  std::vector<std::byte> out(size);
+  ZINF_ASSERT_OK(store->Read("t", out));  // checksums recorded per chunk match
+  EXPECT_EQ(out, data);
+
+  // Read a middle chunk back asynchronously.
+  ZINF_ASSERT_OK(store->SubmitReadRange("t", chunk, chunk, buffer.span(), *engine));
+  ZINF_ASSERT_OK(engine->WaitAll());
+  EXPECT_EQ(std::memcmp(buffer.data(), data.data() + chunk, chunk), 0);
+  ZINF_EXPECT_OK(
+      store->VerifyRead("t", std::span<const std::byte>(buffer.span()).first(chunk), chunk));
+
+  EXPECT_THAT(store->SubmitReadRange("t", size, 1, buffer.span(), *engine),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("outside")));
+  EXPECT_THAT(store->SubmitRead("t", buffer.span(), *engine),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("buffer of")));
+  if (store->alignment() > 1) {
+    EXPECT_THAT(store->SubmitReadRange("t", 1, 4096, buffer.span(), *engine),
+                StatusIs(ErrorCode::kInvalidArgument, HasSubstr("not aligned")));
+    EXPECT_THAT(store->SubmitReadRange("t", 0, store->alignment() + 1, buffer.span(), *engine),
+                StatusIs(ErrorCode::kInvalidArgument, HasSubstr("not aligned")));
+    EXPECT_THAT(store->SubmitReadRange("t", 0, 4096, buffer.span().subspan(1), *engine),
+                StatusIs(ErrorCode::kInvalidArgument, HasSubstr("not aligned")));
+  }
+  EXPECT_EQ(engine->pending(), 0u);
+}
+
+TEST(SwapStore, CloseRemovesTheStoreUnlessKeep) {
+  ScratchDir dir("swap");
+  const SwapStoreOptions options = MakeOptions({dir.path()}, UniqueJob("cleanup"));
+  const std::string job_dir = dir.path() + "/zinf-" + options.job_id;
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+    ZINF_ASSERT_OK(store->Reserve({{"x", 1000}}));
+    EXPECT_TRUE(fs::exists(job_dir + "/rank3/swap.bin"));
+    ZINF_ASSERT_OK(store->Close());
+    ZINF_EXPECT_OK(store->Close());  // idempotent
+    EXPECT_FALSE(fs::exists(job_dir));
+  }
+  {
+    // The destructor cleans up too; the job directory stays while another rank uses it.
+    ASSERT_EQ(::mkdir(job_dir.c_str(), 0700), 0);
+    ASSERT_EQ(::mkdir((job_dir + "/rank0").c_str(), 0700), 0);
+    ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+    store.reset();
+    EXPECT_FALSE(fs::exists(job_dir + "/rank3"));
+    EXPECT_TRUE(fs::exists(job_dir + "/rank0"));
+    fs::remove_all(job_dir);
+  }
+  {
+    SwapStoreOptions keep = options;
+    keep.keep = true;
+    ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(keep));
+    ZINF_ASSERT_OK(store->Reserve({{"x", 1000}}));
+    ZINF_ASSERT_OK(store->Close());
+    EXPECT_TRUE(fs::exists(job_dir + "/rank3/swap.bin"));
+  }
+}
+
+TEST(SwapStore, InvalidOptionsAreRefused) {
+  ScratchDir dir("swap");
+  for (const char* job : {"", "../x", "a/b", "a..b", "..", "job id", "x\n"}) {
+    EXPECT_THAT(SwapStore::Open(MakeOptions({dir.path()}, job)),
+                StatusIs(ErrorCode::kInvalidArgument))
+        << "'" << job << "'";
+  }
+  EXPECT_THAT(SwapStore::Open(MakeOptions({}, "j")), StatusIs(ErrorCode::kInvalidArgument));
+  EXPECT_THAT(SwapStore::Open(MakeOptions({dir.path(), dir.path() + "/"}, "j")),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("twice")));
+  EXPECT_THAT(SwapStore::Open(MakeOptions({dir.Join("missing")}, "j")),
+              StatusIs(ErrorCode::kNotFound, HasSubstr(dir.Join("missing"))));
+  EXPECT_THAT(SwapStore::Open(MakeOptions({dir.path()}, "j", 0)),
+              StatusIs(ErrorCode::kInvalidArgument));
+  EXPECT_TRUE(fs::is_empty(dir.path()));
+
+  ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(MakeOptions({dir.path()}, "j")));
+  const std::uint64_t alignment = store->alignment();
+  EXPECT_THAT(store->Reserve({{"a b", 10}}), StatusIs(ErrorCode::kInvalidArgument));
+  EXPECT_THAT(store->Reserve({{"", 10}}), StatusIs(ErrorCode::kInvalidArgument));
+  EXPECT_THAT(store->Reserve({{"x", 10}, {"x", 20}}), StatusIs(ErrorCode::kAlreadyExists));
+  ZINF_ASSERT_OK(store->Reserve({{"x", 10}}));
+  EXPECT_THAT(store->Reserve({{"x", 10}}), StatusIs(ErrorCode::kAlreadyExists));
+  EXPECT_THAT(store->Write("x", Pattern("x", 11)), StatusIs(ErrorCode::kInvalidArgument));
+  EXPECT_THAT(store->Write("y", Pattern("y", 10)), StatusIs(ErrorCode::kNotFound));
+  ZINF_ASSERT_OK(store->Close());
+
+  if (alignment > 1) {
+    EXPECT_THAT(SwapStore::Open(MakeOptions({dir.path()}, "j2", alignment + alignment / 2)),
+                StatusIs(ErrorCode::kInvalidArgument, HasSubstr("alignment")));
+    EXPECT_FALSE(fs::exists(dir.Join("zinf-j2")));
+  }
+}
+
+// Mounts a tmpfs of `size` for the lifetime of the object.
+class TmpfsMount {
+ public:
+  explicit TmpfsMount(const std::string& dir, const std::string& size) : dir_(dir) {
+    const std::string data = "size=" + size + ",mode=0755";
+    if (::mount("tmpfs", dir.c_str(), "tmpfs", 0, data.c_str()) == 0) {
+      mounted_ = true;
+    } else {
+      error_ = std::strerror(errno);
+    }
+  }
+  ~TmpfsMount() {
+    if (mounted_) ::umount2(dir_.c_str(), MNT_DETACH);
+  }
+  bool mounted() const { return mounted_; }
+  const std::string& error() const { return error_; }
+
+ private:
+  std::string dir_;
+  bool mounted_ = false;
+  std::string error_;
+};
+
+TEST(SwapStore, TinyTmpfsRoundTripsAndPreflightCatchesEnospc) {
+  ScratchDir dir("swap-tmpfs");
+  TmpfsMount mount(dir.path(), "2m");
+  if (!mount.mounted()) GTEST_SKIP() << "cannot mount a tmpfs here: " << mount.error();
+  SwapStoreOptions options = MakeOptions({dir.path()}, UniqueJob("tmpfs"), 64 * kKiB);
+  options.verify_swap = true;
+  ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+  // Older kernels have no O_DIRECT on tmpfs (the files fall back to buffered I/O); since Linux
+  // 6.6 tmpfs accepts it. Either way the store works; BufferedStoreWorks covers the fallback.
+  RecordProperty("tmpfs_direct", store->direct() ? "yes" : "no");
+  ZINF_ASSERT_OK(store->Reserve({{"a", 300'001}}));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, MakeEngine(dir.path()));
+  ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent("a"));
+  ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, extent.io_size_bytes));
+  const std::vector<std::byte> data = Pattern("a", 300'001);
+  std::memcpy(buffer.data(), data.data(), data.size());
+  ZINF_ASSERT_OK(store->SubmitWrite("a", buffer.span(), *engine));
+  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(store->Sync());
+  std::vector<std::byte> out(data.size());
+  ZINF_ASSERT_OK(store->Read("a", out));
+  EXPECT_EQ(out, data);
+
+  // 4 MiB more cannot fit in 2 MiB: refused before fallocate could hit ENOSPC.
+  EXPECT_THAT(store->Reserve({{"b", 4 * kMiB}}),
+              StatusIs(ErrorCode::kResourceExhausted,
+                       AllOf(HasSubstr(dir.path()), HasSubstr(FormatBytes(4 * kMiB)),
+                             HasSubstr("available"))));
+  EXPECT_EQ(fs::file_size(store->file(0).path()), extent.padded_size_bytes);
+  ZINF_ASSERT_OK(store->Close());
+  EXPECT_TRUE(fs::is_empty(dir.path()));
+}
+
+TEST(SwapStore, BufferedStoreWorks) {
+  // direct = false forces what File does where O_DIRECT is unsupported: buffered I/O with
+  // alignment 1, made durable by Sync().
+  ScratchDir a("swap-a"), b("swap-b");
+  SwapStoreOptions options = MakeOptions({a.path(), b.path()}, UniqueJob("buffered"), 4096);
+  options.direct = false;
+  options.verify_swap = true;
+  ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+  EXPECT_FALSE(store->direct());
+  EXPECT_EQ(store->alignment(), 1u);
+  ZINF_ASSERT_OK(store->Reserve(kOddTensors));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, MakeEngine(a.path()));
+  std::vector<AlignedBuffer> buffers;
+  for (const TensorSpec& spec : kOddTensors) {
+    ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent(spec.name));
+    EXPECT_EQ(extent.io_size_bytes, spec.size_bytes);
+    ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, extent.io_size_bytes));
+    const std::vector<std::byte> data = Pattern(spec.name, spec.size_bytes);
+    std::memcpy(buffer.data(), data.data(), data.size());
+    ZINF_ASSERT_OK(store->SubmitWrite(spec.name, buffer.span(), *engine));
+    buffers.push_back(std::move(buffer));
+  }
+  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(store->Sync());
+  for (const TensorSpec& spec : kOddTensors) {
+    std::vector<std::byte> out(spec.size_bytes);
+    ZINF_ASSERT_OK(store->Read(spec.name, out));
+    EXPECT_EQ(out, Pattern(spec.name, spec.size_bytes)) << spec.name;
+  }
+  // An unaligned middle range is fine without O_DIRECT.
+  ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent("sg0/grad"));
+  ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, 1000));
+  ZINF_ASSERT_OK(store->SubmitReadRange("sg0/grad", 4097, 1000, buffer.span(), *engine));
+  ZINF_ASSERT_OK(engine->WaitAll());
+  const std::vector<std::byte> expected = Pattern("sg0/grad", extent.size_bytes);
+  EXPECT_EQ(std::memcmp(buffer.data(), expected.data() + 4097, 1000), 0);
+}
+
+}  // namespace
+}  // namespace zinf::storage
