@@ -14,7 +14,7 @@ namespace {
 constexpr EnvVarInfo kKnown[] = {
     {"ZINF_LOG_LEVEL", "trace|debug|info|warn|error|off: the lowest level printed (default info)"},
     {"ZINF_LOG_ALL_RANKS", "1: every rank prints INFO/DEBUG lines, not only rank 0"},
-    {"ZINF_FAULT_INJECT", "fault injection rules for the I/O engines (see README: Fault injection)"},
+    {"ZINF_FAULT_INJECT", "fault injection rules for the I/O engines (README.md, Fault injection)"},
     {"ZINF_IO_ENGINE", "uring|posix|auto: overrides zinf.io_engine"},
     {"ZINF_TEST_TMPDIR", "tests: directory for scratch files (default: TMPDIR, else /tmp)"},
 };
