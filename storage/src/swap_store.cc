@@ -823,6 +823,19 @@ Result<std::vector<std::uint64_t>> SwapStore::SubmitReadRange(std::string_view n
   return SubmitRange(IoOp::kRead, name, offset_bytes, length_bytes, buffer, engine);
 }
 
+namespace {
+
+// One stripe unit of aligned host memory for the synchronous Read/Write paths.
+Result<AlignedBuffer> AllocateBounce(std::uint64_t alignment, std::uint64_t stripe_unit_bytes) {
+  BufferOptions options;
+  options.alignment = std::bit_ceil(std::max<std::uint64_t>(alignment, 4096));
+  options.register_cuda = false;
+  options.zero = false;
+  return AlignedBuffer::Allocate(stripe_unit_bytes, options);
+}
+
+}  // namespace
+
 Status SwapStore::Write(std::string_view name, std::span<const std::byte> data) {
   if (closed_) return FailedPreconditionError("swap store: Write after Close");
   ZINF_ASSIGN_OR_RETURN(std::size_t index, Find(name));
@@ -832,12 +845,7 @@ Status SwapStore::Write(std::string_view name, std::span<const std::byte> data) 
                                             data.size(), t.extent.name, t.extent.size_bytes));
   }
   if (data.empty()) return OkStatus();
-  BufferOptions buffer_options;
-  buffer_options.alignment = std::bit_ceil(std::max<std::uint64_t>(alignment_, 4096));
-  buffer_options.register_cuda = false;
-  buffer_options.zero = false;
-  ZINF_ASSIGN_OR_RETURN(AlignedBuffer bounce,
-                        AlignedBuffer::Allocate(options_.stripe_unit_bytes, buffer_options));
+  ZINF_ASSIGN_OR_RETURN(AlignedBuffer bounce, AllocateBounce(alignment_, options_.stripe_unit_bytes));
   // Forget old checksums first: a failed write leaves the units in an unknown state.
   RecordChecksums(index, 0, data, /*invalidate=*/true);
   for (const Segment& s : MapRange(t, 0, t.extent.io_size_bytes)) {
@@ -862,12 +870,7 @@ Status SwapStore::Read(std::string_view name, std::span<std::byte> out) {
                                             out.size(), t.extent.name, t.extent.size_bytes));
   }
   if (out.empty()) return OkStatus();
-  BufferOptions buffer_options;
-  buffer_options.alignment = std::bit_ceil(std::max<std::uint64_t>(alignment_, 4096));
-  buffer_options.register_cuda = false;
-  buffer_options.zero = false;
-  ZINF_ASSIGN_OR_RETURN(AlignedBuffer bounce,
-                        AlignedBuffer::Allocate(options_.stripe_unit_bytes, buffer_options));
+  ZINF_ASSIGN_OR_RETURN(AlignedBuffer bounce, AllocateBounce(alignment_, options_.stripe_unit_bytes));
   for (const Segment& s : MapRange(t, 0, t.extent.io_size_bytes)) {
     ZINF_RETURN_IF_ERROR(Annotate(
         PreadFull(paths_[s.path_index].file, bounce.data(), s.length_bytes, s.file_offset_bytes),

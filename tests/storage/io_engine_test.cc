@@ -31,6 +31,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::zinf::testing::IsOk;
 using ::zinf::testing::ScratchDir;
+using ::zinf::testing::TmpfsMount;
 using ::zinf::testing::StatusIs;
 
 void Fill(std::span<std::byte> data, std::uint64_t seed) {
@@ -438,31 +439,9 @@ TEST_P(EngineTest, RegisteredBuffersRoundTrip) {
 }
 
 // A real ENOSPC: a 4 MiB tmpfs mounted for the test.
-class TmpfsMount {
- public:
-  explicit TmpfsMount(const std::string& dir) : dir_(dir) {
-    ::mkdir(dir.c_str(), 0700);
-    if (::mount("tmpfs", dir.c_str(), "tmpfs", 0, "size=4m") != 0) {
-      error_ = fmt::format("mount -t tmpfs {}: {}", dir, std::strerror(errno));
-    } else {
-      mounted_ = true;
-    }
-  }
-  ~TmpfsMount() {
-    if (mounted_) ::umount2(dir_.c_str(), MNT_DETACH);
-  }
-  bool mounted() const { return mounted_; }
-  const std::string& error() const { return error_; }
-
- private:
-  std::string dir_;
-  bool mounted_ = false;
-  std::string error_;
-};
-
 TEST_P(EngineTest, RealEnospcOnSmallFileSystemIsResourceExhausted) {
   MAKE_OR_SKIP(engine, Make(Options(256 * kKiB, 4, 2)));
-  TmpfsMount mount(dir_.Join("tmpfs"));
+  TmpfsMount mount(dir_.Join("tmpfs"), "4m");
   if (!mount.mounted()) GTEST_SKIP() << "cannot mount a tmpfs (needs root): " << mount.error();
   OpenOptions options;
   options.mode = OpenMode::kCreate;

@@ -34,6 +34,7 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::zinf::testing::IsOk;
 using ::zinf::testing::ScratchDir;
+using ::zinf::testing::TmpfsMount;
 using ::zinf::testing::StatusIs;
 
 namespace fs = std::filesystem;
@@ -577,29 +578,6 @@ TEST(SwapStore, InvalidOptionsAreRefused) {
     EXPECT_FALSE(fs::exists(dir.Join("zinf-j2")));
   }
 }
-
-// Mounts a tmpfs of `size` for the lifetime of the object.
-class TmpfsMount {
- public:
-  explicit TmpfsMount(const std::string& dir, const std::string& size) : dir_(dir) {
-    const std::string data = "size=" + size + ",mode=0755";
-    if (::mount("tmpfs", dir.c_str(), "tmpfs", 0, data.c_str()) == 0) {
-      mounted_ = true;
-    } else {
-      error_ = std::strerror(errno);
-    }
-  }
-  ~TmpfsMount() {
-    if (mounted_) ::umount2(dir_.c_str(), MNT_DETACH);
-  }
-  bool mounted() const { return mounted_; }
-  const std::string& error() const { return error_; }
-
- private:
-  std::string dir_;
-  bool mounted_ = false;
-  std::string error_;
-};
 
 TEST(SwapStore, TinyTmpfsRoundTripsAndPreflightCatchesEnospc) {
   ScratchDir dir("swap-tmpfs");

@@ -1,6 +1,11 @@
 #include "testing/test_env.h"
 
 #include <stdlib.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <filesystem>
 #include <system_error>
@@ -25,6 +30,20 @@ ScratchDir::ScratchDir(const std::string& tag) {
 ScratchDir::~ScratchDir() {
   std::error_code ec;
   std::filesystem::remove_all(path_, ec);
+}
+
+TmpfsMount::TmpfsMount(const std::string& dir, const std::string& size) : dir_(dir) {
+  ::mkdir(dir.c_str(), 0700);
+  const std::string data = "size=" + size + ",mode=0755";
+  if (::mount("tmpfs", dir.c_str(), "tmpfs", 0, data.c_str()) == 0) {
+    mounted_ = true;
+  } else {
+    error_ = "mount -t tmpfs -o " + data + " " + dir + ": " + std::strerror(errno);
+  }
+}
+
+TmpfsMount::~TmpfsMount() {
+  if (mounted_) ::umount2(dir_.c_str(), MNT_DETACH);
 }
 
 }  // namespace zinf::testing
