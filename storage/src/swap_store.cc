@@ -845,7 +845,8 @@ Status SwapStore::Write(std::string_view name, std::span<const std::byte> data) 
                                             data.size(), t.extent.name, t.extent.size_bytes));
   }
   if (data.empty()) return OkStatus();
-  ZINF_ASSIGN_OR_RETURN(AlignedBuffer bounce, AllocateBounce(alignment_, options_.stripe_unit_bytes));
+  ZINF_ASSIGN_OR_RETURN(AlignedBuffer bounce,
+                        AllocateBounce(alignment_, options_.stripe_unit_bytes));
   // Forget old checksums first: a failed write leaves the units in an unknown state.
   RecordChecksums(index, 0, data, /*invalidate=*/true);
   for (const Segment& s : MapRange(t, 0, t.extent.io_size_bytes)) {
@@ -870,7 +871,8 @@ Status SwapStore::Read(std::string_view name, std::span<std::byte> out) {
                                             out.size(), t.extent.name, t.extent.size_bytes));
   }
   if (out.empty()) return OkStatus();
-  ZINF_ASSIGN_OR_RETURN(AlignedBuffer bounce, AllocateBounce(alignment_, options_.stripe_unit_bytes));
+  ZINF_ASSIGN_OR_RETURN(AlignedBuffer bounce,
+                        AllocateBounce(alignment_, options_.stripe_unit_bytes));
   for (const Segment& s : MapRange(t, 0, t.extent.io_size_bytes)) {
     ZINF_RETURN_IF_ERROR(Annotate(
         PreadFull(paths_[s.path_index].file, bounce.data(), s.length_bytes, s.file_offset_bytes),
