@@ -106,6 +106,7 @@ class BufferPool {
  private:
   friend class PoolLease;
   BufferPool() = default;
+  Result<PoolLease> Take(std::uint64_t numel, std::size_t count, bool all);
   void Return(const std::vector<std::size_t>& indices);
   Error Exhausted(std::size_t count, std::size_t free) const;
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Optimizer step with the Adam state on disk: synchronous vs pipelined swapper against the I/O
+# engine alone (zinf-bench step), and optionally the memory run: state 1.5x the machine's RAM,
+# peak RSS must stay within pool + 256 MiB.
+#
+#   launch/bench-step.sh [--path DIR] [--bin build/bin/zinf-bench] [--state 4G] [--memory-run]
+#
+# Writes JSON lines to stdout; logs and timer tables go to stderr. Needs free space for the state
+# plus one spare sub-group (and, for --memory-run, 1.5x RAM plus one sub-group: check df first).
+set -euo pipefail
+
+path=/tmp/zinf-bench-step
+bin=build/bin/zinf-bench
+state=4G
+sub_group=16M
+memory_run=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --path) path=$2; shift 2 ;;
+    --bin) bin=$2; shift 2 ;;
+    --state) state=$2; shift 2 ;;
+    --sub-group-size) sub_group=$2; shift 2 ;;
+    --memory-run) memory_run=1; shift ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$path"
+
+# 1. Both modes on the same state size; the JSON has seconds_per_step, io_only_seconds and
+#    step_over_io (target: pipelined <= 1.10, and pipelined faster than sync).
+"$bin" step --path "$path" --state-bytes "$state" --sub-group-size "$sub_group" --steps 3 --json
+
+if [[ $memory_run == 1 ]]; then
+  # 2. State of 1.5x RAM, pipelined, one timed step: peak_rss_bytes vs pool_bytes.
+  ram_kib=$(awk '/MemTotal/ {print $2}' /proc/meminfo)
+  big=$(( ram_kib * 1024 * 3 / 2 ))
+  need=$(( big + big / 8 ))
+  avail=$(( $(df --output=avail -k "$path" | tail -1) * 1024 ))
+  if (( avail < need )); then
+    echo "memory run: needs about $need bytes free in $path, $avail available" >&2
+    exit 1
+  fi
+  "$bin" step --path "$path" --state-bytes "$big" --sub-group-size "$sub_group" --pipeline \
+    --steps 1 --warmup 0 --json
+fi

@@ -1,0 +1,263 @@
+// zinf-bench step: timed optimizer steps of one rank whose Adam state (fp32, exp_avg,
+// exp_avg_sq: --state-bytes in total) lives on disk, through the synchronous and/or the
+// pipelined swapper, next to the time the I/O engine alone needs to move the same bytes.
+// One JSON line per mode on stdout with --json.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "bench_command.h"
+#include "zinf/comm/mpi_session.h"
+#include "zinf/core/log.h"
+#include "zinf/core/status.h"
+#include "zinf/core/units.h"
+#include "zinf/partition/layout.h"
+#include "zinf/partition/plan.h"
+#include "zinf/storage/io_engine.h"
+#include "zinf/swapper/optimizer_swapper.h"
+
+namespace zinf::bench {
+namespace {
+
+using swapper::OptimizerSwapper;
+using swapper::StateTensor;
+
+struct StepFlags {
+  std::string state_bytes = "4G";
+  std::string sub_group_size = "32M";
+  std::string path;
+  std::string budget;  // pinned budget; empty: the mode's minimum
+  bool pipeline = false;
+  bool sync = false;
+  bool json = false;
+  int steps = 3;
+  int warmup = 1;
+  int threads = 0;
+  std::string engine = "auto";
+  std::string block_size = "1M";
+  int queue_depth = 16;
+  int intra_op_parallelism = 1;
+  std::string stripe_unit = "1M";
+};
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::uint64_t PeakRssBytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
+}
+
+// The engine alone: reads every state tensor of every sub-group, then writes them back, with
+// all pool buffers in flight, through a fresh engine.
+Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::EngineKind kind,
+                                         const storage::AioOptions& aio, const std::string& dir) {
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<storage::IoEngine> engine,
+                        storage::CreateIoEngine(kind, aio, dir));
+  ZINF_ASSIGN_OR_RETURN(swapper::PoolLease lease, swapper.pool().AllocateAll(1));
+  ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(swapper.pool().AllBuffers()));
+  struct Item {
+    std::string name;
+    std::uint64_t bytes;
+  };
+  std::vector<Item> items;
+  for (std::size_t i = 0; i < swapper.num_sub_groups(); ++i) {
+    for (int t = 0; t < 3; ++t) {
+      items.push_back({OptimizerSwapper::SlotTensorName(swapper.slot_of(i),
+                                                        static_cast<StateTensor>(t)),
+                       swapper.swap_info(i).io_size_bytes});
+    }
+  }
+  double seconds[2] = {0, 0};
+  for (int phase = 0; phase < 2; ++phase) {
+    const double start = Now();
+    for (std::size_t first = 0; first < items.size(); first += lease.size()) {
+      const std::size_t n = std::min(lease.size(), items.size() - first);
+      for (std::size_t k = 0; k < n; ++k) {
+        const Item& item = items[first + k];
+        std::span<std::byte> buffer = lease.bytes(k).first(item.bytes);
+        Result<std::vector<std::uint64_t>> ids =
+            phase == 0 ? swapper.store().SubmitReadRange(item.name, 0, item.bytes, buffer, *engine)
+                       : swapper.store().SubmitWriteRange(
+                             item.name, 0, item.bytes,
+                             std::span<const std::byte>(buffer.data(), buffer.size()), *engine);
+        if (!ids) {
+          (void)engine->WaitAll();
+          return std::move(ids).error();
+        }
+      }
+      ZINF_RETURN_IF_ERROR(engine->WaitAll());
+    }
+    seconds[phase] = Now() - start;
+  }
+  return std::make_pair(seconds[0], seconds[1]);
+}
+
+Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags& flags,
+                               bool pipelined) {
+  ZINF_ASSIGN_OR_RETURN(std::uint64_t state_bytes, ParseBytes(flags.state_bytes));
+  ZINF_ASSIGN_OR_RETURN(std::uint64_t sub_group_numel, ParseBytes(flags.sub_group_size));
+  ZINF_ASSIGN_OR_RETURN(storage::EngineKind kind, storage::ParseEngineKind(flags.engine));
+  const std::uint64_t numel = std::max<std::uint64_t>(state_bytes / 12, 1);
+  ZINF_ASSIGN_OR_RETURN(partition::ParamLayout layout,
+                        partition::ParamLayout::Create(
+                            {{"state", {static_cast<std::int64_t>(numel)}}}));
+  ZINF_ASSIGN_OR_RETURN(partition::PartitionPlan plan,
+                        partition::PartitionPlan::CreateFlat(layout, 1, 1024));
+  swapper::SwapperOptions options;
+  options.store.paths = {flags.path};
+  options.store.job_id = fmt::format("bench-step-{}-{}", getpid(), pipelined ? "pipe" : "sync");
+  ZINF_ASSIGN_OR_RETURN(options.store.stripe_unit_bytes, ParseBytes(flags.stripe_unit));
+  ZINF_ASSIGN_OR_RETURN(options.aio.block_size, ParseBytes(flags.block_size));
+  options.aio.queue_depth = flags.queue_depth;
+  options.aio.intra_op_parallelism = flags.intra_op_parallelism;
+  options.engine = kind;
+  options.sub_group_size = sub_group_numel;
+  options.pipeline_read = pipelined;
+  options.pipeline_write = pipelined;
+  options.adam.threads = flags.threads;
+  if (!flags.budget.empty()) {
+    ZINF_ASSIGN_OR_RETURN(options.pinned_budget_bytes, ParseBytes(flags.budget));
+  }
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<OptimizerSwapper> swapper,
+                        swapper::CreateOptimizerSwapper(world, plan, options));
+  const double init_start = Now();
+  ZINF_RETURN_IF_ERROR(swapper->Initialize([](std::uint64_t, std::span<float> out) {
+    std::fill(out.begin(), out.end(), 0.01f);
+    return OkStatus();
+  }));
+  const double init_seconds = Now() - init_start;
+  const swapper::GradientSource source = [](const partition::SubGroup&, std::span<float> grad) {
+    std::fill(grad.begin(), grad.end(), 1e-3f);
+    return OkStatus();
+  };
+  const swapper::ParamSink sink = [](const partition::SubGroup&, std::span<const float>,
+                                     std::span<const std::uint16_t>) { return OkStatus(); };
+  std::int64_t step = 0;
+  for (int w = 0; w < flags.warmup; ++w) ZINF_RETURN_IF_ERROR(swapper->Step(++step, source, sink));
+  swapper->timers().Reset();
+  const double start = Now();
+  for (int s = 0; s < flags.steps; ++s) ZINF_RETURN_IF_ERROR(swapper->Step(++step, source, sink));
+  const double seconds_per_step = (Now() - start) / std::max(flags.steps, 1);
+  ZINF_RETURN_IF_ERROR(swapper->LogTimers(fmt::format("step bench ({})", swapper->mode_name())));
+  const std::uint64_t peak_rss = PeakRssBytes();  // before the I/O-only pass, same pool
+  ZINF_ASSIGN_OR_RETURN(auto io, IoOnly(*swapper, kind, options.aio, flags.path));
+  const std::uint64_t io_bytes = swapper->StateIoBytesPerStep();
+  nlohmann::json out = {
+      {"bench", "step"},
+      {"mode", std::string(swapper->mode_name())},
+      {"state_bytes", numel * 12},
+      {"numel", numel},
+      {"sub_group_numel", swapper->sub_groups().max_sub_group_numel()},
+      {"sub_groups", swapper->num_sub_groups()},
+      {"pool_bytes", swapper->pool().total_bytes()},
+      {"pool_buffers", swapper->pool().buffer_count()},
+      {"steps", flags.steps},
+      {"seconds_per_step", seconds_per_step},
+      {"read_bytes", io_bytes},
+      {"write_bytes", io_bytes},
+      {"io_only_seconds", io.first + io.second},
+      {"io_only_read_seconds", io.first},
+      {"io_only_write_seconds", io.second},
+      {"step_over_io", seconds_per_step / (io.first + io.second)},
+      {"initialize_seconds", init_seconds},
+      {"adam_seconds_per_step", swapper->timers().Elapsed("optimizer_step") / flags.steps},
+      {"peak_rss_bytes", peak_rss},
+      {"peak_rss_minus_pool_bytes",
+       static_cast<std::int64_t>(peak_rss) -
+           static_cast<std::int64_t>(swapper->pool().total_bytes())},
+      {"direct", swapper->store().direct()},
+  };
+  ZINF_RETURN_IF_ERROR(swapper->Close());
+  return out;
+}
+
+int RunStep(const StepFlags& flags) {
+  // MPI singleton init: the swapper's collectives work on one rank without mpirun.
+  Result<comm::MpiSession> session = comm::MpiSession::Init(nullptr, nullptr);
+  if (!session) {
+    std::fprintf(stderr, "zinf-bench step: %s\n", session.error().ToString().c_str());
+    return 1;
+  }
+  std::vector<bool> modes;
+  if (flags.sync || !flags.pipeline) modes.push_back(false);
+  if (flags.pipeline || !flags.sync) modes.push_back(true);
+  int rc = 0;
+  for (bool pipelined : modes) {
+    Result<nlohmann::json> result = RunMode(session->world(), flags, pipelined);
+    if (!result) {
+      std::fprintf(stderr, "zinf-bench step (%s): %s\n", pipelined ? "pipelined" : "sync",
+                   result.error().ToString().c_str());
+      rc = 1;
+      continue;
+    }
+    if (flags.json) {
+      std::printf("%s\n", result->dump().c_str());
+    } else {
+      std::printf("%s: %.3f s/step (I/O alone %.3f s: %.2fx), %s read + written per step, peak "
+                  "RSS %s (pool %s)\n",
+                  (*result)["mode"].get<std::string>().c_str(),
+                  (*result)["seconds_per_step"].get<double>(),
+                  (*result)["io_only_seconds"].get<double>(),
+                  (*result)["step_over_io"].get<double>(),
+                  FormatBytes((*result)["read_bytes"].get<std::uint64_t>()).c_str(),
+                  FormatBytes((*result)["peak_rss_bytes"].get<std::uint64_t>()).c_str(),
+                  FormatBytes((*result)["pool_bytes"].get<std::uint64_t>()).c_str());
+    }
+    std::fflush(stdout);
+  }
+  Status finalized = session->Finalize();
+  if (!finalized) rc = 1;
+  return rc;
+}
+
+const bool kRegistered = RegisterBenchCommand(
+    "step", "timed optimizer steps with the state on disk (sync and pipelined swapper)",
+    [](CLI::App& app) -> RunFn {
+      auto flags = std::make_shared<StepFlags>();
+      app.add_option("--path", flags->path, "swap directory (node-local NVMe)")->required();
+      app.add_option("--state-bytes", flags->state_bytes,
+                     "bytes of fp32 + exp_avg + exp_avg_sq in total, e.g. 4G")
+          ->capture_default_str();
+      app.add_option("--sub-group-size", flags->sub_group_size,
+                     "elements per sub-group, e.g. 32M (binary multiples)")
+          ->capture_default_str();
+      app.add_option("--budget", flags->budget,
+                     "zinf.pinned_budget_bytes (default: 4 buffers sync, 12 pipelined)");
+      app.add_flag("--pipeline", flags->pipeline, "run the pipelined swapper");
+      app.add_flag("--sync", flags->sync, "run the synchronous swapper (neither flag: both)");
+      app.add_flag("--json", flags->json, "one JSON object per mode on stdout");
+      app.add_option("--steps", flags->steps, "timed steps")->capture_default_str();
+      app.add_option("--warmup", flags->warmup, "untimed steps first")->capture_default_str();
+      app.add_option("--threads", flags->threads, "CPU Adam threads (0: all cores)")
+          ->capture_default_str();
+      app.add_option("--engine", flags->engine, "uring, posix or auto")
+          ->capture_default_str()
+          ->check(CLI::IsMember({"uring", "posix", "auto"}));
+      app.add_option("--block-size", flags->block_size, "aio.block_size")->capture_default_str();
+      app.add_option("--queue-depth", flags->queue_depth, "aio.queue_depth")
+          ->capture_default_str();
+      app.add_option("--intra-op-parallelism", flags->intra_op_parallelism,
+                     "aio.intra_op_parallelism")
+          ->capture_default_str();
+      app.add_option("--stripe-unit", flags->stripe_unit, "swap store stripe unit")
+          ->capture_default_str();
+      return [flags] { return RunStep(*flags); };
+    });
+
+}  // namespace
+}  // namespace zinf::bench

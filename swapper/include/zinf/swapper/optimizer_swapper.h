@@ -1,0 +1,290 @@
+// OptimizerSwapper: one rank's ZeRO partition of the Adam state (fp32 master weights, exp_avg,
+// exp_avg_sq) kept in a SwapStore on node-local NVMe and stepped sub-group by sub-group through
+// a BufferPool (DESIGN.md, "One training step"). The C++ counterpart of DeepSpeed's
+// OptimizerSwapper / PartitionedOptimizerSwapper / PipelinedOptimizerSwapper.
+//
+//   ZINF_ASSIGN_OR_RETURN(auto swapper, CreateOptimizerSwapper(world, plan, options));
+//   ZINF_RETURN_IF_ERROR(swapper->Initialize(initial_weights));       // collective
+//   for (step = 1; ...; ++step) {
+//     ... backward; swapper->gradient_swapper()->SwapOut(micro_batch, i, grad) ...
+//     ZINF_RETURN_IF_ERROR(swapper->Step(step, swapper->gradient_swapper()->Source(), sink));
+//   }
+//
+// Where the gradient lives does not matter to Step: a GradientSource fills a sub-group's
+// gradient into a pool buffer (a copy from an in-memory partition gradient, the GradientSwapper,
+// or synthetic data), and a ParamSink receives the updated weights of each sub-group. Host memory
+// therefore stays bounded by the pool even when the partition gradient is on disk.
+//
+// Store layout and the consistency guarantee. The store holds num_sub_groups + 1 *slots*, each
+// with three tensors "slot<k>/fp32", "slot<k>/exp_avg", "slot<k>/exp_avg_sq" of the largest
+// sub-group's size, plus "grad<i>" per sub-group when gradients are swapped (read-add-write
+// mode). An in-memory table maps each sub-group to the slot holding its committed state; one slot
+// is spare. A stepped sub-group is written to the spare slot, and only after every one of its
+// three writes has completed successfully does the table flip (the sub-group's old slot becomes
+// the spare) and the ParamSink see the new weights. Hence, whatever I/O error happens during a
+// Step (read, write, gradient read, or a failing callback):
+//   - every sub-group's committed state is intact: the step was applied to a sub-group either
+//     completely (its new state committed, last_step(i) == step, the sink called) or not at all
+//     (old state, last_step(i) < step, the sink not called for it);
+//   - the returned error names the failing sub-group and how many took the step;
+//   - calling Step again with the same step number applies it to exactly the sub-groups that
+//     did not take it (sub-groups with last_step(i) >= step are skipped), e.g. after a transient
+//     error.
+// The table lives in memory: a process that dies mid-step loses it (the store is scratch space;
+// durable state is the checkpoint). Gradient errors (write-behind during backward, or flush) are
+// agreed on before any sub-group is stepped, so then no rank applies the step at all.
+//
+// Errors and collectiveness. Create, Initialize, Step, FlushGradients and LogTimers are
+// "Collective over `comm`": every rank calls them in the same order and gets the same Status;
+// an error on one rank (e.g. EIO) comes back on every rank as that rank's error ("rank 1: step 3,
+// sub-group 2 of 5: swap-in exp_avg: ..."). Before any error is returned, every I/O in flight
+// has been drained: no buffer goes back to the pool under an in-flight operation. ReadState,
+// WriteState and the gradient swapper's SwapOut are local.
+//
+// Ownership and thread safety: the swapper owns its store, engines, pool, gradient swapper and
+// CpuAdam, and a dup of `comm`. One thread at a time (the callbacks run on the calling thread).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zinf/comm/communicator.h"
+#include "zinf/comm/timers.h"
+#include "zinf/core/status.h"
+#include "zinf/partition/plan.h"
+#include "zinf/partition/sub_group.h"
+#include "zinf/storage/io_engine.h"
+#include "zinf/storage/swap_store.h"
+#include "zinf/swapper/buffer_pool.h"
+#include "zinf/swapper/cpu_adam.h"
+
+namespace zinf::swapper {
+
+class GradientSwapper;
+
+// The three swapped state tensors of a sub-group, in the order they are read and written.
+enum class StateTensor : int { kFp32 = 0, kExpAvg = 1, kExpAvgSq = 2 };
+inline constexpr std::size_t kNumStateTensors = 3;
+std::string_view StateTensorName(StateTensor which);  // "fp32", "exp_avg", "exp_avg_sq"
+
+// Which engine an EngineWrapper is asked to wrap.
+enum class EngineRole { kRead, kWrite, kGradient };
+std::string_view EngineRoleName(EngineRole role);  // "read", "write", "gradient"
+
+// Fills `grad` (sub_group.numel elements, a pool buffer) with the sub-group's gradient. Padding
+// elements should be 0. Called on the Step's thread, once per sub-group, in sub-group order.
+using GradientSource =
+    std::function<Status(const partition::SubGroup& sub_group, std::span<float> grad)>;
+// Receives the updated weights of a sub-group after its state is committed (see the top of the
+// file); `bf16` is empty unless SwapperOptions::bf16_params. The spans die after the call.
+using ParamSink = std::function<Status(const partition::SubGroup& sub_group,
+                                       std::span<const float> fp32,
+                                       std::span<const std::uint16_t> bf16)>;
+// Fills the initial fp32 weights of partition range [partition_offset, partition_offset +
+// out.size()).
+using InitialWeights =
+    std::function<Status(std::uint64_t partition_offset, std::span<float> out)>;
+// Tests: wraps an engine the swapper created (e.g. in a storage::FaultInjectingEngine).
+using EngineWrapper = std::function<Result<std::unique_ptr<storage::IoEngine>>(
+    EngineRole role, std::unique_ptr<storage::IoEngine> engine)>;
+
+// How the GradientSwapper accumulates micro-batches.
+enum class GradientAccumulation {
+  kAuto,         // in memory if the partition's gradient fits accumulation_memory_limit_bytes
+  kInMemory,     // a partition-sized host buffer; no gradient I/O
+  kReadAddWrite  // swapped pieces on disk: micro-batch 0 writes, later ones read, add, write
+};
+std::string_view GradientAccumulationName(GradientAccumulation mode);
+
+struct SwapperOptions {
+  // Store: paths, job_id, stripe_unit_bytes, keep, verify_swap, direct. world_rank is replaced
+  // by the rank in `comm`.
+  storage::SwapStoreOptions store;
+  storage::AioOptions aio;                                // DeepSpeed's aio section
+  storage::EngineKind engine = storage::EngineKind::kAuto;  // ZINF_IO_ENGINE overrides
+  std::uint64_t sub_group_size = partition::kDefaultSubGroupSize;  // elements per sub-group
+  // Pool: zinf.pinned_budget_bytes; 0: buffer_count buffers of the largest sub-group.
+  std::uint64_t pinned_budget_bytes = 0;
+  std::uint64_t buffer_count = 0;  // DeepSpeed's buffer_count; 0: the mode's minimum (4 or 12)
+  bool pin_memory = false;         // mlock the pool
+  // DeepSpeed's pipeline_read / pipeline_write: either one selects the pipelined swapper.
+  bool pipeline_read = false;
+  bool pipeline_write = false;
+  AdamOptions adam;
+  bool bf16_params = false;  // also hand the ParamSink bf16 weights (round to nearest even)
+  // Gradient swapper (created when swap_gradients).
+  bool swap_gradients = false;
+  int gradient_accumulation_steps = 1;  // micro-batches per step, >= 1
+  GradientAccumulation accumulation = GradientAccumulation::kAuto;
+  std::uint64_t accumulation_memory_limit_bytes = 256ull << 20;  // kAuto: in memory up to this
+  std::uint64_t min_swap_numel = partition::kDefaultMinSwapNumel;  // smaller pieces stay in RAM
+  EngineWrapper engine_wrapper;  // tests only: e.g. attach a FaultInjector
+};
+
+// Per sub-group swap information (DeepSpeed's SwapInfo).
+struct SubGroupSwapInfo {
+  partition::SubGroup sub_group;
+  std::uint64_t io_size_bytes = 0;  // AlignUp(numel * 4, store alignment): one tensor's I/O
+  // The split of the sub-group's gradient: swapped pieces live in "grad<i>" at their sub-group
+  // offsets; unswapped remainders stay in host memory (only with the read-add-write mode).
+  std::vector<partition::GradientPiece> swapped_gradients;
+  std::vector<partition::GradientPiece> unswapped_gradients;
+  std::string gradient_name;  // "grad<i>", empty when gradients are not swapped to disk
+  std::size_t num_tensors() const { return kNumStateTensors; }
+  bool has_gradients() const { return !gradient_name.empty(); }
+};
+
+struct StepOptions {
+  std::optional<double> lr;  // overrides AdamOptions::lr for this step
+  float grad_scale = 1.0f;   // multiplies the gradient (clipping, loss-scale, averaging)
+};
+
+class OptimizerSwapper {
+ public:
+  virtual ~OptimizerSwapper();
+  OptimizerSwapper(const OptimizerSwapper&) = delete;
+  OptimizerSwapper& operator=(const OptimizerSwapper&) = delete;
+
+  // Collective. Writes fp32 = initial weights (padding 0) and exp_avg = exp_avg_sq = 0 for
+  // every sub-group, streamed one sub-group at a time through two pool buffers. Resets
+  // last_step() to 0. Errors: the callback's, I/O errors (agreed), ResourceExhausted (pool).
+  Status Initialize(const InitialWeights& initial_fp32);
+
+  // Collective. One optimizer step (step >= 1) over every sub-group not already at `step`:
+  // swap in (flush gradients first), CpuAdam::Step, swap out, commit, sink. See the top of the
+  // file for what an error leaves behind.
+  virtual Status Step(std::int64_t step, const GradientSource& source, const ParamSink& sink,
+                      const StepOptions& options = {}) = 0;
+
+  // Collective: waits for the gradient swapper's writes (DeepSpeed's flush_gradients) and agrees
+  // on their status. OK without a gradient swapper.
+  Status FlushGradients();
+
+  // Local. Reads elements [offset_elems, offset_elems + out.size()) of a sub-group's committed
+  // state tensor through one pool buffer. Errors: InvalidArgument (range), ResourceExhausted (no
+  // free buffer), I/O errors.
+  Status ReadState(std::size_t sub_group, StateTensor which, std::uint64_t offset_elems,
+                   std::span<float> out);
+  // Local. Writes a whole new state of a sub-group (e.g. restored from a checkpoint):
+  // `fill(which, span)` fills each state tensor (sub-group numel elements), the state goes to the
+  // spare slot and is committed with last_step() = `step` once written. On error the old state
+  // stays committed. Errors: the callback's, ResourceExhausted (3 buffers), I/O errors.
+  Status WriteState(std::size_t sub_group, std::int64_t step,
+                    const std::function<Status(StateTensor, std::span<float>)>& fill);
+
+  // Collective: min/mean/max of the swap timers over ranks, logged by rank 0.
+  Status LogTimers(std::string_view title = "optimizer swapper timers");
+  // Local: closes (and unless `keep`, removes) the store. Idempotent.
+  Status Close();
+
+  // Accessors.
+  std::string_view mode_name() const { return mode_name_; }  // "partitioned" / "pipelined"
+  const comm::Communicator& comm() const { return comm_; }
+  const partition::PartitionPlan& plan() const { return plan_; }
+  const partition::SubGroupPlan& sub_groups() const { return sub_groups_; }
+  std::size_t num_sub_groups() const { return infos_.size(); }
+  const SubGroupSwapInfo& swap_info(std::size_t sub_group) const { return infos_.at(sub_group); }
+  storage::SwapStore& store() { return *store_; }
+  BufferPool& pool() { return *pool_; }
+  CpuAdam& adam() { return adam_; }
+  comm::Timers& timers() { return timers_; }
+  const SwapperOptions& options() const { return options_; }
+  // nullptr unless options.swap_gradients.
+  GradientSwapper* gradient_swapper() { return gradient_swapper_.get(); }
+  // The step last committed to a sub-group (0 after Initialize).
+  std::int64_t last_step(std::size_t sub_group) const { return last_step_.at(sub_group); }
+  // Slot holding a sub-group's committed state, and the slot tensor names.
+  std::size_t slot_of(std::size_t sub_group) const { return slot_of_.at(sub_group); }
+  static std::string SlotTensorName(std::size_t slot, StateTensor which);
+  // Bytes one step reads and writes (state tensors, I/O-aligned; gradients not included).
+  std::uint64_t StateIoBytesPerStep() const;
+
+ protected:
+  struct Parts;  // what Create builds; see optimizer_swapper.cc
+  OptimizerSwapper(std::string_view mode_name, Parts&& parts);
+
+  // The requests one engine has in flight for one sub-group, labelled for error messages.
+  class IoBatch {
+   public:
+    void Add(const std::vector<std::uint64_t>& ids, std::string label);
+    bool empty() const { return ids_.empty(); }
+    // Drains `engine` (every pending request); on failure the error names the failed labels.
+    Status Wait(storage::IoEngine& engine);
+
+   private:
+    std::vector<std::uint64_t> ids_;
+    std::vector<std::string> labels_;
+  };
+
+  // Buffers per sub-group in flight: fp32, exp_avg, exp_avg_sq, gradient.
+  static constexpr std::size_t kBuffersPerSubGroup = 4;
+
+  Status SubmitStateReads(std::size_t sub_group, const PoolLease& lease,
+                          storage::IoEngine& engine, IoBatch* batch);
+  Status VerifyStateReads(std::size_t sub_group, const PoolLease& lease) const;
+  // Takes the spare slot and submits the three writes of the lease's buffers 0..2 to it.
+  Result<std::size_t> SubmitStateWrites(std::size_t sub_group, const PoolLease& lease,
+                                        storage::IoEngine& engine, IoBatch* batch);
+  // After the writes to `slot` completed: the sub-group's state is now in `slot`.
+  void Commit(std::size_t sub_group, std::size_t slot, std::int64_t step);
+  // After the writes to `slot` failed: `slot` is spare again.
+  void Abandon(std::size_t slot);
+  // Gradient (buffer 3) -> Adam on buffers 0..2 (optionally bf16 into buffer 3 afterwards).
+  Status Compute(std::int64_t step, std::size_t sub_group, const PoolLease& lease,
+                 const StepOptions& options);
+  Status Sink(std::size_t sub_group, const PoolLease& lease, const ParamSink& sink);
+  // Flushes the gradient swapper and agrees on the result (collective).
+  Status FlushGradientsCollective(std::int64_t step);
+  // "step 3, sub-group 2 of 5 (2 of 5 took the step): "
+  std::string StepContext(std::int64_t step, std::size_t sub_group) const;
+  // Ends a Step: agrees on `local` over comm_.
+  Status FinishStep(std::int64_t step, Status local);
+
+  storage::IoEngine& read_engine() { return *read_engine_; }
+  // The pipelined swapper's second engine; the partitioned swapper's only engine otherwise.
+  storage::IoEngine& write_engine() { return write_engine_ ? *write_engine_ : *read_engine_; }
+
+  SwapperOptions options_;
+  comm::Communicator comm_;
+  partition::PartitionPlan plan_;
+  partition::SubGroupPlan sub_groups_;
+  std::vector<SubGroupSwapInfo> infos_;
+  std::unique_ptr<storage::SwapStore> store_;
+  std::unique_ptr<storage::IoEngine> read_engine_;
+  std::unique_ptr<storage::IoEngine> write_engine_;  // pipelined only
+  std::unique_ptr<BufferPool> pool_;
+  std::unique_ptr<GradientSwapper> gradient_swapper_;
+  CpuAdam adam_;
+  comm::Timers timers_;
+  std::vector<std::size_t> slot_of_;
+  std::vector<std::size_t> spare_slots_;
+  std::vector<std::int64_t> last_step_;
+
+ private:
+  friend Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
+      const comm::Communicator& comm, const partition::PartitionPlan& plan,
+      const SwapperOptions& options);
+  std::string mode_name_;
+};
+
+// Collective over `comm`. Builds the swapper for `options`: the PipelinedOptimizerSwapper when
+// pipeline_read or pipeline_write is set and the pool holds 3 x 4 buffers, else the synchronous
+// PartitionedOptimizerSwapper (with a WARN line when a pipeline was asked for but the budget is
+// too small). Steps: sub-group plan of this rank, store Open, pool, engines, collective
+// free-space preflight (bytes summed per file system over the ranks of each node), Reserve.
+// Logs (rank 0) the mode, sub-groups, pool size, engines and store. Errors (same on every rank):
+// InvalidArgument (options), ResourceExhausted (pool budget below 4 buffers, naming the minimum;
+// not enough disk space on a node, naming host, path, needed and available bytes), store and
+// engine errors.
+Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
+    const comm::Communicator& comm, const partition::PartitionPlan& plan,
+    const SwapperOptions& options);
+
+}  // namespace zinf::swapper

@@ -1,0 +1,620 @@
+#include "zinf/swapper/optimizer_swapper.h"
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+#include <unordered_set>
+#include <utility>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "optimizer_swapper_internal.h"
+#include "zinf/core/check.h"
+#include "zinf/core/log.h"
+#include "zinf/core/units.h"
+#include "zinf/swapper/gradient_swapper.h"
+#include "zinf/swapper/partitioned_optimizer_swapper.h"
+#include "zinf/swapper/pipelined_optimizer_swapper.h"
+
+namespace zinf::swapper {
+namespace {
+
+constexpr StateTensor kStateTensors[] = {StateTensor::kFp32, StateTensor::kExpAvg,
+                                         StateTensor::kExpAvgSq};
+
+std::span<const std::byte> ConstBytes(std::span<std::byte> b) { return {b.data(), b.size()}; }
+
+// Zeroes the elements of `sub_group` that no fragment covers (partition padding).
+void ZeroPadding(const partition::SubGroup& sub_group, std::span<float> values) {
+  std::uint64_t next = 0;
+  for (const partition::SubGroupFragment& f : sub_group.fragments) {
+    std::fill(values.begin() + static_cast<std::ptrdiff_t>(next),
+              values.begin() + static_cast<std::ptrdiff_t>(f.sub_group_offset), 0.0f);
+    next = f.sub_group_offset + f.numel;
+  }
+  std::fill(values.begin() + static_cast<std::ptrdiff_t>(next), values.end(), 0.0f);
+}
+
+// Sums, per file system of a node, what the swap stores of all its ranks need, and compares it
+// with what is free. Collective over `comm`.
+Status PreflightSpace(const comm::Communicator& comm, const storage::SwapStoreOptions& options,
+                      std::span<const storage::TensorSpec> specs) {
+  Result<std::vector<storage::PathSpace>> planned = storage::SwapStore::PlanSpace(options, specs);
+  ZINF_RETURN_IF_ERROR(comm.AgreeOnStatus(planned.has_value() ? OkStatus()
+                                                              : Status(planned.error())));
+  ZINF_ASSIGN_OR_RETURN(comm::Communicator node, comm.SplitNode());
+  std::vector<std::uint64_t> mine;
+  for (const storage::PathSpace& space : *planned) {
+    mine.push_back(space.device_id);
+    mine.push_back(space.needed_bytes);
+  }
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(node.size()));
+  const std::int64_t my_count = static_cast<std::int64_t>(mine.size());
+  ZINF_RETURN_IF_ERROR(
+      node.Allgather<std::int64_t>(std::span<const std::int64_t>(&my_count, 1), counts));
+  std::int64_t total = 0;
+  for (std::int64_t c : counts) total += c;
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(total));
+  ZINF_RETURN_IF_ERROR(node.Allgatherv<std::uint64_t>(mine, all, counts));
+  Status local = OkStatus();
+  std::set<std::uint64_t> reported;
+  for (const storage::PathSpace& space : *planned) {
+    if (!reported.insert(space.device_id).second) continue;
+    std::uint64_t needed = 0;
+    for (std::size_t i = 0; i + 1 < all.size(); i += 2) {
+      if (all[i] == space.device_id) needed += all[i + 1];
+    }
+    if (needed > space.available_bytes) {
+      local = ResourceExhaustedError(fmt::format(
+          "not enough space for the optimizer swap stores on host {}: path {} needs {} ({} "
+          "bytes) for the {} ranks of this node, {} ({} bytes) available",
+          comm.topology().hostname, space.path, FormatBytes(needed), needed, node.size(),
+          FormatBytes(space.available_bytes), space.available_bytes));
+      break;
+    }
+  }
+  return comm.AgreeOnStatus(local);
+}
+
+}  // namespace
+
+std::string_view StateTensorName(StateTensor which) {
+  switch (which) {
+    case StateTensor::kFp32: return "fp32";
+    case StateTensor::kExpAvg: return "exp_avg";
+    case StateTensor::kExpAvgSq: return "exp_avg_sq";
+  }
+  return "?";
+}
+
+std::string_view EngineRoleName(EngineRole role) {
+  switch (role) {
+    case EngineRole::kRead: return "read";
+    case EngineRole::kWrite: return "write";
+    case EngineRole::kGradient: return "gradient";
+  }
+  return "?";
+}
+
+std::string_view GradientAccumulationName(GradientAccumulation mode) {
+  switch (mode) {
+    case GradientAccumulation::kAuto: return "auto";
+    case GradientAccumulation::kInMemory: return "in-memory";
+    case GradientAccumulation::kReadAddWrite: return "read-add-write";
+  }
+  return "?";
+}
+
+std::string OptimizerSwapper::SlotTensorName(std::size_t slot, StateTensor which) {
+  return fmt::format("slot{}/{}", slot, StateTensorName(which));
+}
+
+OptimizerSwapper::OptimizerSwapper(std::string_view mode_name, Parts&& parts)
+    : options_(std::move(parts.options)),
+      comm_(std::move(*parts.comm)),
+      plan_(std::move(*parts.plan)),
+      sub_groups_(std::move(*parts.sub_groups)),
+      infos_(std::move(parts.infos)),
+      store_(std::move(parts.store)),
+      read_engine_(std::move(parts.read_engine)),
+      write_engine_(std::move(parts.write_engine)),
+      pool_(std::move(parts.pool)),
+      adam_(std::move(*parts.adam)),
+      mode_name_(mode_name) {
+  const std::size_t n = infos_.size();
+  slot_of_.resize(n);
+  for (std::size_t i = 0; i < n; ++i) slot_of_[i] = i;
+  for (std::size_t s = parts.num_slots; s-- > n;) spare_slots_.push_back(s);
+  last_step_.assign(n, 0);
+}
+
+OptimizerSwapper::~OptimizerSwapper() {
+  // The engines drain in their destructors; they must go before the pool and the store that
+  // their requests point into.
+  gradient_swapper_.reset();
+  write_engine_.reset();
+  read_engine_.reset();
+  if (store_) {
+    Status closed = store_->Close();
+    if (!closed) ZINF_LOG_WARN("optimizer swapper: closing the swap store: {}",
+                               closed.error().ToString());
+  }
+}
+
+Status OptimizerSwapper::Close() {
+  if (gradient_swapper_) ZINF_RETURN_IF_ERROR(gradient_swapper_->Flush());
+  return store_->Close();
+}
+
+std::uint64_t OptimizerSwapper::StateIoBytesPerStep() const {
+  std::uint64_t bytes = 0;
+  for (const SubGroupSwapInfo& info : infos_) bytes += info.io_size_bytes * kNumStateTensors;
+  return bytes;
+}
+
+// ---- IoBatch ----
+
+void OptimizerSwapper::IoBatch::Add(const std::vector<std::uint64_t>& ids, std::string label) {
+  for (std::uint64_t id : ids) {
+    ids_.push_back(id);
+    labels_.push_back(label);
+  }
+}
+
+Status OptimizerSwapper::IoBatch::Wait(storage::IoEngine& engine) {
+  Status first = OkStatus();
+  std::unordered_set<std::uint64_t> completed;
+  std::vector<storage::IoCompletion> done;
+  while (engine.pending() > 0) {
+    done.clear();
+    Status status = engine.Wait(engine.pending(), &done);
+    for (const storage::IoCompletion& c : done) completed.insert(c.id);
+    if (!status && first) first = std::move(status);
+  }
+  std::vector<std::string> failed;
+  for (std::size_t i = 0; i < ids_.size(); ++i) {
+    if (!completed.contains(ids_[i]) &&
+        std::find(failed.begin(), failed.end(), labels_[i]) == failed.end()) {
+      failed.push_back(labels_[i]);
+    }
+  }
+  ids_.clear();
+  labels_.clear();
+  if (first) return first;
+  if (failed.empty()) return first;
+  return std::move(first).error().WithContext(fmt::format("{}: ", fmt::join(failed, ", ")));
+}
+
+// ---- Shared machinery ----
+
+Status OptimizerSwapper::SubmitStateReads(std::size_t sub_group, const PoolLease& lease,
+                                          storage::IoEngine& engine, IoBatch* batch) {
+  const SubGroupSwapInfo& info = infos_[sub_group];
+  const std::size_t slot = slot_of_[sub_group];
+  for (StateTensor which : kStateTensors) {
+    const std::string name = SlotTensorName(slot, which);
+    ZINF_ASSIGN_OR_RETURN(
+        std::vector<std::uint64_t> ids,
+        Annotate(store_->SubmitReadRange(
+                     name, 0, info.io_size_bytes,
+                     lease.bytes(static_cast<std::size_t>(which)).first(info.io_size_bytes),
+                     engine),
+                 fmt::format("{} ({}): ", StateTensorName(which), name)));
+    batch->Add(ids, fmt::format("{} ({})", StateTensorName(which), name));
+  }
+  return OkStatus();
+}
+
+Status OptimizerSwapper::VerifyStateReads(std::size_t sub_group, const PoolLease& lease) const {
+  if (!options_.store.verify_swap) return OkStatus();
+  const SubGroupSwapInfo& info = infos_[sub_group];
+  for (StateTensor which : kStateTensors) {
+    const std::string name = SlotTensorName(slot_of_[sub_group], which);
+    ZINF_RETURN_IF_ERROR(Annotate(
+        store_->VerifyRead(name,
+                           ConstBytes(lease.bytes(static_cast<std::size_t>(which))
+                                          .first(info.io_size_bytes))),
+        fmt::format("{} ({}): ", StateTensorName(which), name)));
+  }
+  return OkStatus();
+}
+
+Result<std::size_t> OptimizerSwapper::SubmitStateWrites(std::size_t sub_group,
+                                                        const PoolLease& lease,
+                                                        storage::IoEngine& engine,
+                                                        IoBatch* batch) {
+  ZINF_CHECK(!spare_slots_.empty(), "no spare slot for sub-group {}", sub_group);
+  const std::size_t slot = spare_slots_.back();
+  spare_slots_.pop_back();
+  const SubGroupSwapInfo& info = infos_[sub_group];
+  for (StateTensor which : kStateTensors) {
+    const std::string name = SlotTensorName(slot, which);
+    Result<std::vector<std::uint64_t>> ids = store_->SubmitWriteRange(
+        name, 0, info.io_size_bytes,
+        ConstBytes(lease.bytes(static_cast<std::size_t>(which)).first(info.io_size_bytes)),
+        engine);
+    if (!ids) {
+      // The caller drains `batch`; the slot is spare again whatever happened to the others.
+      Abandon(slot);
+      return std::move(ids).error().WithContext(
+          fmt::format("{} ({}): ", StateTensorName(which), name));
+    }
+    batch->Add(*ids, fmt::format("{} ({})", StateTensorName(which), name));
+  }
+  return slot;
+}
+
+void OptimizerSwapper::Commit(std::size_t sub_group, std::size_t slot, std::int64_t step) {
+  spare_slots_.push_back(slot_of_[sub_group]);
+  slot_of_[sub_group] = slot;
+  last_step_[sub_group] = step;
+}
+
+void OptimizerSwapper::Abandon(std::size_t slot) { spare_slots_.push_back(slot); }
+
+Status OptimizerSwapper::Compute(std::int64_t step, std::size_t sub_group, const PoolLease& lease,
+                                 const StepOptions& options) {
+  comm::ScopedTimer timer(timers_, "optimizer_step");
+  const std::size_t numel = infos_[sub_group].sub_group.numel;
+  std::span<float> grad = lease.floats(3).first(numel);
+  ZINF_RETURN_IF_ERROR(Annotate(
+      adam_.Step(step, lease.floats(0).first(numel), grad, lease.floats(1).first(numel),
+                 lease.floats(2).first(numel),
+                 StepExtras{.grad_scale = options.grad_scale, .lr = options.lr}),
+      "adam: "));
+  if (options_.bf16_params) {
+    // The gradient is consumed: its buffer takes the bf16 weights for the sink.
+    auto* bf16 = reinterpret_cast<std::uint16_t*>(grad.data());
+    const float* fp32 = lease.floats(0).data();
+    for (std::size_t i = 0; i < numel; ++i) {
+      std::uint32_t bits;
+      std::memcpy(&bits, &fp32[i], sizeof(bits));
+      bf16[i] = FloatBitsToBf16(bits);
+    }
+  }
+  return OkStatus();
+}
+
+Status OptimizerSwapper::Sink(std::size_t sub_group, const PoolLease& lease,
+                              const ParamSink& sink) {
+  if (!sink) return OkStatus();
+  const SubGroupSwapInfo& info = infos_[sub_group];
+  const std::size_t numel = info.sub_group.numel;
+  std::span<const std::uint16_t> bf16;
+  if (options_.bf16_params) {
+    bf16 = {reinterpret_cast<const std::uint16_t*>(lease.floats(3).data()), numel};
+  }
+  return Annotate(sink(info.sub_group, lease.floats(0).first(numel), bf16), "param sink: ");
+}
+
+Status OptimizerSwapper::FlushGradientsCollective(std::int64_t step) {
+  Status local = OkStatus();
+  if (gradient_swapper_) {
+    local = Annotate(gradient_swapper_->Flush(),
+                     fmt::format("step {}: gradient flush (no sub-group took the step): ", step));
+  }
+  return comm_.AgreeOnStatus(local);
+}
+
+Status OptimizerSwapper::FlushGradients() {
+  Status local = OkStatus();
+  if (gradient_swapper_) local = Annotate(gradient_swapper_->Flush(), "gradient flush: ");
+  return comm_.AgreeOnStatus(local);
+}
+
+std::string OptimizerSwapper::StepContext(std::int64_t step, std::size_t sub_group) const {
+  (void)step;
+  return fmt::format("sub-group {}: ", sub_group);
+}
+
+Status OptimizerSwapper::FinishStep(std::int64_t step, Status local) {
+  if (!local) {
+    std::size_t took = 0;
+    for (std::int64_t s : last_step_) took += s >= step ? 1 : 0;
+    local = std::move(local).error().WithContext(
+        fmt::format("step {}: {} of {} sub-groups took the step; ", step, took, last_step_.size()));
+  }
+  return comm_.AgreeOnStatus(local);
+}
+
+Status OptimizerSwapper::LogTimers(std::string_view title) {
+  return timers_.LogSummary(comm_, title);
+}
+
+// ---- Initialize / ReadState / WriteState ----
+
+Status OptimizerSwapper::Initialize(const InitialWeights& initial_fp32) {
+  auto local = [&]() -> Status {
+    if (gradient_swapper_) ZINF_RETURN_IF_ERROR(gradient_swapper_->Flush());
+    ZINF_ASSIGN_OR_RETURN(PoolLease lease,
+                          pool_->Allocate(sub_groups_.max_sub_group_numel(), 2));
+    std::span<float> zeros = lease.floats(1);
+    std::fill(zeros.begin(), zeros.end(), 0.0f);
+    for (std::size_t i = 0; i < infos_.size(); ++i) {
+      const SubGroupSwapInfo& info = infos_[i];
+      std::span<float> fp32 = lease.floats(0);
+      std::fill(fp32.begin(), fp32.begin() + static_cast<std::ptrdiff_t>(info.io_size_bytes / 4),
+                0.0f);
+      std::span<float> values = fp32.first(info.sub_group.numel);
+      if (initial_fp32) {
+        ZINF_RETURN_IF_ERROR(Annotate(initial_fp32(info.sub_group.partition_offset, values),
+                                      fmt::format("sub-group {}: initial weights: ", i)));
+      }
+      ZeroPadding(info.sub_group, values);
+      IoBatch batch;
+      Status submitted = OkStatus();
+      for (StateTensor which : kStateTensors) {
+        const std::string name = SlotTensorName(slot_of_[i], which);
+        std::span<std::byte> source =
+            which == StateTensor::kFp32 ? lease.bytes(0) : lease.bytes(1);
+        Result<std::vector<std::uint64_t>> ids = store_->SubmitWriteRange(
+            name, 0, info.io_size_bytes, ConstBytes(source.first(info.io_size_bytes)),
+            write_engine());
+        if (!ids) {
+          submitted = std::move(ids).error().WithContext(fmt::format("{}: ", name));
+          break;
+        }
+        batch.Add(*ids, name);
+      }
+      Status written = batch.Wait(write_engine());
+      ZINF_RETURN_IF_ERROR(Annotate(submitted, fmt::format("sub-group {}: initialize: ", i)));
+      ZINF_RETURN_IF_ERROR(Annotate(written, fmt::format("sub-group {}: initialize: ", i)));
+      last_step_[i] = 0;
+    }
+    return OkStatus();
+  };
+  return comm_.AgreeOnStatus(Annotate(local(), "initialize optimizer state: "));
+}
+
+Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
+                                   std::uint64_t offset_elems, std::span<float> out) {
+  if (sub_group >= infos_.size()) {
+    return InvalidArgumentError(
+        fmt::format("ReadState: sub-group {} of {}", sub_group, infos_.size()));
+  }
+  const SubGroupSwapInfo& info = infos_[sub_group];
+  if (offset_elems > info.sub_group.numel || out.size() > info.sub_group.numel - offset_elems) {
+    return InvalidArgumentError(fmt::format(
+        "ReadState: elements [{}, {}) outside sub-group {} of {} elements", offset_elems,
+        offset_elems + out.size(), sub_group, info.sub_group.numel));
+  }
+  if (out.empty()) return OkStatus();
+  const std::uint64_t alignment = std::max<std::uint64_t>(store_->alignment(), 1);
+  const std::uint64_t begin = AlignDown(offset_elems * sizeof(float), alignment);
+  const std::uint64_t end =
+      std::min(AlignUp((offset_elems + out.size()) * sizeof(float), alignment),
+               info.io_size_bytes);
+  ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(1, 1));
+  const std::string name = SlotTensorName(slot_of_[sub_group], which);
+  std::span<std::byte> buffer = lease.bytes(0).first(end - begin);
+  IoBatch batch;
+  Result<std::vector<std::uint64_t>> ids =
+      store_->SubmitReadRange(name, begin, end - begin, buffer, read_engine());
+  if (ids) batch.Add(*ids, name);
+  Status waited = batch.Wait(read_engine());
+  const std::string context = fmt::format("read state of sub-group {}: ", sub_group);
+  if (!ids) return std::move(ids).error().WithContext(context + name + ": ");
+  ZINF_RETURN_IF_ERROR(Annotate(waited, context));
+  ZINF_RETURN_IF_ERROR(Annotate(store_->VerifyRead(name, ConstBytes(buffer), begin), context));
+  std::memcpy(out.data(), buffer.data() + (offset_elems * sizeof(float) - begin),
+              out.size() * sizeof(float));
+  return OkStatus();
+}
+
+Status OptimizerSwapper::WriteState(
+    std::size_t sub_group, std::int64_t step,
+    const std::function<Status(StateTensor, std::span<float>)>& fill) {
+  if (sub_group >= infos_.size()) {
+    return InvalidArgumentError(
+        fmt::format("WriteState: sub-group {} of {}", sub_group, infos_.size()));
+  }
+  const SubGroupSwapInfo& info = infos_[sub_group];
+  const std::string context = fmt::format("write state of sub-group {}: ", sub_group);
+  ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(info.sub_group.numel, 3));
+  for (StateTensor which : kStateTensors) {
+    std::span<float> values = lease.floats(static_cast<std::size_t>(which));
+    std::fill(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(info.io_size_bytes / 4),
+              0.0f);
+    ZINF_RETURN_IF_ERROR(Annotate(fill(which, values.first(info.sub_group.numel)),
+                                  context + std::string(StateTensorName(which)) + ": "));
+  }
+  IoBatch batch;
+  Result<std::size_t> slot = SubmitStateWrites(sub_group, lease, write_engine(), &batch);
+  Status written = batch.Wait(write_engine());
+  if (!slot) return std::move(slot).error().WithContext(context);
+  if (!written) {
+    Abandon(*slot);
+    return std::move(written).error().WithContext(context);
+  }
+  Commit(sub_group, *slot, step);
+  return OkStatus();
+}
+
+// ---- Create ----
+
+Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
+    const comm::Communicator& comm, const partition::PartitionPlan& plan,
+    const SwapperOptions& options) {
+  ZINF_ASSIGN_OR_RETURN(comm::Communicator dup, comm.Dup());
+  OptimizerSwapper::Parts parts;
+  parts.options = options;
+  parts.options.store.world_rank = dup.rank();
+  bool pipelined = false;
+  GradientAccumulation accumulation = options.accumulation;
+  std::unique_ptr<storage::IoEngine> gradient_engine;
+  std::vector<storage::TensorSpec> specs;
+
+  auto make_engine = [&](EngineRole role) -> Result<std::unique_ptr<storage::IoEngine>> {
+    ZINF_ASSIGN_OR_RETURN(
+        std::unique_ptr<storage::IoEngine> engine,
+        storage::CreateIoEngine(options.engine, options.aio, options.store.paths.front()));
+    if (options.engine_wrapper) {
+      ZINF_ASSIGN_OR_RETURN(engine, options.engine_wrapper(role, std::move(engine)));
+    }
+    ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(parts.pool->AllBuffers()));
+    return engine;
+  };
+
+  auto local_setup = [&]() -> Status {
+    if (plan.world_size() != dup.size()) {
+      return InvalidArgumentError(fmt::format("the partition plan is for {} ranks, the "
+                                              "communicator has {}",
+                                              plan.world_size(), dup.size()));
+    }
+    if (options.store.paths.empty()) {
+      return InvalidArgumentError("optimizer swapper: no nvme_path given");
+    }
+    if (options.gradient_accumulation_steps < 1) {
+      return InvalidArgumentError(fmt::format("gradient_accumulation_steps {} must be >= 1",
+                                              options.gradient_accumulation_steps));
+    }
+    ZINF_ASSIGN_OR_RETURN(partition::SubGroupPlan sub_groups,
+                          partition::SubGroupPlan::Create(plan, dup.rank(),
+                                                          options.sub_group_size));
+    parts.plan = plan;
+    ZINF_ASSIGN_OR_RETURN(CpuAdam adam, CpuAdam::Create(options.adam));
+    parts.adam.emplace(std::move(adam));
+    ZINF_ASSIGN_OR_RETURN(parts.store, storage::SwapStore::Open(parts.options.store));
+    const std::uint64_t alignment = std::max<std::uint64_t>(parts.store->alignment(), 1);
+    const std::uint64_t max_numel = sub_groups.max_sub_group_numel();
+    const std::uint64_t buffer_alignment = std::max<std::uint64_t>(alignment, 4096);
+    const std::uint64_t buffer_bytes = AlignUp(max_numel * sizeof(float), buffer_alignment);
+
+    // Pool: the mode decides the minimum number of buffers.
+    const bool want_pipeline = options.pipeline_read || options.pipeline_write;
+    const std::uint64_t min_buffers = OptimizerSwapper::kBuffersPerSubGroup;
+    const std::uint64_t pipeline_buffers = PipelinedOptimizerSwapper::kMinBuffers;
+    std::uint64_t count = 0;
+    if (options.pinned_budget_bytes > 0) {
+      count = options.pinned_budget_bytes / buffer_bytes;
+    } else {
+      count = options.buffer_count > 0 ? options.buffer_count
+                                       : (want_pipeline ? pipeline_buffers : min_buffers);
+    }
+    if (count < min_buffers) {
+      const std::uint64_t budget = options.pinned_budget_bytes > 0
+                                       ? options.pinned_budget_bytes
+                                       : count * buffer_bytes;
+      return ResourceExhaustedError(fmt::format(
+          "optimizer swapper: the pool budget {} ({} bytes) holds {} swap buffers of {} (the "
+          "largest sub-group, {} elements); a step needs at least {} ({} to pipeline): raise "
+          "zinf.pinned_budget_bytes to at least {} bytes ({}) or lower sub_group_size",
+          FormatBytes(budget), budget, count, FormatBytes(buffer_bytes), max_numel, min_buffers,
+          pipeline_buffers, min_buffers * buffer_bytes, FormatBytes(min_buffers * buffer_bytes)));
+    }
+    pipelined = want_pipeline && count >= pipeline_buffers;
+    if (want_pipeline && !pipelined) {
+      ZINF_LOG_WARN(
+          "optimizer swapper: pipeline_read/pipeline_write need {} swap buffers of {} ({}), the "
+          "pool holds {}: stepping synchronously; raise zinf.pinned_budget_bytes to pipeline",
+          pipeline_buffers, FormatBytes(buffer_bytes), FormatBytes(pipeline_buffers * buffer_bytes),
+          count);
+    }
+    ZINF_ASSIGN_OR_RETURN(parts.pool,
+                          BufferPool::Create(BufferPoolOptions{
+                              .budget_bytes = options.pinned_budget_bytes,
+                              .buffer_count = count,
+                              .buffer_bytes = buffer_bytes,
+                              .alignment = buffer_alignment,
+                              .pin_memory = options.pin_memory}));
+    ZINF_ASSIGN_OR_RETURN(parts.read_engine, make_engine(EngineRole::kRead));
+    if (pipelined) {
+      ZINF_ASSIGN_OR_RETURN(parts.write_engine, make_engine(EngineRole::kWrite));
+    }
+
+    // Gradients.
+    const std::uint64_t partition_bytes = plan.partition_numel() * sizeof(float);
+    if (options.swap_gradients && accumulation == GradientAccumulation::kAuto) {
+      accumulation = partition_bytes <= options.accumulation_memory_limit_bytes
+                         ? GradientAccumulation::kInMemory
+                         : GradientAccumulation::kReadAddWrite;
+    }
+    const bool gradients_on_disk =
+        options.swap_gradients && accumulation == GradientAccumulation::kReadAddWrite;
+    if (gradients_on_disk) {
+      ZINF_ASSIGN_OR_RETURN(gradient_engine, make_engine(EngineRole::kGradient));
+    }
+
+    const std::uint64_t alignment_elems = std::max<std::uint64_t>(alignment / sizeof(float), 1);
+    for (const partition::SubGroup& sub_group : sub_groups.sub_groups()) {
+      SubGroupSwapInfo info;
+      info.sub_group = sub_group;
+      info.io_size_bytes = AlignUp(sub_group.numel * sizeof(float), alignment);
+      if (gradients_on_disk) {
+        ZINF_ASSIGN_OR_RETURN(partition::GradientSwapSplit split,
+                              partition::SplitGradientForSwap(sub_group, alignment_elems,
+                                                              options.min_swap_numel));
+        info.swapped_gradients = std::move(split.swapped);
+        info.unswapped_gradients = std::move(split.unswapped);
+        info.gradient_name = fmt::format("grad{}", sub_group.index);
+      }
+      parts.infos.push_back(std::move(info));
+    }
+    parts.sub_groups.emplace(std::move(sub_groups));
+    // One spare slot suffices in both modes: each engine has at most one sub-group in flight.
+    parts.num_slots = parts.infos.size() + 1;
+    const std::uint64_t slot_bytes = AlignUp(max_numel * sizeof(float), alignment);
+    for (std::size_t slot = 0; slot < parts.num_slots; ++slot) {
+      for (StateTensor which : kStateTensors) {
+        specs.push_back({OptimizerSwapper::SlotTensorName(slot, which), slot_bytes});
+      }
+    }
+    for (const SubGroupSwapInfo& info : parts.infos) {
+      if (info.has_gradients()) specs.push_back({info.gradient_name, info.io_size_bytes});
+    }
+    return OkStatus();
+  };
+  ZINF_RETURN_IF_ERROR(dup.AgreeOnStatus(Annotate(local_setup(), "optimizer swapper: ")));
+  ZINF_RETURN_IF_ERROR(PreflightSpace(dup, parts.options.store, specs));
+  ZINF_RETURN_IF_ERROR(dup.AgreeOnStatus(
+      Annotate(parts.store->Reserve(specs), "optimizer swapper: reserve the swap store: ")));
+
+  std::uint64_t disk_bytes = 0;
+  for (const storage::TensorSpec& spec : specs) disk_bytes += spec.size_bytes;
+  const BufferPool& pool = *parts.pool;
+  const std::string engine_name(parts.read_engine->name());
+  parts.comm.emplace(std::move(dup));
+  std::unique_ptr<OptimizerSwapper> swapper;
+  if (pipelined) {
+    swapper.reset(new PipelinedOptimizerSwapper(std::move(parts)));
+  } else {
+    swapper.reset(new PartitionedOptimizerSwapper(std::move(parts)));
+  }
+  std::uint64_t extra_bytes = 0;
+  if (gradient_engine || (options.swap_gradients &&
+                          accumulation == GradientAccumulation::kInMemory)) {
+    swapper->gradient_swapper_ = std::make_unique<GradientSwapper>(
+        accumulation, options.gradient_accumulation_steps, &swapper->infos_,
+        plan.partition_numel(), swapper->store_.get(), std::move(gradient_engine),
+        swapper->pool_.get(), &swapper->timers_);
+    if (accumulation == GradientAccumulation::kInMemory) {
+      extra_bytes = plan.partition_numel() * sizeof(float);
+    } else {
+      for (const SubGroupSwapInfo& info : swapper->infos_) {
+        for (const partition::GradientPiece& piece : info.unswapped_gradients) {
+          extra_bytes += piece.numel * sizeof(float);
+        }
+      }
+    }
+    ZINF_LOG_INFO("gradient swapper: {} accumulation over {} micro-batches ({} of gradient in "
+                  "host memory per rank{})",
+                  GradientAccumulationName(accumulation), options.gradient_accumulation_steps,
+                  FormatBytes(extra_bytes),
+                  accumulation == GradientAccumulation::kInMemory
+                      ? ": the partition gradient fits accumulation_memory_limit_bytes"
+                      : ": unswapped remainders; swapped pieces are read, added and written");
+  }
+  ZINF_LOG_INFO(
+      "optimizer swapper: {} ({} engine{}), {} sub-groups of <= {} elements per rank; pool {} x "
+      "{} = {} (budget {}, pinned: {}); swap store {} per rank on {} ({} slots, alignment {})",
+      swapper->mode_name(), engine_name, pipelined ? "s, read + write" : "",
+      swapper->num_sub_groups(), swapper->sub_groups().max_sub_group_numel(), pool.buffer_count(),
+      FormatBytes(pool.buffer_bytes()), FormatBytes(pool.total_bytes()),
+      FormatBytes(pool.budget_bytes()), pool.pinned() ? "yes" : "no", FormatBytes(disk_bytes),
+      fmt::join(options.store.paths, ","), swapper->num_sub_groups() + 1,
+      swapper->store().alignment());
+  return swapper;
+}
+
+}  // namespace zinf::swapper

@@ -1,0 +1,156 @@
+#include "zinf/swapper/partitioned_optimizer_swapper.h"
+
+#include <algorithm>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "optimizer_swapper_internal.h"
+#include "zinf/swapper/gradient_swapper.h"
+
+namespace zinf::swapper {
+
+PartitionedOptimizerSwapper::PartitionedOptimizerSwapper(Parts&& parts)
+    : OptimizerSwapper("partitioned", std::move(parts)) {}
+
+Status PartitionedOptimizerSwapper::SwapIn(std::size_t sub_group, const GradientSource& source) {
+  if (sub_group >= infos_.size()) {
+    return InvalidArgumentError(fmt::format("sub-group {} of {}", sub_group, infos_.size()));
+  }
+  if (swapped_in_.contains(sub_group)) {
+    return FailedPreconditionError(fmt::format("sub-group {} is already swapped in", sub_group));
+  }
+  if (gradient_swapper_) ZINF_RETURN_IF_ERROR(gradient_swapper_->Flush());
+  const SubGroupSwapInfo& info = infos_[sub_group];
+  ZINF_ASSIGN_OR_RETURN(PoolLease lease,
+                        pool_->Allocate(info.sub_group.numel, kBuffersPerSubGroup));
+  {
+    comm::ScopedTimer swap_in(timers_, "swap_in_param");
+    IoBatch batch;
+    Status submitted = OkStatus();
+    {
+      comm::ScopedTimer submit(timers_, "swap_submit_read_param");
+      submitted = SubmitStateReads(sub_group, lease, read_engine(), &batch);
+    }
+    Status waited = OkStatus();
+    {
+      comm::ScopedTimer wait(timers_, "swap_wait_read_param");
+      waited = batch.Wait(read_engine());
+    }
+    ZINF_RETURN_IF_ERROR(Annotate(submitted, "swap-in "));
+    ZINF_RETURN_IF_ERROR(Annotate(waited, "swap-in "));
+    ZINF_RETURN_IF_ERROR(Annotate(VerifyStateReads(sub_group, lease), "swap-in "));
+  }
+  {
+    comm::ScopedTimer gradient(timers_, "swap_in_gradient");
+    std::span<float> grad = lease.floats(3).first(info.sub_group.numel);
+    if (source) {
+      ZINF_RETURN_IF_ERROR(Annotate(source(info.sub_group, grad), "gradient: "));
+    } else {
+      std::fill(grad.begin(), grad.end(), 0.0f);
+    }
+  }
+  swapped_in_.emplace(sub_group, std::move(lease));
+  return OkStatus();
+}
+
+Result<PartitionedOptimizerSwapper::Buffers> PartitionedOptimizerSwapper::SwappedIn(
+    std::size_t sub_group) const {
+  auto it = swapped_in_.find(sub_group);
+  if (it == swapped_in_.end()) {
+    return FailedPreconditionError(fmt::format("sub-group {} is not swapped in", sub_group));
+  }
+  const std::size_t numel = infos_[sub_group].sub_group.numel;
+  return Buffers{it->second.floats(0).first(numel), it->second.floats(1).first(numel),
+                 it->second.floats(2).first(numel), it->second.floats(3).first(numel)};
+}
+
+Status PartitionedOptimizerSwapper::SwapOut(std::size_t sub_group, std::int64_t step) {
+  return Writeback(sub_group, step, /*write_state=*/true, /*write_gradients=*/false);
+}
+
+Status PartitionedOptimizerSwapper::Writeback(std::size_t sub_group, std::int64_t step,
+                                              bool write_state, bool write_gradients) {
+  auto it = swapped_in_.find(sub_group);
+  if (it == swapped_in_.end()) {
+    return FailedPreconditionError(fmt::format("sub-group {} is not swapped in", sub_group));
+  }
+  // Whatever happens below, the buffers go back (the engine is drained by then).
+  PoolLease lease = std::move(it->second);
+  swapped_in_.erase(it);
+  if (write_state) {
+    comm::ScopedTimer swap_out(timers_, "swap_out_param");
+    comm::ScopedTimer submit(timers_, "swap_submit_write");
+    IoBatch batch;
+    Result<std::size_t> slot = SubmitStateWrites(sub_group, lease, write_engine(), &batch);
+    Status written = batch.Wait(write_engine());
+    if (!slot) return std::move(slot).error().WithContext("swap-out ");
+    if (!written) {
+      Abandon(*slot);
+      return std::move(written).error().WithContext("swap-out ");
+    }
+    Commit(sub_group, *slot, step);
+  }
+  if (write_gradients && gradient_swapper_) {
+    ZINF_RETURN_IF_ERROR(Annotate(
+        gradient_swapper_->WriteBack(sub_group,
+                                     lease.floats(3).first(infos_[sub_group].sub_group.numel)),
+        "gradient writeback: "));
+  }
+  return OkStatus();
+}
+
+void PartitionedOptimizerSwapper::Release(std::size_t sub_group) { swapped_in_.erase(sub_group); }
+
+Status PartitionedOptimizerSwapper::SwapOutGradients(int micro_batch, std::size_t sub_group,
+                                                     std::span<const float> grad) {
+  if (!gradient_swapper_) {
+    return FailedPreconditionError("swap_out_gradients: gradients are not swapped "
+                                   "(SwapperOptions::swap_gradients is off)");
+  }
+  return gradient_swapper_->SwapOut(micro_batch, sub_group, grad);
+}
+
+Status PartitionedOptimizerSwapper::StepOne(std::int64_t step, std::size_t sub_group,
+                                            const GradientSource& source, const ParamSink& sink,
+                                            const StepOptions& options) {
+  ZINF_RETURN_IF_ERROR(SwapIn(sub_group, source));
+  auto it = swapped_in_.find(sub_group);
+  Status computed = Compute(step, sub_group, it->second, options);
+  if (!computed) {
+    Release(sub_group);
+    return computed;
+  }
+  // The sink sees the weights only once they are committed, so the buffers stay leased until
+  // after it: write without releasing, then sink, then release.
+  {
+    comm::ScopedTimer swap_out(timers_, "swap_out_param");
+    comm::ScopedTimer submit(timers_, "swap_submit_write");
+    IoBatch batch;
+    Result<std::size_t> slot = SubmitStateWrites(sub_group, it->second, write_engine(), &batch);
+    Status written = batch.Wait(write_engine());
+    if (!slot || !written) {
+      Release(sub_group);
+      if (!slot) return std::move(slot).error().WithContext("swap-out ");
+      Abandon(*slot);
+      return std::move(written).error().WithContext("swap-out ");
+    }
+    Commit(sub_group, *slot, step);
+  }
+  Status sunk = Sink(sub_group, it->second, sink);
+  Release(sub_group);
+  return sunk;
+}
+
+Status PartitionedOptimizerSwapper::Step(std::int64_t step, const GradientSource& source,
+                                         const ParamSink& sink, const StepOptions& options) {
+  ZINF_RETURN_IF_ERROR(FlushGradientsCollective(step));
+  Status local = OkStatus();
+  for (std::size_t i = 0; i < infos_.size() && local; ++i) {
+    if (last_step_[i] >= step) continue;
+    local = Annotate(StepOne(step, i, source, sink, options), StepContext(step, i));
+  }
+  return FinishStep(step, std::move(local));
+}
+
+}  // namespace zinf::swapper

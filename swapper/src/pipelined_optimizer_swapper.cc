@@ -1,0 +1,125 @@
+#include "zinf/swapper/pipelined_optimizer_swapper.h"
+
+#include <array>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "optimizer_swapper_internal.h"
+#include "zinf/swapper/gradient_swapper.h"
+
+namespace zinf::swapper {
+
+PipelinedOptimizerSwapper::PipelinedOptimizerSwapper(Parts&& parts)
+    : OptimizerSwapper("pipelined", std::move(parts)) {}
+
+Status PipelinedOptimizerSwapper::Step(std::int64_t step, const GradientSource& source,
+                                       const ParamSink& sink, const StepOptions& options) {
+  ZINF_RETURN_IF_ERROR(FlushGradientsCollective(step));
+  return FinishStep(step, StepLocal(step, source, sink, options));
+}
+
+Status PipelinedOptimizerSwapper::StepLocal(std::int64_t step, const GradientSource& source,
+                                            const ParamSink& sink, const StepOptions& options) {
+  std::vector<std::size_t> todo;
+  for (std::size_t i = 0; i < infos_.size(); ++i) {
+    if (last_step_[i] < step) todo.push_back(i);
+  }
+  if (todo.empty()) return OkStatus();
+  const std::uint64_t max_numel = sub_groups_.max_sub_group_numel();
+  std::array<PoolLease, kSets> sets;
+  for (PoolLease& set : sets) {
+    ZINF_ASSIGN_OR_RETURN(set, pool_->Allocate(max_numel, kBuffersPerSubGroup));
+  }
+  // Set t % 3 serves todo[t]: computing at iteration t, reading at t - 1, writing until the
+  // writes are waited for at iteration t + 1. Set (t + 1) % 3 was therefore last used for the
+  // writes of todo[t - 2], waited for at iteration t - 1, before it is read into at iteration t.
+  IoBatch reads;
+  IoBatch writes;
+  std::optional<std::size_t> writing;  // index into todo of the sub-group being written
+  std::size_t write_slot = 0;
+  const bool read_ahead = options_.pipeline_read;
+  const bool write_behind = options_.pipeline_write;
+
+  // Waits for the writes in flight; commits and sinks their sub-group if they all succeeded.
+  auto finish_writes = [&]() -> Status {
+    if (!writing) return OkStatus();
+    const std::size_t t = *writing;
+    writing.reset();
+    Status written = OkStatus();
+    {
+      comm::ScopedTimer wait(timers_, "swap_wait_write_param");
+      written = writes.Wait(write_engine());
+    }
+    if (!written) {
+      Abandon(write_slot);
+      return Annotate(std::move(written), StepContext(step, todo[t]) + "swap-out ");
+    }
+    Commit(todo[t], write_slot, step);
+    return Annotate(Sink(todo[t], sets[t % kSets], sink), StepContext(step, todo[t]));
+  };
+  auto submit_reads = [&](std::size_t t) -> Status {
+    comm::ScopedTimer submit(timers_, "swap_submit_read_param");
+    return Annotate(SubmitStateReads(todo[t], sets[t % kSets], read_engine(), &reads),
+                    StepContext(step, todo[t]) + "swap-in ");
+  };
+
+  auto run = [&]() -> Status {
+    if (read_ahead) ZINF_RETURN_IF_ERROR(submit_reads(0));
+    for (std::size_t t = 0; t < todo.size(); ++t) {
+      const std::size_t i = todo[t];
+      const PoolLease& set = sets[t % kSets];
+      {
+        comm::ScopedTimer swap_in(timers_, "swap_in_param");
+        if (!read_ahead) ZINF_RETURN_IF_ERROR(submit_reads(t));
+        {
+          comm::ScopedTimer wait(timers_, "swap_wait_read_param");
+          ZINF_RETURN_IF_ERROR(
+              Annotate(reads.Wait(read_engine()), StepContext(step, i) + "swap-in "));
+        }
+        ZINF_RETURN_IF_ERROR(
+            Annotate(VerifyStateReads(i, set), StepContext(step, i) + "swap-in "));
+      }
+      if (read_ahead && t + 1 < todo.size()) ZINF_RETURN_IF_ERROR(submit_reads(t + 1));
+      {
+        comm::ScopedTimer gradient(timers_, "swap_in_gradient");
+        std::span<float> grad = set.floats(3).first(infos_[i].sub_group.numel);
+        if (source) {
+          ZINF_RETURN_IF_ERROR(
+              Annotate(source(infos_[i].sub_group, grad), StepContext(step, i) + "gradient: "));
+        } else {
+          std::fill(grad.begin(), grad.end(), 0.0f);
+        }
+      }
+      ZINF_RETURN_IF_ERROR(Annotate(Compute(step, i, set, options), StepContext(step, i)));
+      ZINF_RETURN_IF_ERROR(finish_writes());
+      {
+        comm::ScopedTimer swap_out(timers_, "swap_out_param");
+        comm::ScopedTimer submit(timers_, "swap_submit_write");
+        Result<std::size_t> slot = SubmitStateWrites(i, set, write_engine(), &writes);
+        if (!slot) {
+          // The slot is spare again; drain what was submitted before the failure.
+          (void)writes.Wait(write_engine());
+          return std::move(slot).error().WithContext(StepContext(step, i) + "swap-out ");
+        }
+        write_slot = *slot;
+        writing = t;
+      }
+      if (!write_behind) ZINF_RETURN_IF_ERROR(finish_writes());
+    }
+    return finish_writes();
+  };
+
+  Status status = run();
+  if (!status) {
+    // Nothing may go back to the pool under an I/O in flight. Writes that complete cleanly still
+    // commit: the sub-group's new state is whole on disk.
+    (void)reads.Wait(read_engine());
+    (void)finish_writes();
+  }
+  return status;
+}
+
+}  // namespace zinf::swapper

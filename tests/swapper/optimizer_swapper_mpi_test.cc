@@ -1,0 +1,422 @@
+// Multi-rank tests of the optimizer swappers (run under mpirun with 1-4 ranks): swapped training
+// equals in-memory training bitwise, and an I/O error on one rank is the same error on every
+// rank, leaving each sub-group's state either before or after the failed step.
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "testing/mpi_env.h"
+#include "testing/status_matchers.h"
+#include "zinf/core/check.h"
+#include "zinf/partition/layout.h"
+#include "zinf/partition/plan.h"
+#include "zinf/storage/fault_injection.h"
+#include "zinf/swapper/buffer_pool.h"
+#include "zinf/swapper/cpu_adam.h"
+#include "zinf/swapper/gradient_swapper.h"
+#include "zinf/swapper/optimizer_swapper.h"
+#include "zinf/swapper/partitioned_optimizer_swapper.h"
+
+namespace zinf::swapper {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::IsOk;
+using testing::SharedScratchDir;
+using testing::StatusIs;
+using testing::World;
+
+constexpr std::uint64_t kPlanAlignment = 8;
+
+partition::ParamLayout MakeLayout() {
+  auto layout = partition::ParamLayout::Create({{"embed", {37, 129}},
+                                                {"w1", {2048, 3}},
+                                                {"b1", {17}},
+                                                {"w2", {1500, 7}},
+                                                {"scale", {}},
+                                                {"head", {4099}}});
+  ZINF_CHECK(layout.has_value());
+  return std::move(*layout);
+}
+
+float Hash01(std::uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  return static_cast<float>(x % 100003) / 100003.0f;
+}
+float InitialWeight(std::uint64_t flat) { return Hash01(flat * 7 + 1) * 2.0f - 1.0f; }
+float Gradient(std::int64_t step, std::uint64_t flat, int micro_batch) {
+  return (Hash01(flat * 131 + static_cast<std::uint64_t>(step) * 1000003 +
+                 static_cast<std::uint64_t>(micro_batch) * 7919) -
+          0.5f) *
+         0.1f;
+}
+
+enum class GradMode { kCopy, kInMemory, kReadAddWrite };
+std::string GradModeName(GradMode mode) {
+  switch (mode) {
+    case GradMode::kCopy: return "Copy";
+    case GradMode::kInMemory: return "InMemory";
+    case GradMode::kReadAddWrite: return "ReadAddWrite";
+  }
+  return "?";
+}
+
+// One rank's view: the reference (in-memory) state of its partition and the swapper.
+class Harness {
+ public:
+  Harness(const std::string& dir, std::uint64_t sub_group_size, bool pipelined, GradMode mode,
+          int micro_batches)
+      : layout_(MakeLayout()), mode_(mode), micro_batches_(micro_batches) {
+    const comm::Communicator& world = World();
+    plan_ = std::make_unique<partition::PartitionPlan>(
+        *partition::PartitionPlan::CreateFlat(layout_, world.size(), kPlanAlignment));
+    const std::uint64_t n = plan_->partition_numel();
+    fp32_.assign(n, 0.0f);
+    exp_avg_.assign(n, 0.0f);
+    exp_avg_sq_.assign(n, 0.0f);
+    for (const partition::Fragment& f : plan_->RankFragments(world.rank())) {
+      for (std::uint64_t k = 0; k < f.numel; ++k) {
+        fp32_[f.partition_offset + k] = InitialWeight(f.flat_offset + k);
+      }
+    }
+    options_.store.paths = {dir};
+    options_.store.job_id = "swaptest";
+    options_.store.stripe_unit_bytes = 64 << 10;
+    options_.store.verify_swap = true;
+    options_.sub_group_size = sub_group_size;
+    options_.pipeline_read = pipelined;
+    options_.pipeline_write = pipelined;
+    options_.adam = AdamOptions{.lr = 1e-2, .weight_decay = 0.01, .threads = 1};
+    options_.bf16_params = true;
+    options_.swap_gradients = mode != GradMode::kCopy;
+    options_.gradient_accumulation_steps = micro_batches;
+    options_.accumulation = mode == GradMode::kInMemory ? GradientAccumulation::kInMemory
+                                                        : GradientAccumulation::kReadAddWrite;
+    options_.min_swap_numel = 1024;
+  }
+
+  SwapperOptions& options() { return options_; }
+  OptimizerSwapper& swapper() { return *swapper_; }
+  const partition::PartitionPlan& plan() const { return *plan_; }
+
+  Status Create() {
+    ZINF_ASSIGN_OR_RETURN(swapper_, CreateOptimizerSwapper(World(), *plan_, options_));
+    return swapper_->Initialize([this](std::uint64_t offset, std::span<float> out) {
+      std::memcpy(out.data(), fp32_.data() + offset, out.size() * sizeof(float));
+      return OkStatus();
+    });
+  }
+
+  // The partition gradient of one micro-batch (padding 0).
+  std::vector<float> PartitionGradient(std::int64_t step, int micro_batch) const {
+    std::vector<float> grad(plan_->partition_numel(), 0.0f);
+    for (const partition::Fragment& f : plan_->RankFragments(World().rank())) {
+      for (std::uint64_t k = 0; k < f.numel; ++k) {
+        grad[f.partition_offset + k] = Gradient(step, f.flat_offset + k, micro_batch);
+      }
+    }
+    return grad;
+  }
+
+  // Feeds the micro-batches to the gradient swapper (when there is one) and builds the summed
+  // gradient the reference uses.
+  Status Backward(std::int64_t step) {
+    summed_ = PartitionGradient(step, 0);
+    if (mode_ != GradMode::kCopy) {
+      ZINF_RETURN_IF_ERROR(swapper_->gradient_swapper()->SwapOutPartition(0, summed_));
+    }
+    for (int mb = 1; mb < micro_batches_; ++mb) {
+      std::vector<float> g = PartitionGradient(step, mb);
+      for (std::size_t k = 0; k < g.size(); ++k) summed_[k] += g[k];
+      if (mode_ != GradMode::kCopy) {
+        ZINF_RETURN_IF_ERROR(swapper_->gradient_swapper()->SwapOutPartition(mb, g));
+      }
+    }
+    return OkStatus();
+  }
+
+  Status SwappedStep(std::int64_t step) {
+    GradientSource source;
+    if (mode_ == GradMode::kCopy) {
+      source = [this](const partition::SubGroup& sg, std::span<float> grad) {
+        std::memcpy(grad.data(), summed_.data() + sg.partition_offset, grad.size() * 4);
+        return OkStatus();
+      };
+    } else {
+      source = swapper_->gradient_swapper()->Source();
+    }
+    working_.resize(plan_->partition_numel());
+    bf16_.resize(plan_->partition_numel());
+    return swapper_->Step(
+        step, source,
+        [this](const partition::SubGroup& sg, std::span<const float> fp32,
+               std::span<const std::uint16_t> bf16) {
+          std::memcpy(working_.data() + sg.partition_offset, fp32.data(), fp32.size() * 4);
+          std::memcpy(bf16_.data() + sg.partition_offset, bf16.data(), bf16.size() * 2);
+          return OkStatus();
+        },
+        StepOptions{.lr = std::nullopt, .grad_scale = 0.5f});
+  }
+
+  // The reference step: CpuAdam over the whole in-memory partition.
+  void ReferenceStep(std::int64_t step) {
+    auto adam = CpuAdam::Create(options_.adam);
+    ZINF_CHECK(adam.has_value());
+    Status s = adam->Step(step, fp32_, summed_, exp_avg_, exp_avg_sq_, {.grad_scale = 0.5f});
+    ZINF_CHECK(s.has_value(), "{}", s.error().ToString());
+  }
+
+  // Every committed state tensor equals `ref` (fp32, exp_avg, exp_avg_sq), bitwise, for the
+  // sub-groups selected by `which` (all when empty).
+  void ExpectStateEquals(const std::vector<float>* ref[3], const std::vector<bool>& which) {
+    for (std::size_t i = 0; i < swapper_->num_sub_groups(); ++i) {
+      if (!which.empty() && !which[i]) continue;
+      const partition::SubGroup& sg = swapper_->swap_info(i).sub_group;
+      for (int t = 0; t < 3; ++t) {
+        std::vector<float> got(sg.numel);
+        ZINF_ASSERT_OK(swapper_->ReadState(i, static_cast<StateTensor>(t), 0, got));
+        EXPECT_EQ(std::memcmp(got.data(), ref[t]->data() + sg.partition_offset, sg.numel * 4), 0)
+            << "rank " << World().rank() << " sub-group " << i << " tensor "
+            << StateTensorName(static_cast<StateTensor>(t));
+      }
+    }
+  }
+  void ExpectStateEqualsReference(const std::vector<bool>& which = {}) {
+    const std::vector<float>* ref[3] = {&fp32_, &exp_avg_, &exp_avg_sq_};
+    ExpectStateEquals(ref, which);
+  }
+
+  std::vector<float> fp32_, exp_avg_, exp_avg_sq_, summed_, working_;
+  std::vector<std::uint16_t> bf16_;
+
+ private:
+  partition::ParamLayout layout_;
+  std::unique_ptr<partition::PartitionPlan> plan_;
+  GradMode mode_;
+  int micro_batches_;
+  SwapperOptions options_;
+  std::unique_ptr<OptimizerSwapper> swapper_;
+};
+
+using Params = std::tuple<std::uint64_t, bool, GradMode>;
+
+class SwappedTraining : public ::testing::TestWithParam<Params> {};
+
+TEST_P(SwappedTraining, EqualsInMemoryTrainingBitwise) {
+  const auto [sub_group_size, pipelined, mode] = GetParam();
+  SharedScratchDir dir("swapper");
+  const int micro_batches = mode == GradMode::kCopy ? 1 : (mode == GradMode::kInMemory ? 3 : 2);
+  Harness h(dir.path(), sub_group_size, pipelined, mode, micro_batches);
+  ZINF_ASSERT_OK(h.Create());
+  EXPECT_EQ(h.swapper().mode_name(), pipelined ? "pipelined" : "partitioned");
+  h.ExpectStateEqualsReference();
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    ZINF_ASSERT_OK(h.Backward(step));
+    ZINF_ASSERT_OK(h.SwappedStep(step));
+    h.ReferenceStep(step);
+    ASSERT_EQ(std::memcmp(h.working_.data(), h.fp32_.data(), h.fp32_.size() * 4), 0)
+        << "step " << step;
+    for (std::size_t k = 0; k < h.fp32_.size(); ++k) {
+      std::uint32_t bits;
+      std::memcpy(&bits, &h.fp32_[k], 4);
+      ASSERT_EQ(h.bf16_[k], FloatBitsToBf16(bits)) << k;
+    }
+    for (std::size_t i = 0; i < h.swapper().num_sub_groups(); ++i) {
+      EXPECT_EQ(h.swapper().last_step(i), step);
+    }
+  }
+  h.ExpectStateEqualsReference();
+  if (mode == GradMode::kReadAddWrite) {
+    // The layout has pieces large enough to be swapped, and small ones kept in memory.
+    std::size_t swapped = 0;
+    for (std::size_t i = 0; i < h.swapper().num_sub_groups(); ++i) {
+      swapped += h.swapper().swap_info(i).swapped_gradients.size();
+    }
+    EXPECT_GT(swapped, 0u);
+  }
+  ZINF_ASSERT_OK(h.swapper().LogTimers());
+  ZINF_ASSERT_OK(h.swapper().Close());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    SubGroupsModes, SwappedTraining,
+    ::testing::Combine(::testing::Values(std::uint64_t{2048}, std::uint64_t{3000},
+                                         std::uint64_t{1} << 20),
+                       ::testing::Bool(),
+                       ::testing::Values(GradMode::kCopy, GradMode::kInMemory,
+                                         GradMode::kReadAddWrite)),
+    [](const ::testing::TestParamInfo<Params>& p) {
+      return fmt::format("SubGroup{}_{}_{}", std::get<0>(p.param),
+                         std::get<1>(p.param) ? "Pipelined" : "Sync",
+                         GradModeName(std::get<2>(p.param)));
+    });
+
+TEST(OptimizerSwapper, PoolTooSmallIsTheSameErrorOnEveryRank) {
+  SharedScratchDir dir("swapper");
+  Harness h(dir.path(), 2048, false, GradMode::kCopy, 1);
+  // 2048 elements -> 8 KiB buffers; 3 of them are one short of a step.
+  h.options().pinned_budget_bytes = 3 * 8192;
+  Status created = h.Create();
+  EXPECT_THAT(created, StatusIs(ErrorCode::kResourceExhausted,
+                                HasSubstr("holds 3 swap buffers of 8.00 KiB")));
+  EXPECT_THAT(created, StatusIs(ErrorCode::kResourceExhausted,
+                                HasSubstr("raise zinf.pinned_budget_bytes to at least 32768")));
+}
+
+TEST(OptimizerSwapper, PipelineFallsBackToSyncWhenThePoolIsTooSmall) {
+  SharedScratchDir dir("swapper");
+  Harness h(dir.path(), 2048, true, GradMode::kCopy, 1);
+  h.options().pinned_budget_bytes = 4 * 8192;
+  ZINF_ASSERT_OK(h.Create());
+  EXPECT_EQ(h.swapper().mode_name(), "partitioned");
+  EXPECT_EQ(h.swapper().pool().buffer_count(), 4u);
+}
+
+// ---- Faults: one rank's engine fails; every rank must get that error, no rank hangs. ----
+
+enum class FaultAt { kSwapIn, kSwapOut, kGradientWrite };
+
+struct FaultCase {
+  FaultAt at;
+  bool pipelined;
+};
+
+class OneRankFails : public ::testing::TestWithParam<FaultCase> {};
+
+TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
+  const FaultCase fault = GetParam();
+  const comm::Communicator& world = World();
+  const int failing = world.size() - 1;
+  SharedScratchDir dir("swapper");
+  const GradMode mode =
+      fault.at == FaultAt::kGradientWrite ? GradMode::kReadAddWrite : GradMode::kCopy;
+  Harness h(dir.path(), 2048, fault.pipelined, mode, mode == GradMode::kCopy ? 1 : 2);
+  // Initialize writes 3 blocks per sub-group (every tensor is one block here). Step 2's faults:
+  // the 3rd sub-group's first read, the 2nd sub-group's second write, the first gradient write.
+  std::size_t num_sub_groups = 0;
+  {
+    auto sub_groups = partition::SubGroupPlan::Create(h.plan(), world.rank(), 2048);
+    ZINF_ASSERT_OK(sub_groups);
+    num_sub_groups = sub_groups->size();
+  }
+  ASSERT_GE(num_sub_groups, 3u);
+  std::string spec;
+  EngineRole role = EngineRole::kRead;
+  switch (fault.at) {
+    case FaultAt::kSwapIn:
+      spec = fmt::format("read:{}:eio", 3 * num_sub_groups + 7);
+      break;
+    case FaultAt::kSwapOut:
+      spec = fmt::format("write:{}:eio", 3 * num_sub_groups * 2 + 5);
+      role = EngineRole::kWrite;
+      break;
+    case FaultAt::kGradientWrite:
+      spec = "write:1+:eio";
+      role = EngineRole::kGradient;
+      break;
+  }
+  std::shared_ptr<storage::FaultInjector> injector;
+  if (world.rank() == failing) {
+    auto parsed = storage::ParseFaultSpec(spec);
+    ZINF_ASSERT_OK(parsed);
+    injector = std::make_shared<storage::FaultInjector>(*parsed);
+  }
+  bool armed = false;
+  h.options().engine_wrapper =
+      [&](EngineRole r, std::unique_ptr<storage::IoEngine> engine)
+      -> Result<std::unique_ptr<storage::IoEngine>> {
+    // The synchronous swapper has one engine for reads and writes (role kRead).
+    const bool state_engine = r != EngineRole::kGradient && role != EngineRole::kGradient;
+    if (!injector || !(r == role || state_engine)) return engine;
+    armed = true;
+    return storage::FaultInjectingEngine::Wrap(std::move(engine), injector);
+  };
+  ZINF_ASSERT_OK(h.Create());
+  EXPECT_EQ(armed, world.rank() == failing);
+
+  // State faults hit step 2 (step 1 succeeds everywhere); gradient faults hit the first
+  // gradient write, in step 1's backward.
+  if (fault.at != FaultAt::kGradientWrite) {
+    ZINF_ASSERT_OK(h.Backward(1));
+    ZINF_ASSERT_OK(h.SwappedStep(1));
+    h.ReferenceStep(1);
+  }
+  const std::vector<float> before[3] = {h.fp32_, h.exp_avg_, h.exp_avg_sq_};
+  const std::int64_t step = fault.at == FaultAt::kGradientWrite ? 1 : 2;
+
+  Status backward = h.Backward(step);
+  if (world.rank() != failing) ZINF_EXPECT_OK(backward);
+  Status stepped = h.SwappedStep(step);
+  const std::string rank_prefix = fmt::format("rank {}:", failing);
+  if (world.rank() == 0 && !stepped) {
+    std::fprintf(stderr, "agreed error: %s\n", stepped.error().ToString().c_str());
+  }
+  EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr(rank_prefix)));
+  switch (fault.at) {
+    case FaultAt::kSwapIn:
+      EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr("swap-in fp32")));
+      break;
+    case FaultAt::kSwapOut:
+      EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr("swap-out ")));
+      break;
+    case FaultAt::kGradientWrite:
+      EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr("gradient")));
+      break;
+  }
+  // Every rank: each sub-group holds either the state before the step or after it.
+  h.ReferenceStep(step);
+  const std::vector<float>* after_ref[3] = {&h.fp32_, &h.exp_avg_, &h.exp_avg_sq_};
+  const std::vector<float>* before_ref[3] = {&before[0], &before[1], &before[2]};
+  std::vector<bool> committed(h.swapper().num_sub_groups());
+  std::size_t took = 0;
+  for (std::size_t i = 0; i < committed.size(); ++i) {
+    committed[i] = h.swapper().last_step(i) == step;
+    took += committed[i] ? 1 : 0;
+  }
+  h.ExpectStateEquals(after_ref, committed);
+  std::vector<bool> not_committed(committed.size());
+  for (std::size_t i = 0; i < committed.size(); ++i) not_committed[i] = !committed[i];
+  h.ExpectStateEquals(before_ref, not_committed);
+  if (world.rank() == failing) {
+    switch (fault.at) {
+      case FaultAt::kSwapIn: EXPECT_EQ(took, 2u); break;
+      case FaultAt::kSwapOut: EXPECT_EQ(took, 1u); break;
+      case FaultAt::kGradientWrite: EXPECT_EQ(took, 0u); break;
+    }
+  } else if (fault.at == FaultAt::kGradientWrite) {
+    EXPECT_EQ(took, 0u);  // agreed before any sub-group was stepped
+  } else {
+    EXPECT_EQ(took, committed.size());
+  }
+  if (fault.at != FaultAt::kGradientWrite) {
+    // Retrying the same step applies it to exactly the sub-groups that did not take it.
+    ZINF_ASSERT_OK(h.SwappedStep(step));
+    h.ExpectStateEqualsReference();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Faults, OneRankFails,
+    ::testing::Values(FaultCase{FaultAt::kSwapIn, false}, FaultCase{FaultAt::kSwapIn, true},
+                      FaultCase{FaultAt::kSwapOut, false}, FaultCase{FaultAt::kSwapOut, true},
+                      FaultCase{FaultAt::kGradientWrite, false},
+                      FaultCase{FaultAt::kGradientWrite, true}),
+    [](const ::testing::TestParamInfo<FaultCase>& p) {
+      const char* at = p.param.at == FaultAt::kSwapIn    ? "SwapIn"
+                       : p.param.at == FaultAt::kSwapOut ? "SwapOut"
+                                                         : "GradientWrite";
+      return fmt::format("{}_{}", at, p.param.pipelined ? "Pipelined" : "Sync");
+    });
+
+}  // namespace
+}  // namespace zinf::swapper
