@@ -1,0 +1,183 @@
+// Checkpoints of the swapped optimizer state: one parallel-HDF5 file per checkpoint, written
+// collectively by the N ranks of a job and restorable on any number M of ranks (DESIGN.md,
+// "Checkpoint").
+//
+//   CheckpointSaveOptions save{.dir = "/ckpt", .keep_last = 3};
+//   save.trainer = {{"step", step}, {"data_position", pos}};
+//   ZINF_ASSIGN_OR_RETURN(SavedCheckpoint saved, SaveCheckpoint(*swapper, step, save));
+//   ...
+//   ZINF_ASSIGN_OR_RETURN(RestoredCheckpoint restored, RestoreCheckpoint(*swapper, "/ckpt"));
+//
+// File format (format "zinf", format_version 1). Any HDF5 reader (h5py, h5dump) sees:
+//   /                attributes: format = "zinf", format_version (int64), step, world_size,
+//                    total_numel, sub_group_size, chunk_numel (int64), optimizer (JSON string:
+//                    {"type", "params"}), config (JSON string), created (ISO-8601 UTC string)
+//   /layout          attribute `json` (ParamLayout::ToJson: names, shapes, dtype, in order);
+//                    datasets /layout/flat_offset and /layout/numel (uint64, one per parameter)
+//   /state/fp32, /state/exp_avg, /state/exp_avg_sq
+//                    float32 [total_numel], the global unpadded flat vector, HDF5-chunked by
+//                    chunk_numel elements
+//   /checksum/fp32, /checksum/exp_avg, /checksum/exp_avg_sq
+//                    uint64 [ceil(total_numel / chunk_numel)]: entry k is XXH3-64 (seed 0) of the
+//                    little-endian bytes of elements [k * chunk_numel, min((k + 1) * chunk_numel,
+//                    total_numel)); group attributes `algorithm` = "xxh3-64", `chunk_numel`
+//   /trainer         attribute `state`: the caller's JSON (step counters, data position, RNG
+//                    state, learning-rate schedule); "{}" when none was given
+// Gradients are not saved.
+//
+// Commit protocol (SaveCheckpoint). The ranks write `<dir>/step-<N>.h5.partial`, compute the
+// checksums, flush and close it collectively, and every rank fdatasyncs it. Only after every rank
+// agreed on success does rank 0 rename it to `<dir>/step-<N>.h5`, fsync the directory, write
+// `<dir>/latest.tmp` (the file name, one line), fsync it, rename it over `<dir>/latest` and fsync
+// the directory again; then `.partial` files left by crashed saves are removed and `keep_last`
+// retention deletes older `step-*.h5` files. A crash at any
+// point therefore leaves `latest` naming a complete checkpoint (the previous one until the rename
+// of `latest`), and at worst a stale `.partial` file, which the next save of that step replaces.
+//
+// Memory. Save streams each sub-group run through one pool buffer (plus the one ReadState
+// borrows); restore writes through WriteState's three pool buffers and reads through three
+// chunk buffers of chunk_numel floats (12 MiB at the default chunk size). Host memory therefore
+// stays bounded by the pool and the chunk size, whatever the model size. Per-chunk checksum
+// tables (8 bytes per chunk per state) are held in memory.
+//
+// Thread safety: one thread at a time per swapper; HDF5 is used from the calling thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "zinf/core/status.h"
+#include "zinf/partition/layout.h"
+#include "zinf/swapper/optimizer_swapper.h"
+
+namespace zinf::swapper {
+
+inline constexpr std::string_view kCheckpointFormat = "zinf";
+inline constexpr std::int64_t kCheckpointFormatVersion = 1;
+// 1 Mi elements (4 MiB) per HDF5 chunk and per checksum.
+inline constexpr std::uint64_t kDefaultCheckpointChunkNumel = 1ull << 20;
+
+// "step-<N>.h5" and its path in `dir`.
+std::string CheckpointFileName(std::int64_t step);
+
+struct CheckpointSaveOptions {
+  std::string dir;    // shared by all ranks; created (with parents) by rank 0 if missing
+  int keep_last = 0;  // > 0: keep only the newest keep_last complete checkpoints; 0: keep all
+  std::uint64_t chunk_numel = kDefaultCheckpointChunkNumel;  // HDF5 chunk and checksum unit
+  // JSON attributes. Rank 0's values are written (broadcast), so they need not match elsewhere.
+  nlohmann::json optimizer;  // {"type", "params"}; null: derived from the swapper's AdamOptions
+  nlohmann::json config;     // the effective config; null: {}
+  nlohmann::json trainer;    // the caller's state; null: {}
+  bool progress = true;      // rank 0: live line on a TTY, periodic INFO lines otherwise
+  double progress_interval_s = 10;  // period of the INFO lines when stderr is not a TTY
+};
+
+struct SavedCheckpoint {
+  std::string path;                  // the committed <dir>/step-<N>.h5
+  std::uint64_t state_bytes = 0;     // bytes of state written (3 x 4 x total_numel)
+  double seconds = 0;                // wall time of the whole save, commit included
+  std::vector<std::string> removed;  // stale .partial files and checkpoints deleted by keep_last
+};
+
+// Collective over swapper.comm(). Saves the committed state of every sub-group as checkpoint
+// `step` (>= 0) in options.dir with the commit protocol above. Precondition: no Step in progress
+// (the swapper holds no pool buffers). Returns the same Status on every rank. Errors:
+// InvalidArgument (empty dir, step < 0, chunk_numel 0 or >= 2^30, a JSON value that is not an
+// object), ResourceExhausted (no pool buffer), the swap store's and HDF5's errors (DataLoss,
+// ...), and file-system errors of the commit (rename, fsync). On error nothing is committed:
+// `latest` and every older checkpoint are untouched, and rank 0 removes the partial file.
+Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t step,
+                                       const CheckpointSaveOptions& options);
+
+struct CheckpointRestoreOptions {
+  // true: first read and verify every chunk this rank needs, agree, and only then write the
+  // swapper's store (two reads of the file): a corrupted file leaves the store untouched.
+  // false: one pass; a checksum or I/O error part-way leaves some sub-groups restored.
+  bool verify_before_write = true;
+  bool check_optimizer = true;  // the file's optimizer type must match swapper AdamOptions.adamw
+  bool progress = true;
+  double progress_interval_s = 10;
+};
+
+struct RestoredCheckpoint {
+  std::string path;  // the file read
+  std::int64_t step = 0;
+  int world_size = 0;  // ranks that saved it
+  nlohmann::json optimizer, config, trainer;
+  double seconds = 0;
+};
+
+// Collective over swapper.comm(). Restores the checkpoint `path` (a checkpoint file, or a
+// directory whose `latest` names one) into `swapper`, whatever world size it was saved on: each
+// rank reads the flat ranges its own plan owns, verifying the checksum of every chunk it reads
+// (whole chunks), and writes each sub-group's state with WriteState (last_step = the file's
+// step; padding 0). Every rank reads through its own read-only (serial) HDF5 handle. Returns the
+// same Status on every rank. Errors, all before the store is written (see verify_before_write):
+//   NotFound: no file, no `latest` in the directory, or `latest` names a missing file;
+//   DataLoss: not an HDF5 file or truncated, a missing attribute or dataset or one of the wrong
+//             size/type ("missing dataset /state/exp_avg"), a checksum mismatch naming the
+//             dataset, chunk and element range;
+//   FailedPrecondition: format is not "zinf", an unsupported format_version, a layout that
+//             differs from the swapper's (first mismatch named, dtype ignored), an optimizer type
+//             that differs (check_optimizer);
+//   the swap store's errors from WriteState.
+Result<RestoredCheckpoint> RestoreCheckpoint(OptimizerSwapper& swapper, const std::string& path,
+                                             const CheckpointRestoreOptions& options = {});
+
+// ---- Serial inspection (no MPI needed; used by zinf-ckpt and tests) ----
+
+// `path` itself if it is not a directory; otherwise <path>/<contents of <path>/latest>.
+// Errors: NotFound (no such path, no `latest`), DataLoss (empty `latest`).
+Result<std::string> ResolveCheckpointPath(const std::string& path);
+
+struct CheckpointInfo {
+  std::string path;
+  std::int64_t format_version = 0;
+  std::int64_t step = 0;
+  std::int64_t world_size = 0;
+  std::uint64_t total_numel = 0;
+  std::int64_t sub_group_size = 0;
+  std::uint64_t chunk_numel = 0;
+  std::uint64_t num_chunks = 0;  // per state dataset
+  std::string created;
+  std::string checksum_algorithm;
+  nlohmann::json optimizer, config, trainer;
+  std::optional<partition::ParamLayout> layout;  // always set on success
+  std::uint64_t file_size_bytes = 0;
+};
+
+// Opens `path` (a file; see ResolveCheckpointPath) read-only and validates its structure:
+// attributes, layout, datasets and their sizes and types. Reads no state data. Errors as
+// RestoreCheckpoint's (NotFound, DataLoss, FailedPrecondition for format/format_version).
+Result<CheckpointInfo> ReadCheckpointInfo(const std::string& path);
+
+// Called with (bytes done, bytes total) while verifying or exporting.
+using CheckpointProgressFn = std::function<void(std::uint64_t done, std::uint64_t total)>;
+
+// Reads every chunk of every state dataset and recomputes its checksum. OK if all match;
+// otherwise the first bad chunk: DataLoss "checksum mismatch in dataset /state/exp_avg chunk 3
+// elements [3145728, 4194304): ..." (or the structural errors of ReadCheckpointInfo).
+Status VerifyCheckpoint(const std::string& path, const CheckpointProgressFn& progress = {});
+
+enum class ExportFormat { kHdf5, kSafetensors };
+
+// Writes the consolidated fp32 master weights (/state/fp32), one tensor per parameter with its
+// shape, to `out_path` (replaced if it exists), streaming chunk by chunk (checksums verified):
+//   kHdf5:        one 1-D float32 dataset per parameter, named by the parameter name (a '/' in
+//                 the name makes groups), with a string attribute `shape` ("[4, 8]"); root
+//                 attributes step and source.
+//   kSafetensors: the safetensors format (8-byte little-endian header size, JSON header with
+//                 dtype "F32", shape and data_offsets per tensor, padded with spaces to a
+//                 multiple of 8, then the raw little-endian data in layout order).
+// Errors: those of ReadCheckpointInfo and VerifyCheckpoint (DataLoss on a bad chunk), and I/O
+// errors writing out_path.
+Status ExportCheckpoint(const std::string& path, const std::string& out_path, ExportFormat format,
+                        const CheckpointProgressFn& progress = {});
+
+}  // namespace zinf::swapper
