@@ -1,0 +1,10 @@
+# zinf-train's config (launch/train/config.{h,cc}): parsing, defaults, batch arithmetic, schedules,
+# the corpus of bad configs (bad_configs/NN-name.json + NN-name.expect, also used end to end), and
+# the collective same-config check.
+zinf_add_unit_test(launch_config_test SOURCES config_test.cc LIBS zinf_train TIMEOUT 60)
+target_compile_definitions(launch_config_test PRIVATE
+    ZINF_BAD_CONFIG_DIR="${CMAKE_CURRENT_SOURCE_DIR}/bad_configs"
+    ZINF_GOOD_CONFIG_DIR="${CMAKE_CURRENT_SOURCE_DIR}/good_configs")
+
+zinf_add_mpi_test(launch_config_mpi_test SOURCES config_mpi_test.cc LIBS zinf_train
+                  NP 1 2 3 TIMEOUT 60)

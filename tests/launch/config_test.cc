@@ -1,0 +1,439 @@
+// Tests of launch/train/config.{h,cc}: the strict DeepSpeed-style config of zinf-train.
+#include "train/config.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "testing/status_matchers.h"
+#include "zinf/core/units.h"
+
+namespace zinf::train {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::zinf::testing::StatusIs;
+
+std::string ReadFile(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+TEST(TrainConfig, MinimalConfigGetsDeepSpeedDefaults) {
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c,
+                            ParseTrainConfig(R"({"train_micro_batch_size_per_gpu": 4})", {}));
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 4);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  EXPECT_EQ(c.train_batch_size, 4);
+  EXPECT_EQ(c.gradient_clipping, 0.0);
+  EXPECT_EQ(c.optimizer.type, OptimizerType::kAdam);
+  EXPECT_EQ(c.optimizer.lr, 1e-3);
+  EXPECT_EQ(c.optimizer.betas[0], 0.9);
+  EXPECT_EQ(c.optimizer.betas[1], 0.999);
+  EXPECT_EQ(c.optimizer.eps, 1e-8);
+  EXPECT_EQ(c.optimizer.weight_decay, 0.0);
+  EXPECT_TRUE(c.optimizer.adam_w_mode);
+  EXPECT_EQ(c.scheduler.type, SchedulerType::kNone);
+  EXPECT_EQ(c.zero_optimization.stage, 1);
+  EXPECT_EQ(c.zero_optimization.sub_group_size, 1'000'000'000u);
+  const auto& offload = c.zero_optimization.offload_optimizer;
+  EXPECT_EQ(offload.device, OffloadDevice::kNone);
+  EXPECT_TRUE(offload.nvme_path.empty());
+  EXPECT_EQ(offload.buffer_count, 4);
+  EXPECT_FALSE(offload.pin_memory);
+  EXPECT_FALSE(offload.pipeline_read);
+  EXPECT_FALSE(offload.pipeline_write);
+  EXPECT_FALSE(offload.fast_init);
+  EXPECT_EQ(c.aio.block_size, 1'048'576u);
+  EXPECT_EQ(c.aio.queue_depth, 8);
+  EXPECT_EQ(c.aio.intra_op_parallelism, 1);
+  EXPECT_FALSE(c.aio.single_submit);
+  EXPECT_TRUE(c.aio.overlap_events);
+  EXPECT_EQ(c.zinf.io_engine, storage::EngineKind::kAuto);
+  EXPECT_EQ(c.zinf.pinned_budget_bytes, 0u);
+  EXPECT_EQ(c.zinf.model.name, ModelName::kCharLM);
+  EXPECT_TRUE(c.zinf.checkpoint.dir.empty());
+  // The defaults agree with the option structs of the modules they feed.
+  const storage::AioOptions aio_defaults;
+  EXPECT_EQ(c.aio.block_size, aio_defaults.block_size);
+  EXPECT_EQ(c.aio.queue_depth, aio_defaults.queue_depth);
+  EXPECT_EQ(c.aio.overlap_events, aio_defaults.overlap_events);
+  const swapper::AdamOptions adam_defaults;
+  EXPECT_EQ(c.optimizer.lr, adam_defaults.lr);
+  EXPECT_EQ(c.optimizer.eps, adam_defaults.eps);
+}
+
+TEST(TrainConfig, FullDeepSpeedConfigParses) {
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c,
+                            LoadTrainConfig(ZINF_GOOD_CONFIG_DIR "/deepspeed-full.json",
+                                            {.world_size = 1, .local_rank = 3, .node = 2}));
+  EXPECT_EQ(c.train_batch_size, 64);
+  EXPECT_EQ(c.gradient_accumulation_steps, 8);
+  EXPECT_EQ(c.gradient_clipping, 1.0);
+  EXPECT_EQ(c.steps_per_print, 5);
+  EXPECT_TRUE(c.wall_clock_breakdown);
+  EXPECT_TRUE(c.bf16);
+  EXPECT_EQ(c.optimizer.lr, 3e-4);
+  EXPECT_EQ(c.optimizer.betas[1], 0.95);
+  EXPECT_FALSE(c.optimizer.adam_w_mode);
+  EXPECT_EQ(c.scheduler.type, SchedulerType::kWarmupCosineLR);
+  EXPECT_EQ(c.scheduler.total_num_steps, 2000);
+  EXPECT_EQ(c.scheduler.warmup_type, WarmupType::kLinear);
+  EXPECT_EQ(c.zero_optimization.stage, 3);
+  EXPECT_EQ(c.zero_optimization.sub_group_size, 1'000'000'000u);  // written as 1e9
+  const auto& offload = c.zero_optimization.offload_optimizer;
+  EXPECT_EQ(offload.device, OffloadDevice::kNvme);
+  EXPECT_THAT(offload.nvme_path,
+              ::testing::ElementsAre("/local_nvme/{node}/a", "/local_nvme/{node}/b{local_rank}"));
+  EXPECT_THAT(offload.resolved_nvme_paths,
+              ::testing::ElementsAre("/local_nvme/2/a", "/local_nvme/2/b3"));
+  EXPECT_EQ(c.aio.block_size, 262144u);
+  EXPECT_EQ(c.aio.intra_op_parallelism, 2);
+  EXPECT_EQ(c.checkpoint.tag_validation, TagValidation::kFail);
+  EXPECT_EQ(c.zinf.pinned_budget_bytes, 2 * kGiB);
+  EXPECT_EQ(c.zinf.io_engine, storage::EngineKind::kPosix);
+  EXPECT_TRUE(c.zinf.verify_swap);
+  EXPECT_EQ(c.zinf.checkpoint.every, 250);
+  EXPECT_EQ(c.zinf.checkpoint.keep_last, 3);
+  EXPECT_EQ(c.zinf.checkpoint.load, "auto");
+  EXPECT_EQ(c.zinf.model.hidden, 512);
+  EXPECT_EQ(c.zinf.model.activation, Activation::kRelu);
+  EXPECT_EQ(ActivationName(c.zinf.model.activation), "relu");
+  EXPECT_EQ(c.zinf.data_path, "/data/text.txt");
+
+  const swapper::SwapperOptions options = ToSwapperOptions(c, 5);
+  EXPECT_THAT(options.store.paths, ::testing::ElementsAre("/local_nvme/2/a", "/local_nvme/2/b3"));
+  EXPECT_EQ(options.store.job_id, "run-42");
+  EXPECT_EQ(options.store.world_rank, 5);
+  EXPECT_TRUE(options.store.keep);
+  EXPECT_TRUE(options.store.verify_swap);
+  EXPECT_EQ(options.aio.block_size, 262144u);
+  EXPECT_EQ(options.aio.queue_depth, 32);
+  EXPECT_EQ(options.aio.intra_op_parallelism, 2);
+  EXPECT_EQ(options.engine, storage::EngineKind::kPosix);
+  EXPECT_EQ(options.pinned_budget_bytes, 2 * kGiB);
+  EXPECT_EQ(options.buffer_count, 12u);
+  EXPECT_TRUE(options.pin_memory);
+  EXPECT_TRUE(options.pipeline_read);
+  EXPECT_TRUE(options.pipeline_write);
+  EXPECT_TRUE(options.bf16_params);
+  EXPECT_EQ(options.gradient_accumulation_steps, 8);
+  EXPECT_EQ(options.adam.lr, 3e-4);
+  EXPECT_EQ(options.adam.beta2, 0.95);
+  EXPECT_EQ(options.adam.weight_decay, 0.01);
+  EXPECT_FALSE(options.adam.adamw);  // Adam with adam_w_mode false: L2 penalty
+  EXPECT_EQ(ToPlanKind(c), partition::PlanKind::kPerParam);
+}
+
+TEST(TrainConfig, AdamWModeFollowsDeepSpeed) {
+  auto adamw = [](const char* json) {
+    auto c = ParseTrainConfig(json, {});
+    EXPECT_TRUE(c.has_value()) << c.error().ToString();
+    return c.has_value() && ToAdamOptions(*c).adamw;
+  };
+  EXPECT_TRUE(adamw(R"({"train_batch_size": 1, "optimizer": {"type": "Adam"}})"));
+  EXPECT_FALSE(adamw(R"({"train_batch_size": 1,
+      "optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}})"));
+  EXPECT_TRUE(adamw(R"({"train_batch_size": 1,
+      "optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}})"));
+  // Case-insensitive like DeepSpeed; printed canonically.
+  ZINF_ASSERT_OK_AND_ASSIGN(
+      TrainConfig c,
+      ParseTrainConfig(R"({"train_batch_size": 1, "optimizer": {"type": "adamw"}})", {}));
+  EXPECT_EQ(c.optimizer.type, OptimizerType::kAdamW);
+  EXPECT_THAT(EffectiveConfigJson(c), HasSubstr(R"("type": "AdamW")"));
+}
+
+struct BatchCase {
+  const char* json;
+  int world_size;
+  std::int64_t batch, micro, gas;
+};
+
+TEST(TrainConfig, BatchArithmeticFollowsDeepSpeedsRule) {
+  const BatchCase cases[] = {
+      {R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+           "gradient_accumulation_steps": 2})",
+       4, 32, 4, 2},
+      {R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4})", 4, 32, 4, 2},
+      {R"({"train_batch_size": 32, "gradient_accumulation_steps": 2})", 4, 32, 4, 2},
+      {R"({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})", 4, 32, 4, 2},
+      {R"({"train_batch_size": 12})", 3, 12, 4, 1},
+      {R"({"train_micro_batch_size_per_gpu": 5})", 3, 15, 5, 1},
+      {R"({"train_micro_batch_size_per_gpu": 5, "gradient_accumulation_steps": 3})", 1, 15, 5, 3},
+  };
+  for (const BatchCase& bc : cases) {
+    SCOPED_TRACE(bc.json);
+    ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c,
+                              ParseTrainConfig(bc.json, {.world_size = bc.world_size}));
+    EXPECT_EQ(c.train_batch_size, bc.batch);
+    EXPECT_EQ(c.train_micro_batch_size_per_gpu, bc.micro);
+    EXPECT_EQ(c.gradient_accumulation_steps, bc.gas);
+    EXPECT_EQ(c.world_size, bc.world_size);
+  }
+}
+
+TEST(TrainConfig, BatchErrorsNameTheNumbers) {
+  EXPECT_THAT(ParseTrainConfig(R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                                   "gradient_accumulation_steps": 2})",
+                               {.world_size = 3}),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("train_batch_size: 32 != train_micro_batch_size_per_gpu 4 * "
+                                 "gradient_accumulation_steps 2 * world_size 3 = 24")));
+  EXPECT_THAT(ParseTrainConfig(R"({"train_batch_size": 10})", {.world_size = 4}),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("train_batch_size: 10 is not divisible by world_size 4")));
+  EXPECT_THAT(ParseTrainConfig(R"({"train_batch_size": 32, "gradient_accumulation_steps": 3})",
+                               {.world_size = 2}),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("32 is not divisible by gradient_accumulation_steps 3 * "
+                                 "world_size 2 = 6")));
+  EXPECT_THAT(ParseTrainConfig(R"({"train_micro_batch_size_per_gpu": 2000000000,
+                                   "gradient_accumulation_steps": 4})",
+                               {}),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("derived value 8000000000")));
+  EXPECT_THAT(ParseTrainConfig("{}", {.world_size = 0}),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("world_size 0")));
+}
+
+TEST(TrainConfig, NvmePathPlaceholdersExpandPerProcess) {
+  const char* json = R"({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {
+      "device": "nvme", "nvme_path": "/nvme{local_rank}/node{node}/x"}}})";
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig a,
+                            ParseTrainConfig(json, {.world_size = 8, .local_rank = 0, .node = 0}));
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig b,
+                            ParseTrainConfig(json, {.world_size = 8, .local_rank = 3, .node = 1}));
+  EXPECT_THAT(a.zero_optimization.offload_optimizer.resolved_nvme_paths,
+              ::testing::ElementsAre("/nvme0/node0/x"));
+  EXPECT_THAT(b.zero_optimization.offload_optimizer.resolved_nvme_paths,
+              ::testing::ElementsAre("/nvme3/node1/x"));
+  EXPECT_THAT(ToSwapperOptions(b, 11).store.paths, ::testing::ElementsAre("/nvme3/node1/x"));
+  // The config as written is what ranks compare and print.
+  EXPECT_EQ(ConfigHash(a), ConfigHash(b));
+  EXPECT_EQ(EffectiveConfigJson(a), EffectiveConfigJson(b));
+  EXPECT_THAT(EffectiveConfigJson(a), HasSubstr("/nvme{local_rank}/node{node}/x"));
+}
+
+TEST(TrainConfig, ThreadCountIsTheOldNameOfIntraOpParallelismWithAWarning) {
+  ::testing::internal::CaptureStderr();
+  auto c = ParseTrainConfig(R"({"train_batch_size": 1, "aio": {"thread_count": 3}})", {});
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ZINF_ASSERT_OK(c);
+  EXPECT_EQ(c->aio.intra_op_parallelism, 3);
+  EXPECT_THAT(log, HasSubstr("aio.thread_count is the old name of aio.intra_op_parallelism"));
+  EXPECT_THAT(log, HasSubstr("[warn"));
+  // The old name never appears in the effective config.
+  EXPECT_THAT(EffectiveConfigJson(*c), Not(HasSubstr("thread_count")));
+  EXPECT_THAT(EffectiveConfigJson(*c), HasSubstr(R"("intra_op_parallelism": 3)"));
+}
+
+TEST(TrainConfig, SizeStringsAndIntegralFloatsAreAccepted) {
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseTrainConfig(R"({"train_batch_size": 1,
+      "zero_optimization": {"sub_group_size": 5e8},
+      "zinf": {"pinned_budget_bytes": "512MiB"}})",
+                                                            {}));
+  EXPECT_EQ(c.zero_optimization.sub_group_size, 500'000'000u);
+  EXPECT_EQ(c.zinf.pinned_budget_bytes, 512 * kMiB);
+  ZINF_ASSERT_OK_AND_ASSIGN(
+      c, ParseTrainConfig(R"({"train_batch_size": 1, "zinf": {"pinned_budget_bytes": 4096}})", {}));
+  EXPECT_EQ(c.zinf.pinned_budget_bytes, 4096u);
+}
+
+TEST(TrainConfig, EffectiveConfigRoundTripsAndHasEveryKey) {
+  ZINF_ASSERT_OK_AND_ASSIGN(
+      TrainConfig c,
+      LoadTrainConfig(ZINF_GOOD_CONFIG_DIR "/deepspeed-full.json", {.world_size = 1}));
+  const std::string effective = EffectiveConfigJson(c);
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig again, ParseTrainConfig(effective, {.world_size = 1}));
+  EXPECT_EQ(EffectiveConfigJson(again), effective);
+  EXPECT_EQ(ConfigHash(again), ConfigHash(c));
+  // Defaults are filled in; the order is the schema's (DeepSpeed keys first, zinf last).
+  EXPECT_THAT(effective, HasSubstr(R"("overlap_events": true)"));
+  EXPECT_THAT(effective, HasSubstr(R"("amsgrad": false)"));
+  EXPECT_LT(effective.find("train_batch_size"), effective.find("\"optimizer\""));
+  EXPECT_LT(effective.find("\"aio\""), effective.find("\"zinf\""));
+  // Only the chosen scheduler's params.
+  EXPECT_THAT(effective, HasSubstr("cos_min_ratio"));
+  EXPECT_THAT(effective, Not(HasSubstr("warmup_max_lr")));
+
+  // The defaults round-trip too, and no scheduler means no scheduler block.
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig d,
+                            ParseTrainConfig(R"({"train_micro_batch_size_per_gpu": 2})", {}));
+  EXPECT_THAT(EffectiveConfigJson(d), Not(HasSubstr("scheduler")));
+  EXPECT_THAT(EffectiveConfigJson(d), Not(HasSubstr("nvme_path")));
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig d2, ParseTrainConfig(EffectiveConfigJson(d), {}));
+  EXPECT_EQ(ConfigHash(d2), ConfigHash(d));
+}
+
+TEST(TrainConfig, HashChangesWithAnyValue) {
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig a, ParseTrainConfig(R"({"train_batch_size": 4})", {}));
+  ZINF_ASSERT_OK_AND_ASSIGN(
+      TrainConfig b,
+      ParseTrainConfig(R"({"train_batch_size": 4, "optimizer": {"params": {"lr": 0.002}}})", {}));
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c,
+                            ParseTrainConfig(R"({"train_batch_size": 4})", {.world_size = 2}));
+  EXPECT_NE(ConfigHash(a), ConfigHash(b));
+  EXPECT_NE(ConfigHash(a), ConfigHash(c));  // different micro batch
+  EXPECT_EQ(ConfigHash(a), ConfigHash(a));
+  EXPECT_EQ(EffectiveJobId(a).size(), 15u);
+  EXPECT_EQ(EffectiveJobId(a).substr(0, 3), "cfg");
+  EXPECT_NE(EffectiveJobId(a), EffectiveJobId(b));
+}
+
+TEST(TrainConfig, DescribeConfigKeysListsEveryKeyWithDefaultAndRange) {
+  const std::string help = DescribeConfigKeys();
+  for (const char* key :
+       {"train_batch_size", "optimizer.params.betas", "scheduler.params.cos_min_ratio",
+        "zero_optimization.offload_optimizer.nvme_path", "aio.thread_count",
+        "zinf.checkpoint.keep_last", "zinf.model.name", "zinf.data.path"}) {
+    EXPECT_THAT(help, HasSubstr(key));
+  }
+  EXPECT_THAT(help, HasSubstr("aio.queue_depth (integer, default 8, range [1, 4096])"));
+  EXPECT_THAT(help, HasSubstr("aio.block_size (integer, default 1048576"));
+  EXPECT_THAT(help, HasSubstr("a multiple of 512"));
+  EXPECT_THAT(help, HasSubstr("optimizer.type (one of Adam, AdamW, default \"Adam\")"));
+  EXPECT_THAT(help, HasSubstr("scheduler.params.cos_min_ratio (number, default 0.0001"));
+  EXPECT_THAT(help, HasSubstr("DeepSpeed keys zinf rejects"));
+}
+
+TEST(TrainConfig, MissingFileIsNotFound) {
+  EXPECT_THAT(LoadTrainConfig("/nonexistent/zinf/config.json", {}),
+              StatusIs(ErrorCode::kNotFound, HasSubstr("/nonexistent/zinf/config.json")));
+  EXPECT_THAT(LoadTrainConfig(ZINF_GOOD_CONFIG_DIR, {}),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("not a regular file")));
+}
+
+TEST(TrainConfig, LoadPrefixesErrorsWithThePath) {
+  const std::string path = std::string(ZINF_BAD_CONFIG_DIR) + "/15-queue-depth-zero.json";
+  EXPECT_THAT(LoadTrainConfig(path, {}),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("config " + path + ": aio.queue_depth: 0 is out of range")));
+}
+
+// ---- Learning-rate schedules. Expected values come from DeepSpeed's lr_schedules.py. ----
+
+TEST(LearningRate, NoSchedulerIsConstant) {
+  const SchedulerConfig none;
+  EXPECT_EQ(LearningRate(none, 3e-4, 0), 3e-4);
+  EXPECT_EQ(LearningRate(none, 3e-4, 123456), 3e-4);
+}
+
+TEST(LearningRate, WarmupLRMatchesDeepSpeed) {
+  SchedulerConfig s{.type = SchedulerType::kWarmupLR,
+                    .warmup_min_lr = 0.0,
+                    .warmup_max_lr = 0.01,
+                    .warmup_num_steps = 10};
+  EXPECT_EQ(LearningRate(s, 1.0, -1), 0.0);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 0), 0.0);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 1), 0.0030102999566398113);  // log(2) / log(10) * 0.01
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 9), 0.01);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 50), 0.01);
+  s.warmup_type = WarmupType::kLinear;
+  s.warmup_min_lr = 1e-4;
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 0), 1e-4);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 1), 0.00109);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 9), 0.00901);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 10), 0.01);
+  // warmup_num_steps below 2 counts as 2 (DeepSpeed).
+  s.warmup_num_steps = 0;
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 1), 1e-4 + (0.01 - 1e-4) * 0.5);
+}
+
+TEST(LearningRate, WarmupDecayLRMatchesDeepSpeed) {
+  const SchedulerConfig s{.type = SchedulerType::kWarmupDecayLR,
+                          .warmup_min_lr = 0.0,
+                          .warmup_max_lr = 0.01,
+                          .warmup_num_steps = 10,
+                          .warmup_type = WarmupType::kLinear,
+                          .total_num_steps = 100};
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 0), 0.0);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 5), 0.005);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 10), 0.01);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 55), 0.005);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 100), 0.0);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 150), 0.0);
+}
+
+TEST(LearningRate, WarmupCosineLRMatchesDeepSpeed) {
+  SchedulerConfig s{.type = SchedulerType::kWarmupCosineLR,
+                    .warmup_num_steps = 10,
+                    .warmup_type = WarmupType::kLinear,
+                    .total_num_steps = 110,
+                    .warmup_min_ratio = 0.1,
+                    .cos_min_ratio = 0.01};
+  const double base = 3e-4;
+  EXPECT_DOUBLE_EQ(LearningRate(s, base, 0), 3e-5);
+  EXPECT_DOUBLE_EQ(LearningRate(s, base, 5), 0.000165);
+  EXPECT_DOUBLE_EQ(LearningRate(s, base, 10), 0.00029992672421431113);
+  EXPECT_DOUBLE_EQ(LearningRate(s, base, 11), 0.0002997069691715983);
+  EXPECT_DOUBLE_EQ(LearningRate(s, base, 55), 0.0001701119851842992);
+  EXPECT_DOUBLE_EQ(LearningRate(s, base, 109), 3e-6);
+  // Past total_num_steps zinf holds the floor (DeepSpeed's cosine would rise again).
+  EXPECT_DOUBLE_EQ(LearningRate(s, base, 200), 3e-6);
+  s.warmup_type = WarmupType::kLog;
+  s.warmup_min_ratio = 0.0;
+  s.cos_min_ratio = 1e-4;
+  EXPECT_DOUBLE_EQ(LearningRate(s, base, 0), 0.0);
+  EXPECT_DOUBLE_EQ(LearningRate(s, base, 5), 0.00023344537511509303);
+  EXPECT_DOUBLE_EQ(LearningRate(s, base, 55), 0.0001688131050361422);
+}
+
+// ---- The corpus of bad configs: tests/launch/bad_configs/NN-name.{json,expect}. ----
+
+std::vector<std::string> BadConfigNames() {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(ZINF_BAD_CONFIG_DIR)) {
+    if (entry.path().extension() == ".json") names.push_back(entry.path().stem().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+class BadConfig : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(BadConfig, IsRejectedWithItsMessage) {
+  const std::filesystem::path dir = ZINF_BAD_CONFIG_DIR;
+  std::string expect = ReadFile(dir / (GetParam() + ".expect"));
+  while (!expect.empty() && (expect.back() == '\n' || expect.back() == '\r')) expect.pop_back();
+  ASSERT_FALSE(expect.empty()) << GetParam() << ".expect is empty";
+  ASSERT_EQ(expect.find('\n'), std::string::npos) << GetParam() << ".expect has several lines";
+  const auto result = LoadTrainConfig((dir / (GetParam() + ".json")).string(), {});
+  EXPECT_THAT(result, StatusIs(ErrorCode::kInvalidArgument, HasSubstr(expect)));
+  // The same text parsed from memory gives the same message (without the file prefix).
+  EXPECT_THAT(ParseTrainConfig(ReadFile(dir / (GetParam() + ".json")), {}),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr(expect)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Corpus, BadConfig, ::testing::ValuesIn(BadConfigNames()),
+                         [](const ::testing::TestParamInfo<std::string>& param_info) {
+                           std::string name = param_info.param;
+                           for (char& ch : name) {
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           }
+                           return name;
+                         });
+
+TEST(BadConfigCorpus, HasAtLeastThirtyCasesEachWithAnExpectFile) {
+  const std::vector<std::string> names = BadConfigNames();
+  EXPECT_GE(names.size(), 30u);
+  for (const std::string& name : names) {
+    EXPECT_TRUE(
+        std::filesystem::exists(std::filesystem::path(ZINF_BAD_CONFIG_DIR) / (name + ".expect")))
+        << name;
+  }
+}
+
+}  // namespace
+}  // namespace zinf::train
