@@ -265,6 +265,28 @@ Status File::Sync() {
   return OkStatus();
 }
 
+namespace {
+
+// Opens `path` read-only and syncs it: fsync for a directory, fdatasync for a file.
+Status SyncByPath(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), (directory ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, fmt::format("open {} to sync it", path));
+  int rc = 0;
+  do {
+    rc = directory ? ::fsync(fd) : ::fdatasync(fd);
+  } while (rc != 0 && errno == EINTR);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0)
+    return ErrnoError(err, fmt::format("{} {}", directory ? "fsync" : "fdatasync", path));
+  return OkStatus();
+}
+
+}  // namespace
+
+Status SyncPath(const std::string& path) { return SyncByPath(path, /*directory=*/false); }
+Status SyncDirectory(const std::string& dir) { return SyncByPath(dir, /*directory=*/true); }
+
 Status File::Close() {
   if (fd_ < 0) return OkStatus();
   const int fd = std::exchange(fd_, -1);

@@ -153,19 +153,6 @@ std::string UtcNow() {
   return text;
 }
 
-Status FsyncPath(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), (directory ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoError(errno, "open " + path + " for fsync");
-  int rc;
-  do {
-    rc = directory ? ::fsync(fd) : ::fdatasync(fd);
-  } while (rc != 0 && errno == EINTR);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) return ErrnoError(err, "fsync " + path);
-  return OkStatus();
-}
-
 Status RenamePath(const std::string& from, const std::string& to) {
   if (std::rename(from.c_str(), to.c_str()) != 0) {
     return ErrnoError(errno, fmt::format("rename {} -> {}", from, to));
@@ -352,7 +339,7 @@ Status Commit(const std::string& dir, const std::string& partial, const std::str
               int keep_last, std::vector<std::string>* removed) {
   const std::string final_path = dir + "/" + name;
   ZINF_RETURN_IF_ERROR(RenamePath(partial, final_path));
-  ZINF_RETURN_IF_ERROR(FsyncPath(dir, /*directory=*/true));
+  ZINF_RETURN_IF_ERROR(storage::SyncDirectory(dir));
   const std::string tmp = dir + "/latest.tmp";
   {
     std::FILE* f = std::fopen(tmp.c_str(), "w");
@@ -361,9 +348,9 @@ Status Commit(const std::string& dir, const std::string& partial, const std::str
     const int err = errno;
     if (std::fclose(f) != 0 || !ok) return ErrnoError(ok ? errno : err, "write " + tmp);
   }
-  ZINF_RETURN_IF_ERROR(FsyncPath(tmp, /*directory=*/false));
+  ZINF_RETURN_IF_ERROR(storage::SyncPath(tmp));
   ZINF_RETURN_IF_ERROR(RenamePath(tmp, dir + "/latest"));
-  ZINF_RETURN_IF_ERROR(FsyncPath(dir, /*directory=*/true));
+  ZINF_RETURN_IF_ERROR(storage::SyncDirectory(dir));
   *removed = ApplyRetention(dir, name, keep_last);
   return OkStatus();
 }
@@ -421,7 +408,7 @@ Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t s
   Status closed = file.Close();
   Status local = written ? closed : written;
   // Durability of the data before the rename: every rank syncs what it wrote.
-  if (local) local = FsyncPath(partial, /*directory=*/false);
+  if (local) local = storage::SyncPath(partial);
   Status agreed = comm.AgreeOnStatus(local);
   SavedCheckpoint saved;
   if (agreed) {

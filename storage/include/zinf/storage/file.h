@@ -16,17 +16,17 @@
 namespace zinf::storage {
 
 enum class OpenMode {
-  kRead,           // existing file, read only
-  kReadWrite,      // existing file, read and write
-  kCreate,         // create a new file (O_EXCL), read and write; fails if it exists
-  kCreateOrOpen,   // create if missing, else open; read and write
+  kRead,          // existing file, read only
+  kReadWrite,     // existing file, read and write
+  kCreate,        // create a new file (O_EXCL), read and write; fails if it exists
+  kCreateOrOpen,  // create if missing, else open; read and write
 };
 
 struct OpenOptions {
   OpenMode mode = OpenMode::kRead;
-  bool direct = true;          // try O_DIRECT; falls back to buffered where it is unsupported
-  bool no_follow = true;       // O_NOFOLLOW: refuse a symlink as the last path component
-  unsigned permissions = 0600; // for created files
+  bool direct = true;           // try O_DIRECT; falls back to buffered where it is unsupported
+  bool no_follow = true;        // O_NOFOLLOW: refuse a symlink as the last path component
+  unsigned permissions = 0600;  // for created files
 };
 
 class File {
@@ -66,13 +66,21 @@ class File {
   std::uint64_t alignment_ = 1;
 };
 
+// Durability points by path, for files this process does not hold open (a checkpoint after its
+// collective close) and for directories (after a rename in them). SyncPath fdatasyncs a file;
+// SyncDirectory fsyncs a directory so that entries created or renamed in it survive a crash.
+// EINTR is retried. Errors: errno errors (NotFound, FailedPrecondition, DataLoss...) naming the
+// path.
+Status SyncPath(const std::string& path);
+Status SyncDirectory(const std::string& dir);
+
 // The direct-I/O alignment for files in `dir` (see above) and whether O_DIRECT works there
 // (probed by opening a temporary file with O_DIRECT). Errors: NotFound if `dir` does not exist.
 struct DirectIoInfo {
   bool direct_supported = false;
   std::uint64_t memory_alignment = 4096;  // buffer address alignment
   std::uint64_t offset_alignment = 4096;  // file offset and length alignment
-  std::string source;                      // "statx", "logical_block_size", "default"
+  std::string source;                     // "statx", "logical_block_size", "default"
 };
 Result<DirectIoInfo> ProbeDirectIo(const std::string& dir);
 
