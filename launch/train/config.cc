@@ -456,8 +456,9 @@ const std::vector<KeySpec>& Schema() {
        .range = Between(0, 1 << 20)},
       {.path = "zinf.checkpoint.load",
        .field = Leaf<&T::zinf, &ZC::checkpoint, &C::load>(),
-       .description = "Empty: start fresh; \"auto\": resume from <dir>/latest if it exists; "
-                      "else the checkpoint file to resume from"},
+       .description = "Empty: start fresh; \"latest\": resume from <dir>/latest (an error if "
+                      "there is none); \"auto\": resume from <dir>/latest if it exists, else "
+                      "start fresh; else the checkpoint file (or directory) to resume from"},
       {.path = "zinf.model", .field = {}, .description = "The model to train"},
       {.path = "zinf.model.name",
        .field = Leaf<&T::zinf, &ZC::model, &M::name>(),
@@ -990,6 +991,13 @@ class Parser {
       return InvalidArgumentError(fmt::format(
           "zinf.job_id: \"{}\" may contain only A-Z a-z 0-9 _ . - (and no \"..\")", job_id));
     }
+    const CheckpointConfig& checkpoint = config_.zinf.checkpoint;
+    if ((checkpoint.load == "latest" || checkpoint.load == "auto") && checkpoint.dir.empty()) {
+      return InvalidArgumentError(fmt::format(
+          "zinf.checkpoint.load: \"{}\" resumes from <dir>/latest, but zinf.checkpoint.dir is "
+          "not set",
+          checkpoint.load));
+    }
     return OkStatus();
   }
 
@@ -1149,9 +1157,8 @@ Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const ConfigCon
   return Parser(ctx).Run(json_text);
 }
 
-Result<TrainConfig> LoadTrainConfig(const std::string& path, const ConfigContext& ctx) {
+Result<std::string> ReadConfigFile(const std::string& path) {
   constexpr std::size_t kMaxConfigBytes = 16 << 20;
-  const std::string context = fmt::format("config {}: ", path);
   int fd = -1;
   do {
     fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -1180,7 +1187,12 @@ Result<TrainConfig> LoadTrainConfig(const std::string& path, const ConfigContext
   }();
   ::close(fd);
   ZINF_RETURN_IF_ERROR(read_status);
-  return Annotate(ParseTrainConfig(text, ctx), context);
+  return text;
+}
+
+Result<TrainConfig> LoadTrainConfig(const std::string& path, const ConfigContext& ctx) {
+  ZINF_ASSIGN_OR_RETURN(std::string text, ReadConfigFile(path));
+  return Annotate(ParseTrainConfig(text, ctx), fmt::format("config {}: ", path));
 }
 
 std::string DescribeConfigKeys() {

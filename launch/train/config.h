@@ -160,7 +160,9 @@ struct CheckpointConfig {
   std::string dir;             // where step-<N>.h5 files go; empty: no checkpoints
   std::int64_t every = 1000;   // steps between checkpoints, >= 1
   std::int64_t keep_last = 0;  // checkpoints kept (older ones removed), >= 0; 0 keeps all
-  // "": start fresh; "auto": resume from <dir>/latest when it exists; else a checkpoint file.
+  // "": start fresh; "latest": resume from <dir>/latest (an error if there is none); "auto":
+  // resume from <dir>/latest when it exists, else start fresh; else a checkpoint file or
+  // directory (ResolveCheckpointPath).
   std::string load;
 };
 
@@ -225,6 +227,11 @@ struct TrainConfig {
 // Logs a WARN line (every rank) for `aio.thread_count` and for questionable but valid values.
 // Errors: InvalidArgument whose message starts with the key path (see the top of the file).
 Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const ConfigContext& ctx);
+
+// The text of the config file at `path` (at most 16 MiB). Errors: NotFound (no such file),
+// FailedPrecondition (not a regular file), other errno codes (unreadable), InvalidArgument (too
+// large), each naming the path.
+Result<std::string> ReadConfigFile(const std::string& path);
 
 // Reads the file at `path` and parses it; error messages are prefixed with "config <path>: ".
 // Errors: NotFound (no such file), FailedPrecondition/other errno codes (unreadable),

@@ -1,6 +1,7 @@
 #include "zinf/storage/swap_store.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -266,6 +267,17 @@ void CloseFd(int* fd) {
   }
 }
 
+// Takes the instance lock of a rank directory (flock on its descriptor, held until the
+// descriptor closes). Returns false when another live instance holds it.
+Result<bool> TryLockRankDir(int rank_fd, const std::string& rank_dir) {
+  while (::flock(rank_fd, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EINTR) continue;
+    if (errno == EWOULDBLOCK) return false;
+    return ErrnoError(errno, fmt::format("swap store: flock {}", rank_dir));
+  }
+  return true;
+}
+
 }  // namespace
 
 SwapStore::SwapStore(const SwapStoreOptions& options) : options_(options) {
@@ -346,13 +358,33 @@ Status SwapStore::OpenImpl() {
       if (errno == ENOENT) continue;
       return ErrnoError(errno, fmt::format("swap store: stat {}", ps.rank_dir));
     }
-    ++present;
     ZINF_ASSIGN_OR_RETURN(ps.rank_fd, OpenDirNoFollow(ps.job_fd, rank_name, ps.rank_dir));
     ZINF_RETURN_IF_ERROR(CheckOwner(ps.rank_fd, ps.rank_dir));
+    ZINF_ASSIGN_OR_RETURN(const bool locked, TryLockRankDir(ps.rank_fd, ps.rank_dir));
+    if (!locked) {
+      return AlreadyExistsError(fmt::format(
+          "swap store {} is in use by another running instance of job '{}' (rank {}); give this "
+          "run another job_id or nvme_path",
+          ps.rank_dir, options_.job_id, options_.world_rank));
+    }
+    if (!options_.resume && options_.reclaim_stale) {
+      // Nobody holds the lock: a killed instance left this store behind. Its data is scratch.
+      ZINF_LOG_WARN("swap store {}: removing the store a killed instance of job '{}' left behind",
+                    ps.rank_dir, options_.job_id);
+      ZINF_RETURN_IF_ERROR(
+          UnlinkIfPresent(ps.rank_fd, kDataFileName, 0, ps.rank_dir + "/" + kDataFileName));
+      ZINF_RETURN_IF_ERROR(
+          UnlinkIfPresent(ps.rank_fd, kManifestName, 0, ps.rank_dir + "/" + kManifestName));
+      ZINF_RETURN_IF_ERROR(
+          UnlinkIfPresent(ps.rank_fd, kManifestTmpName, 0, ps.rank_dir + "/" + kManifestTmpName));
+      ps.created_rank_dir = true;  // ours now: removed at Close like a new one
+      continue;
+    }
+    ++present;
     if (!options_.resume) {
       return AlreadyExistsError(fmt::format(
-          "swap store {} exists; another instance of job '{}' (rank {}) is running, or a killed "
-          "one left it behind: set resume to reuse it, or remove it",
+          "swap store {} exists; a killed instance of job '{}' (rank {}) or one with keep_swap "
+          "left it behind: set resume to reuse it, or remove it",
           ps.rank_dir, options_.job_id, options_.world_rank));
     }
   }
@@ -368,7 +400,7 @@ Status SwapStore::OpenImpl() {
   resumed_ = present != 0;
   // Pass 3: create the rank directories of a new store, then open (or create) the data files.
   for (PathState& ps : paths_) {
-    if (!resumed_) {
+    if (!resumed_ && ps.rank_fd < 0) {
       if (::mkdirat(ps.job_fd, rank_name.c_str(), 0700) != 0) {
         if (errno == EEXIST) {
           return AlreadyExistsError(
@@ -379,6 +411,12 @@ Status SwapStore::OpenImpl() {
       }
       ps.created_rank_dir = true;
       ZINF_ASSIGN_OR_RETURN(ps.rank_fd, OpenDirNoFollow(ps.job_fd, rank_name, ps.rank_dir));
+      ZINF_ASSIGN_OR_RETURN(const bool locked, TryLockRankDir(ps.rank_fd, ps.rank_dir));
+      if (!locked) {
+        return AlreadyExistsError(fmt::format(
+            "swap store {} was created concurrently by another instance of job '{}'",
+            ps.rank_dir, options_.job_id));
+      }
     }
     ZINF_RETURN_IF_ERROR(SetMode(ps.rank_fd, 0700, ps.rank_dir));
     OpenOptions open_options;

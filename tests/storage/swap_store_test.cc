@@ -10,6 +10,7 @@
 #include <bit>
 #include <cerrno>
 #include <cstddef>
+#include <fstream>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -19,6 +20,8 @@
 
 #include <fmt/format.h>
 #include <gmock/gmock.h>
+#include <fstream>
+
 #include <gtest/gtest.h>
 
 #include "testing/status_matchers.h"
@@ -306,7 +309,8 @@ TEST(SwapStore, ExistingStoreWithoutResumeIsAlreadyExists) {
   EXPECT_THAT(
       SwapStore::Open(options),
       StatusIs(ErrorCode::kAlreadyExists, AllOf(HasSubstr(first->directory(0)),
-                                                HasSubstr(options.job_id), HasSubstr("resume"))));
+                                                HasSubstr(options.job_id),
+                                                HasSubstr("another running instance"))));
   // The refused instance left the running one alone.
   std::vector<std::byte> out(100);
   ZINF_ASSERT_OK(first->Read("x", out));
@@ -315,6 +319,38 @@ TEST(SwapStore, ExistingStoreWithoutResumeIsAlreadyExists) {
   ZINF_ASSERT_OK_AND_ASSIGN(auto other,
                             SwapStore::Open(MakeOptions({dir.path()}, UniqueJob("exists2"))));
   EXPECT_NE(other->directory(0), first->directory(0));
+}
+
+TEST(SwapStore, ReclaimStaleReusesOnlyADeadInstancesStore) {
+  ScratchDir dir("swap");
+  SwapStoreOptions options = MakeOptions({dir.path()}, UniqueJob("stale"));
+  options.reclaim_stale = true;
+  std::string rank_dir;
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto live, SwapStore::Open(options));
+    rank_dir = live->directory(0);
+    ZINF_ASSERT_OK(live->Reserve({{"x", 100}}));
+    // A live instance holds its store: reclaim_stale must not take it.
+    EXPECT_THAT(SwapStore::Open(options),
+                StatusIs(ErrorCode::kAlreadyExists, HasSubstr("another running instance")));
+    std::vector<std::byte> out(100);
+    ZINF_ASSERT_OK(live->Read("x", out));
+  }
+  // A killed instance: its files stay behind, nobody holds the lock.
+  ASSERT_TRUE(fs::create_directories(rank_dir));
+  { std::ofstream(rank_dir + "/swap.bin") << "stale"; }
+  { std::ofstream(rank_dir + "/manifest") << "stale"; }
+  options.reclaim_stale = false;
+  EXPECT_THAT(SwapStore::Open(options), StatusIs(ErrorCode::kAlreadyExists, HasSubstr("resume")));
+  options.reclaim_stale = true;
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+    EXPECT_FALSE(store->resumed());
+    ZINF_ASSERT_OK(store->Reserve({{"y", 64}}));
+    ZINF_ASSERT_OK(store->Write("y", Pattern("y", 64)));
+    ZINF_ASSERT_OK(store->Close());
+  }
+  EXPECT_FALSE(fs::exists(rank_dir));
 }
 
 TEST(SwapStore, ResumeReopensAndDataSurvives) {

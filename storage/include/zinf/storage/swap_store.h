@@ -26,7 +26,10 @@
 // store), Reserve() places tensors and preallocates space after a free-space preflight,
 // Close() (or the destructor, best effort) removes the store unless `keep` is set. Removal only
 // happens at a clean Close()/destruction: a process that is killed leaves its store behind, and
-// the next instance with the same job_id and rank gets AlreadyExists unless it asks to resume.
+// the next instance with the same job_id and rank gets AlreadyExists unless it asks to resume or
+// to reclaim_stale. An open store holds an flock on each rank directory, so a store in use by a
+// live instance is AlreadyExists whatever the options: resume and reclaim_stale only ever touch
+// stores whose owner is gone.
 //
 // Verification (`verify_swap`). A checksum (XXH3-64) is recorded per stripe unit of a tensor
 // whenever a write covers that unit's bytes completely, and checked when a read covers it
@@ -65,6 +68,9 @@ struct SwapStoreOptions {
   std::uint64_t stripe_unit_bytes = 1 << 20;  // striping unit; a multiple of alignment()
   bool keep = false;         // keep the store at Close() (for inspection or a later resume)
   bool resume = false;       // reopen an existing store of this job and rank instead of failing
+  // Without resume: a store of this job and rank that no live instance holds (its process was
+  // killed) is emptied and reused, with a WARN line, instead of AlreadyExists.
+  bool reclaim_stale = false;
   bool verify_swap = false;  // checksum every stripe unit on write, check it on read
   bool direct = true;        // O_DIRECT where supported (falls back to buffered otherwise)
 };

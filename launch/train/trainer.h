@@ -1,0 +1,102 @@
+// Trainer: the data-parallel ZeRO training loop of zinf-train (DESIGN.md, "One training step").
+//
+//   ZINF_ASSIGN_OR_RETURN(TrainConfig config, BuildTrainConfig(world, flags.config_path,
+//                                                              flags.overrides));  // collective
+//   ZINF_ASSIGN_OR_RETURN(TrainSummary summary, Train(world, config, {.metrics_path = "m.jsonl"}));
+//
+// One step, on every rank:
+//   1. forward/backward of the rank's micro-batches (BatchId {seed, step - 1, micro-batch, rank,
+//      world size}) on the replicated working weights, giving the flat gradient of the mean loss;
+//   2. reduce-scatter (sum) of the flat gradient: each rank gets its partition's gradient. With
+//      zinf.swap_gradients, every micro-batch is reduce-scattered and handed to the gradient
+//      swapper (DeepSpeed's flow); otherwise the micro-batches accumulate in memory and one
+//      reduce-scatter per step suffices;
+//   3. global gradient norm (allreduce of the partitions' squared sums); the gradient is scaled by
+//      1 / (micro-batches x ranks) and, with gradient_clipping, by min(1, clip / (norm + 1e-6));
+//   4. the swapped optimizer step over the rank's sub-groups (OptimizerSwapper::Step), the
+//      learning rate from the scheduler at iteration step - 1; the updated fp32 weights land in
+//      the rank's partition buffer;
+//   5. all-gather of the partitions into the working weights (rounded to bf16 when bf16.enabled);
+//   6. every zinf.checkpoint.every steps and at the last step: SaveCheckpoint.
+// Determinism: batches are pure functions of their BatchId, the models are deterministic for a
+// fixed BLAS thread count, and MPI's reductions are deterministic for a fixed world size, so a run
+// that is checkpointed and resumed on the same ranks reproduces the uninterrupted run bitwise.
+//
+// Errors: every error is agreed over the ranks (comm::Communicator::AgreeOnStatus and the
+// collective swapper calls), so every rank returns the same Status. A failed step leaves the last
+// committed checkpoint as it was.
+//
+// Thread safety: one call at a time; Train installs SIGINT/SIGTERM handlers for its duration.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "config.h"
+#include "zinf/comm/communicator.h"
+#include "zinf/core/status.h"
+
+namespace zinf::train {
+
+// Command-line values that override config keys (zinf-train's flags). Unset fields leave the
+// config's value.
+struct ConfigOverrides {
+  std::optional<std::int64_t> steps;                 // zinf.steps
+  std::optional<std::vector<std::string>> nvme_path;  // offload_optimizer.nvme_path, device nvme
+  std::optional<std::string> checkpoint_dir;          // zinf.checkpoint.dir
+  std::optional<std::int64_t> checkpoint_every;       // zinf.checkpoint.every
+  std::optional<std::int64_t> keep_last;              // zinf.checkpoint.keep_last
+  std::optional<std::string> resume;                  // zinf.checkpoint.load
+  std::optional<std::string> model;                   // zinf.model.name
+  // charlm: zinf.model.hidden / layers. synthetic: zinf.model.total_params = max(1, L) * H * H
+  // in zinf.model.num_params = max(1, L) tensors (L, H from the flags, or from the config's
+  // zinf.model.layers / hidden when only one flag is given).
+  std::optional<std::int64_t> hidden;
+  std::optional<std::int64_t> layers;
+  std::optional<std::string> data;   // zinf.data.path
+  std::optional<std::int64_t> seed;  // zinf.seed
+};
+
+// The built-in configuration used without --config: a small charlm (about 200k parameters)
+// whose Adam state is swapped (pipelined) under ./zinf-swap.
+const char* DefaultConfigJson();
+
+// Collective. Reads `config_path` (or DefaultConfigJson() when empty), applies `overrides`, and
+// parses the result for this process (ConfigContext from world's topology); then checks that all
+// ranks hold the same config (CheckSameConfigOnAllRanks). Every rank returns the same Status.
+// Errors: InvalidArgument for a bad config or override (the message names the key path, prefixed
+// "config <path>: "), the file errors of ReadConfigFile.
+Result<TrainConfig> BuildTrainConfig(const comm::Communicator& world,
+                                     const std::string& config_path,
+                                     const ConfigOverrides& overrides);
+
+struct TrainOptions {
+  std::string metrics_path;  // rank 0 writes one JSON object per step; empty: none
+  bool progress = true;      // checkpoint progress lines
+  // Create missing nvme_path directories (mode 0700, parents included). zinf-train sets it only
+  // for the built-in config's ./zinf-swap: a configured path that is missing is an error (an
+  // unmounted drive must not silently become a directory on the root file system).
+  bool create_nvme_paths = false;
+};
+
+struct TrainSummary {
+  std::int64_t first_step = 0;  // the first step run (1, or the checkpoint's step + 1)
+  std::int64_t last_step = 0;   // the last step run (== first_step - 1 when nothing was left)
+  double final_loss = 0;        // the loss of the last step run (NaN when none ran)
+  double seconds = 0;           // wall time of the loop
+  std::string resumed_from;     // the checkpoint restored, if any
+  std::string last_checkpoint;  // the last checkpoint saved, if any
+  bool interrupted = false;     // stopped early by SIGINT/SIGTERM (after checkpointing)
+  int signal = 0;               // the signal that stopped it
+};
+
+// Collective over `world`. Runs the training described by `config` (see the top of the file).
+// Errors: those of the model and data (NotFound for a missing data file, ...), the swapper
+// (ResourceExhausted for too little disk or pool memory, DataLoss for I/O errors), and the
+// checkpoint (restore errors name the file and the first mismatch). The same on every rank.
+Result<TrainSummary> Train(const comm::Communicator& world, const TrainConfig& config,
+                           const TrainOptions& options = {});
+
+}  // namespace zinf::train

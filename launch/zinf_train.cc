@@ -1,0 +1,150 @@
+// zinf-train: data-parallel training with the Adam state swapped to node-local NVMe, run under
+// mpirun (or launch/zinf-run); one rank runs without mpirun. See launch/train/trainer.h for the
+// step and README.md ("zinf-train") for the flags and exit codes.
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "train/config.h"
+#include "train/trainer.h"
+#include "zinf/comm/mpi_session.h"
+#include "zinf/core/log.h"
+#include "zinf/core/status.h"
+
+namespace {
+
+// Exit codes (README.md, "zinf-train").
+constexpr int kExitFailure = 1;  // any failure but the two below
+constexpr int kExitUsage = 2;    // bad command line or config (InvalidArgument)
+
+std::vector<std::string> SplitCommas(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = text.find(',', start);
+    out.push_back(text.substr(start, comma - start));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+// The agreed error, identical on every rank: code and message, without the source location
+// (that differs between the failing rank and the others).
+int Fail(const zinf::Error& error) {
+  ZINF_LOG_ERROR("zinf-train failed: {}: {}", zinf::ErrorCodeName(error.code()), error.message());
+  return error.code() == zinf::ErrorCode::kInvalidArgument ? kExitUsage : kExitFailure;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto session = zinf::comm::MpiSession::Init(&argc, &argv);
+  if (!session) {
+    std::fprintf(stderr, "zinf-train failed: %s\n", session.error().ToString().c_str());
+    return kExitFailure;
+  }
+  const zinf::comm::Communicator& world = session->world();
+  int rc = 0;
+  {
+    CLI::App app{
+        "zinf-train: data-parallel training whose Adam state (fp32 weights, exp_avg, exp_avg_sq) "
+        "lives on node-local NVMe, swapped around every step; collective HDF5 checkpoints that "
+        "resume on any number of ranks.\n"
+        "Run: mpirun -np N zinf-train [--config ds.json] ... (or launch/zinf-run -np N -- "
+        "zinf-train ...). Flags override the config's keys. Without --config, a small charlm run "
+        "swaps its state under ./zinf-swap.\n"
+        "Exit codes: 0 success, 2 bad command line or config, 1 any other failure, 128+signal "
+        "when stopped by SIGINT/SIGTERM (after a checkpoint when a checkpoint dir is set)."};
+    app.set_help_flag("-h,--help", "print this help and exit");
+    std::string config_path, metrics_path, nvme_path, resume;
+    bool help_config = false;
+    zinf::train::ConfigOverrides o;
+    std::int64_t steps = 0, every = 0, keep_last = 0, hidden = 0, layers = 0, seed = 0;
+    std::string checkpoint_dir, model, data;
+    app.add_option("--config", config_path, "DeepSpeed-style JSON config (see --help-config)");
+    auto* steps_opt = app.add_option("--steps", steps,
+                                     "train until global step N (zinf.steps), also after a resume");
+    auto* nvme_opt = app.add_option("--nvme-path", nvme_path,
+                                    "swap directories, comma-separated; {local_rank} and {node} "
+                                    "are expanded per rank (offload_optimizer.nvme_path; sets "
+                                    "device nvme)");
+    auto* dir_opt = app.add_option("--checkpoint-dir", checkpoint_dir,
+                                   "directory of step-<N>.h5 and latest (zinf.checkpoint.dir)");
+    auto* every_opt = app.add_option("--checkpoint-every", every,
+                                     "steps between checkpoints; one is also saved at the last "
+                                     "step (zinf.checkpoint.every)");
+    auto* keep_opt = app.add_option("--keep-last", keep_last,
+                                    "keep only the newest K checkpoints; 0 keeps all (default)");
+    auto* resume_opt = app.add_option("--resume", resume,
+                                      "latest (<checkpoint-dir>/latest; an error if none), auto "
+                                      "(latest if any), or a checkpoint file");
+    app.add_option("--metrics", metrics_path,
+                   "write one JSON object per step to this file (rank 0; appended on resume)");
+    auto* model_opt = app.add_option("--model", model, "charlm (default) or synthetic");
+    auto* hidden_opt = app.add_option("--hidden", hidden,
+                                      "charlm: hidden width; synthetic: tensors of H x H");
+    auto* layers_opt = app.add_option("--layers", layers,
+                                      "charlm: hidden layers; synthetic: number of H x H tensors");
+    auto* data_opt = app.add_option("--data", data,
+                                    "charlm training text: a file or a directory of files "
+                                    "(default /usr/share/common-licenses)");
+    auto* seed_opt = app.add_option("--seed", seed, "initialization and data seed (zinf.seed)");
+    app.add_flag("--help-config", help_config, "print every config key and exit");
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      if (e.get_exit_code() == 0) {
+        if (world.rank() == 0) app.exit(e);
+      } else {
+        ZINF_LOG_ERROR("zinf-train failed: InvalidArgument: {} (see --help)", e.what());
+        rc = kExitUsage;
+      }
+      (void)session->Finalize();
+      return rc;
+    }
+    if (help_config) {
+      if (world.rank() == 0) std::fputs(zinf::train::DescribeConfigKeys().c_str(), stdout);
+      (void)session->Finalize();
+      return 0;
+    }
+    if (*steps_opt) o.steps = steps;
+    if (*nvme_opt) o.nvme_path = SplitCommas(nvme_path);
+    if (*dir_opt) o.checkpoint_dir = checkpoint_dir;
+    if (*every_opt) o.checkpoint_every = every;
+    if (*keep_opt) o.keep_last = keep_last;
+    if (*resume_opt) o.resume = resume;
+    if (*model_opt) o.model = model;
+    if (*hidden_opt) o.hidden = hidden;
+    if (*layers_opt) o.layers = layers;
+    if (*data_opt) o.data = data;
+    if (*seed_opt) o.seed = seed;
+
+    zinf::Result<zinf::train::TrainConfig> config =
+        zinf::train::BuildTrainConfig(world, config_path, o);
+    if (!config) {
+      rc = Fail(config.error());
+    } else {
+      zinf::train::LogEffectiveConfig(*config);
+      zinf::Result<zinf::train::TrainSummary> summary =
+          zinf::train::Train(world, *config,
+                             {.metrics_path = metrics_path,
+                              .create_nvme_paths = config_path.empty() && !o.nvme_path});
+      if (!summary) {
+        rc = Fail(summary.error());
+      } else if (summary->interrupted) {
+        rc = 128 + summary->signal;
+      }
+    }
+  }
+  zinf::Status finalized = session->Finalize();
+  if (!finalized && rc == 0) {
+    ZINF_LOG_ERROR("zinf-train failed: {}", finalized.error().ToString());
+    rc = kExitFailure;
+  }
+  return rc;
+}
