@@ -1,0 +1,188 @@
+// The trainer (launch/train/trainer.h) in process: command-line overrides of the config, and short
+// runs of the synthetic and charlm models (loss falls, checkpoint + resume reproduces the
+// uninterrupted run bitwise, errors are the same on every rank). Runs under mpirun with 1-3 ranks.
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "testing/mpi_env.h"
+#include "testing/status_matchers.h"
+#include "train/trainer.h"
+
+namespace zinf::train {
+namespace {
+
+using ::testing::HasSubstr;
+using ::zinf::testing::SharedScratchDir;
+using ::zinf::testing::StatusIs;
+using ::zinf::testing::World;
+
+// A small synthetic run: 3 sub-groups per rank, pipelined swapper, a checkpoint every 4 steps.
+std::string SyntheticConfig(const std::string& dir, int steps) {
+  nlohmann::json config = {
+      {"train_micro_batch_size_per_gpu", 2},
+      {"gradient_clipping", 1.0},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.01}}}}},
+      {"zero_optimization",
+       {{"stage", 1},
+        {"sub_group_size", 4096},
+        {"offload_optimizer",
+         {{"device", "nvme"},
+          {"nvme_path", dir + "/swap"},
+          {"buffer_count", 12},
+          {"pipeline_read", true}}}}},
+      {"zinf",
+       {{"model", {{"name", "synthetic"}, {"total_params", 30000}, {"num_params", 3}}},
+        {"steps", steps},
+        {"checkpoint", {{"dir", dir + "/ckpt"}, {"every", 4}}}}}};
+  return config.dump();
+}
+
+// Rank 0 writes `text` to `path`; every rank returns after a barrier.
+void WriteShared(const std::string& path, const std::string& text) {
+  if (World().rank() == 0) std::ofstream(path) << text;
+  ASSERT_TRUE(World().Barrier().has_value());
+}
+
+std::vector<nlohmann::json> ReadMetrics(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+TEST(BuildTrainConfig, FlagsOverrideTheFileAndAreValidatedLikeKeys) {
+  SharedScratchDir dir("trainer-config");
+  const std::string path = dir.Join("c.json");
+  WriteShared(path, SyntheticConfig(dir.path(), 10));
+  ConfigOverrides o;
+  o.steps = 7;
+  o.nvme_path = std::vector<std::string>{"/a{local_rank}", "/b"};
+  o.checkpoint_every = 3;
+  o.keep_last = 2;
+  o.hidden = 10;
+  o.layers = 4;
+  o.seed = 99;
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig config, BuildTrainConfig(World(), path, o));
+  EXPECT_EQ(config.zinf.steps, 7);
+  EXPECT_EQ(config.zero_optimization.offload_optimizer.nvme_path,
+            (std::vector<std::string>{"/a{local_rank}", "/b"}));
+  EXPECT_EQ(config.zinf.checkpoint.every, 3);
+  EXPECT_EQ(config.zinf.checkpoint.keep_last, 2);
+  EXPECT_EQ(config.zinf.checkpoint.dir, dir.Join("ckpt"));  // from the file
+  EXPECT_EQ(config.zinf.seed, 99);
+  // synthetic: --layers 4 --hidden 10 -> 4 tensors of 10 x 10.
+  EXPECT_EQ(config.zinf.model.total_params, 400u);
+  EXPECT_EQ(config.zinf.model.num_params, 4);
+
+  ConfigOverrides bad;
+  bad.checkpoint_every = 0;
+  EXPECT_THAT(BuildTrainConfig(World(), path, bad),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("config " + path + ": zinf.checkpoint.every: 0 is out of range")));
+  ConfigOverrides model;
+  model.model = "gpt";
+  EXPECT_THAT(BuildTrainConfig(World(), path, model),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("zinf.model.name")));
+}
+
+TEST(BuildTrainConfig, BuiltInDefaultAndFileErrors) {
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig config, BuildTrainConfig(World(), "", {}));
+  EXPECT_EQ(config.zinf.model.name, ModelName::kCharLM);
+  EXPECT_EQ(config.zero_optimization.offload_optimizer.nvme_path,
+            std::vector<std::string>{"zinf-swap"});
+  EXPECT_THAT(BuildTrainConfig(World(), "/nonexistent/zinf.json", {}),
+              StatusIs(ErrorCode::kNotFound, HasSubstr("/nonexistent/zinf.json")));
+  SharedScratchDir dir("trainer-syntax");
+  WriteShared(dir.Join("bad.json"), "{\"train_micro_batch_size_per_gpu\": 2,\n  oops}");
+  EXPECT_THAT(BuildTrainConfig(World(), dir.Join("bad.json"), {}),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("line 2")));
+  ConfigOverrides resume;
+  resume.resume = "latest";
+  EXPECT_THAT(BuildTrainConfig(World(), "", resume),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("zinf.checkpoint.dir is not set")));
+}
+
+TEST(Train, ResumeReproducesTheUninterruptedRunBitwise) {
+  SharedScratchDir dir("trainer-resume");
+  for (const char* sub : {"/swap", "/ckpt"}) {
+    if (World().rank() == 0) std::filesystem::create_directories(dir.path() + sub);
+  }
+  const std::string path = dir.Join("c.json");
+  WriteShared(path, SyntheticConfig(dir.path(), 12));
+  // Uninterrupted: 12 steps (checkpoints at 4, 8, 12).
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig full, BuildTrainConfig(World(), path, {}));
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainSummary a,
+                            Train(World(), full, {.metrics_path = dir.Join("a.jsonl")}));
+  EXPECT_EQ(a.first_step, 1);
+  EXPECT_EQ(a.last_step, 12);
+  EXPECT_EQ(a.last_checkpoint, dir.Join("ckpt/step-12.h5"));
+  // Interrupted after 4 in another checkpoint dir, then resumed from its latest to 12.
+  ConfigOverrides first;
+  first.steps = 4;
+  first.checkpoint_dir = dir.Join("ckpt2");
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig part1, BuildTrainConfig(World(), path, first));
+  ZINF_ASSERT_OK(Train(World(), part1, {.metrics_path = dir.Join("b.jsonl")}));
+  ConfigOverrides second;
+  second.checkpoint_dir = dir.Join("ckpt2");
+  second.resume = "latest";
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig part2, BuildTrainConfig(World(), path, second));
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainSummary b,
+                            Train(World(), part2, {.metrics_path = dir.Join("b.jsonl")}));
+  EXPECT_EQ(b.first_step, 5);
+  EXPECT_EQ(b.resumed_from, dir.Join("ckpt2/step-4.h5"));
+  if (World().rank() == 0) {
+    const std::vector<nlohmann::json> ma = ReadMetrics(dir.Join("a.jsonl"));
+    const std::vector<nlohmann::json> mb = ReadMetrics(dir.Join("b.jsonl"));
+    ASSERT_EQ(ma.size(), 12u);
+    ASSERT_EQ(mb.size(), 12u);  // the resumed run appended steps 5..12
+    for (std::size_t i = 0; i < ma.size(); ++i) {
+      EXPECT_EQ(mb[i]["step"], ma[i]["step"]);
+      EXPECT_EQ(mb[i]["loss"].get<double>(), ma[i]["loss"].get<double>()) << "step " << i + 1;
+      EXPECT_EQ(mb[i]["grad_norm"].get<double>(), ma[i]["grad_norm"].get<double>());
+    }
+    // The synthetic pseudo-loss (0.5 mean w^2) falls under Adam.
+    EXPECT_LT(ma.back()["loss"].get<double>(), 0.8 * ma.front()["loss"].get<double>());
+  }
+  // --steps below the checkpoint's step: nothing to do, not an error.
+  ConfigOverrides done = second;
+  done.steps = 8;
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig part3, BuildTrainConfig(World(), path, done));
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainSummary c, Train(World(), part3));
+  EXPECT_EQ(c.first_step, 13);
+  EXPECT_EQ(c.last_step, 12);
+}
+
+TEST(Train, ErrorsAreTheSameOnEveryRank) {
+  SharedScratchDir dir("trainer-errors");
+  if (World().rank() == 0) std::filesystem::create_directories(dir.Join("swap"));
+  const std::string path = dir.Join("c.json");
+  WriteShared(path, SyntheticConfig(dir.path(), 2));
+  // A checkpoint to resume from that does not exist.
+  ConfigOverrides missing;
+  missing.resume = "latest";
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig config, BuildTrainConfig(World(), path, missing));
+  EXPECT_THAT(Train(World(), config),
+              StatusIs(ErrorCode::kNotFound, HasSubstr("no checkpoint to resume from")));
+  // charlm on a data file that does not exist.
+  ConfigOverrides data;
+  data.model = "charlm";
+  data.data = dir.Join("no-such-text");
+  ZINF_ASSERT_OK_AND_ASSIGN(config, BuildTrainConfig(World(), path, data));
+  EXPECT_THAT(Train(World(), config), StatusIs(ErrorCode::kNotFound, HasSubstr("no-such-text")));
+  // A swap path that does not exist (a configured one is never created).
+  ConfigOverrides nvme;
+  nvme.nvme_path = std::vector<std::string>{dir.Join("unmounted")};
+  ZINF_ASSERT_OK_AND_ASSIGN(config, BuildTrainConfig(World(), path, nvme));
+  EXPECT_THAT(Train(World(), config), StatusIs(ErrorCode::kNotFound, HasSubstr("unmounted")));
+}
+
+}  // namespace
+}  // namespace zinf::train
