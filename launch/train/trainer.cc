@@ -45,7 +45,7 @@ constexpr std::uint64_t kPartitionAlignmentElems = 1024;
 constexpr int kEvalExamples = 512;
 
 const char kDefaultConfig[] = R"json({
-  "train_micro_batch_size_per_gpu": 32,
+  "train_micro_batch_size_per_gpu": 64,
   "gradient_accumulation_steps": 1,
   "gradient_clipping": 1.0,
   "steps_per_print": 25,
@@ -60,7 +60,7 @@ const char kDefaultConfig[] = R"json({
                           "pipeline_read": true, "pipeline_write": true}
   },
   "zinf": {
-    "model": {"name": "charlm", "hidden": 256, "layers": 2, "context": 16, "embed_dim": 16},
+    "model": {"name": "charlm", "hidden": 512, "layers": 2, "context": 16, "embed_dim": 16},
     "steps": 200,
     "seed": 1234
   }
@@ -166,6 +166,9 @@ class Run {
   Result<double> PartitionGradSquaredSum();
   Status SaveCheckpoint(std::int64_t step, double loss);
   Status Finish(const TrainSummary& summary);
+  // Rank 0 logs the swap bandwidth of every node (its ranks' bytes over their slowest
+  // optimizer time): on several hosts, the node with the slow disk stands out. Collective.
+  Status LogPerNode();
   Json TrainerState(std::int64_t step, double loss) const;
   Status WriteMetrics(const Json& record);
 
@@ -192,6 +195,8 @@ class Run {
   std::string last_checkpoint_;
   std::int64_t last_checkpoint_step_ = -1;
   std::int64_t start_step_ = 1;
+  double swap_seconds_ = 0;     // this rank's optimizer steps, wall time
+  std::uint64_t swap_bytes_ = 0;  // state bytes this rank read and wrote in them
 };
 
 std::atomic<int> g_stop_signal{0};
@@ -536,6 +541,8 @@ Status Run::Step(std::int64_t step, Json* record) {
         step, source, sink, {.lr = lr, .grad_scale = static_cast<float>(average * clip)}));
   }
   const double optimizer_seconds = Now() - optimizer_start;
+  swap_seconds_ += optimizer_seconds;
+  swap_bytes_ += 2 * swapper_->StateIoBytesPerStep();  // read and written
   // 5: the updated partitions to every rank.
   ZINF_RETURN_IF_ERROR(GatherWeights());
   const double step_seconds = Now() - step_start;
@@ -670,6 +677,42 @@ Result<TrainSummary> Run::Go() {
   return summary;
 }
 
+Status Run::LogPerNode() {
+  constexpr std::size_t kHostChars = 64;
+  const comm::Topology& topo = world_.topology();
+  std::string host = topo.hostname.substr(0, kHostChars - 1);
+  host.resize(kHostChars, '\0');
+  std::string hosts(kHostChars * static_cast<std::size_t>(world_.size()), '\0');
+  ZINF_RETURN_IF_ERROR(world_.Allgather<char>(host, hosts));
+  const std::array<double, 3> mine = {static_cast<double>(topo.node),
+                                      static_cast<double>(swap_bytes_), swap_seconds_};
+  std::vector<double> all(3 * static_cast<std::size_t>(world_.size()));
+  ZINF_RETURN_IF_ERROR(world_.Allgather<double>(mine, all));
+  if (world_.rank() != 0) return OkStatus();
+  struct Node {
+    std::string host;
+    int ranks = 0;
+    double bytes = 0, seconds = 0;
+  };
+  std::vector<Node> nodes(static_cast<std::size_t>(topo.num_nodes));
+  for (int r = 0; r < world_.size(); ++r) {
+    Node& n = nodes.at(static_cast<std::size_t>(all[3 * r]));
+    n.host = hosts.substr(kHostChars * r, kHostChars).c_str();
+    ++n.ranks;
+    n.bytes += all[3 * r + 1];
+    n.seconds = std::max(n.seconds, all[3 * r + 2]);
+  }
+  std::string table;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    const Node& n = nodes[i];
+    table += fmt::format("\n  node {} ({}): {} rank(s), {} swapped in {:.2f} s: {:.2f} GB/s", i,
+                         n.host, n.ranks, FormatBytes(static_cast<std::uint64_t>(n.bytes)),
+                         n.seconds, n.bytes / std::max(n.seconds, 1e-9) / 1e9);
+  }
+  ZINF_LOG_INFO("swap read + write per node (state tensors, over the optimizer steps):{}", table);
+  return OkStatus();
+}
+
 Status Run::Finish(const TrainSummary& summary) {
   if (metrics_ != nullptr) {
     std::fclose(metrics_);
@@ -678,6 +721,7 @@ Status Run::Finish(const TrainSummary& summary) {
   const std::int64_t steps = summary.last_step - summary.first_step + 1;
   ZINF_RETURN_IF_ERROR(timers_.LogSummary(world_, "zinf-train timers"));
   ZINF_RETURN_IF_ERROR(swapper_->LogTimers());
+  ZINF_RETURN_IF_ERROR(LogPerNode());
   if (steps > 0) {
     const std::int64_t samples = steps * config_.train_micro_batch_size_per_gpu *
                                  config_.gradient_accumulation_steps * world_.size();
