@@ -565,10 +565,13 @@ Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
     }
     return OkStatus();
   };
-  ZINF_RETURN_IF_ERROR(dup.AgreeOnStatus(Annotate(local_setup(), "optimizer swapper: ")));
+  // Store, engine and pool errors are about this node's disks and memory: name the host, so a
+  // multi-node job says which node lacks its nvme_path.
+  const std::string on_host = fmt::format("optimizer swapper on host {}: ", dup.topology().hostname);
+  ZINF_RETURN_IF_ERROR(dup.AgreeOnStatus(Annotate(local_setup(), on_host)));
   ZINF_RETURN_IF_ERROR(PreflightSpace(dup, parts.options.store, specs));
   ZINF_RETURN_IF_ERROR(dup.AgreeOnStatus(
-      Annotate(parts.store->Reserve(specs), "optimizer swapper: reserve the swap store: ")));
+      Annotate(parts.store->Reserve(specs), on_host + "reserve the swap store: ")));
 
   std::uint64_t disk_bytes = 0;
   for (const storage::TensorSpec& spec : specs) disk_bytes += spec.size_bytes;

@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# Weak scaling of zinf-train over simulated hosts (tests/multihost/lib.sh): 1, 2, 3 hosts x R
+# ranks, a fixed optimizer state per rank (synthetic model, pipelined swapper), each host swapping
+# to its own node-local folder and the ranks talking over TCP between hosts. Ideal: the same step
+# time on every host count and an aggregate swap bandwidth that grows with the hosts. On one
+# machine the "hosts" share its cores and its disk, so the figures show the overhead of the
+# multi-node path (TCP collectives, per-node stores), not a cluster's scaling.
+#
+#   tests/multihost/scaling_hosts.sh [--hosts "1 2 3"] [--ranks-per-host 1] [--state-per-rank 256M]
+#       [--steps 5] [--warmup W] [--sub-group-size 4194304] [--out DIR]
+#       [--bin build/bin/zinf-train] [--mpiexec mpirun]
+#
+# The state is 12 bytes per parameter (fp32 weights, exp_avg, exp_avg_sq); sizes take K/M/G
+# suffixes (powers of 1024). The first W steps (default 2 of 5 or more, else 1) are warm-up and
+# left out of the medians. Writes DIR/scaling_hosts.csv, DIR/scaling_hosts.png (gnuplot, when
+# installed), per run a config, a log and the --metrics lines (default DIR:
+# ./zinf-scaling-hosts-<date>), and prints the CSV.
+#
+# CSV columns: hosts, ranks (hosts x ranks per host), total_state_bytes, step_seconds (median),
+# optimizer_seconds (median; slowest rank), aggregate_swap_GBps = (swap_read_bytes +
+# swap_write_bytes, summed over all ranks) / optimizer_seconds (GB = 1e9), efficiency_vs_1 =
+# step_seconds of the first host count / step_seconds (weak scaling).
+#
+# Exit status: 0 when every run succeeded, 1 when one failed, 2 for a bad command line, 77 when
+# simulated hosts cannot be made here (not root, no namespaces; the reason is printed), like the
+# tests of this folder. Meant to be called by launch/scaling.sh --hosts as well.
+set -u
+here=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+hosts_list="1 2 3"
+ranks_per_host=1
+state_per_rank=256M
+steps=5
+warmup=""
+sub_group=4194304
+out=""
+bin=$repo/build/bin/zinf-train
+mpiexec=mpirun
+
+die() {
+  echo "scaling_hosts: $*" >&2
+  exit 2
+}
+usage() { sed -n '2,/^set -u/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
+
+while (($# > 0)); do
+  case $1 in
+    --hosts | --ranks-per-host | --state-per-rank | --steps | --warmup | --sub-group-size | \
+      --out | --bin | --mpiexec)
+      (($# >= 2)) || die "$1 needs a value"
+      case $1 in
+        --hosts) hosts_list=${2//,/ } ;;
+        --ranks-per-host) ranks_per_host=$2 ;;
+        --state-per-rank) state_per_rank=$2 ;;
+        --steps) steps=$2 ;;
+        --warmup) warmup=$2 ;;
+        --sub-group-size) sub_group=$2 ;;
+        --out) out=$2 ;;
+        --bin) bin=$2 ;;
+        --mpiexec) mpiexec=$2 ;;
+      esac
+      shift 2
+      ;;
+    -h | --help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+
+parse_size() {
+  local s=$1 num unit
+  [[ $s =~ ^([0-9]+)([KMGkmg]?)(i?[Bb])?$ ]] || return 1
+  num=${BASH_REMATCH[1]}
+  unit=${BASH_REMATCH[2]^^}
+  case $unit in
+    "") echo "$num" ;;
+    K) echo $((num << 10)) ;;
+    M) echo $((num << 20)) ;;
+    G) echo $((num << 30)) ;;
+  esac
+}
+per_rank_bytes=$(parse_size "$state_per_rank") || die "--state-per-rank '$state_per_rank': expected a size such as 256M"
+((per_rank_bytes >= 12)) || die "--state-per-rank: at least 12 bytes (one parameter)"
+[[ $steps =~ ^[1-9][0-9]*$ ]] || die "--steps '$steps': expected an integer >= 1"
+[[ -n $warmup ]] || warmup=$((steps >= 5 ? 2 : 1))
+[[ $warmup =~ ^[0-9]+$ ]] && ((steps > warmup)) || die "--warmup '$warmup' leaves no step of $steps"
+[[ $ranks_per_host =~ ^[1-9]$ ]] || die "--ranks-per-host '$ranks_per_host': 1..9"
+[[ $sub_group =~ ^[1-9][0-9]*$ ]] || die "--sub-group-size '$sub_group': elements >= 1"
+read -r -a hosts_arr <<< "$hosts_list"
+((${#hosts_arr[@]} > 0)) || die "--hosts is empty"
+max_hosts=0
+for h in "${hosts_arr[@]}"; do
+  [[ $h =~ ^[1-9]$ ]] || die "--hosts: '$h' is not 1..9"
+  ((h > max_hosts)) && max_hosts=$h
+done
+[[ -x $bin ]] || die "$bin not found or not executable (build zinf-train, or pass --bin)"
+out=${out:-$PWD/zinf-scaling-hosts-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$out" || die "cannot create $out"
+out=$(cd "$out" && pwd)
+
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$here/lib.sh"
+mh_binaries "$bin" - "$mpiexec"
+mh_init scaling-hosts "$max_hosts" "$ranks_per_host"
+read -r -a all_hosts <<< "$MH_HOSTS"
+
+median() {
+  sort -g | awk '{v[NR] = $1} END {
+    if (NR == 0) { print "nan"; exit }
+    if (NR % 2) printf "%.9g\n", v[(NR + 1) / 2]; else printf "%.9g\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+# values KEY FILE: KEY's values of the steps after the warm-up.
+values() { metric "$2" "$1" | awk -v w="$warmup" '$1 > w { print $2 }'; }
+
+csv=$out/scaling_hosts.csv
+echo "hosts,ranks,total_state_bytes,step_seconds,optimizer_seconds,aggregate_swap_GBps,efficiency_vs_1" > "$csv"
+echo "scaling_hosts: $(nproc) cores, node-local folders under $MH_DIR/nodes, output in $out" >&2
+base_step=
+for h in "${hosts_arr[@]}"; do
+  n=$((h * ranks_per_host))
+  p=$((per_rank_bytes * n / 12))
+  name=hosts$h
+  specs=()
+  for ((i = 0; i < h; ++i)); do specs+=("${all_hosts[i]}:$ranks_per_host"); done
+  mh_hostfile "$MH_DIR/hostfile-$name" "${specs[@]}"
+  cat > "$out/$name.json" << EOF
+{"train_micro_batch_size_per_gpu": 1,
+ "zero_optimization": {"stage": 1, "sub_group_size": $sub_group,
+                       "offload_optimizer": {"device": "nvme", "buffer_count": 12,
+                                             "pipeline_read": true, "pipeline_write": true}},
+ "zinf": {"job_id": "scaling-$name", "steps": $steps,
+          "model": {"name": "synthetic", "total_params": $p, "num_params": 4}}}
+EOF
+  echo "scaling_hosts: $h host(s) x $ranks_per_host rank(s): $p parameters, state $((12 * p >> 20)) MiB, $steps steps ..." >&2
+  start=$SECONDS
+  rm -f "$out/$name.jsonl"
+  MH_HOSTFILE=$MH_DIR/hostfile-$name mh_mpirun $((120 + 60 * steps)) -np "$n" "$zinf_train" \
+    --config "$out/$name.json" --nvme-path "$MH_NVME" --metrics "$out/$name.jsonl" \
+    > "$out/$name.log" 2>&1
+  rc=$?
+  if ((rc != 0)); then
+    echo "FAIL: $h host(s): zinf-train exited with $rc; the end of $out/$name.log:" >&2
+    tail -20 "$out/$name.log" >&2
+    exit 1
+  fi
+  world=$(metric "$out/$name.jsonl" world_size | tail -1 | cut -d' ' -f2)
+  [[ $world == "$n" ]] || { echo "FAIL: $name: metrics say world_size '$world', expected $n" >&2; exit 1; }
+  step_s=$(values step_seconds "$out/$name.jsonl" | median)
+  opt_s=$(values optimizer_seconds "$out/$name.jsonl" | median)
+  rd=$(values swap_read_bytes "$out/$name.jsonl" | median)
+  wr=$(values swap_write_bytes "$out/$name.jsonl" | median)
+  gbps=$(awk -v r="$rd" -v w="$wr" -v t="$opt_s" 'BEGIN { printf "%.4f", (r + w) / t / 1e9 }')
+  [[ -n $base_step ]] || base_step=$step_s
+  eff=$(awk -v t="$step_s" -v t0="$base_step" 'BEGIN { printf "%.3f", t0 / t }')
+  echo "$h,$n,$((12 * p)),$step_s,$opt_s,$gbps,$eff" >> "$csv"
+  echo "scaling_hosts: $h host(s): step $step_s s, optimizer $opt_s s, aggregate swap $gbps GB/s, efficiency $eff ($((SECONDS - start)) s)" >&2
+done
+
+png=$out/scaling_hosts.png
+if command -v gnuplot > /dev/null; then
+  awk -F, 'NR > 1 { print $1, $4, $6 }' "$csv" > "$out/scaling_hosts.dat"
+  if ! gnuplot > "$out/gnuplot.log" 2>&1 << EOF; then
+set terminal pngcairo size 1200,500 font ",11"
+set output "$png"
+set multiplot layout 1,2 title "zinf-train weak scaling over simulated hosts ($ranks_per_host rank(s) per host, $(numfmt --to=iec "$per_rank_bytes") state per rank; one machine: $(nproc) cores, one disk)"
+set xtics 1
+set xrange [0.5 : $max_hosts + 0.5]
+set xlabel "hosts"
+set grid
+set key off
+set yrange [0:*]
+set ylabel "step time, median (s)"
+set title "step time"
+plot "$out/scaling_hosts.dat" using 1:2 with linespoints lw 2 pt 7
+set ylabel "aggregate swap bandwidth (GB/s)"
+set title "(swap read + write bytes, all ranks) / optimizer time"
+plot "$out/scaling_hosts.dat" using 1:3 with linespoints lw 2 pt 7
+unset multiplot
+EOF
+    echo "FAIL: gnuplot failed, see $out/gnuplot.log" >&2
+    exit 1
+  fi
+else
+  echo "scaling_hosts: gnuplot not found (apt-get install gnuplot-nox): no plot" >&2
+fi
+cat "$csv"
+echo "scaling_hosts: wrote $csv$([[ -f $png ]] && echo ", $png")" >&2
