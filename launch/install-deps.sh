@@ -12,7 +12,7 @@ packages=(
   nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
   libopenblas-dev
   libxxhash-dev
-  fio gnuplot-nox
+  fio gnuplot-nox python3
   iproute2 util-linux procps
 )
 

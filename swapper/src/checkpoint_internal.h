@@ -44,7 +44,8 @@ class VerifiedChunkReader {
 
   // Chunk k, verified. The span lives until the next call.
   Result<std::span<const float>> Chunk(std::uint64_t k);
-  // Copies flat elements [flat_offset, flat_offset + out.size()) into `out`.
+  // Copies flat elements [flat_offset, flat_offset + out.size()) into `out`, each chunk verified
+  // first; whole chunks inside `out` are read and verified in place (on error `out` is garbage).
   Status Read(std::uint64_t flat_offset, std::span<float> out);
   // Verifies every chunk that overlaps [flat_offset, flat_offset + numel).
   Status Verify(std::uint64_t flat_offset, std::uint64_t numel);

@@ -192,6 +192,22 @@ Result<std::span<const float>> VerifiedChunkReader::Chunk(std::uint64_t k) {
 Status VerifiedChunkReader::Read(std::uint64_t flat_offset, std::span<float> out) {
   while (!out.empty()) {
     const std::uint64_t k = flat_offset / chunk_numel_;
+    const std::uint64_t begin = k * chunk_numel_;
+    const std::uint64_t end = std::min(begin + chunk_numel_, total_numel_);
+    if (flat_offset == begin && out.size() >= end - begin && cached_ != k) {
+      // A whole chunk: read and verify it in place, saving the copy through buffer_. On a
+      // mismatch `out` holds unverified data, but the error tells the caller not to use it.
+      std::span<float> data = out.first(end - begin);
+      ZINF_RETURN_IF_ERROR(Annotate(
+          file_->ReadSlab(dataset_, begin, data),
+          fmt::format("reading {} chunk {} elements [{}, {}): ", dataset_, k, begin, end)));
+      ZINF_RETURN_IF_ERROR(storage::VerifyChecksum(
+          std::as_bytes(data), checksums_.at(k),
+          fmt::format("dataset {} chunk {} elements [{}, {})", dataset_, k, begin, end)));
+      out = out.subspan(data.size());
+      flat_offset = end;
+      continue;
+    }
     ZINF_ASSIGN_OR_RETURN(std::span<const float> chunk, Chunk(k));
     const std::uint64_t in_chunk = flat_offset - k * chunk_numel_;
     const std::uint64_t n = std::min<std::uint64_t>(out.size(), chunk.size() - in_chunk);

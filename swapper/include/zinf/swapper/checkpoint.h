@@ -34,13 +34,36 @@
 // point therefore leaves `latest` naming a complete checkpoint (the previous one until the rename
 // of `latest`), and at worst a stale `.partial` file, which the next save of that step replaces.
 //
-// Memory. Save streams each sub-group run through one pool buffer (plus the one ReadState
-// borrows); restore writes through WriteState's three pool buffers and reads through three
-// chunk buffers of chunk_numel floats (12 MiB at the default chunk size). Host memory therefore
+// Write-behind (save). The file is written through MPI-IO into the page cache; after every slab
+// each rank starts the writeback of the file (sync_file_range) and, after reading its next run
+// from the swap store, waits for it and drops the file's clean pages (POSIX_FADV_DONTNEED). So
+// the swap-store reads overlap the writeback, at most about one slab per rank is dirty, and a
+// save leaves no checkpoint pages in the page cache (a restore right after reads the disk). A
+// sync_file_range error (EIO, ...) fails the save like a write error. Durability is unchanged:
+// it comes from the flush, close and fdatasync above.
+//
+// Timers. Save and restore accumulate their phases into swapper.timers() (so LogTimers shows
+// them): ckpt_save_{header,read_state,checksum,read_wait,agree,writeback_wait,write_slab,flush,
+// orphans_and_checksums,close,fdatasync,commit} and ckpt_restore_{open,verify_pass,write_state,
+// read_in_write_state} (the last is the part of write_state spent reading and verifying the
+// file). zinf-bench ckpt reports them.
+//
+// Memory. Save streams each sub-group run through two pool buffers when the pool has three
+// free (plus the one ReadState borrows), else through one; restore writes through WriteState's
+// three pool buffers and reads through three chunk buffers of chunk_numel floats (12 MiB at the
+// default chunk size). Host memory therefore
 // stays bounded by the pool and the chunk size, whatever the model size. Per-chunk checksum
 // tables (8 bytes per chunk per state) are held in memory.
 //
-// Thread safety: one thread at a time per swapper; HDF5 is used from the calling thread.
+// Overlap (save). With two staging buffers, the next tensor run is read from the swap store and
+// hashed on a helper thread (std::async) while the calling thread writes the current one; only
+// that thread uses the swapper while its read is pending, and it is joined before SaveCheckpoint
+// returns (also on errors). A save then costs about max(swap-store read, file write), not the
+// sum. The ckpt_save_read_state and ckpt_save_checksum timers run on the helper thread
+// (overlapped); ckpt_save_read_wait is the time the calling thread waited for it.
+//
+// Thread safety: one thread at a time per swapper (SaveCheckpoint's helper thread included);
+// HDF5 is used from the calling thread.
 #pragma once
 
 #include <cstdint>
