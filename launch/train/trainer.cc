@@ -351,9 +351,14 @@ Status Run::InitializeOrRestore() {
     start_step_ = 1;
     return OkStatus();
   }
+  // One pass: every chunk is verified as it is read, and a bad file fails the restore on every
+  // rank before any step runs. The store was created empty for this run and is discarded with
+  // it on error, so the verify-first pass (which keeps a live store untouched by reading the
+  // file twice) would only cost time.
   ZINF_ASSIGN_OR_RETURN(swapper::RestoredCheckpoint restored,
                         swapper::RestoreCheckpoint(*swapper_, path,
-                                                   {.progress = options_.progress}));
+                                                   {.verify_before_write = false,
+                                                    .progress = options_.progress}));
   resumed_from_ = restored.path;
   start_step_ = restored.step + 1;
   const Json& trainer = restored.trainer;
@@ -621,7 +626,9 @@ Result<TrainSummary> Run::Go() {
   TrainSummary summary;
   ZINF_RETURN_IF_ERROR(Setup());
   ZINF_RETURN_IF_ERROR(InitializeOrRestore());
-  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(ReadPartition()));
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(Annotate(
+      ReadPartition(), resumed_from_.empty() ? "reading the initial weights back: "
+                                             : "reading the restored weights back: ")));
   ZINF_RETURN_IF_ERROR(GatherWeights());
   summary.first_step = start_step_;
   summary.resumed_from = resumed_from_;

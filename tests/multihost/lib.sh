@@ -357,20 +357,6 @@ mh_set_tmpfs() {
   echo "$2" > "$MH_DIR/hostcfg/$1.tmpfs"
 }
 
-# metric FILE KEY: "STEP VALUE" per line of a zinf-train metrics file, VALUE as written.
-metric() {
-  awk -v key="$2" '{
-    line = $0
-    gsub(/^[ \t]*\{|\}[ \t]*$/, "", line)
-    n = split(line, kv, ",")
-    step = ""; value = ""
-    for (i = 1; i <= n; ++i) {
-      colon = index(kv[i], ":")
-      k = substr(kv[i], 1, colon - 1); gsub(/[ \t"]/, "", k)
-      v = substr(kv[i], colon + 1); gsub(/^[ \t]+|[ \t]+$/, "", v)
-      if (k == "step") step = v
-      if (k == key) value = v
-    }
-    print step, value
-  }' "$1"
-}
+# metric FILE KEY: "STEP VALUE" per metrics line (tests/testing/metrics.sh).
+# shellcheck source=../testing/metrics.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../testing/metrics.sh"
