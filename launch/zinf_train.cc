@@ -59,7 +59,9 @@ int main(int argc, char** argv) {
         "zinf-train ...). Flags override the config's keys. Without --config, a small charlm run "
         "swaps its state under ./zinf-swap.\n"
         "Exit codes: 0 success, 2 bad command line or config, 1 any other failure, 128+signal "
-        "when stopped by SIGINT/SIGTERM (after a checkpoint when a checkpoint dir is set)."};
+        "when stopped by SIGINT, SIGTERM, SIGUSR1 or SIGUSR2 (after the current step, with a "
+        "checkpoint when a checkpoint dir is set). Under mpirun send SIGUSR1 to mpirun: Open "
+        "MPI forwards it as it is, while it turns SIGINT/SIGTERM into SIGKILL a second later."};
     app.set_help_flag("-h,--help", "print this help and exit");
     std::string config_path, metrics_path, nvme_path, resume;
     bool help_config = false;

@@ -17,6 +17,7 @@ constexpr EnvVarInfo kKnown[] = {
     {"ZINF_FAULT_INJECT", "fault injection rules for the I/O engines (README.md, Fault injection)"},
     {"ZINF_IO_ENGINE", "uring|posix|auto: overrides zinf.io_engine"},
     {"ZINF_TEST_TMPDIR", "tests: directory for scratch files (default: TMPDIR, else /tmp)"},
+    {"ZINF_MPIRUN", "launch/zinf-run: the mpirun to run (default: mpirun on PATH)"},
 };
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -204,6 +205,8 @@ std::atomic<int> g_stop_signal{0};
 extern "C" void OnStopSignal(int sig) { g_stop_signal.store(sig, std::memory_order_relaxed); }
 
 // Installs the stop handlers for the lifetime of the object and restores the old ones after.
+// A stop signal ends the run after the current step (all ranks agree on it in the step's
+// allreduce), with a checkpoint when a checkpoint directory is set.
 class StopSignals {
  public:
   StopSignals() {
@@ -211,19 +214,20 @@ class StopSignals {
     struct sigaction action {};
     action.sa_handler = OnStopSignal;
     sigemptyset(&action.sa_mask);
-    sigaction(SIGINT, &action, &old_int_);
-    sigaction(SIGTERM, &action, &old_term_);
+    for (std::size_t i = 0; i < kSignals.size(); ++i) sigaction(kSignals[i], &action, &old_[i]);
   }
   ~StopSignals() {
-    sigaction(SIGINT, &old_int_, nullptr);
-    sigaction(SIGTERM, &old_term_, nullptr);
+    for (std::size_t i = 0; i < kSignals.size(); ++i) sigaction(kSignals[i], &old_[i], nullptr);
   }
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
 
  private:
-  struct sigaction old_int_ {};
-  struct sigaction old_term_ {};
+  // SIGINT/SIGTERM for a rank run directly; under Open MPI's mpirun those become SIGTERM then
+  // SIGKILL a second later, while SIGUSR1/SIGUSR2 sent to mpirun reach the ranks unchanged and
+  // the job waits for them: the way to stop a job with a final checkpoint.
+  static constexpr std::array<int, 4> kSignals = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+  std::array<struct sigaction, 4> old_{};
 };
 
 Status Run::BuildModel() {
