@@ -1,22 +1,53 @@
 #!/usr/bin/env bash
 # README quick start, command 1: the main job on its embedded default.
 #
-# Until zinf-train exists (issue 7), the most real thing zinf runs is its MPI comm layer: this
-# script installs what is missing, builds, and runs zinf-comm-demo on 2 ranks under mpirun (ZeRO
-# style reduce-scatter + all-gather of a simulated gradient, checked; reduced timers), then again
-# with an I/O error injected on rank 1 to show every rank agreeing on the same error.
+# Installs what is missing, builds, then trains the built-in charlm (a character-level language
+# model on the license texts every Debian machine has) on 2 ranks with launch/zinf-run, its Adam
+# state swapped under ./zinf-demo/swap and checkpointed collectively into ./zinf-demo/checkpoints;
+# then resumes from the latest checkpoint for more steps, and lists the checkpoint with zinf-ckpt.
+#
+#   launch/demo.sh                                # 2 ranks, 1000 steps, then 200 more after a resume
+#   launch/demo.sh --ranks 3 --dir /mnt/nvme/demo --steps 400 --more 100
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+ranks=2 work=$PWD/zinf-demo steps=1000 more=200
+while (($#)); do
+  case $1 in
+    --ranks) ranks=$2; shift 2 ;;
+    --dir) work=$2; shift 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    --more) more=$2; shift 2 ;;
+    -h | --help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) echo "demo.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+[[ $work = /* ]] || work=$PWD/$work
+
 bash launch/install-deps.sh
 cmake --preset default >/dev/null
-cmake --build --preset default -j "$(nproc)" --target zinf-comm-demo >/dev/null
+cmake --build --preset default -j "$(nproc)" --target zinf-train zinf-ckpt >/dev/null
 
-mpirun_flags=(-np "${ZINF_DEMO_RANKS:-2}" --oversubscribe --bind-to none)
-[ "$(id -u)" -eq 0 ] && mpirun_flags+=(--allow-run-as-root)
+# A fresh demo directory each time: the swap store lives there during the run (removed at exit),
+# the checkpoints and the per-step metrics stay.
+rm -rf "$work"
+mkdir -p "$work/swap"
+ckpt=$work/checkpoints
+train=(--checkpoint-dir "$ckpt" --checkpoint-every 250 --metrics "$work/metrics.jsonl")
 
-echo "+ mpirun ${mpirun_flags[*]} build/bin/zinf-comm-demo --size-per-rank 16M --iterations 10"
-mpirun "${mpirun_flags[@]}" build/bin/zinf-comm-demo --size-per-rank 16M --iterations 10
+echo "== 1. train $steps steps on $ranks ranks (optimizer state swapped under $work/swap)"
+launch/zinf-run -np "$ranks" --nvme "$work/swap" -- zinf-train --steps "$steps" "${train[@]}"
 echo
-echo "+ mpirun ${mpirun_flags[*]} build/bin/zinf-comm-demo --size-per-rank 1M --iterations 1 --fail-rank 1"
-mpirun "${mpirun_flags[@]}" build/bin/zinf-comm-demo --size-per-rank 1M --iterations 1 --fail-rank 1
+echo "== 2. resume from $ckpt/latest ($(cat "$ckpt/latest")) and train to step $((steps + more))"
+launch/zinf-run -np "$ranks" --nvme "$work/swap" -- \
+  zinf-train --steps $((steps + more)) --resume latest "${train[@]}"
+echo
+echo "== 3. the checkpoint"
+build/bin/zinf-ckpt ls "$ckpt"
+cat <<EOF
+
+Checkpoint: $ckpt/$(cat "$ckpt/latest") (latest: $ckpt/latest); per-step metrics: $work/metrics.jsonl
+  build/bin/zinf-ckpt verify $ckpt                 # recompute every checksum
+  build/bin/zinf-ckpt export $ckpt --out weights.safetensors --format safetensors
+  launch/zinf-run -np 3 --nvme $work/swap -- zinf-train --resume latest --checkpoint-dir $ckpt --steps $((steps + more + 50))
+EOF
