@@ -49,6 +49,9 @@
 set -euo pipefail
 
 repo=$(cd -- "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")/.." && pwd)
+# metric_after, median, parse_size.
+# shellcheck source=lib/metrics.sh
+source "$repo/launch/lib/metrics.sh"
 state_per_rank=512M
 strong_total=1G
 ranks="1 2 4"
@@ -102,20 +105,6 @@ while (($# > 0)); do
   esac
 done
 
-# Bytes from 123, 64K, 512M, 1G, 2T, 1GiB, 1GB (all powers of 1024).
-parse_size() {
-  local s=$1 num unit
-  [[ $s =~ ^([0-9]+)([KMGTkmgt]?)(i?[Bb])?$ ]] || return 1
-  num=${BASH_REMATCH[1]}
-  unit=${BASH_REMATCH[2]^^}
-  case $unit in
-    "") echo "$num" ;;
-    K) echo $((num << 10)) ;;
-    M) echo $((num << 20)) ;;
-    G) echo $((num << 30)) ;;
-    T) echo $((num << 40)) ;;
-  esac
-}
 if [[ -n ${hosts_list:-} ]]; then
   host_args=(--hosts "$hosts_list" --state-per-rank "$state_per_rank" --steps "$steps"
              --sub-group-size "$sub_group" --bin "$bin")
@@ -191,24 +180,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# Median of the numbers on stdin (one per line).
-median() {
-  sort -g | awk '{v[NR] = $1} END {
-    if (NR == 0) { print "nan"; exit }
-    if (NR % 2) printf "%.9g\n", v[(NR + 1) / 2]; else printf "%.9g\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
-}
-# The values of KEY in the flat JSON lines on stdin, for steps > WARMUP.
-metric() {  # metric KEY WARMUP < metrics.jsonl
-  awk -v key="$1" -v warmup="$2" '
-    function get(k,   m) {
-      if (!match($0, "\"" k "\"[ \t]*:[ \t]*[^,}]+")) return ""
-      m = substr($0, RSTART, RLENGTH)
-      sub(/^[^:]*:[ \t]*/, "", m)
-      return m
-    }
-    get("step") + 0 > warmup { v = get(key); if (v != "") print v }'
-}
-
 csv=$out/scaling.csv
 summary=$out/summary.jsonl
 echo "mode,ranks,total_state_bytes,state_bytes_per_rank,step_seconds,optimizer_seconds,swap_gbps,efficiency,swap_gbps_vs_base,peak_rss_bytes" > "$csv"
@@ -256,7 +227,7 @@ EOF
       fi
       rm -rf "$swap_dir"
       swap_dir=""
-      world=$(metric world_size 0 < "$metrics" | tail -1)
+      world=$(metric_after "$metrics" world_size 0 | tail -1)
       [[ $world == "$n" ]] || { echo "scaling: $metrics says world_size '$world', expected $n" >&2; exit 1; }
       echo "$((SECONDS - start))" >> "$out/metrics/$name.wall"
       echo "scaling: $mode, $n rank(s): done in $((SECONDS - start)) s (load before: $load1)" >&2
@@ -272,7 +243,7 @@ for mode in "${mode_list[@]}"; do
     name=$mode-np$n
     all() {  # all KEY WARMUP: the values of KEY over the rounds
       local r
-      for ((r = 1; r <= repeat; ++r)); do metric "$1" "$2" < "$out/metrics/$name-r$r.jsonl"; done
+      for ((r = 1; r <= repeat; ++r)); do metric_after "$out/metrics/$name-r$r.jsonl" "$1" "$2"; done
     }
     measured=$(all step_seconds "$warmup" | wc -l)
     ((measured > 0)) || { echo "scaling: $name: no step after warm-up in $out/metrics" >&2; exit 1; }

@@ -60,12 +60,8 @@ for way in A B; do
   echo "  took $(elapsed "$t0") s"
 
   check "way $way: metrics of steps 1..20, world_size 4, finite losses"
-  steps=$(metric "$MH_DIR/shared/metrics-$way.jsonl" step | awk '{ printf "%s ", $1 }')
-  [[ $steps == "$(seq -s ' ' 1 20) " ]] || fail "way $way: metrics steps: $steps"
-  metric "$MH_DIR/shared/metrics-$way.jsonl" world_size | awk '$2 != 4 { exit 1 }' ||
-    fail "way $way: a world_size other than 4 in the metrics"
-  metric "$MH_DIR/shared/metrics-$way.jsonl" loss |
-    awk '$2 !~ /^[0-9.eE+-]+$/ || $2 + 0 <= 0 { exit 1 }' || fail "way $way: a non-finite loss"
+  problem=$(metrics_problem "$MH_DIR/shared/metrics-$way.jsonl" 1 20 4) ||
+    fail "way $way: $problem"
 
   check "way $way: rank 0's per-node table: node 0 = $host1, node 1 = $host2, 2 ranks each"
   grep -q "node 0 ($host1): 2 rank(s)" "$log" && grep -q "node 1 ($host2): 2 rank(s)" "$log" ||

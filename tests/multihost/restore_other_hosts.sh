@@ -65,12 +65,7 @@ for shape in 3x1 1x3; do
     fail "$shape: rank 0's per-node table lists $nodes node(s)"
 
   check "$shape: metrics of steps 21..22, world_size 3, finite losses"
-  steps=$(metric "$MH_DIR/shared/m-$shape.jsonl" step | awk '{ printf "%s ", $1 }')
-  [[ $steps == "21 22 " ]] || fail "$shape: metrics steps: $steps"
-  metric "$MH_DIR/shared/m-$shape.jsonl" world_size | awk '$2 != 3 { exit 1 }' ||
-    fail "$shape: a world_size other than 3"
-  metric "$MH_DIR/shared/m-$shape.jsonl" loss |
-    awk '$2 !~ /^[0-9.eE+-]+$/ || $2 + 0 <= 0 { exit 1 }' || fail "$shape: a non-finite loss"
+  problem=$(metrics_problem "$MH_DIR/shared/m-$shape.jsonl" 21 22 3) || fail "$shape: $problem"
 done
 
 check "3 x 1 and 1 x 3: identical losses and gradient norms at steps 21 and 22"

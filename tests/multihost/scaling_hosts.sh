@@ -66,18 +66,9 @@ while (($# > 0)); do
   esac
 done
 
-parse_size() {
-  local s=$1 num unit
-  [[ $s =~ ^([0-9]+)([KMGkmg]?)(i?[Bb])?$ ]] || return 1
-  num=${BASH_REMATCH[1]}
-  unit=${BASH_REMATCH[2]^^}
-  case $unit in
-    "") echo "$num" ;;
-    K) echo $((num << 10)) ;;
-    M) echo $((num << 20)) ;;
-    G) echo $((num << 30)) ;;
-  esac
-}
+# The harness (mh_*), and parse_size, median, metric, metric_after (launch/lib/metrics.sh).
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$here/lib.sh"
 per_rank_bytes=$(parse_size "$state_per_rank") || die "--state-per-rank '$state_per_rank': expected a size such as 256M"
 ((per_rank_bytes >= 12)) || die "--state-per-rank: at least 12 bytes (one parameter)"
 [[ $steps =~ ^[1-9][0-9]*$ ]] || die "--steps '$steps': expected an integer >= 1"
@@ -97,19 +88,9 @@ out=${out:-$PWD/zinf-scaling-hosts-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out" || die "cannot create $out"
 out=$(cd "$out" && pwd)
 
-# shellcheck source-path=SCRIPTDIR source=lib.sh
-source "$here/lib.sh"
 mh_binaries "$bin" - "$mpiexec"
 mh_init scaling-hosts "$max_hosts" "$ranks_per_host"
 read -r -a all_hosts <<< "$MH_HOSTS"
-
-median() {
-  sort -g | awk '{v[NR] = $1} END {
-    if (NR == 0) { print "nan"; exit }
-    if (NR % 2) printf "%.9g\n", v[(NR + 1) / 2]; else printf "%.9g\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
-}
-# values KEY FILE: KEY's values of the steps after the warm-up.
-values() { metric "$2" "$1" | awk -v w="$warmup" '$1 > w { print $2 }'; }
 
 csv=$out/scaling_hosts.csv
 echo "hosts,ranks,total_state_bytes,step_seconds,optimizer_seconds,aggregate_swap_GBps,efficiency_vs_1" > "$csv"
@@ -144,10 +125,10 @@ EOF
   fi
   world=$(metric "$out/$name.jsonl" world_size | tail -1 | cut -d' ' -f2)
   [[ $world == "$n" ]] || { echo "FAIL: $name: metrics say world_size '$world', expected $n" >&2; exit 1; }
-  step_s=$(values step_seconds "$out/$name.jsonl" | median)
-  opt_s=$(values optimizer_seconds "$out/$name.jsonl" | median)
-  rd=$(values swap_read_bytes "$out/$name.jsonl" | median)
-  wr=$(values swap_write_bytes "$out/$name.jsonl" | median)
+  step_s=$(metric_after "$out/$name.jsonl" step_seconds "$warmup" | median)
+  opt_s=$(metric_after "$out/$name.jsonl" optimizer_seconds "$warmup" | median)
+  rd=$(metric_after "$out/$name.jsonl" swap_read_bytes "$warmup" | median)
+  wr=$(metric_after "$out/$name.jsonl" swap_write_bytes "$warmup" | median)
   gbps=$(awk -v r="$rd" -v w="$wr" -v t="$opt_s" 'BEGIN { printf "%.4f", (r + w) / t / 1e9 }')
   [[ -n $base_step ]] || base_step=$step_s
   eff=$(awk -v t="$step_s" -v t0="$base_step" 'BEGIN { printf "%.3f", t0 / t }')

@@ -49,9 +49,9 @@ train() {
   timeout --kill-after=10 "$limit" "$mpiexec" "${mpiexec_flags[@]}" -np "$np" "$zinf_train" "$@"
 }
 
-# metric FILE KEY: "STEP VALUE" per metrics line (tests/testing/metrics.sh).
-# shellcheck source=../../testing/metrics.sh
-source "$(dirname "${BASH_SOURCE[0]}")/../../testing/metrics.sh"
+# metric, metric_after, metrics_problem, median, parse_size (launch/lib/metrics.sh).
+# shellcheck source=../../../launch/lib/metrics.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../../launch/lib/metrics.sh"
 
 # mean_over FILE KEY FIRST LAST: mean of KEY over steps FIRST..LAST (exactly one line per step).
 mean_over() {

@@ -22,19 +22,8 @@ train 2 100 --steps 50 --metrics "$work/metrics.jsonl" \
   > "$work/train.log" 2>&1 || fail "zinf-train exited with $? ($(elapsed "$t0") s)"
 echo "  took $(elapsed "$t0") s"
 
-check "metrics: 50 lines, steps 1..50 in order, world_size 2"
-[[ -f $work/metrics.jsonl ]] || fail "no metrics file"
-lines=$(wc -l < "$work/metrics.jsonl")
-((lines == 50)) || fail "metrics has $lines lines, expected 50"
-steps=$(metric "$work/metrics.jsonl" step | awk '{ printf "%s ", $1 }')
-[[ $steps == "$(seq -s ' ' 1 50) " ]] || fail "metrics steps are not 1..50: $steps"
-bad_ws=$(metric "$work/metrics.jsonl" world_size | awk '$2 != 2' | head -1)
-[[ -z $bad_ws ]] || fail "world_size is not 2 at step/value: $bad_ws"
-
-check "every loss is a finite positive number"
-bad_loss=$(metric "$work/metrics.jsonl" loss |
-  awk '$2 !~ /^[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?$/ || $2 + 0 <= 0' | head -1)
-[[ -z $bad_loss ]] || fail "bad loss at step/value: $bad_loss"
+check "metrics: steps 1..50 in order, world_size 2, every loss a finite positive number"
+problem=$(metrics_problem "$work/metrics.jsonl" 1 50 2) || fail "$problem"
 
 first=$(metric "$work/metrics.jsonl" loss | awk '$1 == 1 { print $2 }')
 head5=$(mean_over "$work/metrics.jsonl" loss 1 5) || fail "steps 1..5 missing"

@@ -1,0 +1,65 @@
+# shellcheck shell=bash
+# Reading zinf-train's --metrics files from bash (sourced by launch/scaling.sh and the tests):
+# one flat JSON object of numbers per line, e.g. {"step":3,"loss":4.12,...}. Also the two small
+# helpers every script that turns them into figures needs: sizes and medians.
+
+# metric FILE KEY: "STEP VALUE" per line, VALUE as written in the JSON (raw text, so that exact
+# comparisons are string comparisons).
+metric() {
+  awk -v key="$2" '{
+    line = $0
+    gsub(/^[ \t]*\{|\}[ \t]*$/, "", line)
+    n = split(line, kv, ",")
+    step = ""; value = ""
+    for (i = 1; i <= n; ++i) {
+      colon = index(kv[i], ":")
+      k = substr(kv[i], 1, colon - 1); gsub(/[ \t"]/, "", k)
+      v = substr(kv[i], colon + 1); gsub(/^[ \t]+|[ \t]+$/, "", v)
+      if (k == "step") step = v
+      if (k == key) value = v
+    }
+    print step, value
+  }' "$1"
+}
+
+# metric_after FILE KEY WARMUP: the values of KEY of the steps after the first WARMUP.
+metric_after() { metric "$1" "$2" | awk -v w="$3" '$1 > w && $2 != "" { print $2 }'; }
+
+# metrics_problem FILE FIRST LAST WORLD: nothing and status 0 when FILE holds exactly the steps
+# FIRST..LAST in order, each with world_size WORLD and a finite positive loss; else one line
+# saying what is wrong, and status 1.
+metrics_problem() {
+  local file=$1 first=$2 last=$3 world=$4 steps bad
+  [[ -f $file ]] || { echo "no metrics file $file"; return 1; }
+  steps=$(metric "$file" step | awk '{ printf "%s ", $1 }')
+  [[ $steps == "$(seq -s ' ' "$first" "$last") " ]] ||
+    { echo "metrics steps are not $first..$last: $steps"; return 1; }
+  bad=$(metric "$file" world_size | awk -v w="$world" '$2 != w' | head -1)
+  [[ -z $bad ]] || { echo "world_size is not $world at step/value: $bad"; return 1; }
+  bad=$(metric "$file" loss |
+    awk '$2 !~ /^[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?$/ || $2 + 0 <= 0' | head -1)
+  [[ -z $bad ]] || { echo "bad loss at step/value: $bad"; return 1; }
+}
+
+# median: of the numbers on stdin, one per line ("nan" when there is none).
+median() {
+  sort -g | awk '{v[NR] = $1} END {
+    if (NR == 0) { print "nan"; exit }
+    if (NR % 2) printf "%.9g\n", v[(NR + 1) / 2]; else printf "%.9g\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+
+# parse_size SIZE: bytes of 123, 64K, 512M, 1G, 2T, 1GiB, 1GB (all powers of 1024); status 1 for
+# anything else.
+parse_size() {
+  local s=$1 num unit
+  [[ $s =~ ^([0-9]+)([KMGTkmgt]?)(i?[Bb])?$ ]] || return 1
+  num=${BASH_REMATCH[1]}
+  unit=${BASH_REMATCH[2]^^}
+  case $unit in
+    "") echo "$num" ;;
+    K) echo $((num << 10)) ;;
+    M) echo $((num << 20)) ;;
+    G) echo $((num << 30)) ;;
+    T) echo $((num << 40)) ;;
+  esac
+}
