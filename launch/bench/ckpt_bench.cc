@@ -16,7 +16,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -31,6 +30,7 @@
 #include "bench_command.h"
 #include "zinf/comm/mpi_session.h"
 #include "zinf/comm/timers.h"
+#include "zinf/core/process_stats.h"
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
 #include "zinf/partition/layout.h"
@@ -58,11 +58,6 @@ struct CkptFlags {
   std::string engine = "auto";
   std::string chunk_numel = "1M";
 };
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // Rank 0 only; true when the page cache was dropped.
 bool DropCaches() {
@@ -129,7 +124,7 @@ Result<int> Run(const comm::Communicator& world, const CkptFlags& flags) {
   options.sub_group_size = sub_group_numel;
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<OptimizerSwapper> swapper,
                         swapper::CreateOptimizerSwapper(world, plan, options));
-  const double init_start = Now();
+  const double init_start = MonotonicSeconds();
   ZINF_RETURN_IF_ERROR(swapper->Initialize([](std::uint64_t flat, std::span<float> out) {
     // Not constant, so that a wrong offset would fail the checksums of a later restore.
     for (std::size_t i = 0; i < out.size(); ++i) {
@@ -137,7 +132,7 @@ Result<int> Run(const comm::Communicator& world, const CkptFlags& flags) {
     }
     return OkStatus();
   }));
-  ZINF_ASSIGN_OR_RETURN(const double init_seconds, MaxOverRanks(world, Now() - init_start));
+  ZINF_ASSIGN_OR_RETURN(const double init_seconds, MaxOverRanks(world, MonotonicSeconds() - init_start));
   swapper->timers().Reset();
   const std::uint64_t bytes = numel * 12;
   const nlohmann::json common = {

@@ -2,11 +2,9 @@
 // exp_avg_sq: --state-bytes in total) lives on disk, through the synchronous and/or the
 // pipelined swapper, next to the time the I/O engine alone needs to move the same bytes.
 // One JSON line per mode on stdout with --json.
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -20,6 +18,7 @@
 #include "bench_command.h"
 #include "zinf/comm/mpi_session.h"
 #include "zinf/core/log.h"
+#include "zinf/core/process_stats.h"
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
 #include "zinf/partition/layout.h"
@@ -51,17 +50,6 @@ struct StepFlags {
   std::string stripe_unit = "1M";
 };
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-std::uint64_t PeakRssBytes() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
-}
-
 // The engine alone: reads every state tensor of every sub-group, then writes them back, with
 // all pool buffers in flight, through a fresh engine.
 Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::EngineKind kind,
@@ -84,7 +72,7 @@ Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::Eng
   }
   double seconds[2] = {0, 0};
   for (int phase = 0; phase < 2; ++phase) {
-    const double start = Now();
+    const double start = MonotonicSeconds();
     for (std::size_t first = 0; first < items.size(); first += lease.size()) {
       const std::size_t n = std::min(lease.size(), items.size() - first);
       for (std::size_t k = 0; k < n; ++k) {
@@ -102,7 +90,7 @@ Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::Eng
       }
       ZINF_RETURN_IF_ERROR(engine->WaitAll());
     }
-    seconds[phase] = Now() - start;
+    seconds[phase] = MonotonicSeconds() - start;
   }
   return std::make_pair(seconds[0], seconds[1]);
 }
@@ -135,12 +123,12 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
   }
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<OptimizerSwapper> swapper,
                         swapper::CreateOptimizerSwapper(world, plan, options));
-  const double init_start = Now();
+  const double init_start = MonotonicSeconds();
   ZINF_RETURN_IF_ERROR(swapper->Initialize([](std::uint64_t, std::span<float> out) {
     std::fill(out.begin(), out.end(), 0.01f);
     return OkStatus();
   }));
-  const double init_seconds = Now() - init_start;
+  const double init_seconds = MonotonicSeconds() - init_start;
   const swapper::GradientSource source = [](const partition::SubGroup&, std::span<float> grad) {
     std::fill(grad.begin(), grad.end(), 1e-3f);
     return OkStatus();
@@ -150,9 +138,9 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
   std::int64_t step = 0;
   for (int w = 0; w < flags.warmup; ++w) ZINF_RETURN_IF_ERROR(swapper->Step(++step, source, sink));
   swapper->timers().Reset();
-  const double start = Now();
+  const double start = MonotonicSeconds();
   for (int s = 0; s < flags.steps; ++s) ZINF_RETURN_IF_ERROR(swapper->Step(++step, source, sink));
-  const double seconds_per_step = (Now() - start) / std::max(flags.steps, 1);
+  const double seconds_per_step = (MonotonicSeconds() - start) / std::max(flags.steps, 1);
   ZINF_RETURN_IF_ERROR(swapper->LogTimers(fmt::format("step bench ({})", swapper->mode_name())));
   const std::uint64_t peak_rss = PeakRssBytes();  // before the I/O-only pass, same pool
   ZINF_ASSIGN_OR_RETURN(auto io, IoOnly(*swapper, kind, options.aio, flags.path));

@@ -1,12 +1,10 @@
 #include "trainer.h"
 
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -27,6 +25,7 @@
 #include "synthetic.h"
 #include "zinf/comm/timers.h"
 #include "zinf/core/log.h"
+#include "zinf/core/process_stats.h"
 #include "zinf/core/units.h"
 #include "zinf/partition/plan.h"
 #include "zinf/swapper/checkpoint.h"
@@ -66,17 +65,6 @@ const char kDefaultConfig[] = R"json({
     "seed": 1234
   }
 })json";
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-std::uint64_t PeakRssBytes() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
-}
 
 // ---- Config overrides ----
 
@@ -337,7 +325,7 @@ Status Run::InitializeOrRestore() {
     path = ckpt.load;
   }
   if (path.empty()) {
-    const double start = Now();
+    const double start = MonotonicSeconds();
     const std::uint64_t seed = static_cast<std::uint64_t>(config_.zinf.seed);
     const swapper::InitialWeights initial = [&](std::uint64_t partition_offset,
                                                 std::span<float> out) -> Status {
@@ -351,7 +339,7 @@ Status Run::InitializeOrRestore() {
     };
     ZINF_RETURN_IF_ERROR(swapper_->Initialize(initial));
     ZINF_LOG_INFO("initialized {} parameters (seed {}) in {:.2f} s", total_numel_, seed,
-                  Now() - start);
+                  MonotonicSeconds() - start);
     start_step_ = 1;
     return OkStatus();
   }
@@ -483,7 +471,7 @@ Result<double> Run::PartitionGradSquaredSum() {
 }
 
 Status Run::Step(std::int64_t step, Json* record) {
-  const double step_start = Now();
+  const double step_start = MonotonicSeconds();
   const int gas = static_cast<int>(config_.gradient_accumulation_steps);
   swapper::GradientSwapper* gradients = swapper_->gradient_swapper();
   std::vector<float> scratch;
@@ -543,18 +531,18 @@ Status Run::Step(std::int64_t step, Json* record) {
     std::copy_n(fp32.data(), sg.numel, partition_.data() + sg.partition_offset);
     return OkStatus();
   };
-  const double optimizer_start = Now();
+  const double optimizer_start = MonotonicSeconds();
   {
     comm::ScopedTimer timer(timers_, "optimizer_step");
     ZINF_RETURN_IF_ERROR(swapper_->Step(
         step, source, sink, {.lr = lr, .grad_scale = static_cast<float>(average * clip)}));
   }
-  const double optimizer_seconds = Now() - optimizer_start;
+  const double optimizer_seconds = MonotonicSeconds() - optimizer_start;
   swap_seconds_ += optimizer_seconds;
   swap_bytes_ += 2 * swapper_->StateIoBytesPerStep();  // read and written
   // 5: the updated partitions to every rank.
   ZINF_RETURN_IF_ERROR(GatherWeights());
-  const double step_seconds = Now() - step_start;
+  const double step_seconds = MonotonicSeconds() - step_start;
 
   // Per-step figures: bytes summed over ranks, peak RSS and the slowest rank's times.
   std::array<double, 4> maxima = {static_cast<double>(PeakRssBytes()), step_seconds,
@@ -652,7 +640,7 @@ Result<TrainSummary> Run::Go() {
   ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(opened));
 
   const CheckpointConfig& ckpt = config_.zinf.checkpoint;
-  const double loop_start = Now();
+  const double loop_start = MonotonicSeconds();
   double loss = std::numeric_limits<double>::quiet_NaN();
   std::int64_t step = start_step_;
   for (; step <= last; ++step) {
@@ -680,7 +668,7 @@ Result<TrainSummary> Run::Go() {
       break;
     }
   }
-  summary.seconds = Now() - loop_start;
+  summary.seconds = MonotonicSeconds() - loop_start;
   summary.final_loss = loss;
   summary.last_checkpoint = last_checkpoint_;
   if (summary.last_step == 0) summary.last_step = start_step_ - 1;

@@ -1,0 +1,31 @@
+// Measurements of this process for logs, metrics and benchmarks.
+//
+//   const double start = zinf::MonotonicSeconds();
+//   ...
+//   ZINF_LOG_INFO("{:.3f} s, peak RSS {}", zinf::MonotonicSeconds() - start,
+//                 zinf::FormatBytes(zinf::PeakRssBytes()));
+//
+// Thread safety: both may be called from any thread.
+#pragma once
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdint>
+
+namespace zinf {
+
+// Seconds on the steady clock (arbitrary origin): only differences mean something.
+inline double MonotonicSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// The peak resident set size of this process so far (getrusage's ru_maxrss), in bytes.
+inline std::uint64_t PeakRssBytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
+}
+
+}  // namespace zinf
