@@ -63,39 +63,37 @@ int main(int argc, char** argv) {
         "checkpoint when a checkpoint dir is set). Under mpirun send SIGUSR1 to mpirun: Open "
         "MPI forwards it as it is, while it turns SIGINT/SIGTERM into SIGKILL a second later."};
     app.set_help_flag("-h,--help", "print this help and exit");
-    std::string config_path, metrics_path, nvme_path, resume;
+    std::string config_path, metrics_path;
+    std::optional<std::string> nvme_path;  // split on commas below
     bool help_config = false;
+    // Each flag lands in its override; an unset optional leaves the config's value.
     zinf::train::ConfigOverrides o;
-    std::int64_t steps = 0, every = 0, keep_last = 0, hidden = 0, layers = 0, seed = 0;
-    std::string checkpoint_dir, model, data;
     app.add_option("--config", config_path, "DeepSpeed-style JSON config (see --help-config)");
-    auto* steps_opt = app.add_option("--steps", steps,
-                                     "train until global step N (zinf.steps), also after a resume");
-    auto* nvme_opt = app.add_option("--nvme-path", nvme_path,
-                                    "swap directories, comma-separated; {local_rank} and {node} "
-                                    "are expanded per rank (offload_optimizer.nvme_path; sets "
-                                    "device nvme)");
-    auto* dir_opt = app.add_option("--checkpoint-dir", checkpoint_dir,
-                                   "directory of step-<N>.h5 and latest (zinf.checkpoint.dir)");
-    auto* every_opt = app.add_option("--checkpoint-every", every,
-                                     "steps between checkpoints; one is also saved at the last "
-                                     "step (zinf.checkpoint.every)");
-    auto* keep_opt = app.add_option("--keep-last", keep_last,
-                                    "keep only the newest K checkpoints; 0 keeps all (default)");
-    auto* resume_opt = app.add_option("--resume", resume,
-                                      "latest (<checkpoint-dir>/latest; an error if none), auto "
-                                      "(latest if any), or a checkpoint file");
+    app.add_option("--steps", o.steps,
+                   "train until global step N (zinf.steps), also after a resume");
+    app.add_option("--nvme-path", nvme_path,
+                   "swap directories, comma-separated; {local_rank} and {node} are expanded per "
+                   "rank (offload_optimizer.nvme_path; sets device nvme)");
+    app.add_option("--checkpoint-dir", o.checkpoint_dir,
+                   "directory of step-<N>.h5 and latest (zinf.checkpoint.dir)");
+    app.add_option("--checkpoint-every", o.checkpoint_every,
+                   "steps between checkpoints; one is also saved at the last step "
+                   "(zinf.checkpoint.every)");
+    app.add_option("--keep-last", o.keep_last,
+                   "keep only the newest K checkpoints; 0 keeps all (default)");
+    app.add_option("--resume", o.resume,
+                   "latest (<checkpoint-dir>/latest; an error if none), auto (latest if any), or "
+                   "a checkpoint file");
     app.add_option("--metrics", metrics_path,
                    "write one JSON object per step to this file (rank 0; appended on resume)");
-    auto* model_opt = app.add_option("--model", model, "charlm (default) or synthetic");
-    auto* hidden_opt = app.add_option("--hidden", hidden,
-                                      "charlm: hidden width; synthetic: tensors of H x H");
-    auto* layers_opt = app.add_option("--layers", layers,
-                                      "charlm: hidden layers; synthetic: number of H x H tensors");
-    auto* data_opt = app.add_option("--data", data,
-                                    "charlm training text: a file or a directory of files "
-                                    "(default /usr/share/common-licenses)");
-    auto* seed_opt = app.add_option("--seed", seed, "initialization and data seed (zinf.seed)");
+    app.add_option("--model", o.model, "charlm (default) or synthetic");
+    app.add_option("--hidden", o.hidden, "charlm: hidden width; synthetic: tensors of H x H");
+    app.add_option("--layers", o.layers,
+                   "charlm: hidden layers; synthetic: number of H x H tensors");
+    app.add_option("--data", o.data,
+                   "charlm training text: a file or a directory of files (default "
+                   "/usr/share/common-licenses)");
+    app.add_option("--seed", o.seed, "initialization and data seed (zinf.seed)");
     app.add_flag("--help-config", help_config, "print every config key and exit");
     try {
       app.parse(argc, argv);
@@ -114,17 +112,7 @@ int main(int argc, char** argv) {
       (void)session->Finalize();
       return 0;
     }
-    if (*steps_opt) o.steps = steps;
-    if (*nvme_opt) o.nvme_path = SplitCommas(nvme_path);
-    if (*dir_opt) o.checkpoint_dir = checkpoint_dir;
-    if (*every_opt) o.checkpoint_every = every;
-    if (*keep_opt) o.keep_last = keep_last;
-    if (*resume_opt) o.resume = resume;
-    if (*model_opt) o.model = model;
-    if (*hidden_opt) o.hidden = hidden;
-    if (*layers_opt) o.layers = layers;
-    if (*data_opt) o.data = data;
-    if (*seed_opt) o.seed = seed;
+    if (nvme_path) o.nvme_path = SplitCommas(*nvme_path);
 
     zinf::Result<zinf::train::TrainConfig> config =
         zinf::train::BuildTrainConfig(world, config_path, o);
