@@ -157,7 +157,7 @@ class Run {
   Status Finish(const TrainSummary& summary);
   // Rank 0 logs the swap bandwidth of every node (its ranks' bytes over their slowest
   // optimizer time): on several hosts, the node with the slow disk stands out. Collective.
-  Status LogPerNode();
+  Status LogPerNode(std::int64_t steps);  // steps: the optimizer steps this run took
   Json TrainerState(std::int64_t step, double loss) const;
   Status WriteMetrics(const Json& record);
 
@@ -178,14 +178,16 @@ class Run {
   std::vector<float> flat_storage_;    // per-param plans: the layout-order weights
   std::span<float> weights_;           // the working weights, layout order
   std::vector<float> grad_;            // the flat gradient, padded to gathered_'s size
+  std::vector<float> grad_scratch_;    // per-param plans: grad_ in partition order
   comm::Timers timers_;
   std::FILE* metrics_ = nullptr;
   std::string resumed_from_;
   std::string last_checkpoint_;
   std::int64_t last_checkpoint_step_ = -1;
   std::int64_t start_step_ = 1;
-  double swap_seconds_ = 0;     // this rank's optimizer steps, wall time
-  std::uint64_t swap_bytes_ = 0;  // state bytes this rank read and wrote in them
+  double swap_seconds_ = 0;  // this rank's optimizer steps, wall time
+  // StateIoBytesPerStep summed over the ranks (the same every step).
+  std::uint64_t world_state_io_bytes_ = 0;
 };
 
 std::atomic<int> g_stop_signal{0};
@@ -287,6 +289,7 @@ Status Run::Setup() {
   } else {
     flat_storage_.assign(total_numel_, 0.0f);
     weights_ = flat_storage_;
+    grad_scratch_.assign(padded, 0.0f);
   }
 
   if (options_.create_nvme_paths) {
@@ -306,6 +309,9 @@ Status Run::Setup() {
   options.store.reclaim_stale = !config_.zinf.keep_swap;
   ZINF_ASSIGN_OR_RETURN(swapper_, swapper::CreateOptimizerSwapper(world_, *plan_, options));
   if (swapper_->gradient_swapper() == nullptr) partition_grad_.assign(partition_numel_, 0.0f);
+  std::array<std::uint64_t, 1> io = {swapper_->StateIoBytesPerStep()};
+  ZINF_RETURN_IF_ERROR(world_.AllreduceInPlace<std::uint64_t>(io, ReduceOp::kSum));
+  world_state_io_bytes_ = io[0];
   return OkStatus();
 }
 
@@ -474,8 +480,6 @@ Status Run::Step(std::int64_t step, Json* record) {
   const double step_start = MonotonicSeconds();
   const int gas = static_cast<int>(config_.gradient_accumulation_steps);
   swapper::GradientSwapper* gradients = swapper_->gradient_swapper();
-  std::vector<float> scratch;
-  if (plan_->kind() != partition::PlanKind::kFlat) scratch.assign(grad_.size(), 0.0f);
   double loss_sum = 0;
   // 1-2: forward/backward and reduce-scatter. Local failures (a bad batch) are agreed on before
   // the collective so that no rank waits in it alone.
@@ -486,7 +490,7 @@ Status Run::Step(std::int64_t step, Json* record) {
     timers_.Stop("forward_backward");
     ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(local));
     if (gradients == nullptr && m + 1 < gas) continue;  // accumulate in memory
-    if (plan_->kind() != partition::PlanKind::kFlat) ToPartitionOrder(*plan_, grad_, scratch);
+    if (plan_->kind() != partition::PlanKind::kFlat) ToPartitionOrder(*plan_, grad_, grad_scratch_);
     std::span<float> reduced =
         gradients == nullptr ? std::span<float>(partition_grad_) : std::span<float>(partition_);
     {
@@ -539,18 +543,15 @@ Status Run::Step(std::int64_t step, Json* record) {
   }
   const double optimizer_seconds = MonotonicSeconds() - optimizer_start;
   swap_seconds_ += optimizer_seconds;
-  swap_bytes_ += 2 * swapper_->StateIoBytesPerStep();  // read and written
   // 5: the updated partitions to every rank.
   ZINF_RETURN_IF_ERROR(GatherWeights());
   const double step_seconds = MonotonicSeconds() - step_start;
 
-  // Per-step figures: bytes summed over ranks, peak RSS and the slowest rank's times.
-  std::array<double, 4> maxima = {static_cast<double>(PeakRssBytes()), step_seconds,
-                                  optimizer_seconds, 0.0};
+  // Per-step figures: peak RSS and the slowest rank's times; bytes summed over the ranks.
+  std::array<double, 3> maxima = {static_cast<double>(PeakRssBytes()), step_seconds,
+                                  optimizer_seconds};
   ZINF_RETURN_IF_ERROR(world_.AllreduceInPlace<double>(maxima, ReduceOp::kMax));
-  std::array<std::uint64_t, 1> io = {swapper_->StateIoBytesPerStep()};
-  ZINF_RETURN_IF_ERROR(world_.AllreduceInPlace<std::uint64_t>(io, ReduceOp::kSum));
-  const double gbps = static_cast<double>(io[0]) / std::max(maxima[2], 1e-9) / 1e9;
+  const double gbps = static_cast<double>(world_state_io_bytes_) / std::max(maxima[2], 1e-9) / 1e9;
   ZINF_LOG_INFO("step {}/{} loss {:.6f} lr {:.2e} time {:.3f} s swap read {:.2f} GB/s write "
                 "{:.2f} GB/s{}",
                 step, config_.zinf.steps, loss, lr, maxima[1], gbps, gbps,
@@ -561,8 +562,8 @@ Status Run::Step(std::int64_t step, Json* record) {
                  {"grad_norm", grad_norm},
                  {"step_seconds", maxima[1]},
                  {"optimizer_seconds", maxima[2]},
-                 {"swap_read_bytes", io[0]},
-                 {"swap_write_bytes", io[0]},
+                 {"swap_read_bytes", world_state_io_bytes_},
+                 {"swap_write_bytes", world_state_io_bytes_},
                  {"peak_rss_bytes", static_cast<std::uint64_t>(maxima[0])},
                  {"world_size", world_.size()}};
   if (sums[2] > 0) (*record)["stop_requested"] = true;
@@ -676,7 +677,7 @@ Result<TrainSummary> Run::Go() {
   return summary;
 }
 
-Status Run::LogPerNode() {
+Status Run::LogPerNode(std::int64_t steps) {
   constexpr std::size_t kHostChars = 64;
   const comm::Topology& topo = world_.topology();
   std::string host = topo.hostname.substr(0, kHostChars - 1);
@@ -684,7 +685,9 @@ Status Run::LogPerNode() {
   std::string hosts(kHostChars * static_cast<std::size_t>(world_.size()), '\0');
   ZINF_RETURN_IF_ERROR(world_.Allgather<char>(host, hosts));
   const std::array<double, 3> mine = {static_cast<double>(topo.node),
-                                      static_cast<double>(swap_bytes_), swap_seconds_};
+                                      static_cast<double>(2 * steps) *
+                                          static_cast<double>(swapper_->StateIoBytesPerStep()),
+                                      swap_seconds_};
   std::vector<double> all(3 * static_cast<std::size_t>(world_.size()));
   ZINF_RETURN_IF_ERROR(world_.Allgather<double>(mine, all));
   if (world_.rank() != 0) return OkStatus();
@@ -720,7 +723,7 @@ Status Run::Finish(const TrainSummary& summary) {
   const std::int64_t steps = summary.last_step - summary.first_step + 1;
   ZINF_RETURN_IF_ERROR(timers_.LogSummary(world_, "zinf-train timers"));
   ZINF_RETURN_IF_ERROR(swapper_->LogTimers());
-  ZINF_RETURN_IF_ERROR(LogPerNode());
+  ZINF_RETURN_IF_ERROR(LogPerNode(std::max<std::int64_t>(steps, 0)));
   if (steps > 0) {
     const std::int64_t samples = steps * config_.train_micro_batch_size_per_gpu *
                                  config_.gradient_accumulation_steps * world_.size();
