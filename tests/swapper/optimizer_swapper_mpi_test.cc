@@ -302,7 +302,7 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
       fault.at == FaultAt::kGradientWrite ? GradMode::kReadAddWrite : GradMode::kCopy;
   Harness h(dir.path(), 2048, fault.pipelined, mode, mode == GradMode::kCopy ? 1 : 2);
   // Initialize writes 3 blocks per sub-group (every tensor is one block here). Step 2's faults:
-  // the 3rd sub-group's first read, the 2nd sub-group's second write, the first gradient write.
+  // a read of the 3rd sub-group, a write of the 2nd sub-group, the first gradient write.
   std::size_t num_sub_groups = 0;
   {
     auto sub_groups = partition::SubGroupPlan::Create(h.plan(), world.rank(), 2048);
@@ -362,12 +362,14 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
     std::fprintf(stderr, "agreed error: %s\n", stepped.error().ToString().c_str());
   }
   EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr(rank_prefix)));
+  // The injector counts completions, and a sub-group's three reads (or writes) are in flight
+  // together, so which tensor's I/O fails varies from run to run; the sub-group does not.
   switch (fault.at) {
     case FaultAt::kSwapIn:
-      EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr("swap-in fp32")));
+      EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr("sub-group 2: swap-in ")));
       break;
     case FaultAt::kSwapOut:
-      EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr("swap-out ")));
+      EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr("sub-group 1: swap-out ")));
       break;
     case FaultAt::kGradientWrite:
       EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr("gradient")));
