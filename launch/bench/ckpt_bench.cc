@@ -28,12 +28,12 @@
 #include <nlohmann/json.hpp>
 
 #include "bench_command.h"
+#include "bench_state.h"
 #include "zinf/comm/mpi_session.h"
 #include "zinf/comm/timers.h"
 #include "zinf/core/process_stats.h"
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
-#include "zinf/partition/layout.h"
 #include "zinf/partition/plan.h"
 #include "zinf/storage/io_engine.h"
 #include "zinf/swapper/checkpoint.h"
@@ -107,12 +107,8 @@ Result<int> Run(const comm::Communicator& world, const CkptFlags& flags) {
   ZINF_ASSIGN_OR_RETURN(std::uint64_t sub_group_numel, ParseBytes(flags.sub_group_size));
   ZINF_ASSIGN_OR_RETURN(std::uint64_t chunk_numel, ParseBytes(flags.chunk_numel));
   ZINF_ASSIGN_OR_RETURN(storage::EngineKind kind, storage::ParseEngineKind(flags.engine));
-  const std::uint64_t numel = std::max<std::uint64_t>(state_bytes / 12, 1);
-  ZINF_ASSIGN_OR_RETURN(partition::ParamLayout layout,
-                        partition::ParamLayout::Create(
-                            {{"state", {static_cast<std::int64_t>(numel)}}}));
-  ZINF_ASSIGN_OR_RETURN(partition::PartitionPlan plan,
-                        partition::PartitionPlan::CreateFlat(layout, world.size(), 1024));
+  ZINF_ASSIGN_OR_RETURN(partition::PartitionPlan plan, FlatStatePlan(state_bytes, world.size()));
+  const std::uint64_t numel = plan.layout().total_numel();
   std::error_code mkdir_ec;  // a real failure shows up when the store opens it
   std::filesystem::create_directories(flags.path, mkdir_ec);
   swapper::SwapperOptions options;
@@ -134,7 +130,7 @@ Result<int> Run(const comm::Communicator& world, const CkptFlags& flags) {
   }));
   ZINF_ASSIGN_OR_RETURN(const double init_seconds, MaxOverRanks(world, MonotonicSeconds() - init_start));
   swapper->timers().Reset();
-  const std::uint64_t bytes = numel * 12;
+  const std::uint64_t bytes = numel * kStateBytesPerElement;
   const nlohmann::json common = {
       {"bench", "ckpt"},
       {"ranks", world.size()},

@@ -16,12 +16,12 @@
 #include <nlohmann/json.hpp>
 
 #include "bench_command.h"
+#include "bench_state.h"
 #include "zinf/comm/mpi_session.h"
 #include "zinf/core/log.h"
 #include "zinf/core/process_stats.h"
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
-#include "zinf/partition/layout.h"
 #include "zinf/partition/plan.h"
 #include "zinf/storage/io_engine.h"
 #include "zinf/swapper/optimizer_swapper.h"
@@ -100,12 +100,8 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
   ZINF_ASSIGN_OR_RETURN(std::uint64_t state_bytes, ParseBytes(flags.state_bytes));
   ZINF_ASSIGN_OR_RETURN(std::uint64_t sub_group_numel, ParseBytes(flags.sub_group_size));
   ZINF_ASSIGN_OR_RETURN(storage::EngineKind kind, storage::ParseEngineKind(flags.engine));
-  const std::uint64_t numel = std::max<std::uint64_t>(state_bytes / 12, 1);
-  ZINF_ASSIGN_OR_RETURN(partition::ParamLayout layout,
-                        partition::ParamLayout::Create(
-                            {{"state", {static_cast<std::int64_t>(numel)}}}));
-  ZINF_ASSIGN_OR_RETURN(partition::PartitionPlan plan,
-                        partition::PartitionPlan::CreateFlat(layout, 1, 1024));
+  ZINF_ASSIGN_OR_RETURN(partition::PartitionPlan plan, FlatStatePlan(state_bytes, 1));
+  const std::uint64_t numel = plan.layout().total_numel();
   swapper::SwapperOptions options;
   options.store.paths = {flags.path};
   options.store.job_id = fmt::format("bench-step-{}-{}", getpid(), pipelined ? "pipe" : "sync");
@@ -148,7 +144,7 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
   nlohmann::json out = {
       {"bench", "step"},
       {"mode", std::string(swapper->mode_name())},
-      {"state_bytes", numel * 12},
+      {"state_bytes", numel * kStateBytesPerElement},
       {"numel", numel},
       {"sub_group_numel", swapper->sub_groups().max_sub_group_numel()},
       {"sub_groups", swapper->num_sub_groups()},
