@@ -39,8 +39,8 @@
 # a verdict line on stdout; progress goes to stderr.
 #
 # CSV columns: mode, ranks, total_state_bytes, state_bytes_per_rank, step_seconds (median),
-# optimizer_seconds (median; slowest rank), swap_gbps = (swap_read_bytes + swap_write_bytes) /
-# optimizer_seconds (bytes summed over the ranks, GB = 1e9), efficiency vs the first rank count
+# optimizer_seconds (median; slowest rank), swap_gbps = (optimizer_swap_read_bytes +
+# optimizer_swap_write_bytes) / optimizer_seconds (bytes summed over the ranks, GB = 1e9), efficiency vs the first rank count
 # (weak: t1 / tN, strong: t1 / (N / n1 * tN), both on step_seconds), swap_gbps_vs_base =
 # swap_gbps / swap_gbps of the first rank count, peak_rss_bytes (max over ranks and steps).
 #
@@ -249,8 +249,10 @@ for mode in "${mode_list[@]}"; do
     ((measured > 0)) || { echo "scaling: $name: no step after warm-up in $out/metrics" >&2; exit 1; }
     step_s=$(all step_seconds "$warmup" | median)
     opt_s=$(all optimizer_seconds "$warmup" | median)
-    rd=$(all swap_read_bytes "$warmup" | median)
-    wr=$(all swap_write_bytes "$warmup" | median)
+    rd=$(all optimizer_swap_read_bytes "$warmup" | median)
+    wr=$(all optimizer_swap_write_bytes "$warmup" | median)
+    [[ $rd != nan && $wr != nan ]] ||
+      { echo "scaling: $name: no optimizer_swap_{read,write}_bytes in $out/metrics" >&2; exit 1; }
     rss=$(all peak_rss_bytes 0 | sort -g | tail -1)
     load1=$(sort -g "$out/metrics/$name.load1" | tail -1)
     wall=$(awk '{s += $1} END {print s}' "$out/metrics/$name.wall")

@@ -28,6 +28,7 @@
 #include "zinf/core/process_stats.h"
 #include "zinf/core/units.h"
 #include "zinf/partition/plan.h"
+#include "zinf/storage/swap_store.h"
 #include "zinf/swapper/checkpoint.h"
 #include "zinf/swapper/gradient_swapper.h"
 #include "zinf/swapper/optimizer_swapper.h"
@@ -157,7 +158,7 @@ class Run {
   Status Finish(const TrainSummary& summary);
   // Rank 0 logs the swap bandwidth of every node (its ranks' bytes over their slowest
   // optimizer time): on several hosts, the node with the slow disk stands out. Collective.
-  Status LogPerNode(std::int64_t steps);  // steps: the optimizer steps this run took
+  Status LogPerNode();
   Json TrainerState(std::int64_t step, double loss) const;
   Status WriteMetrics(const Json& record);
 
@@ -185,9 +186,8 @@ class Run {
   std::string last_checkpoint_;
   std::int64_t last_checkpoint_step_ = -1;
   std::int64_t start_step_ = 1;
-  double swap_seconds_ = 0;  // this rank's optimizer steps, wall time
-  // StateIoBytesPerStep summed over the ranks (the same every step).
-  std::uint64_t world_state_io_bytes_ = 0;
+  double swap_seconds_ = 0;      // this rank's optimizer steps, wall time
+  std::uint64_t swap_bytes_ = 0;  // this rank's swap reads + writes in its optimizer steps
 };
 
 std::atomic<int> g_stop_signal{0};
@@ -309,9 +309,6 @@ Status Run::Setup() {
   options.store.reclaim_stale = !config_.zinf.keep_swap;
   ZINF_ASSIGN_OR_RETURN(swapper_, swapper::CreateOptimizerSwapper(world_, *plan_, options));
   if (swapper_->gradient_swapper() == nullptr) partition_grad_.assign(partition_numel_, 0.0f);
-  std::array<std::uint64_t, 1> io = {swapper_->StateIoBytesPerStep()};
-  ZINF_RETURN_IF_ERROR(world_.AllreduceInPlace<std::uint64_t>(io, ReduceOp::kSum));
-  world_state_io_bytes_ = io[0];
   return OkStatus();
 }
 
@@ -478,6 +475,8 @@ Result<double> Run::PartitionGradSquaredSum() {
 
 Status Run::Step(std::int64_t step, Json* record) {
   const double step_start = MonotonicSeconds();
+  const storage::SwapStore& store = swapper_->store();
+  const storage::SwapStore::IoCounters io_start = store.io_counters();
   const int gas = static_cast<int>(config_.gradient_accumulation_steps);
   swapper::GradientSwapper* gradients = swapper_->gradient_swapper();
   double loss_sum = 0;
@@ -536,25 +535,38 @@ Status Run::Step(std::int64_t step, Json* record) {
     return OkStatus();
   };
   const double optimizer_start = MonotonicSeconds();
+  const storage::SwapStore::IoCounters io_optimizer_start = store.io_counters();
   {
     comm::ScopedTimer timer(timers_, "optimizer_step");
     ZINF_RETURN_IF_ERROR(swapper_->Step(
         step, source, sink, {.lr = lr, .grad_scale = static_cast<float>(average * clip)}));
   }
   const double optimizer_seconds = MonotonicSeconds() - optimizer_start;
+  const storage::SwapStore::IoCounters io_optimizer_end = store.io_counters();
   swap_seconds_ += optimizer_seconds;
   // 5: the updated partitions to every rank.
   ZINF_RETURN_IF_ERROR(GatherWeights());
   const double step_seconds = MonotonicSeconds() - step_start;
+  const storage::SwapStore::IoCounters io_end = store.io_counters();
 
-  // Per-step figures: peak RSS and the slowest rank's times; bytes summed over the ranks.
+  // Per-step figures: peak RSS and the slowest rank's times; swap bytes, as the store counted
+  // them, summed over the ranks: over the whole step (gradient swap-outs in the backward
+  // included) and within the optimizer step.
   std::array<double, 3> maxima = {static_cast<double>(PeakRssBytes()), step_seconds,
                                   optimizer_seconds};
   ZINF_RETURN_IF_ERROR(world_.AllreduceInPlace<double>(maxima, ReduceOp::kMax));
-  const double gbps = static_cast<double>(world_state_io_bytes_) / std::max(maxima[2], 1e-9) / 1e9;
+  std::array<std::uint64_t, 4> bytes = {
+      io_end.read_bytes - io_start.read_bytes, io_end.write_bytes - io_start.write_bytes,
+      io_optimizer_end.read_bytes - io_optimizer_start.read_bytes,
+      io_optimizer_end.write_bytes - io_optimizer_start.write_bytes};
+  swap_bytes_ += bytes[2] + bytes[3];
+  ZINF_RETURN_IF_ERROR(world_.AllreduceInPlace<std::uint64_t>(bytes, ReduceOp::kSum));
+  auto gbps = [&](std::uint64_t b) {
+    return static_cast<double>(b) / std::max(maxima[2], 1e-9) / 1e9;
+  };
   ZINF_LOG_INFO("step {}/{} loss {:.6f} lr {:.2e} time {:.3f} s swap read {:.2f} GB/s write "
                 "{:.2f} GB/s{}",
-                step, config_.zinf.steps, loss, lr, maxima[1], gbps, gbps,
+                step, config_.zinf.steps, loss, lr, maxima[1], gbps(bytes[2]), gbps(bytes[3]),
                 clip < 1.0 ? fmt::format(" (clipped, norm {:.3g})", grad_norm) : "");
   *record = Json{{"step", step},
                  {"loss", loss},
@@ -562,8 +574,10 @@ Status Run::Step(std::int64_t step, Json* record) {
                  {"grad_norm", grad_norm},
                  {"step_seconds", maxima[1]},
                  {"optimizer_seconds", maxima[2]},
-                 {"swap_read_bytes", world_state_io_bytes_},
-                 {"swap_write_bytes", world_state_io_bytes_},
+                 {"swap_read_bytes", bytes[0]},
+                 {"swap_write_bytes", bytes[1]},
+                 {"optimizer_swap_read_bytes", bytes[2]},
+                 {"optimizer_swap_write_bytes", bytes[3]},
                  {"peak_rss_bytes", static_cast<std::uint64_t>(maxima[0])},
                  {"world_size", world_.size()}};
   if (sums[2] > 0) (*record)["stop_requested"] = true;
@@ -677,7 +691,7 @@ Result<TrainSummary> Run::Go() {
   return summary;
 }
 
-Status Run::LogPerNode(std::int64_t steps) {
+Status Run::LogPerNode() {
   constexpr std::size_t kHostChars = 64;
   const comm::Topology& topo = world_.topology();
   std::string host = topo.hostname.substr(0, kHostChars - 1);
@@ -685,9 +699,7 @@ Status Run::LogPerNode(std::int64_t steps) {
   std::string hosts(kHostChars * static_cast<std::size_t>(world_.size()), '\0');
   ZINF_RETURN_IF_ERROR(world_.Allgather<char>(host, hosts));
   const std::array<double, 3> mine = {static_cast<double>(topo.node),
-                                      static_cast<double>(2 * steps) *
-                                          static_cast<double>(swapper_->StateIoBytesPerStep()),
-                                      swap_seconds_};
+                                      static_cast<double>(swap_bytes_), swap_seconds_};
   std::vector<double> all(3 * static_cast<std::size_t>(world_.size()));
   ZINF_RETURN_IF_ERROR(world_.Allgather<double>(mine, all));
   if (world_.rank() != 0) return OkStatus();
@@ -711,7 +723,7 @@ Status Run::LogPerNode(std::int64_t steps) {
                          n.host, n.ranks, FormatBytes(static_cast<std::uint64_t>(n.bytes)),
                          n.seconds, n.bytes / std::max(n.seconds, 1e-9) / 1e9);
   }
-  ZINF_LOG_INFO("swap read + write per node (state tensors, over the optimizer steps):{}", table);
+  ZINF_LOG_INFO("swap read + write per node (over the optimizer steps):{}", table);
   return OkStatus();
 }
 
@@ -723,7 +735,7 @@ Status Run::Finish(const TrainSummary& summary) {
   const std::int64_t steps = summary.last_step - summary.first_step + 1;
   ZINF_RETURN_IF_ERROR(timers_.LogSummary(world_, "zinf-train timers"));
   ZINF_RETURN_IF_ERROR(swapper_->LogTimers());
-  ZINF_RETURN_IF_ERROR(LogPerNode(std::max<std::int64_t>(steps, 0)));
+  ZINF_RETURN_IF_ERROR(LogPerNode());
   if (steps > 0) {
     const std::int64_t samples = steps * config_.train_micro_batch_size_per_gpu *
                                  config_.gradient_accumulation_steps * world_.size();

@@ -825,6 +825,8 @@ Result<std::vector<std::uint64_t>> SwapStore::SubmitRange(IoOp op, std::string_v
           IoOpName(op), t.extent.name, offset_bytes, length_bytes, ids.size(), merged.size()));
     }
     ids.push_back(*id);
+    (op == IoOp::kRead ? read_bytes_ : write_bytes_)
+        .fetch_add(s.length_bytes, std::memory_order_relaxed);
   }
   return ids;
 }
@@ -895,6 +897,7 @@ Status SwapStore::Write(std::string_view name, std::span<const std::byte> data) 
     ZINF_RETURN_IF_ERROR(Annotate(
         PwriteFull(paths_[s.path_index].file, bounce.data(), s.length_bytes, s.file_offset_bytes),
         fmt::format("swap store: write tensor '{}': ", t.extent.name)));
+    write_bytes_.fetch_add(s.length_bytes, std::memory_order_relaxed);
   }
   RecordChecksums(index, 0, data);
   return OkStatus();
@@ -915,6 +918,7 @@ Status SwapStore::Read(std::string_view name, std::span<std::byte> out) {
     ZINF_RETURN_IF_ERROR(Annotate(
         PreadFull(paths_[s.path_index].file, bounce.data(), s.length_bytes, s.file_offset_bytes),
         fmt::format("swap store: read tensor '{}': ", t.extent.name)));
+    read_bytes_.fetch_add(s.length_bytes, std::memory_order_relaxed);
     const std::uint64_t payload =
         std::min(s.length_bytes, t.extent.size_bytes - s.tensor_offset_bytes);
     std::memcpy(out.data() + s.tensor_offset_bytes, bounce.data(), payload);

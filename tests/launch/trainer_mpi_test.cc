@@ -2,6 +2,7 @@
 // runs of the synthetic and charlm models (loss falls, checkpoint + resume reproduces the
 // uninterrupted run bitwise, errors are the same on every rank). Runs under mpirun with 1-3 ranks.
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -148,6 +149,18 @@ TEST(Train, ResumeReproducesTheUninterruptedRunBitwise) {
       EXPECT_EQ(mb[i]["loss"].get<double>(), ma[i]["loss"].get<double>()) << "step " << i + 1;
       EXPECT_EQ(mb[i]["grad_norm"].get<double>(), ma[i]["grad_norm"].get<double>());
     }
+    // The swap bytes are counted by the stores: without gradient swapping, every step reads and
+    // writes the whole state (12 bytes per parameter, plus alignment padding), all of it in the
+    // optimizer step.
+    for (const nlohmann::json& m : ma) {
+      const auto read = m["swap_read_bytes"].get<std::uint64_t>();
+      EXPECT_EQ(read, ma.front()["swap_read_bytes"].get<std::uint64_t>()) << m.dump();
+      EXPECT_EQ(m["swap_write_bytes"].get<std::uint64_t>(), read) << m.dump();
+      EXPECT_EQ(m["optimizer_swap_read_bytes"].get<std::uint64_t>(), read) << m.dump();
+      EXPECT_EQ(m["optimizer_swap_write_bytes"].get<std::uint64_t>(), read) << m.dump();
+      EXPECT_GE(read, 12u * 30000u) << m.dump();
+      EXPECT_LE(read, 12u * 30000u + 64u * 1024u) << m.dump();
+    }
     // The synthetic pseudo-loss (0.5 mean w^2) falls under Adam.
     EXPECT_LT(ma.back()["loss"].get<double>(), 0.8 * ma.front()["loss"].get<double>());
   }
@@ -158,6 +171,40 @@ TEST(Train, ResumeReproducesTheUninterruptedRunBitwise) {
   ZINF_ASSERT_OK_AND_ASSIGN(TrainSummary c, Train(World(), part3));
   EXPECT_EQ(c.first_step, 13);
   EXPECT_EQ(c.last_step, 12);
+}
+
+// zinf.swap_gradients reduce-scatters every micro-batch and accumulates the partitions in the
+// gradient swapper; without it the micro-batches accumulate in the replicated gradient. Only the
+// order of the float sums differs.
+TEST(Train, SwapGradientsMatchesInMemoryAccumulation) {
+  SharedScratchDir dir("trainer-swapgrad");
+  if (World().rank() == 0) std::filesystem::create_directories(dir.Join("swap"));
+  std::vector<nlohmann::json> runs[2];
+  for (const bool swap : {false, true}) {
+    nlohmann::json config = nlohmann::json::parse(SyntheticConfig(dir.path(), 6));
+    config["gradient_accumulation_steps"] = 3;
+    config["zinf"]["swap_gradients"] = swap;
+    config["zinf"].erase("checkpoint");
+    const std::string tag = swap ? "swap" : "memory";
+    const std::string path = dir.Join(tag + ".json");
+    WriteShared(path, config.dump());
+    ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig train, BuildTrainConfig(World(), path, {}));
+    ZINF_ASSERT_OK_AND_ASSIGN(
+        TrainSummary summary, Train(World(), train, {.metrics_path = dir.Join(tag + ".jsonl")}));
+    EXPECT_EQ(summary.last_step, 6);
+    if (World().rank() == 0) runs[swap ? 1 : 0] = ReadMetrics(dir.Join(tag + ".jsonl"));
+  }
+  if (World().rank() != 0) return;
+  ASSERT_EQ(runs[0].size(), 6u);
+  ASSERT_EQ(runs[1].size(), 6u);
+  for (std::size_t i = 0; i < runs[0].size(); ++i) {
+    const double a = runs[0][i]["loss"].get<double>();
+    const double b = runs[1][i]["loss"].get<double>();
+    EXPECT_NEAR(b, a, 1e-5 * std::abs(a)) << "step " << i + 1;
+    EXPECT_NEAR(runs[1][i]["grad_norm"].get<double>(), runs[0][i]["grad_norm"].get<double>(),
+                1e-5 * runs[0][i]["grad_norm"].get<double>())
+        << "step " << i + 1;
+  }
 }
 
 TEST(Train, ErrorsAreTheSameOnEveryRank) {

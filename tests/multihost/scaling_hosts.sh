@@ -17,8 +17,8 @@
 # ./zinf-scaling-hosts-<date>), and prints the CSV.
 #
 # CSV columns: hosts, ranks (hosts x ranks per host), total_state_bytes, step_seconds (median),
-# optimizer_seconds (median; slowest rank), aggregate_swap_GBps = (swap_read_bytes +
-# swap_write_bytes, summed over all ranks) / optimizer_seconds (GB = 1e9), efficiency_vs_1 =
+# optimizer_seconds (median; slowest rank), aggregate_swap_GBps = (optimizer_swap_read_bytes +
+# optimizer_swap_write_bytes, summed over all ranks) / optimizer_seconds (GB = 1e9), efficiency_vs_1 =
 # step_seconds of the first host count / step_seconds (weak scaling).
 #
 # Exit status: 0 when every run succeeded, 1 when one failed, 2 for a bad command line, 77 when
@@ -127,8 +127,10 @@ EOF
   [[ $world == "$n" ]] || { echo "FAIL: $name: metrics say world_size '$world', expected $n" >&2; exit 1; }
   step_s=$(metric_after "$out/$name.jsonl" step_seconds "$warmup" | median)
   opt_s=$(metric_after "$out/$name.jsonl" optimizer_seconds "$warmup" | median)
-  rd=$(metric_after "$out/$name.jsonl" swap_read_bytes "$warmup" | median)
-  wr=$(metric_after "$out/$name.jsonl" swap_write_bytes "$warmup" | median)
+  rd=$(metric_after "$out/$name.jsonl" optimizer_swap_read_bytes "$warmup" | median)
+  wr=$(metric_after "$out/$name.jsonl" optimizer_swap_write_bytes "$warmup" | median)
+  [[ $rd != nan && $wr != nan ]] ||
+    { echo "FAIL: $name: no optimizer_swap_{read,write}_bytes in $out/$name.jsonl" >&2; exit 1; }
   gbps=$(awk -v r="$rd" -v w="$wr" -v t="$opt_s" 'BEGIN { printf "%.4f", (r + w) / t / 1e9 }')
   [[ -n $base_step ]] || base_step=$step_s
   eff=$(awk -v t="$step_s" -v t0="$base_step" 'BEGIN { printf "%.3f", t0 / t }')

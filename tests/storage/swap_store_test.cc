@@ -125,10 +125,12 @@ TEST_P(SwapStoreEngineTest, OddSizedTensorsRoundTrip) {
   std::unique_ptr<IoEngine> engine = std::move(*engine_or);
 
   std::vector<AlignedBuffer> buffers;
+  std::uint64_t io_bytes = 0;  // what one pass over every tensor asks of the disk
   for (const TensorSpec& spec : kOddTensors) {
     ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent(spec.name));
     EXPECT_EQ(extent.size_bytes, spec.size_bytes);
     EXPECT_EQ(extent.io_size_bytes, AlignUp(spec.size_bytes, store->alignment()));
+    io_bytes += extent.io_size_bytes;
     ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, extent.io_size_bytes));
     const std::vector<std::byte> data = Pattern(spec.name, spec.size_bytes);
     std::memcpy(buffer.data(), data.data(), data.size());
@@ -137,12 +139,15 @@ TEST_P(SwapStoreEngineTest, OddSizedTensorsRoundTrip) {
   }
   ZINF_ASSERT_OK(engine->WaitAll());
   ZINF_ASSERT_OK(store->Sync());
+  EXPECT_EQ(store->io_counters().write_bytes, io_bytes);
+  EXPECT_EQ(store->io_counters().read_bytes, 0u);
 
   for (std::size_t i = 0; i < kOddTensors.size(); ++i) {
     std::memset(buffers[i].data(), 0xee, buffers[i].size());
     ZINF_ASSERT_OK(store->SubmitRead(kOddTensors[i].name, buffers[i].span(), *engine));
   }
   ZINF_ASSERT_OK(engine->WaitAll());
+  EXPECT_EQ(store->io_counters().read_bytes, io_bytes);
   for (std::size_t i = 0; i < kOddTensors.size(); ++i) {
     const TensorSpec& spec = kOddTensors[i];
     const std::vector<std::byte> expected = Pattern(spec.name, spec.size_bytes);
@@ -152,6 +157,8 @@ TEST_P(SwapStoreEngineTest, OddSizedTensorsRoundTrip) {
     ZINF_ASSERT_OK(store->Read(spec.name, out));
     EXPECT_EQ(out, expected) << spec.name;
   }
+  EXPECT_EQ(store->io_counters().read_bytes, 2 * io_bytes);
+  EXPECT_EQ(store->io_counters().write_bytes, io_bytes);
   ZINF_EXPECT_OK(store->Close());
 }
 

@@ -45,6 +45,7 @@
 // its File objects: every request must have been waited for before Close() or destruction.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -181,6 +182,18 @@ class SwapStore {
   // Idempotent: later calls return OK. Every submitted request must have completed.
   Status Close();
 
+  // Bytes this store has asked of its files so far: requests submitted without error (Submit*)
+  // and transfers done (Read, Write), alignment padding included. A submitted request that later
+  // fails still counts. Thread-safe; callers take differences, e.g. around one optimizer step.
+  struct IoCounters {
+    std::uint64_t read_bytes = 0;
+    std::uint64_t write_bytes = 0;
+  };
+  IoCounters io_counters() const {
+    return {read_bytes_.load(std::memory_order_relaxed),
+            write_bytes_.load(std::memory_order_relaxed)};
+  }
+
   // Accessors.
   Result<TensorExtent> Extent(std::string_view name) const;
   std::uint64_t alignment() const { return alignment_; }
@@ -256,6 +269,8 @@ class SwapStore {
   std::vector<Tensor> tensors_;
   std::unordered_map<std::string, std::size_t> index_;
   mutable std::mutex checksum_mutex_;
+  std::atomic<std::uint64_t> read_bytes_{0};
+  std::atomic<std::uint64_t> write_bytes_{0};
 };
 
 }  // namespace zinf::storage
