@@ -40,9 +40,10 @@
 #
 # CSV columns: mode, ranks, total_state_bytes, state_bytes_per_rank, step_seconds (median),
 # optimizer_seconds (median; slowest rank), swap_gbps = (optimizer_swap_read_bytes +
-# optimizer_swap_write_bytes) / optimizer_seconds (bytes summed over the ranks, GB = 1e9), efficiency vs the first rank count
-# (weak: t1 / tN, strong: t1 / (N / n1 * tN), both on step_seconds), swap_gbps_vs_base =
-# swap_gbps / swap_gbps of the first rank count, peak_rss_bytes (max over ranks and steps).
+# optimizer_swap_write_bytes) / optimizer_seconds (bytes summed over the ranks, GB = 1e9),
+# efficiency vs the first rank count (weak: t1 / tN, strong: t1 / (N / n1 * tN), both on
+# step_seconds), swap_gbps_vs_base = swap_gbps / swap_gbps of the first rank count,
+# peak_rss_bytes (max over ranks and steps).
 #
 # Exit status: 0 when every run succeeded (whatever the verdict), 1 when a run failed, 2 for a
 # bad command line or a machine without room (memory, disk) for the sizes asked.

@@ -9,10 +9,11 @@
 #include "zinf/core/status.h"
 #include "zinf/partition/layout.h"
 #include "zinf/partition/plan.h"
+#include "zinf/swapper/optimizer_swapper.h"
 
 namespace zinf::bench {
 
-inline constexpr std::uint64_t kStateBytesPerElement = 12;
+inline constexpr std::uint64_t kStateBytesPerElement = swapper::kNumStateTensors * sizeof(float);
 
 inline Result<partition::PartitionPlan> FlatStatePlan(std::uint64_t state_bytes, int world_size) {
   const std::uint64_t numel = std::max<std::uint64_t>(state_bytes / kStateBytesPerElement, 1);

@@ -128,7 +128,8 @@ Result<int> Run(const comm::Communicator& world, const CkptFlags& flags) {
     }
     return OkStatus();
   }));
-  ZINF_ASSIGN_OR_RETURN(const double init_seconds, MaxOverRanks(world, MonotonicSeconds() - init_start));
+  ZINF_ASSIGN_OR_RETURN(const double init_seconds,
+                        MaxOverRanks(world, MonotonicSeconds() - init_start));
   swapper->timers().Reset();
   const std::uint64_t bytes = numel * kStateBytesPerElement;
   const nlohmann::json common = {

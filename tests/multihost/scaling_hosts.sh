@@ -18,8 +18,8 @@
 #
 # CSV columns: hosts, ranks (hosts x ranks per host), total_state_bytes, step_seconds (median),
 # optimizer_seconds (median; slowest rank), aggregate_swap_GBps = (optimizer_swap_read_bytes +
-# optimizer_swap_write_bytes, summed over all ranks) / optimizer_seconds (GB = 1e9), efficiency_vs_1 =
-# step_seconds of the first host count / step_seconds (weak scaling).
+# optimizer_swap_write_bytes, summed over all ranks) / optimizer_seconds (GB = 1e9),
+# efficiency_vs_1 = step_seconds of the first host count / step_seconds (weak scaling).
 #
 # Exit status: 0 when every run succeeded, 1 when one failed, 2 for a bad command line, 77 when
 # simulated hosts cannot be made here (not root, no namespaces; the reason is printed), like the
