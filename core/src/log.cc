@@ -92,6 +92,42 @@ bool LogEnabled(LogLevel level) {
   return ProcessRank() <= 0;  // rank 0, or a process that is not part of an MPI job
 }
 
+std::string EscapeForTerminal(std::string_view text, bool keep_newlines) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if ((c >= 0x20 && c < 0x7f && c != '\\') || (keep_newlines && (c == '\n' || c == '\t'))) {
+      out.push_back(ch);
+    } else if (c == '\\') {
+      out += "\\\\";
+    } else {
+      out += fmt::format("\\x{:02x}", c);
+    }
+  }
+  return out;
+}
+
+namespace {
+
+// Control characters other than newline and tab, escaped; everything else (UTF-8 included)
+// unchanged.
+std::string EscapeControls(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7f) {
+      out += fmt::format("\\x{:02x}", c);
+    } else {
+      out.push_back(ch);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 void LogLine(LogLevel level, std::string_view message) {
   timeval tv;
   gettimeofday(&tv, nullptr);
@@ -104,7 +140,7 @@ void LogLine(LogLevel level, std::string_view message) {
   std::string rank_text = rank < 0 ? std::string("rank ?")
                                    : fmt::format("rank {}/{}", rank, size < 0 ? 1 : size);
   std::string line = fmt::format("[{}.{:03d}] [{}] [{}] {}\n", when, tv.tv_usec / 1000,
-                                 LevelName(level), rank_text, message);
+                                 LevelName(level), rank_text, EscapeControls(message));
   // One write per line keeps lines of concurrent threads and ranks whole.
   std::string_view rest = line;
   while (!rest.empty()) {

@@ -131,7 +131,9 @@ void WarnBufferedOnce(const std::string& path) {
 }  // namespace
 
 Result<File> File::Open(const std::string& path, const OpenOptions& options) {
-  int flags = O_CLOEXEC;
+  // O_NONBLOCK: opening a FIFO must not wait for its writer; it is refused below and the flag
+  // cleared for the regular file or block device that is accepted.
+  int flags = O_CLOEXEC | O_NONBLOCK | O_NOCTTY;
   if (options.no_follow) flags |= O_NOFOLLOW;
   bool writable = true;
   switch (options.mode) {
@@ -164,7 +166,7 @@ Result<File> File::Open(const std::string& path, const OpenOptions& options) {
     return ErrnoError(err, fmt::format("open {}", path));
   }
   File file;
-  file.fd_ = fd;
+  file.fd_.Reset(fd);
   file.path_ = path;
   file.writable_ = writable;
 
@@ -173,6 +175,9 @@ Result<File> File::Open(const std::string& path, const OpenOptions& options) {
   if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
     return Error(ErrorCode::kFailedPrecondition,
                  fmt::format("open {}: not a regular file or block device", path), EISDIR);
+  }
+  if (const int fl = ::fcntl(fd, F_GETFL); fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+    return ErrnoError(errno, fmt::format("fcntl {}", path));
   }
   if (options.direct) {
     ZINF_ASSIGN_OR_RETURN(bool direct, EnableDirect(fd, path));
@@ -195,7 +200,7 @@ Result<File> File::Open(const std::string& path, const OpenOptions& options) {
 }
 
 File::File(File&& other) noexcept
-    : fd_(std::exchange(other.fd_, -1)),
+    : fd_(std::move(other.fd_)),
       path_(std::move(other.path_)),
       direct_(std::exchange(other.direct_, false)),
       writable_(std::exchange(other.writable_, false)),
@@ -205,8 +210,7 @@ File::File(File&& other) noexcept
 
 File& File::operator=(File&& other) noexcept {
   if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = std::exchange(other.fd_, -1);
+    fd_ = std::move(other.fd_);
     path_ = std::move(other.path_);
     other.path_.clear();
     direct_ = std::exchange(other.direct_, false);
@@ -216,13 +220,11 @@ File& File::operator=(File&& other) noexcept {
   return *this;
 }
 
-File::~File() {
-  if (fd_ >= 0) ::close(fd_);
-}
+File::~File() = default;
 
 Result<std::uint64_t> File::Size() const {
   struct stat st {};
-  if (::fstat(fd_, &st) != 0) return ErrnoError(errno, fmt::format("fstat {}", path_));
+  if (::fstat(fd_.get(), &st) != 0) return ErrnoError(errno, fmt::format("fstat {}", path_));
   return static_cast<std::uint64_t>(st.st_size);
 }
 
@@ -232,14 +234,14 @@ Status File::Allocate(std::uint64_t offset_bytes, std::uint64_t length_bytes) {
   const auto length = static_cast<off_t>(length_bytes);
   int rc = 0;
   do {
-    rc = ::fallocate(fd_, 0, offset, length);
+    rc = ::fallocate(fd_.get(), 0, offset, length);
   } while (rc != 0 && errno == EINTR);
   if (rc == 0) return OkStatus();
   int err = errno;
   if (err == EOPNOTSUPP || err == ENOSYS) {
     // posix_fallocate writes zeros where the file system has no fallocate.
     do {
-      err = ::posix_fallocate(fd_, offset, length);
+      err = ::posix_fallocate(fd_.get(), offset, length);
     } while (err == EINTR);
     if (err == 0) return OkStatus();
   }
@@ -250,52 +252,15 @@ Status File::Allocate(std::uint64_t offset_bytes, std::uint64_t length_bytes) {
 Status File::Truncate(std::uint64_t size_bytes) {
   int rc = 0;
   do {
-    rc = ::ftruncate(fd_, static_cast<off_t>(size_bytes));
+    rc = ::ftruncate(fd_.get(), static_cast<off_t>(size_bytes));
   } while (rc != 0 && errno == EINTR);
   if (rc != 0) return ErrnoError(errno, fmt::format("ftruncate {} to {}", path_, size_bytes));
   return OkStatus();
 }
 
-Status File::Sync() {
-  int rc = 0;
-  do {
-    rc = ::fdatasync(fd_);
-  } while (rc != 0 && errno == EINTR);
-  if (rc != 0) return ErrnoError(errno, fmt::format("fdatasync {}", path_));
-  return OkStatus();
-}
+Status File::Sync() { return SyncFd(fd_.get(), /*data_only=*/true, path_); }
 
-namespace {
-
-// Opens `path` read-only and syncs it: fsync for a directory, fdatasync for a file.
-Status SyncByPath(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), (directory ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoError(errno, fmt::format("open {} to sync it", path));
-  int rc = 0;
-  do {
-    rc = directory ? ::fsync(fd) : ::fdatasync(fd);
-  } while (rc != 0 && errno == EINTR);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0)
-    return ErrnoError(err, fmt::format("{} {}", directory ? "fsync" : "fdatasync", path));
-  return OkStatus();
-}
-
-}  // namespace
-
-Status SyncPath(const std::string& path) { return SyncByPath(path, /*directory=*/false); }
-Status SyncDirectory(const std::string& dir) { return SyncByPath(dir, /*directory=*/true); }
-
-Status File::Close() {
-  if (fd_ < 0) return OkStatus();
-  const int fd = std::exchange(fd_, -1);
-  // Linux releases the descriptor even when close reports EINTR; retrying could close another.
-  if (::close(fd) != 0 && errno != EINTR) {
-    return ErrnoError(errno, fmt::format("close {}", path_));
-  }
-  return OkStatus();
-}
+Status File::Close() { return fd_.Close(path_); }
 
 Result<DirectIoInfo> ProbeDirectIo(const std::string& dir) {
   struct stat st {};

@@ -10,6 +10,7 @@
 // Thread safe.
 #pragma once
 
+#include <string>
 #include <string_view>
 
 #include <fmt/format.h>
@@ -28,7 +29,15 @@ void SetLogAllRanks(bool all_ranks);
 // True when a line of `level` would be printed by this rank.
 bool LogEnabled(LogLevel level);
 
+// Writes one line. Control characters in `message` (ESC, CR, BEL, ... but not newline or tab)
+// are escaped as \xNN, so text that came from a file or the environment cannot drive the
+// terminal.
 void LogLine(LogLevel level, std::string_view message);
+
+// `text` with every byte outside printable ASCII (0x20-0x7e) written as \xNN and backslashes
+// doubled; with `keep_newlines`, '\n' and '\t' pass unchanged. For strings read from files
+// (parameter names, attributes) before they reach a terminal.
+std::string EscapeForTerminal(std::string_view text, bool keep_newlines = false);
 
 template <typename... Args>
 void Log(LogLevel level, fmt::format_string<Args...> format, Args&&... args) {

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "zinf/core/status.h"
+#include "zinf/storage/fs.h"
 
 namespace zinf::storage {
 
@@ -41,8 +42,8 @@ class File {
   File& operator=(const File&) = delete;
   ~File();
 
-  bool is_open() const { return fd_ >= 0; }
-  int fd() const { return fd_; }
+  bool is_open() const { return fd_.valid(); }
+  int fd() const { return fd_.get(); }
   const std::string& path() const { return path_; }
   bool direct() const { return direct_; }
   bool writable() const { return writable_; }
@@ -59,20 +60,12 @@ class File {
   Status Close();
 
  private:
-  int fd_ = -1;
+  UniqueFd fd_;
   std::string path_;
   bool direct_ = false;
   bool writable_ = false;
   std::uint64_t alignment_ = 1;
 };
-
-// Durability points by path, for files this process does not hold open (a checkpoint after its
-// collective close) and for directories (after a rename in them). SyncPath fdatasyncs a file;
-// SyncDirectory fsyncs a directory so that entries created or renamed in it survive a crash.
-// EINTR is retried. Errors: errno errors (NotFound, FailedPrecondition, DataLoss...) naming the
-// path.
-Status SyncPath(const std::string& path);
-Status SyncDirectory(const std::string& dir);
 
 // The direct-I/O alignment for files in `dir` (see above) and whether O_DIRECT works there
 // (probed by opening a temporary file with O_DIRECT). Errors: NotFound if `dir` does not exist.

@@ -1,0 +1,349 @@
+#include "zinf/storage/fs.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <string>
+#include <utility>
+
+#include <fmt/format.h>
+
+namespace zinf::storage {
+namespace {
+
+// open(2) flags for `access`, without the flags every open gets.
+int AccessFlags(FileAccess access) {
+  switch (access) {
+    case FileAccess::kRead:
+      return O_RDONLY;
+    case FileAccess::kReadWrite:
+      return O_RDWR;
+    case FileAccess::kCreateNew:
+      return O_RDWR | O_CREAT | O_EXCL;
+    case FileAccess::kAppendOrCreate:
+      return O_WRONLY | O_CREAT | O_APPEND;
+    case FileAccess::kTruncateOrCreate:
+      return O_WRONLY | O_CREAT | O_TRUNC;
+  }
+  return O_RDONLY;
+}
+
+// The error for an open that failed with `err`: a refused symbolic link is named as such.
+Error OpenError(int err, int dir_fd, const std::string& name, const std::string& display,
+                Follow follow, std::string_view what) {
+  if (follow == Follow::kNo && (err == ELOOP || err == ENOTDIR || err == EEXIST)) {
+    struct stat st {};
+    if (::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode)) {
+      return Error(ErrorCode::kFailedPrecondition,
+                   fmt::format("{} {}: is a symbolic link; refusing to follow it", what, display),
+                   ELOOP);
+    }
+  }
+  return ErrnoError(err, fmt::format("{} {}", what, display));
+}
+
+std::string_view TypeName(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
+Status ClearNonBlock(int fd, const std::string& display) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    return ErrnoError(errno, fmt::format("fcntl {}", display));
+  }
+  return OkStatus();
+}
+
+std::atomic<std::uint64_t> g_temp_counter{0};
+
+}  // namespace
+
+// ---- UniqueFd ----
+
+UniqueFd::UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
+  if (this != &other) Reset(std::exchange(other.fd_, -1));
+  return *this;
+}
+
+UniqueFd::~UniqueFd() { Reset(); }
+
+int UniqueFd::Release() { return std::exchange(fd_, -1); }
+
+void UniqueFd::Reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+Status UniqueFd::Close(std::string_view what) {
+  if (fd_ < 0) return OkStatus();
+  if (::close(std::exchange(fd_, -1)) != 0 && errno != EINTR) {
+    return ErrnoError(errno, fmt::format("close {}", what));
+  }
+  return OkStatus();
+}
+
+// ---- Opening ----
+
+Result<UniqueFd> OpenFileAt(int dir_fd, const std::string& name, const std::string& display,
+                            FileAccess access, Follow follow, unsigned mode) {
+  if (name.empty()) return InvalidArgumentError("open: empty file name");
+  int flags = AccessFlags(access) | O_CLOEXEC | O_NONBLOCK | O_NOCTTY;
+  // An exclusive create never follows a link; O_NOFOLLOW makes the others refuse one too.
+  if (follow == Follow::kNo || access == FileAccess::kCreateNew) flags |= O_NOFOLLOW;
+  int fd;
+  do {
+    fd = ::openat(dir_fd, name.c_str(), flags, static_cast<mode_t>(mode));
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    const int err = errno;
+    // A FIFO without a reader refuses a non-blocking writer with ENXIO.
+    if (err == ENXIO) {
+      return Error(ErrorCode::kFailedPrecondition,
+                   fmt::format("open {}: not a regular file (a FIFO or device)", display), err);
+    }
+    return OpenError(err, dir_fd, name, display,
+                     access == FileAccess::kCreateNew ? Follow::kNo : follow,
+                     access == FileAccess::kCreateNew ? "create" : "open");
+  }
+  UniqueFd owned(fd);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return ErrnoError(errno, fmt::format("fstat {}", display));
+  if (!S_ISREG(st.st_mode)) {
+    return Error(ErrorCode::kFailedPrecondition,
+                 fmt::format("open {}: {}, not a regular file", display, TypeName(st.st_mode)),
+                 S_ISDIR(st.st_mode) ? EISDIR : EINVAL);
+  }
+  ZINF_RETURN_IF_ERROR(ClearNonBlock(fd, display));
+  return owned;
+}
+
+Result<UniqueFd> OpenDirectoryAt(int dir_fd, const std::string& name, const std::string& display,
+                                 Follow follow) {
+  if (name.empty()) return InvalidArgumentError("open: empty directory name");
+  int flags = O_RDONLY | O_DIRECTORY | O_CLOEXEC;
+  if (follow == Follow::kNo) flags |= O_NOFOLLOW;
+  int fd;
+  do {
+    fd = ::openat(dir_fd, name.c_str(), flags);
+  } while (fd < 0 && errno == EINTR);
+  if (fd >= 0) return UniqueFd(fd);
+  const int err = errno;
+  if (err == ENOTDIR || err == ELOOP) {
+    struct stat st {};
+    const int at_flags = follow == Follow::kNo ? AT_SYMLINK_NOFOLLOW : 0;
+    if (::fstatat(dir_fd, name.c_str(), &st, at_flags) == 0) {
+      if (S_ISLNK(st.st_mode)) {
+        return Error(ErrorCode::kFailedPrecondition,
+                     fmt::format("open directory {}: is a symbolic link; refusing to follow it",
+                                 display),
+                     ELOOP);
+      }
+      if (!S_ISDIR(st.st_mode)) {
+        return Error(ErrorCode::kFailedPrecondition,
+                     fmt::format("open directory {}: {}, not a directory", display,
+                                 TypeName(st.st_mode)),
+                     ENOTDIR);
+      }
+    }
+  }
+  return ErrnoError(err, fmt::format("open directory {}", display));
+}
+
+// ---- Reading ----
+
+Result<std::string> ReadSmallFileAt(int dir_fd, const std::string& name,
+                                    const std::string& display, std::uint64_t max_bytes,
+                                    Follow follow) {
+  ZINF_ASSIGN_OR_RETURN(UniqueFd fd, OpenFileAt(dir_fd, name, display, FileAccess::kRead, follow));
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return ErrnoError(errno, fmt::format("fstat {}", display));
+  auto too_large = [&] {
+    return InvalidArgumentError(
+        fmt::format("{}: larger than {} bytes; not read", display, max_bytes));
+  };
+  if (static_cast<std::uint64_t>(st.st_size) > max_bytes) return too_large();
+  std::string text;
+  text.reserve(static_cast<std::size_t>(st.st_size));
+  char buffer[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd.get(), buffer, sizeof(buffer));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, fmt::format("read {}", display));
+    }
+    if (n == 0) break;
+    if (text.size() + static_cast<std::size_t>(n) > max_bytes) return too_large();
+    text.append(buffer, static_cast<std::size_t>(n));
+  }
+  return text;
+}
+
+Result<std::string> ReadSmallFile(const std::string& path, std::uint64_t max_bytes,
+                                  Follow follow) {
+  return ReadSmallFileAt(AT_FDCWD, path, path, max_bytes, follow);
+}
+
+// ---- Writing ----
+
+Status WriteAll(int fd, std::span<const std::byte> bytes, std::string_view what) {
+  while (!bytes.empty()) {
+    const ssize_t n = ::write(fd, bytes.data(), bytes.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, fmt::format("write {}", what));
+    }
+    if (n == 0) return ErrnoError(EIO, fmt::format("write {}: no progress", what));
+    bytes = bytes.subspan(static_cast<std::size_t>(n));
+  }
+  return OkStatus();
+}
+
+Status SyncFd(int fd, bool data_only, std::string_view what) {
+  int rc;
+  do {
+    rc = data_only ? ::fdatasync(fd) : ::fsync(fd);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) return ErrnoError(errno, fmt::format("{} {}", data_only ? "fdatasync" : "fsync", what));
+  return OkStatus();
+}
+
+Status WriteFileAtomicAt(int dir_fd, const std::string& dir_display, const std::string& name,
+                         std::string_view contents, unsigned mode) {
+  const std::string temp = name + ".tmp";
+  const std::string temp_display = dir_display + "/" + temp;
+  const std::string final_display = dir_display + "/" + name;
+  if (::unlinkat(dir_fd, temp.c_str(), 0) != 0 && errno != ENOENT) {
+    return ErrnoError(errno, fmt::format("remove stale {}", temp_display));
+  }
+  ZINF_ASSIGN_OR_RETURN(UniqueFd fd, OpenFileAt(dir_fd, temp, temp_display,
+                                                FileAccess::kCreateNew, Follow::kNo, mode));
+  Status written = WriteAll(fd.get(), contents, temp_display);
+  if (written) written = SyncFd(fd.get(), /*data_only=*/false, temp_display);
+  if (written) written = fd.Close(temp_display);
+  if (written && ::renameat(dir_fd, temp.c_str(), dir_fd, name.c_str()) != 0) {
+    written = ErrnoError(errno, fmt::format("rename {} -> {}", temp_display, final_display));
+  }
+  if (!written) {
+    ::unlinkat(dir_fd, temp.c_str(), 0);
+    return written;
+  }
+  return SyncFd(dir_fd, /*data_only=*/false, dir_display);
+}
+
+Result<DirAndName> SplitPath(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  if (p.empty()) return InvalidArgumentError("empty path");
+  const std::size_t slash = p.rfind('/');
+  DirAndName out;
+  if (slash == std::string::npos) {
+    out.dir = ".";
+    out.name = p;
+  } else {
+    out.dir = slash == 0 ? "/" : p.substr(0, slash);
+    out.name = p.substr(slash + 1);
+  }
+  if (out.name.empty() || out.name == "." || out.name == "..") {
+    return InvalidArgumentError(fmt::format("path '{}' does not name a file", path));
+  }
+  return out;
+}
+
+Status WriteFileAtomic(const std::string& path, std::string_view contents, unsigned mode) {
+  ZINF_ASSIGN_OR_RETURN(DirAndName parts, SplitPath(path));
+  ZINF_ASSIGN_OR_RETURN(UniqueFd dir, OpenDirectory(parts.dir, Follow::kYes));
+  return WriteFileAtomicAt(dir.get(), parts.dir, parts.name, contents, mode);
+}
+
+// ---- AtomicFile ----
+
+Result<AtomicFile> AtomicFile::Create(const std::string& final_path, unsigned mode) {
+  ZINF_ASSIGN_OR_RETURN(DirAndName parts, SplitPath(final_path));
+  AtomicFile file;
+  file.final_path_ = final_path;
+  file.temp_path_ = fmt::format("{}/.{}.zinf-tmp-{}-{}", parts.dir, parts.name, ::getpid(),
+                                g_temp_counter.fetch_add(1));
+  ZINF_ASSIGN_OR_RETURN(file.fd_, OpenFile(file.temp_path_, FileAccess::kCreateNew, Follow::kNo,
+                                           mode));
+  file.done_ = false;
+  return file;
+}
+
+AtomicFile::AtomicFile(AtomicFile&& other) noexcept
+    : fd_(std::move(other.fd_)),
+      temp_path_(std::move(other.temp_path_)),
+      final_path_(std::move(other.final_path_)),
+      done_(std::exchange(other.done_, true)) {}
+
+AtomicFile& AtomicFile::operator=(AtomicFile&& other) noexcept {
+  if (this != &other) {
+    Abandon();
+    fd_ = std::move(other.fd_);
+    temp_path_ = std::move(other.temp_path_);
+    final_path_ = std::move(other.final_path_);
+    done_ = std::exchange(other.done_, true);
+  }
+  return *this;
+}
+
+AtomicFile::~AtomicFile() { Abandon(); }
+
+void AtomicFile::Abandon() {
+  fd_.Reset();
+  if (!done_) ::unlink(temp_path_.c_str());
+  done_ = true;
+}
+
+Status AtomicFile::Write(std::span<const std::byte> bytes) {
+  if (!fd_) return FailedPreconditionError(fmt::format("write {}: not open", temp_path_));
+  return WriteAll(fd_.get(), bytes, temp_path_);
+}
+
+Status AtomicFile::CloseDescriptor() { return fd_.Close(temp_path_); }
+
+Status AtomicFile::Commit() {
+  if (done_) return FailedPreconditionError(fmt::format("commit {}: nothing to commit", final_path_));
+  Status status = OkStatus();
+  if (fd_) {
+    status = SyncFd(fd_.get(), /*data_only=*/false, temp_path_);
+    if (status) status = fd_.Close(temp_path_);
+  } else {
+    status = SyncPath(temp_path_);
+  }
+  if (status && ::rename(temp_path_.c_str(), final_path_.c_str()) != 0) {
+    status = ErrnoError(errno, fmt::format("rename {} -> {}", temp_path_, final_path_));
+  }
+  if (!status) {
+    Abandon();
+    return status;
+  }
+  done_ = true;
+  ZINF_ASSIGN_OR_RETURN(DirAndName parts, SplitPath(final_path_));
+  return SyncDirectory(parts.dir);
+}
+
+// ---- Durability by path ----
+
+Status SyncPath(const std::string& path) {
+  ZINF_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, FileAccess::kRead, Follow::kNo));
+  ZINF_RETURN_IF_ERROR(SyncFd(fd.get(), /*data_only=*/true, path));
+  return fd.Close(path);
+}
+
+Status SyncDirectory(const std::string& dir) {
+  ZINF_ASSIGN_OR_RETURN(UniqueFd fd, OpenDirectory(dir, Follow::kYes));
+  return SyncFd(fd.get(), /*data_only=*/false, dir);
+}
+
+}  // namespace zinf::storage
