@@ -4,22 +4,27 @@
 //   zinf-ckpt verify PATH                   recomputes every chunk checksum
 //   zinf-ckpt export PATH --out FILE [--format h5|safetensors]
 //
-// Exit status: 0 on success; 1 when the checkpoint is bad (verify: the first bad chunk is
-// printed); 2 on a usage error.
+// Exit status: 0 on success; 1 when the checkpoint is bad (verify: the first problem is
+// printed) or cannot be read; 2 on a usage error. Everything read from a file is treated as
+// hostile: sizes are range-checked before use, strings are escaped before they are printed.
+#include <dirent.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <filesystem>
-#include <regex>
 #include <string>
+#include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "zinf/core/json.h"
+#include "zinf/core/log.h"
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
 #include "zinf/partition/layout.h"
@@ -44,37 +49,71 @@ zinf::swapper::CheckpointProgressFn Progress(const char* what) {
   };
 }
 
+// Text from a file or the command line, safe to print on a terminal.
+std::string Shown(std::string_view text) { return zinf::EscapeForTerminal(text); }
+
 int Fail(const zinf::Error& error) {
-  std::fprintf(stderr, "zinf-ckpt: %s\n", error.ToString().c_str());
+  std::fprintf(stderr, "zinf-ckpt: %s\n", Shown(error.ToString()).c_str());
   return 1;
 }
 
-int List(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    static const std::regex kName(R"(step-(\d+)\.h5(\.partial)?)");
-    std::vector<std::pair<long long, std::string>> files;
-    for (const auto& e : std::filesystem::directory_iterator(path, ec)) {
-      const std::string name = e.path().filename().string();
-      std::smatch m;
-      if (std::regex_match(name, m, kName)) files.emplace_back(std::stoll(m[1].str()), name);
+// The checkpoint files of a directory: names the commit protocol makes (step-<N>.h5 and its
+// .partial), in step order. At most kMaxEntries entries are looked at; sizes come from lstat, so
+// a link is shown as a link and never followed.
+void ListDirectory(const std::string& path) {
+  constexpr std::size_t kMaxEntries = 1 << 20;
+  DIR* dir = ::opendir(path.c_str());
+  if (dir == nullptr) return;
+  struct File {
+    std::int64_t step;
+    bool partial;
+    std::string name;
+  };
+  std::vector<File> files;
+  std::size_t seen = 0;
+  bool truncated = false;
+  while (const dirent* entry = ::readdir(dir)) {
+    if (++seen > kMaxEntries) {
+      truncated = true;
+      break;
     }
-    std::sort(files.begin(), files.end());
-    std::printf("directory %s: %zu checkpoint file(s)\n", path.c_str(), files.size());
-    for (const auto& [step, name] : files) {
-      std::printf("  %-28s %12s%s\n", name.c_str(),
-                  FormatBytes(std::filesystem::file_size(path + "/" + name, ec)).c_str(),
-                  name.ends_with(".partial") ? "  (incomplete)" : "");
+    const std::string name = entry->d_name;
+    if (auto step = zinf::swapper::ParseCheckpointFileName(name)) {
+      files.push_back({*step, false, name});
+    } else if (auto partial = zinf::swapper::ParseCheckpointFileName(name, ".partial")) {
+      files.push_back({*partial, true, name});
     }
   }
+  ::closedir(dir);
+  std::sort(files.begin(), files.end(), [](const File& a, const File& b) {
+    return std::tie(a.step, a.partial) < std::tie(b.step, b.partial);
+  });
+  std::printf("directory %s: %zu checkpoint file(s)%s\n", Shown(path).c_str(), files.size(),
+              truncated ? " (more than 1Mi entries: only the first were listed)" : "");
+  for (const File& f : files) {
+    struct stat st {};
+    const bool have = ::lstat((path + "/" + f.name).c_str(), &st) == 0;
+    const char* note = !have                  ? "  (vanished)"
+                       : S_ISLNK(st.st_mode)  ? "  (a symbolic link: not a checkpoint)"
+                       : !S_ISREG(st.st_mode) ? "  (not a regular file)"
+                       : f.partial            ? "  (incomplete)"
+                                              : "";
+    std::printf("  %-28s %12s%s\n", f.name.c_str(),
+                have ? FormatBytes(static_cast<std::uint64_t>(st.st_size)).c_str() : "-", note);
+  }
+}
+
+int List(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) ListDirectory(path);
   zinf::Result<CheckpointInfo> info = zinf::swapper::ReadCheckpointInfo(path);
   if (!info) return Fail(info.error());
   const zinf::partition::ParamLayout& layout = *info->layout;
-  std::printf("checkpoint %s\n", info->path.c_str());
+  std::printf("checkpoint %s\n", Shown(info->path).c_str());
   std::printf("  format_version %lld, step %lld, saved on %lld rank(s), created %s\n",
               static_cast<long long>(info->format_version), static_cast<long long>(info->step),
-              static_cast<long long>(info->world_size), info->created.c_str());
-  std::printf("  optimizer %s\n", info->optimizer.dump().c_str());
+              static_cast<long long>(info->world_size), Shown(info->created).c_str());
+  std::printf("  optimizer %s\n", zinf::DumpJsonForDisplay(info->optimizer).c_str());
   std::printf("  parameters %zu, total_numel %llu, sub_group_size %lld\n", layout.num_params(),
               static_cast<unsigned long long>(info->total_numel),
               static_cast<long long>(info->sub_group_size));
@@ -84,12 +123,12 @@ int List(const std::string& path) {
   std::printf(
       "  checksums %s, %llu chunk(s) of %llu elements per state (not verified; run "
       "`zinf-ckpt verify`)\n",
-      info->checksum_algorithm.c_str(), static_cast<unsigned long long>(info->num_chunks),
+      Shown(info->checksum_algorithm).c_str(), static_cast<unsigned long long>(info->num_chunks),
       static_cast<unsigned long long>(info->chunk_numel));
-  std::printf("  trainer %s\n", info->trainer.dump().c_str());
+  std::printf("  trainer %s\n", zinf::DumpJsonForDisplay(info->trainer).c_str());
   std::printf("  %-40s %-20s %14s %14s\n", "name", "shape", "numel", "flat_offset");
   for (const zinf::partition::ParamInfo& p : layout.params()) {
-    std::printf("  %-40s %-20s %14llu %14llu\n", p.name.c_str(),
+    std::printf("  %-40s %-20s %14llu %14llu\n", Shown(p.name).c_str(),
                 zinf::partition::FormatShape(p.shape).c_str(),
                 static_cast<unsigned long long>(p.numel),
                 static_cast<unsigned long long>(p.flat_offset));
@@ -102,10 +141,10 @@ int Verify(const std::string& path) {
   if (!file) return Fail(file.error());
   zinf::Status s = zinf::swapper::VerifyCheckpoint(*file, Progress("verify"));
   if (!s) {
-    std::printf("%s: BAD\n", file->c_str());
+    std::printf("%s: BAD\n", Shown(*file).c_str());
     return Fail(s.error());
   }
-  std::printf("%s: OK (every chunk checksum matches)\n", file->c_str());
+  std::printf("%s: OK (structure, ranges and every chunk checksum)\n", Shown(*file).c_str());
   return 0;
 }
 
@@ -115,7 +154,7 @@ int Export(const std::string& path, const std::string& out, const std::string& f
                                             : zinf::swapper::ExportFormat::kHdf5;
   zinf::Status s = zinf::swapper::ExportCheckpoint(path, out, f, Progress("export"));
   if (!s) return Fail(s.error());
-  std::printf("wrote %s (%s)\n", out.c_str(), format.c_str());
+  std::printf("wrote %s (%s)\n", Shown(out).c_str(), format.c_str());
   return 0;
 }
 
@@ -127,10 +166,17 @@ int main(int argc, char** argv) {
   std::string path, out, format = "h5";
   CLI::App* ls = app.add_subcommand("ls", "step, world size, parameters, sizes, checksums");
   ls->add_option("PATH", path, "a step-<N>.h5 file or a checkpoint directory")->required();
-  CLI::App* verify = app.add_subcommand("verify", "recompute every checksum; exit 1 if bad");
+  CLI::App* verify = app.add_subcommand(
+      "verify",
+      "check the structure, every attribute's range, the layout and every chunk's checksum: OK "
+      "means the file restores; exit 1 if bad");
   verify->add_option("PATH", path, "a step-<N>.h5 file or a checkpoint directory")->required();
-  CLI::App* exp =
-      app.add_subcommand("export", "consolidated fp32 weights per parameter (zero_to_fp32)");
+  CLI::App* exp = app.add_subcommand(
+      "export",
+      "consolidated fp32 weights per parameter (zero_to_fp32); written to a temporary file "
+      "renamed to --out when complete, so a failure leaves a previous output as it was; an "
+      "output that is the checkpoint, its `latest` or a step-<N>.h5 name of its directory is "
+      "refused");
   exp->add_option("PATH", path, "a step-<N>.h5 file or a checkpoint directory")->required();
   exp->add_option("--out", out, "output file")->required();
   exp->add_option("--format", format, "h5 or safetensors")
@@ -140,7 +186,13 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
-  if (*ls) return List(path);
-  if (*verify) return Verify(path);
-  return Export(path, out, format);
+  // Every failure is an Error; should an exception escape anyway, it is a message, not a crash.
+  try {
+    if (*ls) return List(path);
+    if (*verify) return Verify(path);
+    return Export(path, out, format);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "zinf-ckpt: internal error: %s\n", Shown(e.what()).c_str());
+  }
+  return 1;
 }

@@ -122,9 +122,28 @@ Result<std::string> NormalizeName(std::string_view name, bool allow_root) {
   return path;
 }
 
+// Refuses any link other than a hard link at `prefix`: a soft or external link (or a user-defined
+// one) would make a read leave the object tree the writer made, or the file itself.
+Status CheckHardLink(hid_t file, const std::string& prefix, const std::string& file_path) {
+  H5L_info_t link{};
+  if (H5Lget_info(file, prefix.c_str(), &link, H5P_DEFAULT) < 0) {
+    return StackError(ErrorCode::kInternal, fmt::format("{}: H5Lget_info {}", file_path, prefix));
+  }
+  if (link.type != H5L_TYPE_HARD) {
+    const char* kind = link.type == H5L_TYPE_SOFT       ? "a soft link"
+                       : link.type == H5L_TYPE_EXTERNAL ? "an external link (to another file)"
+                                                        : "a user-defined link";
+    return Error(ErrorCode::kFailedPrecondition,
+                 fmt::format("{}: {} is {}; zinf follows only hard links (a read must not leave "
+                             "the file)",
+                             file_path, prefix, kind));
+  }
+  return OkStatus();
+}
+
 // The type of the object at `path`; NotFound when it or a parent group is missing. Each
 // prefix is checked with H5Lexists, because H5Lexists on "/a/b" fails (rather than saying no)
-// when "/a" is missing.
+// when "/a" is missing, and must be a hard link before anything traverses it.
 Result<H5O_type_t> ObjectType(hid_t file, const std::string& path, const std::string& file_path) {
   if (path != "/") {
     std::size_t pos = 0;
@@ -138,6 +157,7 @@ Result<H5O_type_t> ObjectType(hid_t file, const std::string& path, const std::st
       if (exists == 0) {
         return NotFoundError(fmt::format("{}: no object {}", file_path, path));
       }
+      ZINF_RETURN_IF_ERROR(CheckHardLink(file, prefix, file_path));
       if (pos != std::string::npos) {
         H5O_info_t info;
         if (H5Oget_info_by_name2(file, prefix.c_str(), &info, H5O_INFO_BASIC, H5P_DEFAULT) < 0) {
@@ -153,9 +173,8 @@ Result<H5O_type_t> ObjectType(hid_t file, const std::string& path, const std::st
   }
   H5O_info_t info;
   if (H5Oget_info_by_name2(file, path.c_str(), &info, H5O_INFO_BASIC, H5P_DEFAULT) < 0) {
-    // A dangling soft link exists as a link but not as an object.
-    H5Eclear2(H5E_DEFAULT);
-    return NotFoundError(fmt::format("{}: no object {} (dangling link)", file_path, path));
+    return StackError(ErrorCode::kInternal,
+                      fmt::format("{}: H5Oget_info_by_name {}", file_path, path));
   }
   return info.type;
 }
@@ -165,14 +184,69 @@ struct DatasetInfo {
   H5DataType type = H5DataType::kFloat32;
 };
 
+// How a dataset stores its elements. Only storage inside the file itself is accepted: virtual
+// datasets (elements in other files), external raw-data files and filters (which may need a
+// plugin, and whose output size says nothing about the elements) are refused when opened.
+struct StorageLayout {
+  H5D_layout_t layout = H5D_CONTIGUOUS;
+  std::uint64_t chunk_numel = 0;  // chunked 1-D datasets; 0 otherwise
+};
+
+Result<StorageLayout> GetStorageLayout(hid_t dataset, const std::string& name,
+                                       const std::string& file_path) {
+  ZINF_ASSIGN_OR_RETURN(
+      PropListHandle dcpl,
+      Check<PropListHandle>(H5Dget_create_plist(dataset), ErrorCode::kInternal,
+                            fmt::format("{}: H5Dget_create_plist {}", file_path, name)));
+  StorageLayout out;
+  out.layout = H5Pget_layout(dcpl.get());
+  if (out.layout < 0) {
+    return StackError(ErrorCode::kInternal, fmt::format("{}: H5Pget_layout {}", file_path, name));
+  }
+  auto refuse = [&](std::string_view why) {
+    return Error(ErrorCode::kFailedPrecondition,
+                 fmt::format("{}: dataset {} {}; zinf reads only data stored in the file itself, "
+                             "unfiltered",
+                             file_path, name, why));
+  };
+  if (out.layout == H5D_VIRTUAL) return refuse("is a virtual dataset");
+  if (out.layout != H5D_CONTIGUOUS && out.layout != H5D_CHUNKED && out.layout != H5D_COMPACT) {
+    return refuse("has an unknown storage layout");
+  }
+  const int externals = H5Pget_external_count(dcpl.get());
+  if (externals < 0) {
+    return StackError(ErrorCode::kInternal,
+                      fmt::format("{}: H5Pget_external_count {}", file_path, name));
+  }
+  if (externals > 0) return refuse("keeps its elements in external files");
+  const int filters = H5Pget_nfilters(dcpl.get());
+  if (filters < 0) {
+    return StackError(ErrorCode::kInternal, fmt::format("{}: H5Pget_nfilters {}", file_path, name));
+  }
+  if (filters > 0) return refuse("has filters (compression)");
+  if (out.layout == H5D_CHUNKED) {
+    hsize_t dims[H5S_MAX_RANK] = {};
+    const int rank = H5Pget_chunk(dcpl.get(), H5S_MAX_RANK, dims);
+    if (rank < 0) {
+      return StackError(ErrorCode::kInternal, fmt::format("{}: H5Pget_chunk {}", file_path, name));
+    }
+    if (rank == 1) out.chunk_numel = dims[0];
+  }
+  return out;
+}
+
 Result<DatasetHandle> OpenDataset(hid_t file, const std::string& name,
                                   const std::string& file_path) {
   ZINF_ASSIGN_OR_RETURN(const H5O_type_t type, ObjectType(file, name, file_path));
   if (type != H5O_TYPE_DATASET) {
     return InvalidArgumentError(fmt::format("{}: {} is not a dataset", file_path, name));
   }
-  return Check<DatasetHandle>(H5Dopen2(file, name.c_str(), H5P_DEFAULT), ErrorCode::kInternal,
-                              fmt::format("{}: H5Dopen {}", file_path, name));
+  ZINF_ASSIGN_OR_RETURN(
+      DatasetHandle dataset,
+      Check<DatasetHandle>(H5Dopen2(file, name.c_str(), H5P_DEFAULT), ErrorCode::kInternal,
+                           fmt::format("{}: H5Dopen {}", file_path, name)));
+  ZINF_RETURN_IF_ERROR(GetStorageLayout(dataset.get(), name, file_path));
+  return dataset;
 }
 
 Result<DatasetInfo> GetDatasetInfo(hid_t dataset, const std::string& name,
@@ -415,11 +489,10 @@ Status H5File::CreateDataset1D(std::string_view name, std::uint64_t numel,
     // Every element of a checkpoint is written, so filling first would write it all twice.
     ZINF_RETURN_IF_ERROR(CheckErr(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER),
                                   ErrorCode::kInternal, "H5Pset_fill_time"));
-    if (is_collective()) {
-      // Parallel HDF5 requires early allocation; saying so keeps it explicit.
-      ZINF_RETURN_IF_ERROR(CheckErr(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY),
-                                    ErrorCode::kInternal, "H5Pset_alloc_time"));
-    }
+    // Early allocation: parallel HDF5 requires it, and a file whose structure was written
+    // serially can then be filled collectively without any change to its metadata.
+    ZINF_RETURN_IF_ERROR(CheckErr(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY),
+                                  ErrorCode::kInternal, "H5Pset_alloc_time"));
     const hsize_t dims[1] = {numel};
     ZINF_ASSIGN_OR_RETURN(space, Check<DataspaceHandle>(H5Screate_simple(1, dims, nullptr),
                                                         ErrorCode::kInternal, "H5Screate_simple"));
@@ -474,6 +547,25 @@ Result<H5DataType> H5File::DatasetType(std::string_view name) {
     ZINF_ASSIGN_OR_RETURN(DatasetHandle dataset, OpenDataset(impl_->file.get(), path, path_));
     ZINF_ASSIGN_OR_RETURN(const DatasetInfo info, GetDatasetInfo(dataset.get(), path, path_));
     return info.type;
+  }();
+  ZINF_RETURN_IF_ERROR(Agree(StatusOf(local)));
+  return local;
+}
+
+Result<H5File::DatasetStorage> H5File::DatasetStorageOf(std::string_view name) {
+  Result<DatasetStorage> local = [&]() -> Result<DatasetStorage> {
+    ZINF_RETURN_IF_ERROR(CheckUsable(is_open(), read_only_, false, path_, "look up dataset"));
+    ZINF_ASSIGN_OR_RETURN(const std::string path, NormalizeName(name, false));
+    ZINF_ASSIGN_OR_RETURN(DatasetHandle dataset, OpenDataset(impl_->file.get(), path, path_));
+    ZINF_ASSIGN_OR_RETURN(const DatasetInfo info, GetDatasetInfo(dataset.get(), path, path_));
+    ZINF_ASSIGN_OR_RETURN(const StorageLayout layout, GetStorageLayout(dataset.get(), path, path_));
+    DatasetStorage out;
+    out.numel = info.numel;
+    out.type = info.type;
+    out.chunk_numel = layout.chunk_numel;
+    out.allocated_bytes = H5Dget_storage_size(dataset.get());
+    H5Eclear2(H5E_DEFAULT);  // 0 is both "nothing allocated" and an error: both mean none
+    return out;
   }();
   ZINF_RETURN_IF_ERROR(Agree(StatusOf(local)));
   return local;
@@ -813,7 +905,8 @@ Status H5File::WriteDoubleAttribute(std::string_view object, std::string_view na
       [this](const Status& s) { return Agree(s); });
 }
 
-Result<std::string> H5File::ReadStringAttribute(std::string_view object, std::string_view name) {
+Result<std::string> H5File::ReadStringAttribute(std::string_view object, std::string_view name,
+                                                std::uint64_t max_bytes) {
   Result<std::string> local = [&]() -> Result<std::string> {
     ZINF_RETURN_IF_ERROR(CheckUsable(is_open(), read_only_, false, path_, "read attribute"));
     const hid_t file = impl_->file.get();
@@ -832,10 +925,18 @@ Result<std::string> H5File::ReadStringAttribute(std::string_view object, std::st
                                     what + ": H5Aread"));
       std::string out = text != nullptr ? text : "";
       H5free_memory(text);
+      if (out.size() > max_bytes) {
+        return InvalidArgumentError(
+            fmt::format("{}: a string of {} bytes, more than {}", what, out.size(), max_bytes));
+      }
       return out;
     }
     const std::size_t size = H5Tget_size(type.get());
     if (size == 0) return StackError(ErrorCode::kInternal, what + ": H5Tget_size");
+    if (size > max_bytes + 1) {
+      return InvalidArgumentError(
+          fmt::format("{}: a string of {} bytes, more than {}", what, size, max_bytes));
+    }
     std::string out(size, '\0');
     ZINF_RETURN_IF_ERROR(CheckErr(H5Aread(attr.get(), type.get(), out.data()), ErrorCode::kDataLoss,
                                   what + ": H5Aread"));

@@ -1,5 +1,7 @@
 #include "hdf5_handles.h"
 
+#include <H5PLpublic.h>
+
 #include <array>
 #include <vector>
 
@@ -31,6 +33,10 @@ void InitHdf5() {
   // Per library instance (and per thread in thread-safe builds), so cheap to repeat; repeating
   // also covers a library that was closed and reopened.
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  // A file must not make this process load code: no filter or VOL plugins from HDF5_PLUGIN_PATH.
+  // (zinf writes no filters, and datasets with filters are refused when opened anyway.)
+  static const bool plugins_off = H5PLset_loading_state(0) >= 0;
+  ZINF_CHECK(plugins_off, "H5PLset_loading_state(0) failed");
 }
 
 std::string ErrorStackText() {

@@ -8,18 +8,22 @@
 // world_size - 1 orphans per state, so the extra read is a few chunks.
 #include "zinf/swapper/checkpoint.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <future>
 #include <optional>
-#include <regex>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -35,6 +39,7 @@
 #include "zinf/core/units.h"
 #include "zinf/storage/checksum.h"
 #include "zinf/storage/file.h"
+#include "zinf/storage/fs.h"
 #include "zinf/storage/hdf5.h"
 
 namespace zinf::swapper {
@@ -63,7 +68,7 @@ using comm::ScopedTimer;  // the "ckpt_*" phases go into the swapper's timers
 class WriteBehind {
  public:
   explicit WriteBehind(const std::string& path)
-      : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {}
+      : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)) {}
   ~WriteBehind() {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -206,6 +211,11 @@ nlohmann::json DerivedOptimizerJson(const AdamOptions& adam) {
             {"adam_w_mode", adam.adamw}}}};
 }
 
+// Compact JSON; invalid UTF-8 replaced rather than thrown on.
+std::string DumpJson(const nlohmann::json& j) {
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 std::string UtcNow() {
   const std::time_t now = std::time(nullptr);
   std::tm tm{};
@@ -215,20 +225,84 @@ std::string UtcNow() {
   return text;
 }
 
-Status RenamePath(const std::string& from, const std::string& to) {
-  if (std::rename(from.c_str(), to.c_str()) != 0) {
-    return ErrnoError(errno, fmt::format("rename {} -> {}", from, to));
-  }
-  return OkStatus();
-}
-
 // Rank 0: the metadata every rank writes (parallel HDF5 needs identical values everywhere).
 struct Header {
   std::string optimizer, config, trainer, created;
 };
 
-Status WriteContents(OptimizerSwapper& swapper, H5File& file, std::int64_t step,
-                     const CheckpointSaveOptions& options, const Header& header,
+// Rank 0, before the ranks open the file collectively: the whole structure of the checkpoint
+// (attributes, the layout, every dataset with its space allocated), written serially and closed.
+// The collective phase then writes raw elements only and never flushes HDF5 metadata: in a
+// collective flush or close, a rank whose metadata write failed (ENOSPC) leaves HDF5 before its
+// barrier and the other ranks wait in it forever.
+Status WriteStructure(const std::string& path, const OptimizerSwapper& swapper, std::int64_t step,
+                      int world_size, std::uint64_t chunk, const Header& header) {
+  const partition::ParamLayout& layout = swapper.plan().layout();
+  const std::uint64_t total = layout.total_numel();
+  const std::uint64_t num_chunks = NumChunks(total, chunk);
+  // O_EXCL: the name was cleared just before; a link planted there since is never followed.
+  ZINF_ASSIGN_OR_RETURN(H5File file,
+                        H5File::CreateSerial(path, storage::H5CreateMode::kFailIfExists));
+  const Status written = [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "format", kCheckpointFormat));
+    ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "format_version", kCheckpointFormatVersion));
+    ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "step", step));
+    ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "world_size", world_size));
+    ZINF_RETURN_IF_ERROR(
+        file.WriteInt64Attribute("/", "total_numel", static_cast<std::int64_t>(total)));
+    ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute(
+        "/", "sub_group_size", static_cast<std::int64_t>(swapper.options().sub_group_size)));
+    ZINF_RETURN_IF_ERROR(
+        file.WriteInt64Attribute("/", "chunk_numel", static_cast<std::int64_t>(chunk)));
+    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "optimizer", header.optimizer));
+    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "config", header.config));
+    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "created", header.created));
+    ZINF_RETURN_IF_ERROR(file.CreateGroup("/layout"));
+    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/layout", "json", layout.ToJsonString()));
+    const std::uint64_t num_params = layout.num_params();
+    std::vector<std::uint64_t> offsets, numels;
+    for (const partition::ParamInfo& p : layout.params()) {
+      offsets.push_back(p.flat_offset);
+      numels.push_back(p.numel);
+    }
+    const std::uint64_t param_chunk = std::min<std::uint64_t>(num_params, 1 << 16);
+    ZINF_RETURN_IF_ERROR(
+        file.CreateDataset1D("/layout/flat_offset", num_params, param_chunk, H5DataType::kUInt64));
+    ZINF_RETURN_IF_ERROR(
+        file.CreateDataset1D("/layout/numel", num_params, param_chunk, H5DataType::kUInt64));
+    ZINF_RETURN_IF_ERROR(
+        file.WriteSlab("/layout/flat_offset", 0, std::span<const std::uint64_t>(offsets)));
+    ZINF_RETURN_IF_ERROR(
+        file.WriteSlab("/layout/numel", 0, std::span<const std::uint64_t>(numels)));
+    ZINF_RETURN_IF_ERROR(file.CreateGroup("/trainer"));
+    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/trainer", "state", header.trainer));
+    for (StateTensor which : kStates) {
+      ZINF_RETURN_IF_ERROR(file.CreateDataset1D(StateDataset(which), total, std::min(chunk, total),
+                                                H5DataType::kFloat32));
+      ZINF_RETURN_IF_ERROR(file.CreateDataset1D(ChecksumDataset(which), num_chunks,
+                                                std::min<std::uint64_t>(num_chunks, 1 << 16),
+                                                H5DataType::kUInt64));
+    }
+    ZINF_RETURN_IF_ERROR(
+        file.WriteStringAttribute("/checksum", "algorithm", storage::kChecksumAlgorithm));
+    return file.WriteInt64Attribute("/checksum", "chunk_numel", static_cast<std::int64_t>(chunk));
+  }();
+  Status closed = file.Close();
+  ZINF_RETURN_IF_ERROR(written);
+  ZINF_RETURN_IF_ERROR(closed);
+  // The other ranks (other nodes too) open it next.
+  return storage::SyncPath(path);
+}
+
+// Every rank makes its writes durable and visible to the others (MPI-IO's sync-barrier), with
+// our own fdatasync: MPI_File_sync, like HDF5's collective flush, skips its barrier on a rank
+// whose sync failed.
+Status SyncAndAgree(const comm::Communicator& comm, const std::string& path) {
+  return comm.AgreeOnStatus(storage::SyncPath(path));
+}
+
+// Collective: the state (and then the checksums) of every rank into the open file.
+Status WriteContents(OptimizerSwapper& swapper, H5File& file, const CheckpointSaveOptions& options,
                      ProgressReporter* progress) {
   const comm::Communicator& comm = swapper.comm();
   const partition::ParamLayout& layout = swapper.plan().layout();
@@ -237,55 +311,6 @@ Status WriteContents(OptimizerSwapper& swapper, H5File& file, std::int64_t step,
   const std::uint64_t num_chunks = NumChunks(total, chunk);
   const bool root = comm.rank() == 0;
   comm::Timers& timers = swapper.timers();
-  std::optional<ScopedTimer> header_timer(std::in_place, timers, "ckpt_save_header");
-
-  // Header and layout.
-  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "format", kCheckpointFormat));
-  ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "format_version", kCheckpointFormatVersion));
-  ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "step", step));
-  ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "world_size", comm.size()));
-  ZINF_RETURN_IF_ERROR(
-      file.WriteInt64Attribute("/", "total_numel", static_cast<std::int64_t>(total)));
-  ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute(
-      "/", "sub_group_size", static_cast<std::int64_t>(swapper.options().sub_group_size)));
-  ZINF_RETURN_IF_ERROR(
-      file.WriteInt64Attribute("/", "chunk_numel", static_cast<std::int64_t>(chunk)));
-  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "optimizer", header.optimizer));
-  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "config", header.config));
-  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "created", header.created));
-  ZINF_RETURN_IF_ERROR(file.CreateGroup("/layout"));
-  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/layout", "json", layout.ToJsonString()));
-  const std::uint64_t num_params = layout.num_params();
-  std::vector<std::uint64_t> offsets, numels;
-  if (root) {
-    for (const partition::ParamInfo& p : layout.params()) {
-      offsets.push_back(p.flat_offset);
-      numels.push_back(p.numel);
-    }
-  }
-  const std::uint64_t param_chunk = std::min<std::uint64_t>(num_params, 1 << 16);
-  ZINF_RETURN_IF_ERROR(
-      file.CreateDataset1D("/layout/flat_offset", num_params, param_chunk, H5DataType::kUInt64));
-  ZINF_RETURN_IF_ERROR(
-      file.CreateDataset1D("/layout/numel", num_params, param_chunk, H5DataType::kUInt64));
-  ZINF_RETURN_IF_ERROR(
-      file.WriteSlab("/layout/flat_offset", 0, std::span<const std::uint64_t>(offsets)));
-  ZINF_RETURN_IF_ERROR(file.WriteSlab("/layout/numel", 0, std::span<const std::uint64_t>(numels)));
-  ZINF_RETURN_IF_ERROR(file.CreateGroup("/trainer"));
-  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/trainer", "state", header.trainer));
-  for (StateTensor which : kStates) {
-    ZINF_RETURN_IF_ERROR(file.CreateDataset1D(StateDataset(which), total, std::min(chunk, total),
-                                              H5DataType::kFloat32));
-    ZINF_RETURN_IF_ERROR(file.CreateDataset1D(ChecksumDataset(which), num_chunks,
-                                              std::min<std::uint64_t>(num_chunks, 1 << 16),
-                                              H5DataType::kUInt64));
-  }
-  ZINF_RETURN_IF_ERROR(
-      file.WriteStringAttribute("/checksum", "algorithm", storage::kChecksumAlgorithm));
-  ZINF_RETURN_IF_ERROR(
-      file.WriteInt64Attribute("/checksum", "chunk_numel", static_cast<std::int64_t>(chunk)));
-
-  header_timer.reset();
 
   // State: run by run, each state tensor in turn. With two staging buffers (the common case) the
   // next tensor is read from the swap store and hashed on a helper thread while this thread
@@ -383,7 +408,7 @@ Status WriteContents(OptimizerSwapper& swapper, H5File& file, std::int64_t step,
   }
   {
     ScopedTimer t(timers, "ckpt_save_flush");
-    ZINF_RETURN_IF_ERROR(file.Flush());
+    ZINF_RETURN_IF_ERROR(SyncAndAgree(comm, file.path()));
   }
   ScopedTimer orphan_timer(timers, "ckpt_save_orphans_and_checksums");
 
@@ -427,65 +452,214 @@ Status WriteContents(OptimizerSwapper& swapper, H5File& file, std::int64_t step,
     ZINF_RETURN_IF_ERROR(file.WriteSlab(ChecksumDataset(which), 0, sums));
   }
   lease->Release();
-  return file.Flush();
-}
-
-// Rank 0, after the new file is committed: removes stale .partial files and applies keep_last.
-std::vector<std::string> ApplyRetention(const std::string& dir, const std::string& keep_name,
-                                        int keep_last) {
-  std::vector<std::string> removed;
-  static const std::regex kName(R"(step-(\d+)\.h5)");
-  // A crashed save's partial file, and the shared-file-pointer lock file Open MPI's MPI-IO keeps
-  // next to it (<file>-<jobid>-<pid>.lock), which only a clean close removes.
-  static const std::regex kPartial(R"(step-(\d+)\.h5\.partial(-[0-9]+-[0-9]+\.lock)?)");
-  std::vector<std::pair<std::int64_t, std::string>> others;
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    std::smatch m;
-    if (std::regex_match(name, m, kPartial)) {
-      // Left by a save that crashed (one job saves into a directory at a time).
-      if (std::filesystem::remove(dir + "/" + name, ec)) removed.push_back(dir + "/" + name);
-      continue;
-    }
-    if (name == keep_name || !std::regex_match(name, m, kName)) continue;
-    others.emplace_back(std::stoll(m[1].str()), name);
-  }
-  if (keep_last <= 0) return removed;
-  std::sort(others.begin(), others.end(), std::greater<>());
-  for (std::size_t i = static_cast<std::size_t>(keep_last - 1); i < others.size(); ++i) {
-    const std::string path = dir + "/" + others[i].second;
-    if (std::filesystem::remove(path, ec)) {
-      removed.push_back(path);
-    } else {
-      ZINF_LOG_WARN("checkpoint retention: cannot remove {}: {}", path, ec.message());
-    }
-  }
-  return removed;
-}
-
-// Rank 0: rename, fsync the directory, replace `latest`, retention.
-Status Commit(const std::string& dir, const std::string& partial, const std::string& name,
-              int keep_last, std::vector<std::string>* removed) {
-  const std::string final_path = dir + "/" + name;
-  ZINF_RETURN_IF_ERROR(RenamePath(partial, final_path));
-  ZINF_RETURN_IF_ERROR(storage::SyncDirectory(dir));
-  const std::string tmp = dir + "/latest.tmp";
-  {
-    std::FILE* f = std::fopen(tmp.c_str(), "w");
-    if (f == nullptr) return ErrnoError(errno, "create " + tmp);
-    const bool ok = std::fprintf(f, "%s\n", name.c_str()) > 0;
-    const int err = errno;
-    if (std::fclose(f) != 0 || !ok) return ErrnoError(ok ? errno : err, "write " + tmp);
-  }
-  ZINF_RETURN_IF_ERROR(storage::SyncPath(tmp));
-  ZINF_RETURN_IF_ERROR(RenamePath(tmp, dir + "/latest"));
-  ZINF_RETURN_IF_ERROR(storage::SyncDirectory(dir));
-  *removed = ApplyRetention(dir, name, keep_last);
   return OkStatus();
 }
 
+Header MakeHeader(const OptimizerSwapper& swapper, const CheckpointSaveOptions& options) {
+  Header header;
+  header.optimizer =
+      DumpJson(options.optimizer.is_null() ? DerivedOptimizerJson(swapper.options().adam)
+                                           : options.optimizer);
+  header.config = options.config.is_null() ? "{}" : DumpJson(options.config);
+  header.trainer = options.trainer.is_null() ? "{}" : DumpJson(options.trainer);
+  header.created = UtcNow();
+  return header;
+}
+
+// An upper estimate of a checkpoint file's size: the state, the checksum tables, the layout,
+// the JSON attributes, and generous room for HDF5's object headers and chunk indexes.
+std::uint64_t EstimateFileBytes(const partition::ParamLayout& layout, std::uint64_t chunk_numel,
+                                const Header& header) {
+  const std::uint64_t total = layout.total_numel();
+  const std::uint64_t chunks = NumChunks(total, chunk_numel);
+  const std::uint64_t json = header.optimizer.size() + header.config.size() +
+                             header.trainer.size() + layout.ToJsonString().size();
+  return kNumStateTensors * total * sizeof(float) + kNumStateTensors * chunks * (8 + 512) +
+         16 * layout.num_params() + 2 * json + (1ull << 20);
+}
+
+// Rank 0's side of the file: the checkpoint directory (opened once, so that every name below is
+// resolved in it and never through a link planted in it) and the space of the partial file.
+class PartialFile {
+ public:
+  // Creates the directory (with parents) if missing, checks that it has room for about
+  // `estimate_bytes`, and removes whatever entry is named `partial_name` (a stale partial file,
+  // or a link planted there: unlinked, never followed), for WriteStructure's exclusive create.
+  // Errors: ResourceExhausted (too little space), errno errors.
+  static Result<PartialFile> Prepare(const std::string& dir, const std::string& partial_name,
+                                     std::uint64_t estimate_bytes, std::int64_t step) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) return ErrnoError(ec.value(), "create checkpoint directory " + dir);
+    PartialFile partial;
+    partial.dir_ = dir;
+    partial.name_ = partial_name;
+    ZINF_ASSIGN_OR_RETURN(partial.dir_fd_, storage::OpenDirectory(dir, storage::Follow::kYes));
+    struct statvfs vfs {};
+    if (::fstatvfs(partial.dir_fd_.get(), &vfs) != 0) return ErrnoError(errno, "statvfs " + dir);
+    const std::uint64_t available =
+        static_cast<std::uint64_t>(vfs.f_bavail) * static_cast<std::uint64_t>(vfs.f_frsize);
+    if (available < estimate_bytes) {
+      return ResourceExhaustedError(fmt::format(
+          "checkpoint step {} needs about {} in {}, which has {} available; free space there "
+          "(or set keep_last)",
+          step, FormatBytes(estimate_bytes), dir, FormatBytes(available)));
+    }
+    if (::unlinkat(partial.dir_fd_.get(), partial_name.c_str(), 0) != 0 && errno != ENOENT) {
+      return ErrnoError(errno, fmt::format("remove the stale {}/{}", dir, partial_name));
+    }
+    partial.created_ = true;  // from here on, Remove() cleans up whatever WriteStructure made
+    return partial;
+  }
+
+  std::string path() const { return dir_ + "/" + name_; }
+
+  // After WriteStructure made the file: reserves its blocks up to `estimate_bytes` (fallocate
+  // KEEP_SIZE), so that the collective writes of the elements cannot run out of space half-way
+  // (MPI-IO's collective writes, like HDF5's flushes, can hang the other ranks when one rank's
+  // write fails). A file system without fallocate is used without the reservation, with a WARN.
+  Status Reserve(std::uint64_t estimate_bytes) {
+    ZINF_ASSIGN_OR_RETURN(
+        fd_, storage::OpenFileAt(dir_fd_.get(), name_, path(), storage::FileAccess::kReadWrite));
+    int rc;
+    do {
+      rc = ::fallocate(fd_.get(), FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(estimate_bytes));
+    } while (rc != 0 && errno == EINTR);
+    if (rc == 0) {
+      reserved_bytes_ = estimate_bytes;
+      return OkStatus();
+    }
+    if (errno == EOPNOTSUPP || errno == ENOSYS) {
+      static std::atomic<bool> warned{false};
+      if (!warned.exchange(true)) {
+        ZINF_LOG_WARN(
+            "{}: the file system cannot reserve space (no fallocate); a disk that "
+            "fills up during a checkpoint save may stall it",
+            dir_);
+      }
+      return OkStatus();
+    }
+    return ErrnoError(errno, fmt::format("reserve {} for {}", FormatBytes(estimate_bytes), path()));
+  }
+
+  // After a successful close: returns the reserved blocks beyond the end of the file.
+  void TrimReservation() {
+    struct stat st {};
+    if (reserved_bytes_ == 0 || !fd_ || ::fstat(fd_.get(), &st) != 0 ||
+        static_cast<std::uint64_t>(st.st_size) >= reserved_bytes_) {
+      return;
+    }
+    // Advisory: failure only keeps a few unused blocks allocated.
+    (void)::fallocate(fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, st.st_size,
+                      static_cast<off_t>(reserved_bytes_) - st.st_size);
+  }
+
+  // On failure: removes the partial file.
+  void Remove() {
+    fd_.Reset();
+    if (created_) ::unlinkat(dir_fd_.get(), name_.c_str(), 0);
+    created_ = false;
+  }
+
+  // Renames the partial file to `final_name`, fsyncs the directory, replaces `latest`
+  // atomically, then removes stale partial files and applies keep_last.
+  Status Commit(const std::string& final_name, int keep_last, std::vector<std::string>* removed) {
+    ZINF_RETURN_IF_ERROR(fd_.Close(path()));
+    if (::renameat(dir_fd_.get(), name_.c_str(), dir_fd_.get(), final_name.c_str()) != 0) {
+      return ErrnoError(errno, fmt::format("rename {} -> {}/{}", path(), dir_, final_name));
+    }
+    created_ = false;
+    ZINF_RETURN_IF_ERROR(storage::SyncFd(dir_fd_.get(), /*data_only=*/false, dir_));
+    ZINF_RETURN_IF_ERROR(
+        storage::WriteFileAtomicAt(dir_fd_.get(), dir_, "latest", final_name + "\n"));
+    *removed = ApplyRetention(final_name, keep_last);
+    return OkStatus();
+  }
+
+ private:
+  // Removes stale .partial files and applies keep_last. Only names the checkpoint protocol
+  // makes are touched (ParseCheckpointFileName), each with unlinkat (a link is removed, never
+  // followed); at most kMaxEntries directory entries are examined.
+  std::vector<std::string> ApplyRetention(const std::string& keep_name, int keep_last) {
+    constexpr std::size_t kMaxEntries = 1 << 20;
+    std::vector<std::string> removed;
+    std::vector<std::pair<std::int64_t, std::string>> others;
+    const int fd = ::dup(dir_fd_.get());
+    DIR* listing = fd >= 0 ? ::fdopendir(fd) : nullptr;
+    if (listing == nullptr) {
+      if (fd >= 0) ::close(fd);
+      ZINF_LOG_WARN("checkpoint retention: cannot list {}: {}", dir_, std::strerror(errno));
+      return removed;
+    }
+    ::rewinddir(listing);
+    auto remove = [&](const std::string& name) {
+      if (::unlinkat(dir_fd_.get(), name.c_str(), 0) == 0) {
+        removed.push_back(dir_ + "/" + name);
+      } else if (errno != ENOENT) {
+        ZINF_LOG_WARN("checkpoint retention: cannot remove {}/{}: {}", dir_,
+                      EscapeForTerminal(name), std::strerror(errno));
+      }
+    };
+    std::size_t seen = 0;
+    while (const dirent* entry = ::readdir(listing)) {
+      if (++seen > kMaxEntries) {
+        ZINF_LOG_WARN("checkpoint retention: {} holds more than {} entries; looked at the first",
+                      dir_, kMaxEntries);
+        break;
+      }
+      const std::string name = entry->d_name;
+      // A crashed save's partial file, and the shared-file-pointer lock file Open MPI's MPI-IO
+      // keeps next to it (<file>-<jobid>-<pid>.lock), which only a clean close removes.
+      if (IsStalePartialName(name)) {
+        remove(name);
+        continue;
+      }
+      if (name == keep_name) continue;
+      if (const std::optional<std::int64_t> step = ParseCheckpointFileName(name)) {
+        others.emplace_back(*step, name);
+      }
+    }
+    ::closedir(listing);
+    if (keep_last <= 0) return removed;
+    std::sort(others.begin(), others.end(), std::greater<>());
+    for (std::size_t i = static_cast<std::size_t>(keep_last - 1); i < others.size(); ++i) {
+      remove(others[i].second);
+    }
+    return removed;
+  }
+
+  // "step-<N>.h5.partial" or "step-<N>.h5.partial-<digits>-<digits>.lock".
+  static bool IsStalePartialName(std::string_view name) {
+    if (ParseCheckpointFileName(name, ".partial")) return true;
+    const std::size_t at = name.find(".h5.partial-");
+    if (at == std::string_view::npos || !name.ends_with(".lock")) return false;
+    if (!ParseCheckpointFileName(name.substr(0, at + 3))) return false;
+    const std::string_view ids =
+        name.substr(at + 12, name.size() - (at + 12) - std::string_view(".lock").size());
+    const std::size_t dash = ids.find('-');
+    auto digits = [](std::string_view d) {
+      return !d.empty() && d.size() <= 20 &&
+             std::all_of(d.begin(), d.end(), [](char c) { return c >= '0' && c <= '9'; });
+    };
+    return dash != std::string_view::npos && digits(ids.substr(0, dash)) &&
+           digits(ids.substr(dash + 1));
+  }
+
+  std::string dir_;
+  std::string name_;
+  storage::UniqueFd dir_fd_;
+  storage::UniqueFd fd_;
+  bool created_ = false;
+  std::uint64_t reserved_bytes_ = 0;
+};
+
 }  // namespace
+
+std::uint64_t EstimateCheckpointBytes(const OptimizerSwapper& swapper,
+                                      const CheckpointSaveOptions& options) {
+  return EstimateFileBytes(swapper.plan().layout(), std::max<std::uint64_t>(options.chunk_numel, 1),
+                           MakeHeader(swapper, options));
+}
 
 Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t step,
                                        const CheckpointSaveOptions& options) {
@@ -495,11 +669,12 @@ Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t s
   Status check = OkStatus();
   if (options.dir.empty()) {
     check = InvalidArgumentError("SaveCheckpoint: empty dir");
-  } else if (step < 0) {
-    check = InvalidArgumentError(fmt::format("SaveCheckpoint: step {} < 0", step));
-  } else if (options.chunk_numel == 0 || options.chunk_numel >= (1ull << 30)) {
+  } else if (step < 0 || step > kMaxCheckpointStep) {
     check = InvalidArgumentError(
-        fmt::format("SaveCheckpoint: chunk_numel {} not in [1, 2^30)", options.chunk_numel));
+        fmt::format("SaveCheckpoint: step {} not in [0, {}]", step, kMaxCheckpointStep));
+  } else if (options.chunk_numel == 0 || options.chunk_numel > kMaxCheckpointChunkNumel) {
+    check = InvalidArgumentError(fmt::format("SaveCheckpoint: chunk_numel {} not in [1, {}]",
+                                             options.chunk_numel, kMaxCheckpointChunkNumel));
   }
   for (const nlohmann::json* j : {&options.optimizer, &options.config, &options.trainer}) {
     if (check && !j->is_null() && !j->is_object()) {
@@ -508,59 +683,64 @@ Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t s
           "objects");
     }
   }
-  Header header;
-  if (root && check) {
-    header.optimizer = (options.optimizer.is_null() ? DerivedOptimizerJson(swapper.options().adam)
-                                                    : options.optimizer)
-                           .dump();
-    header.config = options.config.is_null() ? "{}" : options.config.dump();
-    header.trainer = options.trainer.is_null() ? "{}" : options.trainer.dump();
-    header.created = UtcNow();
-    std::error_code ec;
-    std::filesystem::create_directories(options.dir, ec);
-    if (ec) check = ErrnoError(ec.value(), "create checkpoint directory " + options.dir);
-  }
-  ZINF_RETURN_IF_ERROR(comm.AgreeOnStatus(check));
-  for (std::string* s : {&header.optimizer, &header.config, &header.trainer, &header.created}) {
-    ZINF_RETURN_IF_ERROR(comm.BroadcastString(s, 0));
-  }
-
   const std::string name = CheckpointFileName(step);
-  const std::string partial = options.dir + "/" + name + ".partial";
+  const std::string partial_name = name + ".partial";
+  const std::string partial_path = options.dir + "/" + partial_name;
+  const std::string context = fmt::format("checkpoint save step {}: ", step);
+  comm::Timers& timers = swapper.timers();
+  // Rank 0 checks the space, clears the partial file's name and writes the file's structure.
+  std::optional<PartialFile> partial;
+  if (root && check) {
+    ScopedTimer t(timers, "ckpt_save_header");
+    check = [&]() -> Status {
+      const Header header = MakeHeader(swapper, options);
+      const std::uint64_t estimate =
+          EstimateFileBytes(swapper.plan().layout(), options.chunk_numel, header);
+      ZINF_ASSIGN_OR_RETURN(partial,
+                            PartialFile::Prepare(options.dir, partial_name, estimate, step));
+      ZINF_RETURN_IF_ERROR(
+          WriteStructure(partial_path, swapper, step, comm.size(), options.chunk_numel, header));
+      return partial->Reserve(estimate);
+    }();
+  }
+  // From here on, every failure removes the partial file on rank 0.
+  auto fail = [&](Error error) -> Error {
+    if (partial) partial->Remove();
+    return std::move(error).WithContext(context);
+  };
+  if (Status agreed = comm.AgreeOnStatus(check); !agreed) return fail(std::move(agreed).error());
+
   const std::uint64_t state_bytes =
       kNumStateTensors * swapper.plan().layout().total_numel() * sizeof(float);
   ProgressReporter progress(fmt::format("checkpoint save step {}", step), state_bytes,
                             root && options.progress, options.progress_interval_s);
-  ZINF_ASSIGN_OR_RETURN(H5File file, Annotate(H5File::CreateCollective(
-                                                  comm, partial, storage::H5CreateMode::kTruncate),
-                                              "checkpoint save: "));
-  Status written = WriteContents(swapper, file, step, options, header, &progress);
-  comm::Timers& timers = swapper.timers();
+  Result<H5File> opened = H5File::OpenCollective(comm, partial_path, /*read_only=*/false);
+  if (!opened) return fail(std::move(opened).error());
+  H5File file = std::move(*opened);
+  // WriteContents' errors are agreed already. The collective close below is safe after them:
+  // the file holds no unwritten HDF5 metadata (see WriteStructure).
+  Status written = WriteContents(swapper, file, options, &progress);
   timers.Start("ckpt_save_close");
   Status closed = file.Close();
   timers.Stop("ckpt_save_close");
   Status local = written ? closed : written;
   // Durability of the data before the rename: every rank syncs what it wrote.
   timers.Start("ckpt_save_fdatasync");
-  if (local) local = storage::SyncPath(partial);
+  if (local) local = storage::SyncPath(partial_path);
   timers.Stop("ckpt_save_fdatasync");
-  // WriteContents' errors are agreed already (every rank holds the failing rank's error): agreeing
-  // them again would name rank 0 and count every rank as failed.
+  // Agreeing WriteContents' errors again would name rank 0 and count every rank as failed.
   Status agreed = written ? comm.AgreeOnStatus(local) : std::move(written);
   SavedCheckpoint saved;
   if (agreed) {
     Status committed = OkStatus();
     ScopedTimer t(timers, "ckpt_save_commit");
-    if (root) committed = Commit(options.dir, partial, name, options.keep_last, &saved.removed);
+    if (partial) {
+      partial->TrimReservation();
+      committed = partial->Commit(name, options.keep_last, &saved.removed);
+    }
     agreed = comm.AgreeOnStatus(Annotate(committed, "checkpoint commit: "));
   }
-  if (!agreed) {
-    if (root) {
-      std::error_code ec;
-      std::filesystem::remove(partial, ec);
-    }
-    return std::move(agreed).error().WithContext(fmt::format("checkpoint save step {}: ", step));
-  }
+  if (!agreed) return fail(std::move(agreed).error());
   progress.Finish();
   saved.path = options.dir + "/" + name;
   saved.state_bytes = state_bytes;

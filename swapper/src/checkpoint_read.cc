@@ -1,14 +1,19 @@
 // Serial side of checkpoints: header validation, verified chunk reads, verify and export (used by
 // zinf-ckpt and by every rank of a restore through its own read-only handle).
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <charconv>
+#include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,9 +22,11 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint_internal.h"
+#include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
 #include "zinf/storage/checksum.h"
+#include "zinf/storage/fs.h"
 #include "zinf/storage/hdf5.h"
 #include "zinf/swapper/checkpoint.h"
 
@@ -58,26 +65,59 @@ Result<std::string> StringAttr(H5File& file, std::string_view object, std::strin
   return v;
 }
 
+// A JSON object attribute (parsed within ParseJson's default bounds: 64 MiB, 64 levels).
 Result<nlohmann::json> JsonAttr(H5File& file, std::string_view object, std::string_view name) {
   ZINF_ASSIGN_OR_RETURN(std::string text, StringAttr(file, object, name));
-  nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded()) {
-    return DataLossError(fmt::format("attribute '{}' of {} is not valid JSON", name, object));
+  Result<nlohmann::json> json = ParseJson(text);
+  if (!json) {
+    return DataLossError(fmt::format("attribute '{}' of {} is not valid JSON: {}", name, object,
+                                     json.error().message()));
+  }
+  if (!json->is_object()) {
+    return DataLossError(fmt::format("attribute '{}' of {} is not a JSON object", name, object));
   }
   return json;
 }
 
-Status CheckDataset(H5File& file, const std::string& name, std::uint64_t numel, H5DataType type) {
-  Result<bool> has = file.HasDataset(name);
-  if (!has || !*has) {
-    return DataLossError(fmt::format("checkpoint is incomplete: missing dataset {}", name));
+// An integer attribute within [min, max].
+Result<std::int64_t> IntAttrIn(H5File& file, std::string_view name, std::int64_t min,
+                               std::int64_t max, const std::string& path) {
+  ZINF_ASSIGN_OR_RETURN(const std::int64_t value, IntAttr(file, "/", name));
+  if (value < min || value > max) {
+    return DataLossError(
+        fmt::format("{}: attribute '{}' is {}, outside [{}, {}]", path, name, value, min, max));
   }
-  ZINF_ASSIGN_OR_RETURN(std::uint64_t actual, file.DatasetNumel(name));
-  ZINF_ASSIGN_OR_RETURN(H5DataType actual_type, file.DatasetType(name));
-  if (actual != numel || actual_type != type) {
+  return value;
+}
+
+// A dataset of exactly `numel` elements of `type`, every element stored in the file (no missing
+// chunk, which would read back as a fill value and make verify and export loop over data that
+// is not there), chunked by at most `max_chunk_numel` (when chunked) and no larger than the file.
+Status CheckDataset(H5File& file, const std::string& name, std::uint64_t numel, H5DataType type,
+                    std::uint64_t max_chunk_numel, std::uint64_t file_size) {
+  Result<bool> has = file.HasDataset(name);
+  if (!has) return std::move(has).error();
+  if (!*has)
+    return DataLossError(fmt::format("checkpoint is incomplete: missing dataset {}", name));
+  ZINF_ASSIGN_OR_RETURN(const H5File::DatasetStorage ds, file.DatasetStorageOf(name));
+  if (ds.numel != numel || ds.type != type) {
     return DataLossError(fmt::format("dataset {} has {} elements of {}, expected {} of {}", name,
-                                     actual, storage::H5DataTypeName(actual_type), numel,
+                                     ds.numel, storage::H5DataTypeName(ds.type), numel,
                                      storage::H5DataTypeName(type)));
+  }
+  const std::uint64_t element_bytes = type == H5DataType::kFloat32 ? 4 : 8;
+  if (ds.chunk_numel > max_chunk_numel) {
+    return DataLossError(fmt::format("dataset {} is chunked by {} elements, more than {}", name,
+                                     ds.chunk_numel, max_chunk_numel));
+  }
+  if (ds.allocated_bytes < numel * element_bytes) {
+    return DataLossError(
+        fmt::format("dataset {} stores {} bytes for {} elements ({} bytes): chunks are missing",
+                    name, ds.allocated_bytes, numel, numel * element_bytes));
+  }
+  if (file_size != 0 && ds.allocated_bytes > file_size) {
+    return DataLossError(fmt::format("dataset {} claims {} bytes of storage in a file of {} bytes",
+                                     name, ds.allocated_bytes, file_size));
   }
   return OkStatus();
 }
@@ -94,10 +134,13 @@ std::string ChecksumDataset(StateTensor which) {
 Result<CheckpointInfo> ReadInfo(H5File& file, const std::string& path) {
   CheckpointInfo info;
   info.path = path;
+  struct stat st {};
+  info.file_size_bytes =
+      ::stat(path.c_str(), &st) == 0 ? static_cast<std::uint64_t>(st.st_size) : 0;
   ZINF_ASSIGN_OR_RETURN(std::string format, StringAttr(file, "/", "format"));
   if (format != kCheckpointFormat) {
-    return FailedPreconditionError(
-        fmt::format("{} is not a zinf checkpoint (format '{}')", path, format));
+    return FailedPreconditionError(fmt::format("{} is not a zinf checkpoint (format '{}')", path,
+                                               EscapeForTerminal(format.substr(0, 64))));
   }
   ZINF_ASSIGN_OR_RETURN(info.format_version, IntAttr(file, "/", "format_version"));
   if (info.format_version != kCheckpointFormatVersion) {
@@ -105,22 +148,34 @@ Result<CheckpointInfo> ReadInfo(H5File& file, const std::string& path) {
         fmt::format("{}: unsupported format_version {} (this build reads format_version {})", path,
                     info.format_version, kCheckpointFormatVersion));
   }
-  ZINF_ASSIGN_OR_RETURN(info.step, IntAttr(file, "/", "step"));
-  ZINF_ASSIGN_OR_RETURN(info.world_size, IntAttr(file, "/", "world_size"));
-  ZINF_ASSIGN_OR_RETURN(std::int64_t total, IntAttr(file, "/", "total_numel"));
-  ZINF_ASSIGN_OR_RETURN(info.sub_group_size, IntAttr(file, "/", "sub_group_size"));
-  ZINF_ASSIGN_OR_RETURN(std::int64_t chunk, IntAttr(file, "/", "chunk_numel"));
-  if (total <= 0 || chunk <= 0 || info.world_size <= 0) {
-    return DataLossError(
-        fmt::format("{}: bad header (total_numel {}, chunk_numel {}, "
-                    "world_size {})",
-                    path, total, chunk, info.world_size));
-  }
+  // Every number is range-checked before it sizes a buffer, a loop or a resumed step counter.
+  ZINF_ASSIGN_OR_RETURN(info.step, IntAttrIn(file, "step", 0, kMaxCheckpointStep, path));
+  ZINF_ASSIGN_OR_RETURN(info.world_size,
+                        IntAttrIn(file, "world_size", 1, kMaxCheckpointWorldSize, path));
+  ZINF_ASSIGN_OR_RETURN(const std::int64_t total,
+                        IntAttrIn(file, "total_numel", 1,
+                                  static_cast<std::int64_t>(partition::kMaxLayoutNumel), path));
+  ZINF_ASSIGN_OR_RETURN(info.sub_group_size,
+                        IntAttrIn(file, "sub_group_size", 1,
+                                  static_cast<std::int64_t>(partition::kMaxLayoutNumel), path));
+  ZINF_ASSIGN_OR_RETURN(
+      const std::int64_t chunk,
+      IntAttrIn(file, "chunk_numel", 1, static_cast<std::int64_t>(kMaxCheckpointChunkNumel), path));
   info.total_numel = static_cast<std::uint64_t>(total);
   info.chunk_numel = static_cast<std::uint64_t>(chunk);
   info.num_chunks = NumChunks(info.total_numel, info.chunk_numel);
   ZINF_ASSIGN_OR_RETURN(info.created, StringAttr(file, "/", "created"));
+  if (info.created.size() > 64) info.created = info.created.substr(0, 64) + "...";
   ZINF_ASSIGN_OR_RETURN(info.optimizer, JsonAttr(file, "/", "optimizer"));
+  if (!info.optimizer.contains("type") || !info.optimizer["type"].is_string()) {
+    return DataLossError(fmt::format("{}: attribute 'optimizer' has no string 'type'", path));
+  }
+  if (Result<bool> adamw =
+          ResolveAdamWMode(info.optimizer["type"].get<std::string>(), std::nullopt);
+      !adamw) {
+    return FailedPreconditionError(
+        fmt::format("{}: optimizer: {}", path, EscapeForTerminal(adamw.error().message())));
+  }
   ZINF_ASSIGN_OR_RETURN(info.config, JsonAttr(file, "/", "config"));
 
   ZINF_ASSIGN_OR_RETURN(std::string layout_text, StringAttr(file, "/layout", "json"));
@@ -132,25 +187,41 @@ Result<CheckpointInfo> ReadInfo(H5File& file, const std::string& path) {
     return DataLossError(fmt::format("{}: /layout holds {} elements, total_numel says {}", path,
                                      layout->total_numel(), info.total_numel));
   }
+  // The per-parameter datasets must say what the JSON layout says.
+  const std::uint64_t num_params = layout->num_params();
+  for (const char* name : {"/layout/flat_offset", "/layout/numel"}) {
+    ZINF_RETURN_IF_ERROR(CheckDataset(file, name, num_params, H5DataType::kUInt64,
+                                      kMaxCheckpointChunkNumel, info.file_size_bytes));
+  }
+  std::vector<std::uint64_t> offsets(num_params), numels(num_params);
+  ZINF_RETURN_IF_ERROR(file.ReadSlab("/layout/flat_offset", 0, std::span(offsets)));
+  ZINF_RETURN_IF_ERROR(file.ReadSlab("/layout/numel", 0, std::span(numels)));
+  for (std::uint64_t i = 0; i < num_params; ++i) {
+    const partition::ParamInfo& p = layout->params()[i];
+    if (offsets[i] != p.flat_offset || numels[i] != p.numel) {
+      return DataLossError(fmt::format(
+          "{}: /layout/flat_offset and /layout/numel disagree with the layout JSON at parameter "
+          "{} ({}: offset {} numel {}, the JSON: offset {} numel {})",
+          path, i, EscapeForTerminal(p.name), offsets[i], numels[i], p.flat_offset, p.numel));
+    }
+  }
   info.layout = std::move(*layout);
 
   for (StateTensor which : kStates) {
-    ZINF_RETURN_IF_ERROR(
-        CheckDataset(file, StateDataset(which), info.total_numel, H5DataType::kFloat32));
-    ZINF_RETURN_IF_ERROR(
-        CheckDataset(file, ChecksumDataset(which), info.num_chunks, H5DataType::kUInt64));
+    ZINF_RETURN_IF_ERROR(CheckDataset(file, StateDataset(which), info.total_numel,
+                                      H5DataType::kFloat32, kMaxCheckpointChunkNumel,
+                                      info.file_size_bytes));
+    ZINF_RETURN_IF_ERROR(CheckDataset(file, ChecksumDataset(which), info.num_chunks,
+                                      H5DataType::kUInt64, kMaxCheckpointChunkNumel,
+                                      info.file_size_bytes));
   }
   ZINF_ASSIGN_OR_RETURN(info.checksum_algorithm, StringAttr(file, "/checksum", "algorithm"));
   if (info.checksum_algorithm != storage::kChecksumAlgorithm) {
-    return FailedPreconditionError(fmt::format("{}: checksum algorithm '{}' (this build: '{}')",
-                                               path, info.checksum_algorithm,
-                                               storage::kChecksumAlgorithm));
+    return FailedPreconditionError(fmt::format(
+        "{}: checksum algorithm '{}' (this build: '{}')", path,
+        EscapeForTerminal(info.checksum_algorithm.substr(0, 64)), storage::kChecksumAlgorithm));
   }
   ZINF_ASSIGN_OR_RETURN(info.trainer, JsonAttr(file, "/trainer", "state"));
-
-  std::error_code ec;
-  const std::uintmax_t size = std::filesystem::file_size(path, ec);
-  info.file_size_bytes = ec ? 0 : static_cast<std::uint64_t>(size);
   return info;
 }
 
@@ -289,25 +360,76 @@ using checkpoint_internal::VerifiedChunkReader;
 
 std::string CheckpointFileName(std::int64_t step) { return fmt::format("step-{}.h5", step); }
 
-Result<std::string> ResolveCheckpointPath(const std::string& path) {
-  std::error_code ec;
-  const auto status = std::filesystem::status(path, ec);
-  if (ec || !std::filesystem::exists(status)) {
-    return NotFoundError(fmt::format("no checkpoint at {}", path));
+std::optional<std::int64_t> ParseCheckpointFileName(std::string_view name,
+                                                    std::string_view suffix) {
+  constexpr std::string_view kPrefix = "step-";
+  constexpr std::string_view kExtension = ".h5";
+  if (name.size() < kPrefix.size() + kExtension.size() + suffix.size() ||
+      !name.starts_with(kPrefix) || !name.ends_with(suffix)) {
+    return std::nullopt;
   }
-  if (!std::filesystem::is_directory(status)) return path;
+  name.remove_suffix(suffix.size());
+  if (!name.ends_with(kExtension)) return std::nullopt;
+  const std::string_view digits =
+      name.substr(kPrefix.size(), name.size() - kPrefix.size() - kExtension.size());
+  if (digits.empty() || digits.size() > 16 || (digits.size() > 1 && digits[0] == '0')) {
+    return std::nullopt;
+  }
+  std::int64_t step = 0;
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
+  if (ec != std::errc() || end != digits.data() + digits.size() || step < 0 ||
+      step > kMaxCheckpointStep) {
+    return std::nullopt;
+  }
+  return step;
+}
+
+Result<std::string> ResolveCheckpointPath(const std::string& path) {
+  if (path.empty()) return InvalidArgumentError("empty checkpoint path");
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) {
+      return NotFoundError(fmt::format("no checkpoint at {}", path));
+    }
+    return ErrnoError(errno, fmt::format("checkpoint {}", path));
+  }
+  if (S_ISREG(st.st_mode)) return path;
+  if (!S_ISDIR(st.st_mode)) {
+    return FailedPreconditionError(
+        fmt::format("checkpoint {} is not a regular file or a directory", path));
+  }
+  // A directory: `latest` must be a small regular file (not a link) naming a step-<N>.h5
+  // regular file (not a link) in the same directory.
+  ZINF_ASSIGN_OR_RETURN(storage::UniqueFd dir, storage::OpenDirectory(path, storage::Follow::kYes));
   const std::string latest = path + "/latest";
-  std::ifstream in(latest);
-  if (!in) return NotFoundError(fmt::format("checkpoint directory {} has no 'latest'", path));
-  std::string name;
-  std::getline(in, name);
+  Result<std::string> text =
+      storage::ReadSmallFileAt(dir.get(), "latest", latest, kMaxLatestBytes, storage::Follow::kNo);
+  if (!text) {
+    if (text.error().code() == ErrorCode::kNotFound) {
+      return NotFoundError(fmt::format("checkpoint directory {} has no 'latest'", path));
+    }
+    return std::move(text).error();
+  }
+  std::string name = std::move(*text);
   while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) {
     name.pop_back();
   }
   if (name.empty()) return DataLossError(fmt::format("{} is empty", latest));
+  if (!ParseCheckpointFileName(name)) {
+    return DataLossError(fmt::format("{} names '{}', not a step-<N>.h5 file of this directory",
+                                     latest, EscapeForTerminal(name.substr(0, 80))));
+  }
   const std::string file = path + "/" + name;
-  if (!std::filesystem::exists(file, ec)) {
-    return NotFoundError(fmt::format("{} names {}, which does not exist", latest, file));
+  if (::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (errno == ENOENT) {
+      return NotFoundError(fmt::format("{} names {}, which does not exist", latest, file));
+    }
+    return ErrnoError(errno, fmt::format("{} names {}", latest, file));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return FailedPreconditionError(
+        fmt::format("{} names {}, which is {}; a checkpoint is a regular file", latest, file,
+                    S_ISLNK(st.st_mode) ? "a symbolic link" : "not a regular file"));
   }
   return file;
 }
@@ -345,49 +467,39 @@ Status VerifyCheckpoint(const std::string& path, const CheckpointProgressFn& pro
 
 namespace {
 
-// Buffered writer of a plain file that reports every failure.
-class OutFile {
- public:
-  static Result<OutFile> Create(const std::string& path) {
-    std::FILE* f = std::fopen(path.c_str(), "wb");
-    if (f == nullptr) return ErrnoError(errno, "open " + path);
-    return OutFile(f, path);
+// An export must never replace what it reads: not the checkpoint file itself (under any name
+// that resolves to it), not `latest`, and no name the commit protocol uses in the checkpoint's
+// directory (step-<N>.h5, its .partial, latest.tmp), where a later save or retention would
+// take it for a checkpoint.
+Status CheckExportTarget(const std::string& input, const std::string& out_path) {
+  ZINF_ASSIGN_OR_RETURN(const storage::DirAndName out, storage::SplitPath(out_path));
+  ZINF_ASSIGN_OR_RETURN(const storage::DirAndName in, storage::SplitPath(input));
+  auto refuse = [&](std::string_view why) {
+    return InvalidArgumentError(
+        fmt::format("export: refusing to write {}: {}; choose another output", out_path, why));
+  };
+  struct stat out_st {
+  }, in_st{};
+  if (::stat(out_path.c_str(), &out_st) == 0 && ::stat(input.c_str(), &in_st) == 0 &&
+      out_st.st_dev == in_st.st_dev && out_st.st_ino == in_st.st_ino) {
+    return refuse("it is the checkpoint being read");
   }
-  OutFile(OutFile&& other) noexcept
-      : file_(std::exchange(other.file_, nullptr)), path_(std::move(other.path_)) {}
-  OutFile(const OutFile&) = delete;
-  OutFile& operator=(const OutFile&) = delete;
-  OutFile& operator=(OutFile&&) = delete;
-  ~OutFile() {
-    if (file_ != nullptr) std::fclose(file_);
+  char out_dir[PATH_MAX], in_dir[PATH_MAX];
+  if (::realpath(out.dir.c_str(), out_dir) == nullptr) {
+    return ErrnoError(errno, fmt::format("export: output directory {}", out.dir));
   }
-  Status Write(std::span<const std::byte> bytes) {
-    if (std::fwrite(bytes.data(), 1, bytes.size(), file_) != bytes.size()) {
-      return ErrnoError(errno, "write " + path_);
-    }
-    return OkStatus();
+  if (::realpath(in.dir.c_str(), in_dir) == nullptr) {
+    return ErrnoError(errno, fmt::format("export: checkpoint directory {}", in.dir));
   }
-  Status Close() {
-    std::FILE* f = std::exchange(file_, nullptr);
-    if (std::fflush(f) != 0) {
-      const int err = errno;
-      std::fclose(f);
-      return ErrnoError(err, "flush " + path_);
-    }
-    if (fdatasync(fileno(f)) != 0) {
-      const int err = errno;
-      std::fclose(f);
-      return ErrnoError(err, "fdatasync " + path_);
-    }
-    if (std::fclose(f) != 0) return ErrnoError(errno, "close " + path_);
-    return OkStatus();
+  if (std::string_view(out_dir) != std::string_view(in_dir)) return OkStatus();
+  if (out.name == "latest" || out.name == "latest.tmp") {
+    return refuse("it is the checkpoint directory's `latest` pointer");
   }
-
- private:
-  OutFile(std::FILE* f, std::string path) : file_(f), path_(std::move(path)) {}
-  std::FILE* file_;
-  std::string path_;
-};
+  if (out.name.starts_with("step-") && out.name.find(".h5") != std::string::npos) {
+    return refuse("step-<N>.h5 names in a checkpoint directory belong to its checkpoints");
+  }
+  return OkStatus();
+}
 
 }  // namespace
 
@@ -395,6 +507,7 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
                         const CheckpointProgressFn& progress) {
   static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
   ZINF_ASSIGN_OR_RETURN(std::string file_path, ResolveCheckpointPath(path));
+  ZINF_RETURN_IF_ERROR(CheckExportTarget(file_path, out_path));
   ZINF_ASSIGN_OR_RETURN(storage::H5File file,
                         storage::H5File::OpenSerial(file_path, /*read_only=*/true));
   ZINF_ASSIGN_OR_RETURN(CheckpointInfo info, checkpoint_internal::ReadInfo(file, file_path));
@@ -421,47 +534,50 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
     return OkStatus();
   };
 
+  // The output appears under out_path only when complete: a failed export (a bad chunk, a full
+  // disk) leaves the previous output, if any, as it was.
+  ZINF_ASSIGN_OR_RETURN(storage::AtomicFile out, storage::AtomicFile::Create(out_path));
   if (format == ExportFormat::kHdf5) {
-    ZINF_ASSIGN_OR_RETURN(storage::H5File out, storage::H5File::CreateSerial(
-                                                   out_path, storage::H5CreateMode::kTruncate));
-    ZINF_RETURN_IF_ERROR(out.WriteStringAttribute("/", "source", file_path));
-    ZINF_RETURN_IF_ERROR(out.WriteInt64Attribute("/", "step", info.step));
+    ZINF_RETURN_IF_ERROR(out.CloseDescriptor());
+    ZINF_ASSIGN_OR_RETURN(
+        storage::H5File h5,
+        storage::H5File::CreateSerial(out.temp_path(), storage::H5CreateMode::kTruncate));
+    ZINF_RETURN_IF_ERROR(h5.WriteStringAttribute("/", "source", file_path));
+    ZINF_RETURN_IF_ERROR(h5.WriteInt64Attribute("/", "step", info.step));
     for (const partition::ParamInfo& p : layout.params()) {
-      ZINF_RETURN_IF_ERROR(out.CreateDataset1D(p.name, p.numel, std::min(p.numel, piece_numel),
-                                               storage::H5DataType::kFloat32));
+      ZINF_RETURN_IF_ERROR(h5.CreateDataset1D(p.name, p.numel, std::min(p.numel, piece_numel),
+                                              storage::H5DataType::kFloat32));
       ZINF_RETURN_IF_ERROR(
-          out.WriteStringAttribute(p.name, "shape", partition::FormatShape(p.shape)));
+          h5.WriteStringAttribute(p.name, "shape", partition::FormatShape(p.shape)));
       ZINF_RETURN_IF_ERROR(stream(p, [&](std::uint64_t off, std::span<const float> values) {
-        return out.WriteSlab(p.name, off, values);
+        return h5.WriteSlab(p.name, off, values);
       }));
     }
-    ZINF_RETURN_IF_ERROR(out.Close());
-    return file.Close();
+    ZINF_RETURN_IF_ERROR(h5.Close());
+  } else {
+    nlohmann::ordered_json header = nlohmann::ordered_json::object();
+    header["__metadata__"] = {
+        {"format", "pt"}, {"source", file_path}, {"step", std::to_string(info.step)}};
+    std::uint64_t offset = 0;
+    for (const partition::ParamInfo& p : layout.params()) {
+      header[p.name] = {{"dtype", "F32"},
+                        {"shape", p.shape},
+                        {"data_offsets", {offset, offset + p.numel * sizeof(float)}}};
+      offset += p.numel * sizeof(float);
+    }
+    std::string text = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    text.append((8 - text.size() % 8) % 8, ' ');
+    const std::uint64_t header_size = text.size();
+    ZINF_RETURN_IF_ERROR(out.Write(std::as_bytes(std::span(&header_size, 1))));
+    ZINF_RETURN_IF_ERROR(out.Write(std::as_bytes(std::span(text.data(), text.size()))));
+    for (const partition::ParamInfo& p : layout.params()) {
+      ZINF_RETURN_IF_ERROR(stream(p, [&](std::uint64_t, std::span<const float> values) {
+        return out.Write(std::as_bytes(values));
+      }));
+    }
   }
-
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  header["__metadata__"] = {
-      {"format", "pt"}, {"source", file_path}, {"step", std::to_string(info.step)}};
-  std::uint64_t offset = 0;
-  for (const partition::ParamInfo& p : layout.params()) {
-    header[p.name] = {{"dtype", "F32"},
-                      {"shape", p.shape},
-                      {"data_offsets", {offset, offset + p.numel * sizeof(float)}}};
-    offset += p.numel * sizeof(float);
-  }
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');
-  const std::uint64_t header_size = text.size();
-  ZINF_ASSIGN_OR_RETURN(OutFile out, OutFile::Create(out_path));
-  ZINF_RETURN_IF_ERROR(out.Write(std::as_bytes(std::span(&header_size, 1))));
-  ZINF_RETURN_IF_ERROR(out.Write(std::as_bytes(std::span(text.data(), text.size()))));
-  for (const partition::ParamInfo& p : layout.params()) {
-    ZINF_RETURN_IF_ERROR(stream(p, [&](std::uint64_t, std::span<const float> values) {
-      return out.Write(std::as_bytes(values));
-    }));
-  }
-  ZINF_RETURN_IF_ERROR(out.Close());
-  return file.Close();
+  ZINF_RETURN_IF_ERROR(file.Close());
+  return out.Commit();
 }
 
 }  // namespace zinf::swapper

@@ -2,12 +2,17 @@
 // bit-exact, N -> M restores every element, the commit protocol leaves only complete files, and
 // corrupted or mismatched files fail with a clear error on every rank, leaving the store as it was.
 #include <sys/stat.h>
+#include <sys/statvfs.h>
+
+#include <algorithm>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +24,7 @@
 #include "checkpoint_test_util.h"
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
+#include "testing/test_env.h"
 #include "zinf/storage/hdf5.h"
 #include "zinf/swapper/checkpoint.h"
 
@@ -265,9 +271,20 @@ TEST_F(CheckpointErrors, MissingDatasetIsDataLoss) {
     ZINF_ASSERT_OK(layout);
     ZINF_ASSERT_OK(dst->CreateGroup("/layout"));
     ZINF_ASSERT_OK(dst->WriteStringAttribute("/layout", "json", *layout));
+    const std::uint64_t num_params = checkpoint_testing::TestLayout().num_params();
+    for (const char* ds : {"/layout/flat_offset", "/layout/numel"}) {
+      std::vector<std::uint64_t> values(num_params);
+      ZINF_ASSERT_OK(src->ReadSlab(ds, 0, std::span(values)));
+      ZINF_ASSERT_OK(
+          dst->CreateDataset1D(ds, num_params, num_params, storage::H5DataType::kUInt64));
+      ZINF_ASSERT_OK(dst->WriteSlab(ds, 0, std::span<const std::uint64_t>(values)));
+    }
     const std::uint64_t total = checkpoint_testing::TestLayout().total_numel();
+    std::vector<float> fp32(total);
+    ZINF_ASSERT_OK(src->ReadSlab("/state/fp32", 0, std::span(fp32)));
     ZINF_ASSERT_OK(
         dst->CreateDataset1D("/state/fp32", total, kChunk, storage::H5DataType::kFloat32));
+    ZINF_ASSERT_OK(dst->WriteSlab("/state/fp32", 0, std::span<const float>(fp32)));
     ZINF_ASSERT_OK(dst->Close());
     EXPECT_THAT(VerifyCheckpoint(copy),
                 StatusIs(ErrorCode::kDataLoss, HasSubstr("missing dataset /checksum/fp32")));
@@ -365,6 +382,193 @@ TEST_F(CheckpointErrors, ExportWritesPerParameterWeights) {
     for (std::uint64_t k = 0; k < p.numel; ++k) {
       ASSERT_EQ(got[k], StateValue(StateTensor::kFp32, 5, p.flat_offset + k)) << p.name << k;
     }
+  }
+}
+
+// Lists the entries of `dir` (names only).
+std::vector<std::string> Entries(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// A full checkpoint file system: the save fails on every rank (no hang in HDF5's collective
+// close), nothing partial is left, and `latest` still names the last good checkpoint, which
+// verifies and restores; the process goes on and saves elsewhere (HDF5 is still sane).
+TEST(CheckpointFullDisk, FailsOnEveryRankAndKeepsTheLastGoodCheckpoint) {
+  SharedScratchDir dir("ckpt");
+  ZINF_ASSERT_OK_AND_ASSIGN(TestSwapper t, MakeSwapper(World(), {.store_dir = dir.path(),
+                                                                 .job_id = "full",
+                                                                 .world_size = World().size()}));
+  OptimizerSwapper& s = *t.swapper;
+  // The size of one checkpoint, saved where there is room.
+  ZINF_ASSERT_OK(World().AgreeOnStatus(FillState(s, 1)));
+  ZINF_ASSERT_OK_AND_ASSIGN(SavedCheckpoint probe,
+                            SaveCheckpoint(s, 1, SaveOptions(dir.Join("roomy"))));
+  const std::uint64_t file_bytes = std::filesystem::file_size(probe.path);
+  // Room for the first save's estimate, not for a second checkpoint beside the first.
+  const std::uint64_t estimate = EstimateCheckpointBytes(s, SaveOptions(dir.Join("tiny")));
+  ASSERT_LT(file_bytes, estimate);
+  const std::string tiny = dir.Join("tiny");
+  std::optional<testing::TmpfsMount> mount;
+  Status mounted = OkStatus();
+  if (World().rank() == 0) {
+    mount.emplace(tiny, fmt::format("{}k", (estimate + file_bytes / 2) / 1024));
+    if (!mount->mounted()) mounted = UnavailableError(mount->error());
+  }
+  if (!World().AgreeOnStatus(mounted)) GTEST_SKIP() << "needs root to mount a tmpfs";
+
+  ZINF_ASSERT_OK(SaveCheckpoint(s, 1, SaveOptions(tiny)));
+  ZINF_ASSERT_OK(World().AgreeOnStatus(FillState(s, 2)));
+  // The first save's reservation was given back: only its file occupies the file system.
+  if (World().rank() == 0) {
+    struct statvfs vfs {};
+    ASSERT_EQ(::statvfs(tiny.c_str(), &vfs), 0);
+    EXPECT_LT((vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize, file_bytes + 64 * 1024);
+  }
+  Result<SavedCheckpoint> failed = SaveCheckpoint(s, 2, SaveOptions(tiny));
+  ASSERT_FALSE(failed.has_value());
+  EXPECT_THAT(failed, StatusIs(ErrorCode::kResourceExhausted,
+                               HasSubstr("checkpoint save step 2: rank 0: checkpoint step 2 needs "
+                                         "about")));
+  if (World().rank() == 0) {
+    EXPECT_THAT(Entries(tiny), ::testing::ElementsAre("latest", "step-1.h5"));
+    EXPECT_EQ(ReadAll(tiny + "/latest"), "step-1.h5\n");
+    ZINF_EXPECT_OK(VerifyCheckpoint(tiny));
+  }
+  // Every rank got the same error.
+  const std::string message = failed.error().message();
+  std::vector<std::uint64_t> lengths(static_cast<std::size_t>(World().size()));
+  const std::uint64_t mine = message.size();
+  ZINF_ASSERT_OK(World().Allgather<std::uint64_t>(std::span(&mine, 1), std::span(lengths)));
+  for (std::uint64_t n : lengths) EXPECT_EQ(n, mine);
+  // The last good checkpoint restores, and saving elsewhere still works.
+  ZINF_ASSERT_OK(RestoreCheckpoint(s, tiny, RestoreOptions()));
+  ZINF_EXPECT_OK(World().AgreeOnStatus(CheckState(s, 1)));
+  ZINF_ASSERT_OK(World().AgreeOnStatus(FillState(s, 3)));
+  ZINF_ASSERT_OK(SaveCheckpoint(s, 3, SaveOptions(dir.Join("roomy"))));
+  ZINF_ASSERT_OK(s.Close());
+  ZINF_ASSERT_OK(World().Barrier());
+}
+
+// Links planted in the checkpoint directory are never written through: the partial file and
+// `latest.tmp` are created exclusively after removing whatever was there, a link named like the
+// final file is replaced, and retention removes links without touching their targets.
+TEST(Checkpoint, PlantedLinksAreNeverFollowed) {
+  SharedScratchDir dir("ckpt");
+  const std::string ckpt = dir.Join("ckpt");
+  const std::string victim = dir.Join("victim");
+  if (World().rank() == 0) {
+    std::filesystem::create_directories(ckpt);
+    std::ofstream(victim) << "precious";
+    for (const char* name : {"step-7.h5.partial", "latest.tmp", "step-8.h5", "step-1.h5"}) {
+      std::filesystem::create_symlink(victim, ckpt + "/" + name);
+    }
+  }
+  ZINF_ASSERT_OK(World().Barrier());
+  ZINF_ASSERT_OK_AND_ASSIGN(TestSwapper t, MakeSwapper(World(), {.store_dir = dir.path(),
+                                                                 .job_id = "links",
+                                                                 .world_size = World().size()}));
+  OptimizerSwapper& s = *t.swapper;
+  for (std::int64_t step : {7, 8}) {
+    ZINF_ASSERT_OK(World().AgreeOnStatus(FillState(s, step)));
+    ZINF_ASSERT_OK(SaveCheckpoint(s, step, SaveOptions(ckpt, /*keep_last=*/2)));
+  }
+  if (World().rank() == 0) {
+    EXPECT_EQ(ReadAll(victim), "precious");
+    // keep_last 2 removed the link step-1.h5 (an older step), not its target.
+    EXPECT_THAT(Entries(ckpt), ::testing::ElementsAre("latest", "step-7.h5", "step-8.h5"));
+    for (const char* name : {"latest", "step-7.h5", "step-8.h5"}) {
+      EXPECT_TRUE(
+          std::filesystem::is_regular_file(std::filesystem::symlink_status(ckpt + "/" + name)))
+          << name;
+    }
+    ZINF_EXPECT_OK(VerifyCheckpoint(ckpt));
+  }
+  ZINF_ASSERT_OK(World().Barrier());
+  // `latest` must be a regular file naming a step-<N>.h5 regular file of its directory.
+  auto plant_latest = [&](const std::function<void()>& plant) {
+    if (World().rank() == 0) {
+      std::filesystem::remove(ckpt + "/latest");
+      plant();
+    }
+    return World().Barrier();
+  };
+  ZINF_ASSERT_OK(
+      plant_latest([&] { std::filesystem::create_symlink("step-8.h5", ckpt + "/latest"); }));
+  EXPECT_THAT(RestoreCheckpoint(s, ckpt, RestoreOptions()),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("symbolic link")));
+  ZINF_ASSERT_OK(plant_latest([&] { std::ofstream(ckpt + "/latest") << "../victim\n"; }));
+  EXPECT_THAT(RestoreCheckpoint(s, ckpt, RestoreOptions()),
+              StatusIs(ErrorCode::kDataLoss, HasSubstr("not a step-<N>.h5 file")));
+  ZINF_ASSERT_OK(
+      plant_latest([&] { std::ofstream(ckpt + "/latest") << "step-99999999999999999999.h5\n"; }));
+  EXPECT_THAT(RestoreCheckpoint(s, ckpt, RestoreOptions()), StatusIs(ErrorCode::kDataLoss));
+  ZINF_ASSERT_OK(plant_latest([&] {
+    std::filesystem::create_symlink(ckpt + "/step-8.h5", ckpt + "/step-9.h5");
+    std::ofstream(ckpt + "/latest") << "step-9.h5\n";
+  }));
+  EXPECT_THAT(RestoreCheckpoint(s, ckpt, RestoreOptions()),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("symbolic link")));
+  ZINF_ASSERT_OK(plant_latest([&] { ::mkfifo((ckpt + "/latest").c_str(), 0600); }));
+  EXPECT_THAT(RestoreCheckpoint(s, ckpt, RestoreOptions()),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("FIFO")));
+  ZINF_ASSERT_OK(plant_latest([&] { std::ofstream(ckpt + "/latest") << "step-8.h5\n"; }));
+  ZINF_ASSERT_OK(RestoreCheckpoint(s, ckpt, RestoreOptions()));
+  ZINF_EXPECT_OK(World().AgreeOnStatus(CheckState(s, 8)));
+  ZINF_ASSERT_OK(s.Close());
+}
+
+TEST(CheckpointFileName, ParsesOnlyCanonicalNames) {
+  EXPECT_EQ(ParseCheckpointFileName("step-0.h5"), 0);
+  EXPECT_EQ(ParseCheckpointFileName("step-123.h5"), 123);
+  EXPECT_EQ(ParseCheckpointFileName("step-123.h5.partial", ".partial"), 123);
+  EXPECT_EQ(ParseCheckpointFileName(CheckpointFileName(kMaxCheckpointStep)), kMaxCheckpointStep);
+  for (const char* bad : {"step-99999999999999999999.h5", "step-9007199254740992.h5", "step-007.h5",
+                          "step--1.h5", "step-+1.h5", "step-.h5", "step-1.h5.bak", "step-1.h",
+                          "xstep-1.h5", "step-1x.h5", "step-1.h5.partial", ""}) {
+    EXPECT_EQ(ParseCheckpointFileName(bad), std::nullopt) << bad;
+  }
+}
+
+TEST_F(CheckpointErrors, ExportNeverReplacesItsInputAndFailsWithoutATrace) {
+  if (World().rank() != 0) GTEST_SKIP() << "rank 0 exports";
+  const std::string before = ReadAll(file_);
+  for (const std::string& out : {file_, ckpt_ + "/latest", ckpt_ + "/step-6.h5",
+                                 ckpt_ + "/step-6.h5.partial", ckpt_ + "/latest.tmp"}) {
+    for (ExportFormat format : {ExportFormat::kHdf5, ExportFormat::kSafetensors}) {
+      EXPECT_THAT(ExportCheckpoint(ckpt_, out, format),
+                  StatusIs(ErrorCode::kInvalidArgument, HasSubstr("refusing to write")))
+          << out;
+    }
+  }
+  // A link elsewhere that resolves to the checkpoint is refused too.
+  const std::string link = dir_->Join("alias.h5");
+  std::filesystem::create_symlink(file_, link);
+  EXPECT_THAT(ExportCheckpoint(file_, link, ExportFormat::kSafetensors),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("the checkpoint being read")));
+  EXPECT_EQ(ReadAll(file_), before);
+  EXPECT_EQ(ReadAll(ckpt_ + "/latest"), "step-5.h5\n");
+  // A failed export (a corrupted chunk) leaves the previous output as it was, and no temporary.
+  const std::string out = dir_->Join("weights.safetensors");
+  ZINF_ASSERT_OK(ExportCheckpoint(file_, out, ExportFormat::kSafetensors));
+  const std::string good = ReadAll(out);
+  const std::string bad = dir_->Join("bad.h5");
+  std::filesystem::copy_file(file_, bad);
+  ZINF_ASSERT_OK(FlipBit(bad, "/state/fp32", 3));
+  EXPECT_THAT(ExportCheckpoint(bad, out, ExportFormat::kSafetensors),
+              StatusIs(ErrorCode::kDataLoss, HasSubstr("checksum mismatch")));
+  EXPECT_EQ(ReadAll(out), good);
+  for (const std::string& name : Entries(dir_->path())) {
+    EXPECT_THAT(name, ::testing::Not(HasSubstr("zinf-tmp"))) << name;
   }
 }
 

@@ -21,6 +21,12 @@
 // Names. Datasets, groups and the objects that carry attributes are named by absolute or
 // relative paths from the root ("/state/fp32" and "state/fp32" are the same); "/" is the root.
 //
+// Hostile files. Nothing read from a file may make this process read another file or load code:
+// every path component must be a hard link (soft, external and user-defined links are
+// FailedPrecondition), datasets that are virtual, keep their elements in external files or have
+// filters are FailedPrecondition when opened, HDF5 plugin loading is off, and string attributes
+// are bounded in size (max_bytes).
+//
 // Errors. HDF5's automatic error printing is turned off; when an HDF5 call fails, its error
 // stack ("H5Fopen: unable to open file; H5F_open: ...") is copied into the Error's message.
 //   NotFound:        the file, dataset, object or attribute does not exist.
@@ -73,6 +79,8 @@ enum class H5CreateMode {
 
 class H5File {
  public:
+  static constexpr std::uint64_t kMaxStringAttributeBytes = 64ull << 20;
+
   // ---- Collective (MPI-IO driver). Collective over `comm`. ----
   // Creates `path` (its directory must exist and be shared by all ranks).
   static Result<H5File> CreateCollective(const comm::Communicator& comm, const std::string& path,
@@ -116,6 +124,16 @@ class H5File {
   Result<bool> HasDataset(std::string_view name);
   Result<std::uint64_t> DatasetNumel(std::string_view name);
   Result<H5DataType> DatasetType(std::string_view name);
+  // Size, type and storage of a 1-D dataset, from the file's metadata. allocated_bytes is what
+  // the file holds for its elements (H5Dget_storage_size): numel x element size when every chunk
+  // was allocated, less when chunks are missing (they would read back as fill values).
+  struct DatasetStorage {
+    std::uint64_t numel = 0;
+    H5DataType type = H5DataType::kFloat32;
+    std::uint64_t chunk_numel = 0;  // 0: not chunked (contiguous or compact)
+    std::uint64_t allocated_bytes = 0;
+  };
+  Result<DatasetStorage> DatasetStorageOf(std::string_view name);
 
   // Writes `data` to elements [offset, offset + data.size()) of the dataset, or reads them into
   // `data`. Collective I/O (H5FD_MPIO_COLLECTIVE) on a collective file: every rank calls, each
@@ -143,7 +161,9 @@ class H5File {
                               std::string_view value);
   Status WriteInt64Attribute(std::string_view object, std::string_view name, std::int64_t value);
   Status WriteDoubleAttribute(std::string_view object, std::string_view name, double value);
-  Result<std::string> ReadStringAttribute(std::string_view object, std::string_view name);
+  // Strings longer than `max_bytes` are InvalidArgument (checked before they are read).
+  Result<std::string> ReadStringAttribute(std::string_view object, std::string_view name,
+                                          std::uint64_t max_bytes = kMaxStringAttributeBytes);
   // Accepts any integer attribute that fits in int64.
   Result<std::int64_t> ReadInt64Attribute(std::string_view object, std::string_view name);
   // Accepts any floating-point attribute.

@@ -85,9 +85,21 @@ inline constexpr std::string_view kCheckpointFormat = "zinf";
 inline constexpr std::int64_t kCheckpointFormatVersion = 1;
 // 1 Mi elements (4 MiB) per HDF5 chunk and per checksum.
 inline constexpr std::uint64_t kDefaultCheckpointChunkNumel = 1ull << 20;
+// Bounds of what a checkpoint may say, checked on save and on every read (a file is hostile
+// input): steps up to 2^53 - 1 (exact in the JSON metrics), chunks up to 64 Mi elements (one
+// 256 MiB buffer), up to 2^24 ranks, `latest` up to 4 KiB.
+inline constexpr std::int64_t kMaxCheckpointStep = (std::int64_t{1} << 53) - 1;
+inline constexpr std::uint64_t kMaxCheckpointChunkNumel = 1ull << 26;
+inline constexpr std::int64_t kMaxCheckpointWorldSize = std::int64_t{1} << 24;
+inline constexpr std::uint64_t kMaxLatestBytes = 4096;
 
-// "step-<N>.h5" and its path in `dir`.
+// "step-<N>.h5".
 std::string CheckpointFileName(std::int64_t step);
+// N when `name` is exactly CheckpointFileName(N) + `suffix` with 0 <= N <= kMaxCheckpointStep
+// (canonical decimal: no sign, no leading zero); nullopt for anything else
+// ("step-99999999999999999999.h5", "step-007.h5", "step-1.h5.bak").
+std::optional<std::int64_t> ParseCheckpointFileName(std::string_view name,
+                                                    std::string_view suffix = {});
 
 struct CheckpointSaveOptions {
   std::string dir;    // shared by all ranks; created (with parents) by rank 0 if missing
@@ -117,6 +129,12 @@ struct SavedCheckpoint {
 // `latest` and every older checkpoint are untouched, and rank 0 removes the partial file.
 Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t step,
                                        const CheckpointSaveOptions& options);
+
+// Local. An upper estimate of the size of the file SaveCheckpoint writes with `options`: the free
+// space it requires in options.dir (ResourceExhausted otherwise, before anything is written) and
+// reserves for the file (fallocate) before the ranks write it.
+std::uint64_t EstimateCheckpointBytes(const OptimizerSwapper& swapper,
+                                      const CheckpointSaveOptions& options);
 
 struct CheckpointRestoreOptions {
   // true: first read and verify every chunk this rank needs, agree, and only then write the
