@@ -1,5 +1,6 @@
 #include "zinf/storage/swap_store.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -9,10 +10,14 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <charconv>
+#include <chrono>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include <fmt/format.h>
@@ -22,6 +27,7 @@
 #include "zinf/core/units.h"
 #include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/checksum.h"
+#include "zinf/storage/fs.h"
 
 namespace zinf::storage {
 namespace {
@@ -29,6 +35,16 @@ namespace {
 constexpr const char* kDataFileName = "swap.bin";
 constexpr const char* kManifestName = "manifest";
 constexpr const char* kManifestTmpName = "manifest.tmp";
+constexpr const char* kKeptName = "kept";
+// Every name a store creates in its rank directory: what ReclaimStale may remove.
+constexpr const char* kStoreFileNames[] = {kDataFileName, kManifestName, kManifestTmpName,
+                                           kKeptName};
+constexpr std::uint64_t kMaxManifestBytes = 1 << 20;
+// How long Open waits for a reclaimer's LOCK_EX on a job directory, and how often it starts
+// over when a reclaimer removed the (empty) job directory under it.
+constexpr std::chrono::milliseconds kJobLockWait{30'000};
+constexpr std::chrono::milliseconds kJobLockPoll{10};
+constexpr int kJobDirAttempts = 8;
 constexpr const char* kManifestMagic = "zinf-swap-store 1";
 constexpr std::size_t kMaxJobIdLength = 200;
 constexpr std::size_t kMaxTensorNameLength = 1024;
@@ -159,29 +175,9 @@ Result<std::vector<PathSpace>> MeasureSpace(const std::vector<std::string>& path
 
 // Opens directory `name` under `parent_fd` without following a symlink; `full_path` names it in
 // errors.
-Result<int> OpenDirNoFollow(int parent_fd, const std::string& name, const std::string& full_path) {
-  int fd;
-  do {
-    fd = ::openat(parent_fd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  } while (fd < 0 && errno == EINTR);
-  if (fd >= 0) return fd;
-  const int err = errno;
-  if (err == ELOOP || err == ENOTDIR) {
-    struct stat st {};
-    if (::fstatat(parent_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
-      if (S_ISLNK(st.st_mode)) {
-        return FailedPreconditionError(fmt::format(
-            "swap store: {} is a symbolic link; refusing to follow it (configure the real "
-            "directory)",
-            full_path));
-      }
-      if (!S_ISDIR(st.st_mode)) {
-        return FailedPreconditionError(
-            fmt::format("swap store: {} exists and is not a directory", full_path));
-      }
-    }
-  }
-  return ErrnoError(err, fmt::format("swap store: open directory {}", full_path));
+Result<UniqueFd> OpenDirNoFollow(int parent_fd, const std::string& name,
+                                 const std::string& full_path) {
+  return Annotate(OpenDirectoryAt(parent_fd, name, full_path, Follow::kNo), "swap store: ");
 }
 
 Status CheckOwner(int fd, const std::string& what) {
@@ -199,19 +195,6 @@ Status CheckOwner(int fd, const std::string& what) {
 Status SetMode(int fd, mode_t mode, const std::string& what) {
   if (::fchmod(fd, mode) != 0) {
     return ErrnoError(errno, fmt::format("swap store: chmod {:o} {}", mode, what));
-  }
-  return OkStatus();
-}
-
-Status WriteAll(int fd, std::string_view text, const std::string& what) {
-  std::size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoError(errno, fmt::format("swap store: write {}", what));
-    }
-    done += static_cast<std::size_t>(n);
   }
   return OkStatus();
 }
@@ -260,22 +243,111 @@ Status UnlinkIfPresent(int dir_fd, const char* name, int flags, const std::strin
   return OkStatus();
 }
 
-void CloseFd(int* fd) {
-  if (*fd >= 0) {
-    ::close(*fd);  // read-only directory descriptors: nothing to lose on close
-    *fd = -1;
+// flock(fd, operation), EINTR retried. False when LOCK_NB is set and another open file holds a
+// conflicting lock.
+Result<bool> TryFlock(int fd, int operation, const std::string& what) {
+  while (::flock(fd, operation) != 0) {
+    if (errno == EINTR) continue;
+    if (errno == EWOULDBLOCK) return false;
+    return ErrnoError(errno, fmt::format("swap store: flock {}", what));
+  }
+  return true;
+}
+
+// Takes the instance lock of a rank directory (held until the descriptor closes). Returns false
+// when another live instance holds it.
+Result<bool> TryLockRankDir(int rank_fd, const std::string& rank_dir) {
+  return TryFlock(rank_fd, LOCK_EX | LOCK_NB, rank_dir);
+}
+
+// LOCK_SH on a job directory, waiting at most kJobLockWait for a reclaimer's LOCK_EX (polled:
+// a blocking flock could wait forever on a process that never lets go).
+Status LockJobDirShared(int job_fd, const std::string& job_dir) {
+  const auto deadline = std::chrono::steady_clock::now() + kJobLockWait;
+  for (;;) {
+    ZINF_ASSIGN_OR_RETURN(const bool locked, TryFlock(job_fd, LOCK_SH | LOCK_NB, job_dir));
+    if (locked) return OkStatus();
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return UnavailableError(fmt::format(
+          "swap store: {} stayed locked exclusively for {} s (by another job's cleanup of stale "
+          "stores, or another process); try again",
+          job_dir, kJobLockWait.count() / 1000));
+    }
+    std::this_thread::sleep_for(kJobLockPoll);
   }
 }
 
-// Takes the instance lock of a rank directory (flock on its descriptor, held until the
-// descriptor closes). Returns false when another live instance holds it.
-Result<bool> TryLockRankDir(int rank_fd, const std::string& rank_dir) {
-  while (::flock(rank_fd, LOCK_EX | LOCK_NB) != 0) {
-    if (errno == EINTR) continue;
-    if (errno == EWOULDBLOCK) return false;
-    return ErrnoError(errno, fmt::format("swap store: flock {}", rank_dir));
+// True when the entry `name` in `parent_fd` is (still) the directory open as `fd`: not removed,
+// not replaced (same device and inode).
+Result<bool> StillLinked(int parent_fd, const std::string& name, int fd, const std::string& what) {
+  struct stat linked {};
+  if (::fstatat(parent_fd, name.c_str(), &linked, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (errno == ENOENT) return false;
+    return ErrnoError(errno, fmt::format("swap store: stat {}", what));
   }
-  return true;
+  struct stat opened {};
+  if (::fstat(fd, &opened) != 0) {
+    return ErrnoError(errno, fmt::format("swap store: fstat {}", what));
+  }
+  return linked.st_dev == opened.st_dev && linked.st_ino == opened.st_ino;
+}
+
+// "P" + "/" + name, for P == "/" too.
+std::string JoinPath(const std::string& dir, const std::string& name) {
+  return dir + (dir == "/" ? "" : "/") + name;
+}
+
+// The names in directory `dir_fd` (without "." and ".."), at most `max_entries` of them;
+// `truncated` when there were more. Reads through its own descriptor, so `dir_fd`'s offset and
+// locks are untouched.
+struct DirectoryListing {
+  std::vector<std::string> names;
+  bool truncated = false;
+};
+Result<DirectoryListing> ListDirectory(int dir_fd, const std::string& display,
+                                       std::size_t max_entries) {
+  ZINF_ASSIGN_OR_RETURN(UniqueFd fd, OpenDirNoFollow(dir_fd, ".", display));
+  DIR* dir = ::fdopendir(fd.get());
+  if (dir == nullptr) return ErrnoError(errno, fmt::format("swap store: opendir {}", display));
+  fd.Release();  // the DIR owns it now
+  std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, &::closedir);
+  DirectoryListing listing;
+  for (;;) {
+    errno = 0;
+    const dirent* entry = ::readdir(dir);
+    if (entry == nullptr) {
+      if (errno != 0) return ErrnoError(errno, fmt::format("swap store: readdir {}", display));
+      break;
+    }
+    const std::string_view name = entry->d_name;
+    if (name == "." || name == "..") continue;
+    if (listing.names.size() == max_entries) {
+      listing.truncated = true;
+      break;
+    }
+    listing.names.emplace_back(name);
+  }
+  return listing;
+}
+
+// "rank<digits>" -> the rank; nullopt for any other name.
+std::optional<int> ParseRankDirName(std::string_view name) {
+  constexpr std::string_view kPrefix = "rank";
+  if (!name.starts_with(kPrefix)) return std::nullopt;
+  const std::string_view digits = name.substr(kPrefix.size());
+  if (digits.empty() || digits.size() > 9 ||
+      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return std::nullopt;
+  }
+  int rank = 0;
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), rank);
+  if (ec != std::errc() || end != digits.data() + digits.size()) return std::nullopt;
+  return rank;
+}
+
+bool IsStoreFileName(std::string_view name) {
+  return std::any_of(std::begin(kStoreFileNames), std::end(kStoreFileNames),
+                     [&](const char* known) { return name == known; });
 }
 
 }  // namespace
@@ -311,6 +383,40 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
   return store;
 }
 
+Status SwapStore::OpenJobDirectory(PathState& ps) {
+  const std::string job_name = JobDirName(options_);
+  // Another rank of the job (its Close) or another job's ReclaimStale may remove an empty job
+  // directory between our mkdir and our lock: after locking, check that the directory we hold
+  // is still the one linked at its name, else start over.
+  for (int attempt = 0;; ++attempt) {
+    if (attempt == kJobDirAttempts) {
+      return UnavailableError(fmt::format(
+          "swap store: {} was removed under us {} times while opening it (other processes clean "
+          "up this path); try again",
+          ps.job_dir, kJobDirAttempts));
+    }
+    ps.created_job_dir = false;
+    if (::mkdirat(ps.path_fd.get(), job_name.c_str(), 0700) == 0) {
+      ps.created_job_dir = true;
+    } else if (errno != EEXIST) {
+      return ErrnoError(errno, fmt::format("swap store: mkdir {}", ps.job_dir));
+    }
+    Result<UniqueFd> fd = OpenDirNoFollow(ps.path_fd.get(), job_name, ps.job_dir);
+    if (!fd) {
+      if (fd.error().code() == ErrorCode::kNotFound) continue;
+      return std::move(fd).error();
+    }
+    ZINF_RETURN_IF_ERROR(CheckOwner(fd->get(), ps.job_dir));
+    ZINF_RETURN_IF_ERROR(LockJobDirShared(fd->get(), ps.job_dir));
+    ZINF_ASSIGN_OR_RETURN(const bool linked,
+                          StillLinked(ps.path_fd.get(), job_name, fd->get(), ps.job_dir));
+    if (linked) {
+      ps.job_fd = std::move(*fd);
+      return OkStatus();
+    }
+  }
+}
+
 Status SwapStore::OpenImpl() {
   const std::string job_name = JobDirName(options_);
   const std::string rank_name = RankDirName(options_);
@@ -320,63 +426,59 @@ Status SwapStore::OpenImpl() {
   for (std::size_t i = 0; i < paths_.size(); ++i) {
     PathState& ps = paths_[i];
     ps.path = options_.paths[i];
-    ps.job_dir = ps.path + (ps.path == "/" ? "" : "/") + job_name;
+    ps.job_dir = JoinPath(ps.path, job_name);
     ps.rank_dir = ps.job_dir + "/" + rank_name;
     ZINF_ASSIGN_OR_RETURN(ps.path_fd, OpenDirNoFollow(AT_FDCWD, ps.path, ps.path));
     struct stat st {};
-    if (::fstat(ps.path_fd, &st) != 0) {
+    if (::fstat(ps.path_fd.get(), &st) != 0) {
       return ErrnoError(errno, fmt::format("swap store: fstat {}", ps.path));
     }
     if (!inodes.insert({st.st_dev, st.st_ino}).second) {
       return InvalidArgumentError(fmt::format(
           "swap store: path {} is the same directory as another configured path", ps.path));
     }
-    // Another rank of the job may remove an empty job directory between our mkdir and open
-    // (its Close): try again a few times.
-    for (int attempt = 0;; ++attempt) {
-      if (::mkdirat(ps.path_fd, job_name.c_str(), 0700) == 0) {
-        ps.created_job_dir = true;
-      } else if (errno != EEXIST) {
-        return ErrnoError(errno, fmt::format("swap store: mkdir {}", ps.job_dir));
-      }
-      Result<int> fd = OpenDirNoFollow(ps.path_fd, job_name, ps.job_dir);
-      if (fd) {
-        ps.job_fd = *fd;
-        break;
-      }
-      if (fd.error().code() != ErrorCode::kNotFound || attempt == 3) return std::move(fd).error();
-      ps.created_job_dir = false;
-    }
-    ZINF_RETURN_IF_ERROR(CheckOwner(ps.job_fd, ps.job_dir));
-    ZINF_RETURN_IF_ERROR(SetMode(ps.job_fd, 0700, ps.job_dir));
+    ZINF_RETURN_IF_ERROR(OpenJobDirectory(ps));
+    ZINF_RETURN_IF_ERROR(SetMode(ps.job_fd.get(), 0700, ps.job_dir));
   }
   // Pass 2: does this rank's store exist already (on which paths)?
   std::size_t present = 0;
   for (PathState& ps : paths_) {
     struct stat st {};
-    if (::fstatat(ps.job_fd, rank_name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (::fstatat(ps.job_fd.get(), rank_name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
       if (errno == ENOENT) continue;
       return ErrnoError(errno, fmt::format("swap store: stat {}", ps.rank_dir));
     }
-    ZINF_ASSIGN_OR_RETURN(ps.rank_fd, OpenDirNoFollow(ps.job_fd, rank_name, ps.rank_dir));
-    ZINF_RETURN_IF_ERROR(CheckOwner(ps.rank_fd, ps.rank_dir));
-    ZINF_ASSIGN_OR_RETURN(const bool locked, TryLockRankDir(ps.rank_fd, ps.rank_dir));
+    ZINF_ASSIGN_OR_RETURN(ps.rank_fd, OpenDirNoFollow(ps.job_fd.get(), rank_name, ps.rank_dir));
+    ZINF_RETURN_IF_ERROR(CheckOwner(ps.rank_fd.get(), ps.rank_dir));
+    ZINF_ASSIGN_OR_RETURN(const bool locked, TryLockRankDir(ps.rank_fd.get(), ps.rank_dir));
     if (!locked) {
+      ps.rank_fd.Reset();  // not ours: never touched by the cleanup of this failed open
       return AlreadyExistsError(fmt::format(
           "swap store {} is in use by another running instance of job '{}' (rank {}); give this "
           "run another job_id or nvme_path",
           ps.rank_dir, options_.job_id, options_.world_rank));
     }
+    ZINF_ASSIGN_OR_RETURN(const bool linked,
+                          StillLinked(ps.job_fd.get(), rank_name, ps.rank_fd.get(), ps.rank_dir));
+    if (!linked) {
+      ps.rank_fd.Reset();
+      return UnavailableError(fmt::format(
+          "swap store {} was removed while this instance opened it (a cleanup of stale stores); "
+          "try again",
+          ps.rank_dir));
+    }
     if (!options_.resume && options_.reclaim_stale) {
       // Nobody holds the lock: a killed instance left this store behind. Its data is scratch.
-      ZINF_LOG_WARN("swap store {}: removing the store a killed instance of job '{}' left behind",
-                    ps.rank_dir, options_.job_id);
-      ZINF_RETURN_IF_ERROR(
-          UnlinkIfPresent(ps.rank_fd, kDataFileName, 0, ps.rank_dir + "/" + kDataFileName));
-      ZINF_RETURN_IF_ERROR(
-          UnlinkIfPresent(ps.rank_fd, kManifestName, 0, ps.rank_dir + "/" + kManifestName));
-      ZINF_RETURN_IF_ERROR(
-          UnlinkIfPresent(ps.rank_fd, kManifestTmpName, 0, ps.rank_dir + "/" + kManifestTmpName));
+      struct stat kept {};
+      const bool was_kept = ::fstatat(ps.rank_fd.get(), kKeptName, &kept, AT_SYMLINK_NOFOLLOW) == 0;
+      ZINF_LOG_WARN(
+          "swap store {}: removing the store a killed instance of job '{}' left "
+          "behind{}",
+          ps.rank_dir, options_.job_id,
+          was_kept ? " (it was kept with keep_swap; this run does not keep it)" : "");
+      for (const char* name : kStoreFileNames) {
+        ZINF_RETURN_IF_ERROR(UnlinkIfPresent(ps.rank_fd.get(), name, 0, ps.rank_dir + "/" + name));
+      }
       ps.created_rank_dir = true;  // ours now: removed at Close like a new one
       continue;
     }
@@ -394,14 +496,14 @@ Status SwapStore::OpenImpl() {
         "resume an incomplete store",
         options_.job_id, options_.world_rank, present, paths_.size(),
         std::find_if(paths_.begin(), paths_.end(), [](const PathState& p) {
-          return p.rank_fd < 0;
+          return !p.rank_fd;
         })->rank_dir));
   }
   resumed_ = present != 0;
   // Pass 3: create the rank directories of a new store, then open (or create) the data files.
   for (PathState& ps : paths_) {
-    if (!resumed_ && ps.rank_fd < 0) {
-      if (::mkdirat(ps.job_fd, rank_name.c_str(), 0700) != 0) {
+    if (!resumed_ && !ps.rank_fd) {
+      if (::mkdirat(ps.job_fd.get(), rank_name.c_str(), 0700) != 0) {
         if (errno == EEXIST) {
           return AlreadyExistsError(
               fmt::format("swap store {} was created concurrently by another instance of job '{}'",
@@ -410,15 +512,19 @@ Status SwapStore::OpenImpl() {
         return ErrnoError(errno, fmt::format("swap store: mkdir {}", ps.rank_dir));
       }
       ps.created_rank_dir = true;
-      ZINF_ASSIGN_OR_RETURN(ps.rank_fd, OpenDirNoFollow(ps.job_fd, rank_name, ps.rank_dir));
-      ZINF_ASSIGN_OR_RETURN(const bool locked, TryLockRankDir(ps.rank_fd, ps.rank_dir));
-      if (!locked) {
+      ZINF_ASSIGN_OR_RETURN(ps.rank_fd, OpenDirNoFollow(ps.job_fd.get(), rank_name, ps.rank_dir));
+      ZINF_ASSIGN_OR_RETURN(const bool locked, TryLockRankDir(ps.rank_fd.get(), ps.rank_dir));
+      ZINF_ASSIGN_OR_RETURN(const bool linked,
+                            StillLinked(ps.job_fd.get(), rank_name, ps.rank_fd.get(), ps.rank_dir));
+      if (!locked || !linked) {
+        ps.rank_fd.Reset();
+        ps.created_rank_dir = false;
         return AlreadyExistsError(fmt::format(
-            "swap store {} was created concurrently by another instance of job '{}'",
+            "swap store {} was created or removed concurrently by another instance of job '{}'",
             ps.rank_dir, options_.job_id));
       }
     }
-    ZINF_RETURN_IF_ERROR(SetMode(ps.rank_fd, 0700, ps.rank_dir));
+    ZINF_RETURN_IF_ERROR(SetMode(ps.rank_fd.get(), 0700, ps.rank_dir));
     OpenOptions open_options;
     open_options.mode = resumed_ ? OpenMode::kReadWrite : OpenMode::kCreate;
     open_options.direct = options_.direct;
@@ -445,8 +551,31 @@ Status SwapStore::OpenImpl() {
         "the swap paths",
         options_.stripe_unit_bytes, alignment_));
   }
+  ZINF_RETURN_IF_ERROR(MarkKept());
   if (resumed_) return ReadManifest();
   return WriteManifest();
+}
+
+Status SwapStore::MarkKept() {
+  for (PathState& ps : paths_) {
+    const std::string marker = ps.rank_dir + "/" + kKeptName;
+    if (!options_.keep) {
+      // A resumed kept store is no longer kept once this instance owns it without `keep`.
+      ZINF_RETURN_IF_ERROR(UnlinkIfPresent(ps.rank_fd.get(), kKeptName, 0, marker));
+      continue;
+    }
+    Result<UniqueFd> created =
+        OpenFileAt(ps.rank_fd.get(), kKeptName, marker, FileAccess::kCreateNew, Follow::kNo, 0600);
+    if (!created && created.error().code() == ErrorCode::kAlreadyExists) {
+      // A resumed kept store has it already; anything but a regular file is refused.
+      created = OpenFileAt(ps.rank_fd.get(), kKeptName, marker, FileAccess::kRead, Follow::kNo);
+    }
+    ZINF_RETURN_IF_ERROR(Annotate(std::move(created), "swap store: "));
+    // Durable with the directory entry, so a crashed machine's store is still known as kept.
+    ZINF_RETURN_IF_ERROR(
+        Annotate(SyncFd(ps.rank_fd.get(), /*data_only=*/false, ps.rank_dir), "swap store: "));
+  }
+  return OkStatus();
 }
 
 Status SwapStore::WriteManifest() {
@@ -456,57 +585,30 @@ Status SwapStore::WriteManifest() {
     text += fmt::format("tensor {} {}\n", t.extent.size_bytes, t.extent.name);
   }
   const PathState& ps = paths_[0];
-  const std::string tmp_path = ps.rank_dir + "/" + kManifestTmpName;
-  int fd;
-  do {
-    fd = ::openat(ps.rank_fd, kManifestTmpName,
-                  O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) return ErrnoError(errno, fmt::format("swap store: create {}", tmp_path));
-  Status status = WriteAll(fd, text, tmp_path);
-  if (status && ::fsync(fd) != 0) status = ErrnoError(errno, "swap store: fsync " + tmp_path);
-  if (::close(fd) != 0 && status) status = ErrnoError(errno, "swap store: close " + tmp_path);
-  ZINF_RETURN_IF_ERROR(status);
-  if (::renameat(ps.rank_fd, kManifestTmpName, ps.rank_fd, kManifestName) != 0) {
-    return ErrnoError(errno, fmt::format("swap store: rename {} to {}", tmp_path, kManifestName));
-  }
-  if (::fsync(ps.rank_fd) != 0) {
-    return ErrnoError(errno, fmt::format("swap store: fsync directory {}", ps.rank_dir));
-  }
-  return OkStatus();
+  return Annotate(WriteFileAtomicAt(ps.rank_fd.get(), ps.rank_dir, kManifestName, text, 0600),
+                  "swap store: ");
 }
 
 Status SwapStore::ReadManifest() {
   const PathState& ps = paths_[0];
   const std::string path = ps.rank_dir + "/" + kManifestName;
-  int fd;
-  do {
-    fd = ::openat(ps.rank_fd, kManifestName, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENOENT) {
+  Result<std::string> read =
+      ReadSmallFileAt(ps.rank_fd.get(), kManifestName, path, kMaxManifestBytes, Follow::kNo);
+  if (!read) {
+    const ErrorCode code = read.error().code();
+    if (code == ErrorCode::kNotFound) {
       return FailedPreconditionError(fmt::format(
           "swap store: cannot resume: {} is missing (not a zinf swap store, or its creation was "
           "interrupted)",
           path));
     }
-    return ErrnoError(err, fmt::format("swap store: open {}", path));
-  }
-  std::string text;
-  char chunk[4096];
-  for (;;) {
-    const ssize_t n = ::read(fd, chunk, sizeof(chunk));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      ::close(fd);
-      return ErrnoError(err, fmt::format("swap store: read {}", path));
+    if (code == ErrorCode::kInvalidArgument) {  // larger than kMaxManifestBytes
+      return DataLossError(fmt::format("swap store: manifest {} is corrupt: larger than {} bytes",
+                                       path, kMaxManifestBytes));
     }
-    if (n == 0) break;
-    text.append(chunk, static_cast<std::size_t>(n));
+    return std::move(read).error().WithContext("swap store: ");
   }
-  ::close(fd);
+  const std::string text = std::move(*read);
 
   auto corrupt = [&](std::string_view why) {
     return DataLossError(fmt::format("swap store: manifest {} is corrupt: {}", path, why));
@@ -566,6 +668,199 @@ Status SwapStore::CheckSpace(std::span<const PathSpace> space) {
   }
   if (shortfall.empty()) return OkStatus();
   return ResourceExhaustedError("not enough free space for the swap store: " + shortfall);
+}
+
+namespace {
+
+// One pass of SwapStore::ReclaimStale over one configured path.
+class StaleScan {
+ public:
+  StaleScan(const SwapStoreOptions& options, std::vector<StaleStore>* found)
+      : options_(options), found_(found), uid_(::geteuid()) {}
+
+  void ScanPath(const std::string& path) {
+    Result<UniqueFd> path_fd = OpenDirNoFollow(AT_FDCWD, path, path);
+    if (!path_fd) return Warn(path_fd.error());
+    Result<DirectoryListing> listing =
+        ListDirectory(path_fd->get(), path, SwapStore::kMaxScanEntries);
+    if (!listing) return Warn(listing.error());
+    WarnIfTruncated(*listing, path);
+    for (const std::string& name : listing->names) {
+      if (!name.starts_with("zinf-")) continue;
+      const std::string job_id = name.substr(5);
+      if (!ValidateJobId(job_id)) continue;
+      ScanJobDirectory(path_fd->get(), name, JoinPath(path, name), job_id);
+    }
+  }
+
+ private:
+  void Warn(const Error& error) {
+    std::string_view message = error.message();
+    if (message.starts_with("swap store: ")) message.remove_prefix(12);
+    ZINF_LOG_WARN("swap store: looking for stale stores: {}", message);
+  }
+
+  void WarnIfTruncated(const DirectoryListing& listing, const std::string& dir) {
+    if (!listing.truncated) return;
+    ZINF_LOG_WARN(
+        "swap store: looking for stale stores: {} has more than {} entries; examined only the "
+        "first {}",
+        dir, SwapStore::kMaxScanEntries, SwapStore::kMaxScanEntries);
+  }
+
+  // The directory `name` in `parent_fd`, opened without following a link, when it is a
+  // directory of ours; nullopt (silently) for anything else or a name that vanished.
+  std::optional<UniqueFd> OpenOwnDirectory(int parent_fd, const std::string& name,
+                                           const std::string& display) {
+    struct stat st {};
+    if (::fstatat(parent_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      if (errno != ENOENT) Warn(ErrnoError(errno, fmt::format("stat {}", display)));
+      return std::nullopt;
+    }
+    if (!S_ISDIR(st.st_mode) || st.st_uid != uid_) return std::nullopt;
+    Result<UniqueFd> fd = OpenDirNoFollow(parent_fd, name, display);
+    if (!fd) {
+      // Replaced by a link or a file since the fstatat, or removed: not a store of ours.
+      if (fd.error().code() != ErrorCode::kNotFound &&
+          fd.error().code() != ErrorCode::kFailedPrecondition) {
+        Warn(fd.error());
+      }
+      return std::nullopt;
+    }
+    if (::fstat(fd->get(), &st) != 0 || st.st_uid != uid_) return std::nullopt;
+    return std::move(*fd);
+  }
+
+  // True when this process now holds LOCK_EX on `fd`, still linked as `name` in `parent_fd`.
+  bool LockStale(int parent_fd, const std::string& name, int fd, const std::string& display) {
+    Result<bool> locked = TryFlock(fd, LOCK_EX | LOCK_NB, display);
+    if (!locked) {
+      Warn(locked.error());
+      return false;
+    }
+    if (!*locked) return false;  // a live instance holds it
+    Result<bool> linked = StillLinked(parent_fd, name, fd, display);
+    if (!linked) Warn(linked.error());
+    return linked && *linked;
+  }
+
+  void ScanJobDirectory(int path_fd, const std::string& name, const std::string& job_dir,
+                        const std::string& job_id) {
+    const bool ours = job_id == options_.job_id;
+    std::optional<UniqueFd> job_fd = OpenOwnDirectory(path_fd, name, job_dir);
+    if (!job_fd) return;
+    // Our own job's directory is held (LOCK_SH) by our live stores: look at its rank
+    // directories one by one. Another job's directory held by any live store is left alone.
+    if (!ours && !LockStale(path_fd, name, job_fd->get(), job_dir)) return;
+    Result<DirectoryListing> listing =
+        ListDirectory(job_fd->get(), job_dir, SwapStore::kMaxScanEntries);
+    if (!listing) return Warn(listing.error());
+    WarnIfTruncated(*listing, job_dir);
+    for (const std::string& rank_name : listing->names) {
+      const std::optional<int> rank = ParseRankDirName(rank_name);
+      if (!rank) continue;
+      ScanRankDirectory(job_fd->get(), rank_name, job_dir + "/" + rank_name, job_id, *rank);
+    }
+    if (ours) return;
+    // Removed when it became empty (ENOTEMPTY: a kept store or foreign entries stay in it).
+    Result<bool> linked = StillLinked(path_fd, name, job_fd->get(), job_dir);
+    if (linked && *linked && ::unlinkat(path_fd, name.c_str(), AT_REMOVEDIR) != 0 &&
+        errno != ENOTEMPTY && errno != EEXIST && errno != ENOENT) {
+      Warn(ErrnoError(errno, fmt::format("remove {}", job_dir)));
+    }
+  }
+
+  void ScanRankDirectory(int job_fd, const std::string& name, const std::string& rank_dir,
+                         const std::string& job_id, int rank) {
+    std::optional<UniqueFd> rank_fd = OpenOwnDirectory(job_fd, name, rank_dir);
+    if (!rank_fd || !LockStale(job_fd, name, rank_fd->get(), rank_dir)) return;
+    Result<DirectoryListing> listing =
+        ListDirectory(rank_fd->get(), rank_dir, SwapStore::kMaxScanEntries);
+    if (!listing) return Warn(listing.error());
+    StaleStore stale{.directory = rank_dir, .job_id = job_id, .world_rank = rank};
+    std::size_t foreign = listing->truncated ? 1 : 0;
+    bool kept = false;
+    for (const std::string& entry : listing->names) {
+      struct stat st {};
+      if (::fstatat(rank_fd->get(), entry.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+        if (errno != ENOENT) ++foreign;
+        continue;
+      }
+      if (!IsStoreFileName(entry) || S_ISDIR(st.st_mode)) {
+        ++foreign;
+        continue;
+      }
+      if (S_ISREG(st.st_mode)) stale.size_bytes += static_cast<std::uint64_t>(st.st_size);
+      kept = kept || entry == kKeptName;
+    }
+    const std::string size = FormatBytes(stale.size_bytes);
+    if (kept) {
+      ZINF_LOG_WARN(
+          "swap store {} ({}) of job '{}' was kept (keep_swap) by a run that has ended; it is "
+          "not removed automatically: remove it with: rm -rf {}",
+          rank_dir, size, job_id, rank_dir);
+      stale.action = StaleAction::kKept;
+    } else if (foreign != 0) {
+      const std::string what = listing->truncated
+                                   ? fmt::format("more than {} entries", SwapStore::kMaxScanEntries)
+                                   : fmt::format("{} entr{} a swap store never has", foreign,
+                                                 foreign == 1 ? "y" : "ies");
+      ZINF_LOG_WARN(
+          "swap store {} ({}) that a killed run of job '{}' left behind holds {}; not removed: "
+          "remove it with: rm -rf {}",
+          rank_dir, size, job_id, what, rank_dir);
+      stale.action = StaleAction::kLeft;
+    } else {
+      stale.action = Remove(job_fd, name, rank_fd->get(), rank_dir, listing->names)
+                         ? StaleAction::kRemoved
+                         : StaleAction::kLeft;
+      if (stale.action == StaleAction::kRemoved) {
+        ZINF_LOG_WARN("removed the swap store {} ({}) that a killed run of job '{}' left behind",
+                      rank_dir, size, job_id);
+      }
+    }
+    found_->push_back(std::move(stale));
+  }
+
+  // Unlinks the store's files (`entries`, all known names) and the rank directory itself.
+  bool Remove(int job_fd, const std::string& name, int rank_fd, const std::string& rank_dir,
+              const std::vector<std::string>& entries) {
+    for (const std::string& entry : entries) {
+      if (::unlinkat(rank_fd, entry.c_str(), 0) != 0 && errno != ENOENT) {
+        const int err = errno;
+        ZINF_LOG_WARN(
+            "swap store {} that a killed run left behind: remove {}: {}; remove it "
+            "with: rm -rf {}",
+            rank_dir, entry, std::strerror(err), rank_dir);
+        return false;
+      }
+    }
+    Result<bool> linked = StillLinked(job_fd, name, rank_fd, rank_dir);
+    if (!linked || !*linked) return true;  // removed by someone else meanwhile
+    if (::unlinkat(job_fd, name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
+      const int err = errno;
+      ZINF_LOG_WARN(
+          "swap store {} that a killed run left behind: rmdir: {}; remove it with: "
+          "rm -rf {}",
+          rank_dir, std::strerror(err), rank_dir);
+      return false;
+    }
+    return true;
+  }
+
+  const SwapStoreOptions& options_;
+  std::vector<StaleStore>* found_;
+  uid_t uid_;
+};
+
+}  // namespace
+
+Result<std::vector<StaleStore>> SwapStore::ReclaimStale(const SwapStoreOptions& options) {
+  ZINF_RETURN_IF_ERROR(ValidateOptions(options));
+  std::vector<StaleStore> found;
+  StaleScan scan(options, &found);
+  for (const std::string& path : options.paths) scan.ScanPath(StripTrailingSlashes(path));
+  return found;
 }
 
 Status SwapStore::Reserve(std::vector<TensorSpec> specs) {
@@ -944,23 +1239,25 @@ Status SwapStore::RemoveStore(bool all) {
   for (std::size_t i = 0; i < paths_.size(); ++i) {
     PathState& ps = paths_[i];
     if (ps.file.is_open()) note(ps.file.Close());
-    if (ps.rank_fd >= 0 && (all || ps.created_rank_dir)) {
-      note(UnlinkIfPresent(ps.rank_fd, kDataFileName, 0, ps.rank_dir + "/" + kDataFileName));
-      if (i == 0) {
-        note(UnlinkIfPresent(ps.rank_fd, kManifestName, 0, ps.rank_dir + "/" + kManifestName));
-        note(
-            UnlinkIfPresent(ps.rank_fd, kManifestTmpName, 0, ps.rank_dir + "/" + kManifestTmpName));
+    if (ps.rank_fd && (all || ps.created_rank_dir)) {
+      for (const char* name : kStoreFileNames) {
+        note(UnlinkIfPresent(ps.rank_fd.get(), name, 0, ps.rank_dir + "/" + name));
       }
-      CloseFd(&ps.rank_fd);
-      note(UnlinkIfPresent(ps.job_fd, rank_name.c_str(), AT_REMOVEDIR, ps.rank_dir));
+      ps.rank_fd.Reset();
+      note(UnlinkIfPresent(ps.job_fd.get(), rank_name.c_str(), AT_REMOVEDIR, ps.rank_dir));
     }
-    // The job directory is shared with the node's other ranks: the last one out removes it.
-    if (ps.job_fd >= 0 && (all || ps.created_job_dir)) {
-      CloseFd(&ps.job_fd);
-      if (::unlinkat(ps.path_fd, job_name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOTEMPTY &&
+    // The job directory is shared with the node's other ranks, which hold LOCK_SH on it: the
+    // last one out (the only one that gets LOCK_EX) removes it when it is empty.
+    if (ps.job_fd && (all || ps.created_job_dir)) {
+      Result<bool> exclusive = TryFlock(ps.job_fd.get(), LOCK_UN, ps.job_dir);
+      if (exclusive) exclusive = TryFlock(ps.job_fd.get(), LOCK_EX | LOCK_NB, ps.job_dir);
+      if (exclusive && *exclusive &&
+          ::unlinkat(ps.path_fd.get(), job_name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOTEMPTY &&
           errno != EEXIST && errno != ENOENT && errno != EBUSY) {
         note(ErrnoError(errno, fmt::format("swap store: remove {}", ps.job_dir)));
       }
+      if (!exclusive) note(std::move(exclusive).error());
+      ps.job_fd.Reset();
     }
   }
   return first;
@@ -968,9 +1265,9 @@ Status SwapStore::RemoveStore(bool all) {
 
 void SwapStore::CloseDescriptors() {
   for (PathState& ps : paths_) {
-    CloseFd(&ps.rank_fd);
-    CloseFd(&ps.job_fd);
-    CloseFd(&ps.path_fd);
+    ps.rank_fd.Reset();
+    ps.job_fd.Reset();
+    ps.path_fd.Reset();
   }
 }
 

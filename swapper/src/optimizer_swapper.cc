@@ -1,5 +1,7 @@
 #include "zinf/swapper/optimizer_swapper.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstring>
 #include <set>
@@ -75,6 +77,52 @@ Status PreflightSpace(const comm::Communicator& comm, const storage::SwapStoreOp
     }
   }
   return comm.AgreeOnStatus(local);
+}
+
+// Removes what killed runs left in this node's swap directories (SwapStore::ReclaimStale), once
+// per directory and node: each rank scans those of its paths that no lower local rank of the
+// node has (paths with {local_rank} differ per rank). Run after every rank's store is open, so
+// that the job's own stores are locked. Collective over `comm`; what the scan finds or fails at
+// is WARN lines, only a communication error fails.
+Status ReclaimStaleStores(const comm::Communicator& comm,
+                          const storage::SwapStoreOptions& options) {
+  std::vector<std::uint64_t> mine;  // (st_dev, st_ino) per path
+  for (const std::string& path : options.paths) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) st = {};  // cannot happen after Open; scan it anyway
+    mine.push_back(static_cast<std::uint64_t>(st.st_dev));
+    mine.push_back(static_cast<std::uint64_t>(st.st_ino));
+  }
+  ZINF_ASSIGN_OR_RETURN(comm::Communicator node, comm.SplitNode());
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(node.size()));
+  const std::int64_t my_count = static_cast<std::int64_t>(mine.size());
+  ZINF_RETURN_IF_ERROR(
+      node.Allgather<std::int64_t>(std::span<const std::int64_t>(&my_count, 1), counts));
+  std::int64_t total = 0;
+  std::int64_t lower = 0;  // entries of the node's lower ranks
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    if (static_cast<int>(r) < node.rank()) lower += counts[r];
+    total += counts[r];
+  }
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(total));
+  ZINF_RETURN_IF_ERROR(node.Allgatherv<std::uint64_t>(mine, all, counts));
+  storage::SwapStoreOptions scan = options;
+  scan.paths.clear();
+  for (std::size_t i = 0; i < options.paths.size(); ++i) {
+    bool scanned_below = false;
+    for (std::int64_t j = 0; j + 1 < lower; j += 2) {
+      const auto k = static_cast<std::size_t>(j);
+      scanned_below = scanned_below || (all[k] == mine[2 * i] && all[k + 1] == mine[2 * i + 1]);
+    }
+    if (!scanned_below) scan.paths.push_back(options.paths[i]);
+  }
+  if (scan.paths.empty()) return OkStatus();
+  Result<std::vector<storage::StaleStore>> found = storage::SwapStore::ReclaimStale(scan);
+  if (!found) {
+    ZINF_LOG_WARN("optimizer swapper: looking for swap stores that killed runs left behind: {}",
+                  found.error().ToString());
+  }
+  return OkStatus();
 }
 
 }  // namespace
@@ -569,6 +617,12 @@ Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
   // multi-node job says which node lacks its nvme_path.
   const std::string on_host = fmt::format("optimizer swapper on host {}: ", dup.topology().hostname);
   ZINF_RETURN_IF_ERROR(dup.AgreeOnStatus(Annotate(local_setup(), on_host)));
+  // Every rank's store is open (and locked): stores of killed runs on this node's swap paths
+  // can be told apart now, and removing them frees space before the preflight counts it.
+  // reclaim_stale is the same on every rank (one config), so all ranks take this branch.
+  if (parts.options.store.reclaim_stale) {
+    ZINF_RETURN_IF_ERROR(ReclaimStaleStores(dup, parts.options.store));
+  }
   ZINF_RETURN_IF_ERROR(PreflightSpace(dup, parts.options.store, specs));
   ZINF_RETURN_IF_ERROR(dup.AgreeOnStatus(
       Annotate(parts.store->Reserve(specs), on_host + "reserve the swap store: ")));

@@ -1,21 +1,25 @@
 #include "zinf/storage/swap_store.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cstddef>
-#include <fstream>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -81,6 +85,11 @@ mode_t ModeOf(const std::string& path) {
   struct stat st {};
   EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
   return st.st_mode & 07777;
+}
+
+std::string ReadFileText(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 Result<AlignedBuffer> IoBuffer(const SwapStore& store, std::uint64_t size_bytes) {
@@ -691,6 +700,328 @@ TEST(SwapStore, BufferedStoreWorks) {
   ZINF_ASSERT_OK(engine->WaitAll());
   const std::vector<std::byte> expected = Pattern("sg0/grad", extent.size_bytes);
   EXPECT_EQ(std::memcmp(buffer.data(), expected.data() + 4097, 1000), 0);
+}
+
+// ---- Stale stores: what killed processes leave behind, and ReclaimStale ----
+
+// Runs `body` in a forked child that then ends with _exit: no destructor, no Close(), exactly
+// what a process killed with SIGKILL leaves behind (the kernel drops its flocks). Returns true
+// when the child got through `body` (exit status 0).
+bool RunAndDie(const std::function<bool()>& body) {
+  const pid_t pid = ::fork();
+  if (pid < 0) return false;
+  if (pid == 0) ::_exit(body() ? 0 : 1);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// A store of `options` with one tensor written, opened in a child that dies without cleaning up.
+bool LeaveStaleStore(const SwapStoreOptions& options, std::uint64_t size_bytes = 100'000) {
+  return RunAndDie([&] {
+    auto store = SwapStore::Open(options);
+    if (!store) return false;
+    if (!(*store)->Reserve({{"x", size_bytes}})) return false;
+    if (!(*store)->Write("x", Pattern("x", size_bytes))) return false;
+    (void)store->release();  // never closed
+    return true;
+  });
+}
+
+// A child that holds a store of `options` open until Release(), then dies without cleanup.
+class LiveChild {
+ public:
+  explicit LiveChild(const SwapStoreOptions& options) {
+    int ready[2], release[2];
+    if (::pipe(ready) != 0 || ::pipe(release) != 0) return;
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::close(ready[0]);
+      ::close(release[1]);
+      auto store = SwapStore::Open(options);
+      const char ok = store && (*store)->Reserve({{"x", 4096}}) ? 'y' : 'n';
+      (void)!::write(ready[1], &ok, 1);
+      char byte;
+      (void)!::read(release[0], &byte, 1);  // EOF when the parent releases
+      ::_exit(0);
+    }
+    ::close(ready[1]);
+    ::close(release[0]);
+    release_fd_ = release[1];
+    char ok = 'n';
+    opened_ = pid_ > 0 && ::read(ready[0], &ok, 1) == 1 && ok == 'y';
+    ::close(ready[0]);
+  }
+  ~LiveChild() { Release(); }
+  bool opened() const { return opened_; }
+  // Lets the child die (without cleanup) and waits for it.
+  void Release() {
+    if (release_fd_ >= 0) ::close(release_fd_);
+    release_fd_ = -1;
+    if (pid_ > 0) {
+      int status = 0;
+      while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+      }
+    }
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int release_fd_ = -1;
+  bool opened_ = false;
+};
+
+// ReclaimStale with stderr captured into *log.
+Result<std::vector<StaleStore>> ReclaimCapturing(const SwapStoreOptions& options,
+                                                 std::string* log) {
+  ::testing::internal::CaptureStderr();
+  Result<std::vector<StaleStore>> found = SwapStore::ReclaimStale(options);
+  *log = ::testing::internal::GetCapturedStderr();
+  return found;
+}
+
+TEST(SwapStoreReclaim, KilledProcesssStoreIsRemovedByAnotherJob) {
+  ScratchDir a("swap-a"), b("swap-b");
+  const SwapStoreOptions killed = MakeOptions({a.path(), b.path()}, UniqueJob("killed"), 4096);
+  ASSERT_TRUE(LeaveStaleStore(killed, 100'000));
+  const std::string job_a = a.path() + "/zinf-" + killed.job_id;
+  ASSERT_TRUE(fs::exists(job_a + "/rank3/swap.bin"));
+  ASSERT_TRUE(fs::exists(job_a + "/rank3/manifest"));
+  ASSERT_TRUE(fs::exists(b.path() + "/zinf-" + killed.job_id + "/rank3/swap.bin"));
+  EXPECT_FALSE(fs::exists(job_a + "/rank3/kept"));
+
+  std::string log;
+  ZINF_ASSERT_OK_AND_ASSIGN(
+      std::vector<StaleStore> found,
+      ReclaimCapturing(MakeOptions({a.path(), b.path()}, UniqueJob("next")), &log));
+  ASSERT_EQ(found.size(), 2u);
+  EXPECT_EQ(found[0].directory, job_a + "/rank3");
+  EXPECT_EQ(found[0].job_id, killed.job_id);
+  EXPECT_EQ(found[0].world_rank, 3);
+  EXPECT_EQ(found[0].action, StaleAction::kRemoved);
+  EXPECT_EQ(found[1].action, StaleAction::kRemoved);
+  // The tensor's 25 units of 4 KiB, striped over both paths, plus the manifest.
+  EXPECT_GE(found[0].size_bytes + found[1].size_bytes, 25u * 4096);
+  EXPECT_THAT(log,
+              AllOf(HasSubstr("[warn"), HasSubstr("removed the swap store " + job_a + "/rank3"),
+                    HasSubstr(FormatBytes(found[0].size_bytes)),
+                    HasSubstr("a killed run of job '" + killed.job_id + "'")));
+  EXPECT_TRUE(fs::is_empty(a.path()));
+  EXPECT_TRUE(fs::is_empty(b.path()));
+  // Nothing left: a second scan finds nothing.
+  ZINF_ASSERT_OK_AND_ASSIGN(found, SwapStore::ReclaimStale(MakeOptions({a.path()}, "next")));
+  EXPECT_TRUE(found.empty());
+}
+
+TEST(SwapStoreReclaim, KeptStoreIsReportedWithItsSizeAndLeft) {
+  ScratchDir dir("swap");
+  SwapStoreOptions kept = MakeOptions({dir.path()}, UniqueJob("kept"));
+  kept.keep = true;
+  ASSERT_TRUE(LeaveStaleStore(kept, 64 * 1024));
+  const std::string rank_dir = dir.path() + "/zinf-" + kept.job_id + "/rank3";
+  ASSERT_TRUE(fs::is_regular_file(rank_dir + "/kept"));  // marked at Open, before any Close
+  EXPECT_EQ(ModeOf(rank_dir + "/kept"), 0600u);
+  // One closed cleanly with keep is marked the same way.
+  SwapStoreOptions closed = MakeOptions({dir.path()}, UniqueJob("kept-closed"));
+  closed.keep = true;
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(closed));
+    ZINF_ASSERT_OK(store->Reserve({{"x", 1000}}));
+    ZINF_ASSERT_OK(store->Close());
+  }
+
+  std::string log;
+  ZINF_ASSERT_OK_AND_ASSIGN(std::vector<StaleStore> found,
+                            ReclaimCapturing(MakeOptions({dir.path()}, UniqueJob("next")), &log));
+  ASSERT_EQ(found.size(), 2u);
+  for (const StaleStore& stale : found) {
+    EXPECT_EQ(stale.action, StaleAction::kKept) << stale.directory;
+    EXPECT_TRUE(fs::exists(stale.directory + "/swap.bin")) << stale.directory;
+    EXPECT_THAT(log, AllOf(HasSubstr(stale.directory + " (" + FormatBytes(stale.size_bytes)),
+                           HasSubstr("rm -rf " + stale.directory)));
+  }
+  EXPECT_THAT(log, AllOf(HasSubstr("[warn"), HasSubstr("keep_swap")));
+  EXPECT_TRUE(fs::exists(rank_dir + "/swap.bin"));
+
+  // Resumed without keep, the store is no longer kept: a later kill leaves a removable one.
+  kept.resume = true;
+  kept.keep = false;
+  ASSERT_TRUE(RunAndDie([&] {
+    auto store = SwapStore::Open(kept);
+    const bool ok = store && !fs::exists(rank_dir + "/kept");
+    if (store) (void)store->release();
+    return ok;
+  }));
+  ZINF_ASSERT_OK_AND_ASSIGN(found,
+                            SwapStore::ReclaimStale(MakeOptions({dir.path()}, UniqueJob("next"))));
+  ASSERT_EQ(found.size(), 2u);
+  const auto it = std::find_if(found.begin(), found.end(),
+                               [&](const StaleStore& s) { return s.directory == rank_dir; });
+  ASSERT_NE(it, found.end());
+  EXPECT_EQ(it->action, StaleAction::kRemoved);
+  EXPECT_FALSE(fs::exists(dir.path() + "/zinf-" + kept.job_id));
+}
+
+TEST(SwapStoreReclaim, LiveStoresAreUntouched) {
+  ScratchDir dir("swap");
+  const SwapStoreOptions here = MakeOptions({dir.path()}, UniqueJob("live-here"));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(here));
+  ZINF_ASSERT_OK(store->Reserve({{"x", 100}}));
+  ZINF_ASSERT_OK(store->Write("x", Pattern("x", 100)));
+  SwapStoreOptions there = MakeOptions({dir.path()}, UniqueJob("live-child"));
+  there.world_rank = 0;
+  LiveChild child(there);
+  ASSERT_TRUE(child.opened());
+  const std::string child_dir = dir.path() + "/zinf-" + there.job_id + "/rank0";
+
+  ZINF_ASSERT_OK_AND_ASSIGN(std::vector<StaleStore> found,
+                            SwapStore::ReclaimStale(MakeOptions({dir.path()}, UniqueJob("next"))));
+  EXPECT_TRUE(found.empty());
+  EXPECT_TRUE(fs::exists(store->directory(0) + "/swap.bin"));
+  EXPECT_TRUE(fs::exists(child_dir + "/swap.bin"));
+  std::vector<std::byte> out(100);
+  ZINF_ASSERT_OK(store->Read("x", out));
+  EXPECT_EQ(out, Pattern("x", 100));
+
+  // Once the child is gone (killed), its store is stale; ours is still live.
+  child.Release();
+  ZINF_ASSERT_OK_AND_ASSIGN(found,
+                            SwapStore::ReclaimStale(MakeOptions({dir.path()}, UniqueJob("next"))));
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].directory, child_dir);
+  EXPECT_EQ(found[0].action, StaleAction::kRemoved);
+  EXPECT_TRUE(fs::exists(store->directory(0) + "/swap.bin"));
+  ZINF_ASSERT_OK(store->Close());
+  EXPECT_TRUE(fs::is_empty(dir.path()));
+}
+
+TEST(SwapStoreReclaim, OurJobsStaleRankOfAnotherNumberIsRemoved) {
+  ScratchDir dir("swap");
+  const SwapStoreOptions ours = MakeOptions({dir.path()}, UniqueJob("ours"));
+  SwapStoreOptions other_rank = ours;
+  other_rank.world_rank = 5;  // e.g. a killed run of the same job_id on more ranks
+  ASSERT_TRUE(LeaveStaleStore(other_rank));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(ours));
+  ZINF_ASSERT_OK(store->Reserve({{"x", 100}}));
+  const std::string job_dir = dir.path() + "/zinf-" + ours.job_id;
+
+  ZINF_ASSERT_OK_AND_ASSIGN(std::vector<StaleStore> found, SwapStore::ReclaimStale(ours));
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].directory, job_dir + "/rank5");
+  EXPECT_EQ(found[0].world_rank, 5);
+  EXPECT_EQ(found[0].action, StaleAction::kRemoved);
+  EXPECT_FALSE(fs::exists(job_dir + "/rank5"));
+  EXPECT_TRUE(fs::exists(store->directory(0) + "/swap.bin"));  // ours is live: untouched
+  ZINF_ASSERT_OK(store->Close());
+  EXPECT_FALSE(fs::exists(job_dir));
+}
+
+TEST(SwapStoreReclaim, PlantedSymlinksAreNeverFollowed) {
+  ScratchDir dir("swap"), elsewhere("swap-elsewhere");
+  // Something that looks like a stale store, outside the swap path.
+  ASSERT_TRUE(fs::create_directories(elsewhere.Join("rank0")));
+  { std::ofstream(elsewhere.Join("rank0/swap.bin")) << "precious"; }
+  { std::ofstream(elsewhere.Join("swap.bin")) << "precious"; }
+  // A job directory that is a link; a rank directory that is a link; a store file that is a
+  // link (only the link goes); the swap path itself given as a link.
+  ASSERT_EQ(::symlink(elsewhere.path().c_str(), dir.Join("zinf-planted").c_str()), 0);
+  ASSERT_TRUE(fs::create_directories(dir.Join("zinf-real/rank2")));
+  ASSERT_EQ(::symlink(elsewhere.Join("rank0").c_str(), dir.Join("zinf-real/rank1").c_str()), 0);
+  ASSERT_EQ(
+      ::symlink(elsewhere.Join("swap.bin").c_str(), dir.Join("zinf-real/rank2/swap.bin").c_str()),
+      0);
+  ASSERT_EQ(::mkfifo(dir.Join("zinf-real/rank2/manifest").c_str(), 0600), 0);  // never opened
+  ASSERT_EQ(::symlink(dir.path().c_str(), elsewhere.Join("swap-link").c_str()), 0);
+
+  std::string log;
+  ZINF_ASSERT_OK_AND_ASSIGN(
+      std::vector<StaleStore> found,
+      ReclaimCapturing(MakeOptions({elsewhere.Join("swap-link")}, UniqueJob("next")), &log));
+  EXPECT_TRUE(found.empty());
+  EXPECT_THAT(log, HasSubstr("symbolic link"));
+  EXPECT_TRUE(fs::exists(dir.Join("zinf-real/rank2/manifest")));
+
+  ZINF_ASSERT_OK_AND_ASSIGN(found,
+                            SwapStore::ReclaimStale(MakeOptions({dir.path()}, UniqueJob("next"))));
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].directory, dir.Join("zinf-real/rank2"));
+  EXPECT_EQ(found[0].action, StaleAction::kRemoved);
+  EXPECT_FALSE(fs::exists(dir.Join("zinf-real/rank2")));
+  // The links stay (the job directory with one is not empty), their targets are untouched.
+  EXPECT_TRUE(fs::is_symlink(dir.Join("zinf-planted")));
+  EXPECT_TRUE(fs::is_symlink(dir.Join("zinf-real/rank1")));
+  EXPECT_EQ(ReadFileText(elsewhere.Join("rank0/swap.bin")), "precious");
+  EXPECT_EQ(ReadFileText(elsewhere.Join("swap.bin")), "precious");
+}
+
+TEST(SwapStoreReclaim, ForeignEntriesAndHugeDirectoriesAreLeftWithAWarning) {
+  ScratchDir dir("swap");
+  // A stale store with a file a store never has: left as it is.
+  ASSERT_TRUE(fs::create_directories(dir.Join("zinf-odd/rank0")));
+  { std::ofstream(dir.Join("zinf-odd/rank0/swap.bin")) << "x"; }
+  { std::ofstream(dir.Join("zinf-odd/rank0/notes.txt")) << "mine"; }
+  // A rank directory with more entries than a scan examines.
+  ASSERT_TRUE(fs::create_directories(dir.Join("zinf-huge/rank0")));
+  for (std::size_t i = 0; i < SwapStore::kMaxScanEntries + 3; ++i) {
+    const std::string name = dir.Join(fmt::format("zinf-huge/rank0/f{}", i));
+    const int fd = ::open(name.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    ASSERT_GE(fd, 0) << name;
+    ::close(fd);
+  }
+  // Names that are not stores at all are skipped.
+  ASSERT_TRUE(fs::create_directories(dir.Join("zinf-../rank0")));
+  ASSERT_TRUE(fs::create_directories(dir.Join("zinf-x/rank-1")));
+  ASSERT_TRUE(fs::create_directories(dir.Join("other/rank0")));
+
+  std::string log;
+  ZINF_ASSERT_OK_AND_ASSIGN(std::vector<StaleStore> found,
+                            ReclaimCapturing(MakeOptions({dir.path()}, UniqueJob("next")), &log));
+  ASSERT_EQ(found.size(), 2u);
+  for (const StaleStore& stale : found) {
+    EXPECT_EQ(stale.action, StaleAction::kLeft) << stale.directory;
+    EXPECT_THAT(log, HasSubstr("rm -rf " + stale.directory));
+  }
+  EXPECT_THAT(log, HasSubstr(fmt::format("more than {}", SwapStore::kMaxScanEntries)));
+  EXPECT_TRUE(fs::exists(dir.Join("zinf-odd/rank0/swap.bin")));
+  EXPECT_TRUE(fs::exists(dir.Join("zinf-odd/rank0/notes.txt")));
+  EXPECT_TRUE(fs::exists(dir.Join("zinf-x/rank-1")));
+  EXPECT_TRUE(fs::exists(dir.Join("other/rank0")));
+}
+
+TEST(SwapStoreReclaim, OpenWaitsForAReclaimerAndSurvivesItRemovingTheJobDirectory) {
+  ScratchDir dir("swap");
+  const SwapStoreOptions options = MakeOptions({dir.path()}, UniqueJob("race"));
+  const std::string job_dir = dir.path() + "/zinf-" + options.job_id;
+  // A reclaimer holds the (empty) job directory exclusively, then removes it.
+  ASSERT_EQ(::mkdir(job_dir.c_str(), 0700), 0);
+  const int reclaimer = ::open(job_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ASSERT_GE(reclaimer, 0);
+  ASSERT_EQ(::flock(reclaimer, LOCK_EX | LOCK_NB), 0);
+  Result<std::unique_ptr<SwapStore>> opened = InternalError("not run");
+  std::thread opener([&] { opened = SwapStore::Open(options); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_EQ(::rmdir(job_dir.c_str()), 0);
+  ::close(reclaimer);
+  opener.join();
+  ZINF_ASSERT_OK(opened);
+  // The store lives in a job directory that is linked at its name.
+  EXPECT_TRUE(fs::exists((*opened)->directory(0) + "/swap.bin"));
+  ZINF_ASSERT_OK((*opened)->Reserve({{"x", 100}}));
+  // While it is open, nobody can lock its job directory exclusively.
+  const int probe = ::open(job_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ASSERT_GE(probe, 0);
+  EXPECT_NE(::flock(probe, LOCK_EX | LOCK_NB), 0);
+  ::close(probe);
+  ZINF_ASSERT_OK((*opened)->Close());
+  EXPECT_FALSE(fs::exists(job_dir));
+}
+
+TEST(SwapStoreReclaim, InvalidOptionsAreRefused) {
+  EXPECT_THAT(SwapStore::ReclaimStale(MakeOptions({}, "j")), StatusIs(ErrorCode::kInvalidArgument));
+  EXPECT_THAT(SwapStore::ReclaimStale(MakeOptions({"/tmp"}, "../x")),
+              StatusIs(ErrorCode::kInvalidArgument));
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 //                                      O_DIRECT where the file system supports it
 //   <P0>/zinf-<job_id>/rank<r>/manifest  (first path only) stripe unit, path count and the
 //                                      reserved tensors in order; checked when resuming
+//   <P>/zinf-<job_id>/rank<r>/kept     empty, 0600: the store was opened with `keep` (written at
+//                                      Open, so it marks a kept store whose process was killed)
 //
 // Striping. Reserved tensors are laid out one after the other in a logical space of stripe units
 // (`stripe_unit_bytes` each); tensor t occupies units [first_unit, first_unit + num_units) with
@@ -25,11 +27,36 @@
 // Lifetime and cleanup. Open() creates the directories (or, with `resume`, reopens an existing
 // store), Reserve() places tensors and preallocates space after a free-space preflight,
 // Close() (or the destructor, best effort) removes the store unless `keep` is set. Removal only
-// happens at a clean Close()/destruction: a process that is killed leaves its store behind, and
-// the next instance with the same job_id and rank gets AlreadyExists unless it asks to resume or
-// to reclaim_stale. An open store holds an flock on each rank directory, so a store in use by a
-// live instance is AlreadyExists whatever the options: resume and reclaim_stale only ever touch
-// stores whose owner is gone.
+// happens at a clean Close()/destruction: a process that is killed leaves its store behind.
+//
+// Locks (flock, released by the kernel when the process dies, however it dies). An open store
+// holds LOCK_EX on each of its rank directories and LOCK_SH on each of its job directories for
+// its lifetime, so "no live process holds it" is a lock that can be taken:
+//   - a store in use by a live instance is AlreadyExists at Open whatever the options; resume
+//     and reclaim_stale only ever touch stores whose owner is gone;
+//   - a job directory that some live store uses cannot be locked exclusively, so ReclaimStale
+//     leaves it alone. Open takes its LOCK_SH waiting (bounded, 30 s) for a reclaimer's LOCK_EX,
+//     then checks that the directory it locked is still the one linked at its name and starts
+//     over (a few times) if a reclaimer removed it in between;
+//   - Close removes a job directory only while it holds it exclusively (no other live store of
+//     the job on this path) and it is empty: the last store out removes it.
+// A store opened with `keep` writes an empty file `kept` into each of its rank directories at
+// Open (and a store opened without `keep` removes one it finds), so a kept store is
+// recognisable even after its process was killed.
+//
+// Stale stores. Left by a killed run, a store is reclaimed by the next run on the same path:
+//   - the same job_id and rank: Open with reclaim_stale empties and reuses it (WARN line, also
+//     for a kept one), without reclaim_stale it is AlreadyExists unless `resume`;
+//   - any other stale store on a configured path: ReclaimStale() removes it (WARN line naming
+//     it and its size), unless it is kept (WARN line naming it, its size and `rm -rf <dir>`),
+//     owned by another uid (skipped silently) or holds entries a store never has (left, WARN).
+//
+// Hostile directories. Every configured path, job and rank directory is opened with O_NOFOLLOW
+// and checked for its owner; files are created exclusively; ReclaimStale examines at most
+// kMaxScanEntries entries of any directory (WARN when there are more), only names of the forms
+// zinf-<job_id> and rank<r>, only directories that are not symbolic links, and removes only the
+// store's own file names (swap.bin, manifest, manifest.tmp, kept) with unlinkat. Nothing
+// follows a planted symlink, blocks on a FIFO, or loops without bound.
 //
 // Verification (`verify_swap`). A checksum (XXH3-64) is recorded per stripe unit of a tensor
 // whenever a write covers that unit's bytes completely, and checked when a read covers it
@@ -58,6 +85,7 @@
 
 #include "zinf/core/status.h"
 #include "zinf/storage/file.h"
+#include "zinf/storage/fs.h"
 #include "zinf/storage/io_engine.h"
 
 namespace zinf::storage {
@@ -67,13 +95,28 @@ struct SwapStoreOptions {
   std::string job_id;              // [A-Za-z0-9_.-]+, no ".."; keys the store directory
   int world_rank = 0;              // this rank; names rank<world_rank>/
   std::uint64_t stripe_unit_bytes = 1 << 20;  // striping unit; a multiple of alignment()
-  bool keep = false;         // keep the store at Close() (for inspection or a later resume)
-  bool resume = false;       // reopen an existing store of this job and rank instead of failing
+  bool keep = false;    // keep the store at Close() (for inspection or a later resume)
+  bool resume = false;  // reopen an existing store of this job and rank instead of failing
   // Without resume: a store of this job and rank that no live instance holds (its process was
-  // killed) is emptied and reused, with a WARN line, instead of AlreadyExists.
+  // killed) is emptied and reused, with a WARN line, instead of AlreadyExists. Callers that set
+  // it also run ReclaimStale (the optimizer swapper does, once per node).
   bool reclaim_stale = false;
   bool verify_swap = false;  // checksum every stripe unit on write, check it on read
   bool direct = true;        // O_DIRECT where supported (falls back to buffered otherwise)
+};
+
+// A store that no live process holds, found by SwapStore::ReclaimStale.
+enum class StaleAction {
+  kRemoved,  // its files and rank directory were removed
+  kKept,     // it has the `kept` marker (keep_swap): left, with a WARN line naming rm -rf <dir>
+  kLeft,     // it holds unexpected entries, or removing it failed: left, with a WARN line
+};
+struct StaleStore {
+  std::string directory;         // <P>/zinf-<job_id>/rank<r>
+  std::string job_id;            // the job that left it behind
+  int world_rank = 0;            // r of rank<r>
+  std::uint64_t size_bytes = 0;  // sum of the sizes of its files (what removing it frees)
+  StaleAction action = StaleAction::kLeft;
 };
 
 struct TensorSpec {
@@ -108,7 +151,9 @@ class SwapStore {
   // the alignment, negative rank); NotFound (a path does not exist); FailedPrecondition (a path,
   // the job or rank directory or a file is a symlink or not a directory/file, a store directory
   // or file is owned by another uid, a resumed store is incomplete or its manifest disagrees
-  // with `options`); AlreadyExists (the rank directory exists and `resume` is false); errno
+  // with `options`); AlreadyExists (the rank directory exists and `resume` is false, or a live
+  // instance holds it); Unavailable (a job directory stayed locked exclusively for 30 s, or was
+  // removed under us again and again; the rank directory was removed while we opened it); errno
   // errors from mkdir/open. On failure, whatever this call created is removed again.
   static Result<std::unique_ptr<SwapStore>> Open(const SwapStoreOptions& options);
 
@@ -121,6 +166,22 @@ class SwapStore {
   // ResourceExhausted if any file system lacks fs_needed_bytes; the message names every short
   // path with its needed and available bytes.
   static Status CheckSpace(std::span<const PathSpace> space);
+
+  // Scans every path of `options` for stores that no live process holds and removes them (see
+  // "Stale stores" above): job directories zinf-<id> of other job ids that no live store holds
+  // (LOCK_EX | LOCK_NB on the job directory succeeds), and in this job's directory
+  // (zinf-<options.job_id>) each rank directory whose LOCK_EX | LOCK_NB succeeds (this job's
+  // live stores, in this process or another, hold theirs). A stale rank directory is removed
+  // unless kept, owned by another uid or holding other entries; an other job's directory is
+  // removed when it became empty (this job's never). Only paths, job_id and world_rank of
+  // `options` are used; run it after this job's stores were opened, so their locks are held.
+  // Returns the stale stores found, each with what was done; removals and everything left
+  // behind are WARN lines (every rank that calls it logs its own). Problems with single
+  // entries, and a path that cannot be opened, are WARN lines and skip them, never errors.
+  // Errors: InvalidArgument (options as in Open).
+  static Result<std::vector<StaleStore>> ReclaimStale(const SwapStoreOptions& options);
+  // Entries ReclaimStale examines per directory; the rest is skipped with a WARN line.
+  static constexpr std::size_t kMaxScanEntries = 4096;
 
   SwapStore(const SwapStore&) = delete;
   SwapStore& operator=(const SwapStore&) = delete;
@@ -215,9 +276,9 @@ class SwapStore {
     std::string path;      // configured path P
     std::string job_dir;   // P/zinf-<job_id>
     std::string rank_dir;  // P/zinf-<job_id>/rank<r>
-    int path_fd = -1;
-    int job_fd = -1;
-    int rank_fd = -1;
+    UniqueFd path_fd;
+    UniqueFd job_fd;   // holds LOCK_SH while the store is open
+    UniqueFd rank_fd;  // holds LOCK_EX while the store is open
     bool created_job_dir = false;
     bool created_rank_dir = false;
     File file;
@@ -238,6 +299,10 @@ class SwapStore {
   explicit SwapStore(const SwapStoreOptions& options);
 
   Status OpenImpl();
+  // Pass 1 of OpenImpl for path `ps`: creates or opens its job directory and takes LOCK_SH.
+  Status OpenJobDirectory(PathState& ps);
+  // Writes (keep) or removes (otherwise) the `kept` marker in every rank directory.
+  Status MarkKept();
   Status ReadManifest();
   Status WriteManifest();
   Result<std::size_t> Find(std::string_view name) const;
