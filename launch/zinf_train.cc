@@ -40,9 +40,26 @@ int Fail(const zinf::Error& error) {
   return error.code() == zinf::ErrorCode::kInvalidArgument ? kExitUsage : kExitFailure;
 }
 
+int Main(int argc, char** argv);
+
 }  // namespace
 
+// No exception is expected to reach here (every error is a Status); should one escape anyway, it
+// ends the whole job with a message instead of leaving the other ranks in a collective.
 int main(int argc, char** argv) {
+  try {
+    return Main(argc, argv);
+  } catch (const std::exception& e) {
+    ZINF_LOG_ERROR("zinf-train failed: Internal: unexpected exception: {}", e.what());
+  } catch (...) {
+    ZINF_LOG_ERROR("zinf-train failed: Internal: unexpected exception");
+  }
+  zinf::comm::MpiSession::AbortJob(kExitFailure);
+}
+
+namespace {
+
+int Main(int argc, char** argv) {
   auto session = zinf::comm::MpiSession::Init(&argc, &argv);
   if (!session) {
     std::fprintf(stderr, "zinf-train failed: %s\n", session.error().ToString().c_str());
@@ -138,3 +155,5 @@ int main(int argc, char** argv) {
   }
   return rc;
 }
+
+}  // namespace

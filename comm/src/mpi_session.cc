@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <climits>
+#include <cstdlib>
 #include <utility>
 #include <vector>
 
@@ -120,6 +121,14 @@ MpiSession& MpiSession::operator=(MpiSession&& other) noexcept {
 }
 
 MpiSession::~MpiSession() { (void)Finalize(); }
+
+void MpiSession::AbortJob(int exit_code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  std::_Exit(exit_code);
+}
 
 Status MpiSession::Finalize() {
   if (finalized_) return OkStatus();

@@ -10,6 +10,8 @@
 
 #if __has_include(<cblas.h>)
 #include <cblas.h>
+
+#include "zinf/core/units.h"
 #define ZINF_TRAIN_HAVE_CBLAS 1
 #else
 #define ZINF_TRAIN_HAVE_CBLAS 0
@@ -355,6 +357,21 @@ Result<double> CharLM::ForwardBackward(std::span<const float> flat_weights, cons
   const double loss = CrossEntropy(net, acts, batch.targets.data(), /*to_grad=*/true);
   Backward(net, flat_weights.data(), batch.contexts.data(), acts, flat_grad.data());
   return loss;
+}
+
+std::uint64_t CharLM::WorkingBytes(std::uint64_t examples) const {
+  const Net net = MakeNet(options_, layout_);
+  // Per example: its ids and target, the embeddings, every hidden layer, the logits and their
+  // gradient, and the two backward buffers (each at most the widest layer).
+  const std::uint64_t widest =
+      static_cast<std::uint64_t>(std::max({net.in0(), net.hidden, net.vocab}));
+  const std::uint64_t floats =
+      static_cast<std::uint64_t>(net.context) + 1 + static_cast<std::uint64_t>(net.in0()) +
+      static_cast<std::uint64_t>(net.layers) * static_cast<std::uint64_t>(net.hidden) +
+      2 * static_cast<std::uint64_t>(net.vocab) + 2 * widest;
+  std::uint64_t bytes = 0;
+  if (!CheckedMul(examples, floats * sizeof(float), &bytes)) return UINT64_MAX;
+  return bytes;
 }
 
 Result<double> CharLM::Loss(std::span<const float> flat_weights, const Batch& batch) const {

@@ -77,6 +77,7 @@ class CharLM final : public Model {
   Result<double> ForwardBackward(std::span<const float> flat_weights, const Batch& batch,
                                  std::span<float> flat_grad) const override;
   Result<double> Loss(std::span<const float> flat_weights, const Batch& batch) const override;
+  std::uint64_t WorkingBytes(std::uint64_t examples) const override;
 
   // Mean loss over dataset.EvalBatch(num_examples, context) (the held-out tail), computed in
   // chunks of at most 256 examples. Errors: as EvalBatch and Loss.

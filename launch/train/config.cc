@@ -27,9 +27,11 @@
 #include <nlohmann/json.hpp>
 
 #include "zinf/core/check.h"
+#include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
 #include "zinf/storage/checksum.h"
+#include "zinf/storage/fs.h"
 
 namespace zinf::train {
 namespace {
@@ -37,6 +39,9 @@ namespace {
 using Json = nlohmann::ordered_json;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+// What a config file may be: at most 16 MiB, nested at most 32 levels (the schema needs 4).
+constexpr std::uint64_t kMaxConfigBytes = 16u << 20;
+constexpr JsonLimits kConfigJsonLimits{.max_bytes = kMaxConfigBytes, .max_depth = 32};
 constexpr double kMaxInt32 = 2147483647.0;
 
 // ---- Field access: the schema reaches into TrainConfig through these. ----
@@ -429,10 +434,18 @@ const std::vector<KeySpec>& Schema() {
        .field = Leaf<&T::zinf, &ZC::adam_threads>(),
        .description = "CPU Adam threads per rank; 0 = hardware concurrency",
        .range = Between(0, 1024)},
+      {.path = "zinf.compute_threads",
+       .field = Leaf<&T::zinf, &ZC::compute_threads>(),
+       .description = "BLAS threads per rank for the model's forward/backward; 0 = the node's "
+                      "cores / its ranks. Results are bitwise reproducible only for a fixed "
+                      "count: set it when runs with different ranks per node must agree bitwise",
+       .range = Between(0, 1024)},
       {.path = "zinf.job_id",
        .field = Leaf<&T::zinf, &ZC::job_id>(),
        .description = "Names the swap store directory zinf-<job_id>; [A-Za-z0-9_.-]+; empty: "
-                      "\"cfg\" + 12 hex digits of the config hash",
+                      "\"cfg\" + 12 hex digits of a hash of what identifies the job "
+                      "(zinf.checkpoint.dir, zinf.model, zinf.data.path, zinf.seed, world size; "
+                      "not steps, resume, checkpoint cadence or learning rate)",
        .default_text = "derived"},
       {.path = "zinf.seed",
        .field = Leaf<&T::zinf, &ZC::seed>(),
@@ -712,17 +725,9 @@ class Parser {
           fmt::format("config context: world_size {} must be >= 1, local_rank {} and node {} >= 0",
                       ctx_.world_size, ctx_.local_rank, ctx_.node));
     }
-    Json root;
-    try {
-      root = Json::parse(json_text);
-    } catch (const Json::parse_error& e) {
-      // what() is "[json.exception.parse_error.101] parse error at line 3, column 7: ...".
-      std::string_view what = e.what();
-      if (const std::size_t close = what.find("] "); close != std::string_view::npos) {
-        what.remove_prefix(close + 2);
-      }
-      return InvalidArgumentError(fmt::format("JSON syntax error: {}", what));
-    }
+    // Bounded: nesting, duplicate keys (a setting has one spelling) and numbers out of range are
+    // errors, never an exception or a stack overflow.
+    ZINF_ASSIGN_OR_RETURN(Json root, ParseJson<Json>(json_text, kConfigJsonLimits));
     if (!root.is_object()) return TypeError(DisplayPath(""), "an object", root);
     ZINF_RETURN_IF_ERROR(WalkObject(root, ""));
     ZINF_RETURN_IF_ERROR(CheckAliases());
@@ -1158,36 +1163,8 @@ Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const ConfigCon
 }
 
 Result<std::string> ReadConfigFile(const std::string& path) {
-  constexpr std::size_t kMaxConfigBytes = 16 << 20;
-  int fd = -1;
-  do {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) return ErrnoError(errno, fmt::format("config {}: open", path));
-  std::string text;
-  Status read_status = [&]() -> Status {
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) return ErrnoError(errno, fmt::format("config {}: fstat", path));
-    if (!S_ISREG(st.st_mode)) {
-      return FailedPreconditionError(fmt::format("config {}: not a regular file", path));
-    }
-    char buffer[1 << 16];
-    while (true) {
-      const ssize_t n = ::read(fd, buffer, sizeof(buffer));
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return ErrnoError(errno, fmt::format("config {}: read", path));
-      if (n == 0) break;
-      text.append(buffer, static_cast<std::size_t>(n));
-      if (text.size() > kMaxConfigBytes) {
-        return InvalidArgumentError(
-            fmt::format("config {}: larger than {} bytes", path, kMaxConfigBytes));
-      }
-    }
-    return OkStatus();
-  }();
-  ::close(fd);
-  ZINF_RETURN_IF_ERROR(read_status);
-  return text;
+  // The path is the user's own: a link is followed, but a FIFO or device is refused, never read.
+  return Annotate(storage::ReadSmallFile(path, kMaxConfigBytes, storage::Follow::kYes), "config: ");
 }
 
 Result<TrainConfig> LoadTrainConfig(const std::string& path, const ConfigContext& ctx) {
@@ -1252,8 +1229,24 @@ std::uint64_t ConfigHash(const TrainConfig& config) {
 
 std::string EffectiveJobId(const TrainConfig& config) {
   if (!config.zinf.job_id.empty()) return config.zinf.job_id;
+  // Only what identifies the job: a resumed run (other --steps, --resume, checkpoint cadence,
+  // learning rate, ...) must find the store its killed predecessor left, to reclaim it.
+  const Json canonical = CanonicalJson(config);
+  auto value = [&](const char* pointer) {
+    const Json::json_pointer at(pointer);
+    return canonical.contains(at) ? canonical[at] : Json();
+  };
+  Json identity = Json::object();
+  identity["checkpoint_dir"] = value("/zinf/checkpoint/dir");
+  identity["model"] = value("/zinf/model");
+  identity["data_path"] = value("/zinf/data/path");
+  identity["seed"] = value("/zinf/seed");
+  identity["world_size"] = config.world_size;
+  const std::string text = identity.dump();
   // ChecksumToHex gives "0x" + 16 digits.
-  return "cfg" + storage::ChecksumToHex(ConfigHash(config)).substr(2, 12);
+  return "cfg" + storage::ChecksumToHex(
+                     storage::Checksum64(std::as_bytes(std::span(text.data(), text.size()))))
+                     .substr(2, 12);
 }
 
 Status CheckSameConfigOnAllRanks(const comm::Communicator& comm, const TrainConfig& config) {

@@ -188,6 +188,7 @@ struct ZinfConfig {
   bool keep_swap = false;       // keep the swap store at exit
   bool swap_gradients = false;  // accumulate partition gradients through the gradient swapper
   int adam_threads = 0;         // CpuAdam threads per rank; 0 = hardware concurrency; [0, 1024]
+  int compute_threads = 0;      // BLAS threads per rank; 0 = cores / local ranks; [0, 1024]
   // Keys the swap store directory; [A-Za-z0-9_.-]+. Empty: derived (EffectiveJobId).
   std::string job_id;
   CheckpointConfig checkpoint;
@@ -253,9 +254,13 @@ std::string EffectiveConfigJson(const TrainConfig& config);
 // every rank that loaded the same file with the same world_size, whatever its local rank/node.
 std::uint64_t ConfigHash(const TrainConfig& config);
 
-// zinf.job_id, or "cfg" + the first 12 hex digits of ConfigHash when it is empty (the same on
-// every rank; two concurrent runs of the same config on the same nvme_path need an explicit
-// job_id, otherwise the swap store reports that the directory exists).
+// zinf.job_id, or when it is empty "cfg" + 12 hex digits of an XXH3-64 of only what identifies
+// the job: zinf.checkpoint.dir, the zinf.model section, zinf.data.path, zinf.seed and the world
+// size. Everything else (zinf.steps, zinf.checkpoint.load/every/keep_last, the optimizer and
+// scheduler, ...) leaves it unchanged, so a resumed or re-run job finds the swap store a killed
+// run of it left behind and reclaims it. The same on every rank. Two concurrent runs of the same
+// job on the same nvme_path need distinct explicit job_ids (the second one's swap store reports
+// that the directory is in use).
 std::string EffectiveJobId(const TrainConfig& config);
 
 // Collective over `comm`: checks that every rank loaded the same config (ConfigHash). Every rank

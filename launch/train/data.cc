@@ -1,25 +1,28 @@
 #include "data.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
-#include <system_error>
 #include <utility>
 #include <vector>
+
+#include "zinf/storage/fs.h"
 
 namespace zinf::train {
 namespace {
 
-namespace fs = std::filesystem;
+// The text a dataset may hold in all (it lives in every rank's memory), and the directory
+// entries LoadDirectory looks at.
+constexpr std::uint64_t kMaxTextBytes = 1ull << 30;
+constexpr std::size_t kMaxDirectoryEntries = 100'000;
 
-// Reads a whole file. Errors: FailedPrecondition.
-Result<std::string> ReadFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return FailedPreconditionError("cannot open '" + path.string() + "' for reading");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) return FailedPreconditionError("error while reading '" + path.string() + "'");
-  return text;
+// Reads a whole regular file of at most `max_bytes` (a FIFO or device is refused, never read).
+Result<std::string> ReadFile(int dir_fd, const std::string& name, const std::string& display,
+                             std::uint64_t max_bytes, storage::Follow follow) {
+  return storage::ReadSmallFileAt(dir_fd, name, display, max_bytes, follow);
 }
 
 Status CheckShape(std::string_view what, int count, int context_size) {
@@ -49,36 +52,55 @@ Result<TextDataset> TextDataset::FromText(std::string text, std::string source) 
 }
 
 Result<TextDataset> TextDataset::Load(const std::string& path) {
-  std::error_code ec;
-  const fs::file_status status = fs::status(path, ec);
-  if (ec || !fs::exists(status)) {
-    return NotFoundError("text data file '" + path + "' does not exist");
+  Result<std::string> text = ReadFile(AT_FDCWD, path, path, kMaxTextBytes, storage::Follow::kYes);
+  if (!text) {
+    if (text.error().code() == ErrorCode::kNotFound) {
+      return NotFoundError("text data file '" + path + "' does not exist");
+    }
+    return std::move(text).error().WithContext("text data: ");
   }
-  if (!fs::is_regular_file(status)) {
-    return FailedPreconditionError("text data '" + path + "' is not a regular file");
-  }
-  ZINF_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
-  if (text.empty()) return InvalidArgumentError("text data file '" + path + "' is empty");
-  return TextDataset(std::move(text), path);
+  if (text->empty()) return InvalidArgumentError("text data file '" + path + "' is empty");
+  return TextDataset(std::move(*text), path);
 }
 
 Result<TextDataset> TextDataset::LoadDirectory(const std::string& dir) {
-  std::error_code ec;
-  std::vector<fs::path> files;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    std::error_code type_ec;
-    if (it->is_regular_file(type_ec) && !it->is_symlink(type_ec)) files.push_back(it->path());
-  }
-  if (ec && files.empty()) {
-    return NotFoundError("cannot list text directory '" + dir + "': " + ec.message() +
+  Result<storage::UniqueFd> dir_fd = storage::OpenDirectory(dir, storage::Follow::kYes);
+  if (!dir_fd) {
+    return NotFoundError("cannot open text directory '" + dir + "': " + dir_fd.error().message() +
                          "; pass a text file with --data");
   }
-  std::sort(files.begin(), files.end());
+  // Regular files only (links are not followed), in name order, at most kMaxDirectoryEntries
+  // entries looked at and kMaxTextBytes read in all.
+  std::vector<std::string> names;
+  {
+    const int fd = ::dup(dir_fd->get());
+    DIR* listing = fd >= 0 ? ::fdopendir(fd) : nullptr;
+    if (listing == nullptr) {
+      if (fd >= 0) ::close(fd);
+      return NotFoundError("cannot list text directory '" + dir +
+                           "'; pass a text file with --data");
+    }
+    std::size_t seen = 0;
+    while (const dirent* entry = ::readdir(listing)) {
+      if (++seen > kMaxDirectoryEntries) break;
+      const std::string name = entry->d_name;
+      if (name == "." || name == "..") continue;
+      struct stat st {};
+      if (::fstatat(dir_fd->get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+          S_ISREG(st.st_mode)) {
+        names.push_back(name);
+      }
+    }
+    ::closedir(listing);
+  }
+  std::sort(names.begin(), names.end());
   std::string text;
   int used = 0;
-  for (const fs::path& file : files) {
-    Result<std::string> part = ReadFile(file);
-    if (!part.has_value() || part->empty()) continue;  // unreadable files are skipped
+  for (const std::string& name : names) {
+    const std::uint64_t left = kMaxTextBytes - std::min<std::uint64_t>(text.size(), kMaxTextBytes);
+    Result<std::string> part =
+        ReadFile(dir_fd->get(), name, dir + "/" + name, left, storage::Follow::kNo);
+    if (!part.has_value() || part->empty()) continue;  // unreadable or too large: skipped
     text += *part;
     if (text.back() != '\n') text += '\n';
     ++used;

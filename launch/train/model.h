@@ -101,6 +101,11 @@ class Model {
   // Errors: as ForwardBackward.
   virtual Result<double> Loss(std::span<const float> flat_weights, const Batch& batch) const = 0;
 
+  // An upper estimate of the host memory one ForwardBackward of `examples` examples allocates
+  // (the batch, the activations and their gradients), for a check before the first step: a
+  // micro-batch that cannot fit is an error, not a std::bad_alloc. Saturates at UINT64_MAX.
+  virtual std::uint64_t WorkingBytes(std::uint64_t examples) const = 0;
+
  protected:
   // Shared check of InitSlice's arguments.
   Status CheckSlice(std::uint64_t flat_offset, std::size_t numel) const {

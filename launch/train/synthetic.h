@@ -56,6 +56,8 @@ class SyntheticModel final : public Model {
   Result<double> ForwardBackward(std::span<const float> flat_weights, const Batch& batch,
                                  std::span<float> flat_grad) const override;
   Result<double> Loss(std::span<const float> flat_weights, const Batch& batch) const override;
+  // A synthetic batch is nominal: no memory per example.
+  std::uint64_t WorkingBytes(std::uint64_t) const override { return 0; }
 
  private:
   SyntheticModel(partition::ParamLayout layout, int threads);

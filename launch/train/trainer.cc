@@ -1,5 +1,6 @@
 #include "trainer.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,10 +25,12 @@
 #include "model.h"
 #include "synthetic.h"
 #include "zinf/comm/timers.h"
+#include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/core/process_stats.h"
 #include "zinf/core/units.h"
 #include "zinf/partition/plan.h"
+#include "zinf/storage/fs.h"
 #include "zinf/storage/swap_store.h"
 #include "zinf/swapper/checkpoint.h"
 #include "zinf/swapper/gradient_swapper.h"
@@ -144,6 +147,7 @@ class Run {
  private:
   Status Setup();
   Status BuildModel();
+  Status CheckHostMemory(std::uint64_t padded_numel) const;
   Status InitializeOrRestore();
   // The rank's partition buffer from the swapper's committed fp32 state.
   Status ReadPartition();
@@ -181,7 +185,7 @@ class Run {
   std::vector<float> grad_;            // the flat gradient, padded to gathered_'s size
   std::vector<float> grad_scratch_;    // per-param plans: grad_ in partition order
   comm::Timers timers_;
-  std::FILE* metrics_ = nullptr;
+  storage::UniqueFd metrics_;  // rank 0, with --metrics
   std::string resumed_from_;
   std::string last_checkpoint_;
   std::int64_t last_checkpoint_step_ = -1;
@@ -222,9 +226,12 @@ class StopSignals {
 
 Status Run::BuildModel() {
   const ModelConfig& m = config_.zinf.model;
+  // A fixed BLAS thread count per rank: the split of an sgemm over threads can change its last
+  // bits on some CPUs' kernels, so runs compare bitwise only at the same count.
   const int local = std::max(world_.topology().local_size, 1);
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads = std::max(1, cores / local);
+  const int threads =
+      config_.zinf.compute_threads > 0 ? config_.zinf.compute_threads : std::max(1, cores / local);
   if (m.name == ModelName::kCharLM) {
     ZINF_ASSIGN_OR_RETURN(CharLM charlm, CharLM::Create({.context = m.context,
                                                          .embed_dim = m.embed_dim,
@@ -234,7 +241,6 @@ Status Run::BuildModel() {
     auto owned = std::make_unique<CharLM>(std::move(charlm));
     charlm_ = owned.get();
     model_ = std::move(owned);
-    // A fixed BLAS thread count per rank: reproducible sgemm results, no oversubscription.
     SetBlasThreads(threads);
     Result<TextDataset> data = config_.zinf.data_path.empty()
                                    ? TextDataset::LoadDefault()
@@ -249,6 +255,32 @@ Status Run::BuildModel() {
     model_ = std::make_unique<SyntheticModel>(std::move(synthetic));
   }
   return OkStatus();
+}
+
+// Every size that grows with the config (the replicated weights and gradient, a micro-batch's
+// activations) against the machine's RAM + swap shared by this node's ranks: what cannot fit is
+// ResourceExhausted before it is allocated, not a std::bad_alloc half-way.
+Status Run::CheckHostMemory(std::uint64_t padded_numel) const {
+  const std::uint64_t machine = MachineMemoryBytes();
+  if (machine == 0) return OkStatus();
+  const auto local = static_cast<std::uint64_t>(std::max(world_.topology().local_size, 1));
+  const std::uint64_t per_rank = machine / local;
+  // gathered_ and grad_, and per-parameter plans' flat copy and scratch.
+  const std::uint64_t copies = plan_->kind() == partition::PlanKind::kFlat ? 2 : 4;
+  std::uint64_t replicated = 0;
+  if (!CheckedMul(padded_numel, copies * sizeof(float), &replicated)) replicated = UINT64_MAX;
+  const std::uint64_t activations =
+      model_->WorkingBytes(static_cast<std::uint64_t>(config_.train_micro_batch_size_per_gpu));
+  std::uint64_t need = 0;
+  if (!CheckedAdd(replicated, activations, &need)) need = UINT64_MAX;
+  if (need <= per_rank) return OkStatus();
+  return ResourceExhaustedError(fmt::format(
+      "this rank needs at least {} of host memory (replicated weights and gradient {}, the "
+      "activations of a micro-batch of {} examples {}), more than its share of this machine: {} "
+      "of RAM + swap over {} rank(s); lower train_micro_batch_size_per_gpu (use "
+      "gradient_accumulation_steps), the model size, or the ranks per node",
+      FormatBytes(need), FormatBytes(replicated), config_.train_micro_batch_size_per_gpu,
+      FormatBytes(activations), FormatBytes(machine), local));
 }
 
 Status Run::Setup() {
@@ -277,6 +309,7 @@ Status Run::Setup() {
         partition_numel_, std::numeric_limits<int>::max()));
   }
   const std::size_t padded = partition_numel_ * static_cast<std::size_t>(world_.size());
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(CheckHostMemory(padded)));
   // The working weights and the flat gradient are replicated on every rank (ZeRO-1/2): they must
   // fit in host memory beside the pool.
   ZINF_LOG_INFO("working weights and gradient: {} per rank (replicated), partition {} elements",
@@ -305,7 +338,8 @@ Status Run::Setup() {
     ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(created));
   }
   swapper::SwapperOptions options = ToSwapperOptions(config_, world_.rank());
-  // A store left by a killed run of this job is scratch: reuse it (a kept one is not touched).
+  // Stores left by killed runs are scratch: this job's own is reused, other jobs' are removed
+  // once every rank's store is open (SwapStore::ReclaimStale; kept ones are named in a WARN).
   options.store.reclaim_stale = !config_.zinf.keep_swap;
   ZINF_ASSIGN_OR_RETURN(swapper_, swapper::CreateOptimizerSwapper(world_, *plan_, options));
   if (swapper_->gradient_swapper() == nullptr) partition_grad_.assign(partition_numel_, 0.0f);
@@ -316,13 +350,15 @@ Status Run::InitializeOrRestore() {
   const CheckpointConfig& ckpt = config_.zinf.checkpoint;
   std::string path;
   if (ckpt.load == "latest" || ckpt.load == "auto") {
-    const std::filesystem::path latest = std::filesystem::path(ckpt.dir) / "latest";
-    std::error_code ec;
-    if (std::filesystem::exists(latest, ec)) {
+    // Any entry named `latest` (a link or a dangling one included) is resolved, so that a bad
+    // one is an error rather than a silent fresh start.
+    const std::string latest = ckpt.dir + "/latest";
+    struct stat st {};
+    if (::lstat(latest.c_str(), &st) == 0) {
       path = ckpt.dir;
     } else if (ckpt.load == "latest") {
-      return NotFoundError(fmt::format(
-          "--resume latest: no checkpoint to resume from: {} does not exist", latest.string()));
+      return NotFoundError(
+          fmt::format("--resume latest: no checkpoint to resume from: {} does not exist", latest));
     }
   } else if (!ckpt.load.empty()) {
     path = ckpt.load;
@@ -620,13 +656,9 @@ Status Run::SaveCheckpoint(std::int64_t step, double loss) {
 }
 
 Status Run::WriteMetrics(const Json& record) {
-  if (metrics_ == nullptr) return OkStatus();
-  const std::string line = record.dump() + "\n";
-  if (std::fwrite(line.data(), 1, line.size(), metrics_) != line.size() ||
-      std::fflush(metrics_) != 0) {
-    return ErrnoError(errno, fmt::format("--metrics {}: write", options_.metrics_path));
-  }
-  return OkStatus();
+  if (!metrics_) return OkStatus();
+  return storage::WriteAll(metrics_.get(), record.dump() + "\n",
+                           fmt::format("--metrics {}", options_.metrics_path));
 }
 
 Result<TrainSummary> Run::Go() {
@@ -647,9 +679,16 @@ Result<TrainSummary> Run::Go() {
   // Rank 0 appends to the metrics of a resumed run and starts a fresh file otherwise.
   Status opened = OkStatus();
   if (world_.rank() == 0 && !options_.metrics_path.empty()) {
-    metrics_ = std::fopen(options_.metrics_path.c_str(), resumed_from_.empty() ? "w" : "a");
-    if (metrics_ == nullptr) {
-      opened = ErrnoError(errno, fmt::format("--metrics {}: open", options_.metrics_path));
+    // The user's own path (a link is followed); a FIFO or device is refused, never blocked on.
+    Result<storage::UniqueFd> fd =
+        storage::OpenFile(options_.metrics_path,
+                          resumed_from_.empty() ? storage::FileAccess::kTruncateOrCreate
+                                                : storage::FileAccess::kAppendOrCreate,
+                          storage::Follow::kYes);
+    if (fd) {
+      metrics_ = std::move(*fd);
+    } else {
+      opened = std::move(fd).error().WithContext("--metrics: ");
     }
   }
   ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(opened));
@@ -728,10 +767,7 @@ Status Run::LogPerNode() {
 }
 
 Status Run::Finish(const TrainSummary& summary) {
-  if (metrics_ != nullptr) {
-    std::fclose(metrics_);
-    metrics_ = nullptr;
-  }
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(metrics_.Close(options_.metrics_path)));
   const std::int64_t steps = summary.last_step - summary.first_step + 1;
   ZINF_RETURN_IF_ERROR(timers_.LogSummary(world_, "zinf-train timers"));
   ZINF_RETURN_IF_ERROR(swapper_->LogTimers());
@@ -775,14 +811,10 @@ Result<TrainConfig> BuildTrainConfig(const comm::Communicator& world,
     if (!config_path.empty()) {
       ZINF_ASSIGN_OR_RETURN(text, ReadConfigFile(config_path));
     }
-    Json root;
-    try {
-      root = Json::parse(text);
-    } catch (const Json::parse_error&) {
-      return Annotate(ParseTrainConfig(text, ctx), where);  // its message has line and column
-    }
-    ApplyOverrides(overrides, root);
-    return Annotate(ParseTrainConfig(root.dump(), ctx), where);
+    Result<Json> root = ParseJson<Json>(text, {.max_bytes = 16u << 20, .max_depth = 32});
+    if (!root) return Annotate(ParseTrainConfig(text, ctx), where);  // the parser's own message
+    ApplyOverrides(overrides, *root);
+    return Annotate(ParseTrainConfig(DumpJsonForDisplay(*root), ctx), where);
   }();
   ZINF_RETURN_IF_ERROR(world.AgreeOnStatus(config.has_value() ? OkStatus()
                                                               : Status(config.error())));

@@ -19,8 +19,11 @@
 //   5. all-gather of the partitions into the working weights (rounded to bf16 when bf16.enabled);
 //   6. every zinf.checkpoint.every steps and at the last step: SaveCheckpoint.
 // Determinism: batches are pure functions of their BatchId, the models are deterministic for a
-// fixed BLAS thread count, and MPI's reductions are deterministic for a fixed world size, so a run
-// that is checkpointed and resumed on the same ranks reproduces the uninterrupted run bitwise.
+// fixed BLAS thread count (zinf.compute_threads; by default cores / ranks per node) on one kind
+// of CPU, and MPI's reductions are deterministic for a fixed world size, so a run that is
+// checkpointed and resumed on the same ranks and machines reproduces the uninterrupted run
+// bitwise. Other CPU kinds (another OpenBLAS kernel) and other thread counts may differ in the
+// last bits; CPU Adam itself gives the same bits on every SIMD path and thread count.
 //
 // Errors: every error is agreed over the ranks (comm::Communicator::AgreeOnStatus and the
 // collective swapper calls), so every rank returns the same Status. A failed step leaves the last

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -17,6 +18,8 @@
 #include "cpu_adam_kernels.h"
 #include "cpu_adam_thread_pool.h"
 #include "zinf/core/check.h"
+#include "zinf/core/env.h"
+#include "zinf/core/log.h"
 
 namespace zinf::swapper {
 namespace {
@@ -104,7 +107,25 @@ Result<SimdPath> ParseSimdPath(std::string_view text) {
       fmt::format("unknown SIMD path '{}' (expected auto, scalar, avx2 or avx512)", text));
 }
 
-bool SimdPathSupported(SimdPath path) {
+namespace {
+
+// ZINF_SIMD caps the paths this process may use, as if the CPU lacked the wider ones (to run
+// the suite as an AVX2-only machine would). Read once; a bad value is a WARN and no cap.
+SimdPath SimdCap() {
+  static const SimdPath cap = [] {
+    const std::optional<std::string> text = GetEnv("ZINF_SIMD");
+    if (!text) return SimdPath::kAvx512;
+    Result<SimdPath> parsed = ParseSimdPath(*text);
+    if (!parsed) {
+      ZINF_LOG_WARN("ZINF_SIMD: {}; ignored", parsed.error().message());
+      return SimdPath::kAvx512;
+    }
+    return *parsed == SimdPath::kAuto ? SimdPath::kAvx512 : *parsed;
+  }();
+  return cap;
+}
+
+bool CpuHas(SimdPath path) {
   switch (path) {
     case SimdPath::kAuto:
     case SimdPath::kScalar:
@@ -116,6 +137,16 @@ bool SimdPathSupported(SimdPath path) {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   }
   return false;
+}
+
+}  // namespace
+
+bool SimdPathSupported(SimdPath path) {
+  // The enum is ordered scalar < avx2 < avx512.
+  if (path != SimdPath::kAuto && static_cast<int>(path) > static_cast<int>(SimdCap())) {
+    return false;
+  }
+  return CpuHas(path);
 }
 
 SimdPath BestSimdPath() {

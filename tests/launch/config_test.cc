@@ -289,7 +289,8 @@ TEST(TrainConfig, HashChangesWithAnyValue) {
   EXPECT_EQ(ConfigHash(a), ConfigHash(a));
   EXPECT_EQ(EffectiveJobId(a).size(), 15u);
   EXPECT_EQ(EffectiveJobId(a).substr(0, 3), "cfg");
-  EXPECT_NE(EffectiveJobId(a), EffectiveJobId(b));
+  // The job id is not the config hash: the learning rate does not identify the job.
+  EXPECT_EQ(EffectiveJobId(a), EffectiveJobId(b));
 }
 
 TEST(TrainConfig, DescribeConfigKeysListsEveryKeyWithDefaultAndRange) {
@@ -433,6 +434,58 @@ TEST(BadConfigCorpus, HasAtLeastThirtyCasesEachWithAnExpectFile) {
         std::filesystem::exists(std::filesystem::path(ZINF_BAD_CONFIG_DIR) / (name + ".expect")))
         << name;
   }
+}
+
+TEST(TrainConfig, JobIdDependsOnlyOnWhatIdentifiesTheJob) {
+  // A run and its resumption with other flags: the same job, so the same swap store directory.
+  auto parse = [](const std::string& zinf, const std::string& extra = "", int world_size = 2) {
+    return ParseTrainConfig("{\"train_batch_size\": 8" + extra + ", \"zinf\": {" + zinf + "}}",
+                            {.world_size = world_size});
+  };
+  const std::string base =
+      R"("checkpoint": {"dir": "/ckpt/a"}, "model": {"hidden": 64}, "seed": 5, "steps": 100)";
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig a, parse(base));
+  const std::string id = EffectiveJobId(a);
+  EXPECT_EQ(id.size(), 15u);
+  EXPECT_EQ(id.substr(0, 3), "cfg");
+  EXPECT_TRUE(std::all_of(id.begin() + 3, id.end(), [](char ch) {
+    return std::isxdigit(static_cast<unsigned char>(ch)) != 0;
+  })) << id;
+
+  for (const std::string& same : {
+           std::string(R"("checkpoint": {"dir": "/ckpt/a"}, "model": {"hidden": 64}, "seed": 5,)"
+                       R"( "steps": 900)"),
+           std::string(R"("checkpoint": {"dir": "/ckpt/a", "load": "latest"},)"
+                       R"( "model": {"hidden": 64}, "seed": 5, "steps": 100)"),
+           std::string(R"("checkpoint": {"dir": "/ckpt/a", "every": 3, "keep_last": 2},)"
+                       R"( "model": {"hidden": 64}, "seed": 5, "steps": 100)"),
+       }) {
+    ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig b, parse(same));
+    EXPECT_NE(ConfigHash(a), ConfigHash(b)) << same;  // the config differs...
+    EXPECT_EQ(EffectiveJobId(b), id) << same;         // ...the job does not
+  }
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig lr,
+                            parse(base, R"(, "optimizer": {"params": {"lr": 0.002}})"));
+  EXPECT_EQ(EffectiveJobId(lr), id);
+
+  for (const std::string& other : {
+           std::string(R"("checkpoint": {"dir": "/ckpt/b"}, "model": {"hidden": 64}, "seed": 5,)"
+                       R"( "steps": 100)"),
+           std::string(R"("checkpoint": {"dir": "/ckpt/a"}, "model": {"hidden": 65}, "seed": 5,)"
+                       R"( "steps": 100)"),
+           std::string(R"("checkpoint": {"dir": "/ckpt/a"}, "model": {"hidden": 64}, "seed": 6,)"
+                       R"( "steps": 100)"),
+           std::string(R"("checkpoint": {"dir": "/ckpt/a"}, "model": {"hidden": 64}, "seed": 5,)"
+                       R"( "steps": 100, "data": {"path": "/text"})"),
+       }) {
+    ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig b, parse(other));
+    EXPECT_NE(EffectiveJobId(b), id) << other;
+  }
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig four_ranks, parse(base, "", 4));
+  EXPECT_NE(EffectiveJobId(four_ranks), id);
+  // An explicit job_id is taken as it is.
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig named, parse(base + R"(, "job_id": "mine")"));
+  EXPECT_EQ(EffectiveJobId(named), "mine");
 }
 
 }  // namespace

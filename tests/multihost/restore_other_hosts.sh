@@ -12,6 +12,10 @@
 # run reads its partitions across hosts. A restore that lost the weights starts near ln(256) =
 # 5.55, so the first loss after the restore is also checked against the 2 x 2 run's last loss.
 #
+# The two resumes run 1 rank per host and 3 ranks on one host: zinf.compute_threads pins the BLAS
+# threads to 1 in both, since the losses are compared bitwise (an sgemm split over 2 threads can
+# differ in the last bits from 1 thread on some CPUs' kernels, e.g. AMD Zen 3).
+#
 # Checks: every run exits 0; step-20.h5 verifies; the resumes' metrics hold steps 21..22 with
 # world_size 3 and finite losses; their losses and grad norms are identical; their step-21.h5 and
 # step-22.h5 state datasets are identical (h5diff) and verify; the step-21 loss is within 10% of
@@ -34,7 +38,8 @@ cat > "$MH_DIR/shared/config.json" << EOF
  "zero_optimization": {"stage": 1, "sub_group_size": 16384,
                        "offload_optimizer": {"device": "nvme", "pipeline_read": true,
                                              "pipeline_write": true}},
- "zinf": {"model": {"name": "charlm", "hidden": 128, "layers": 1}, "seed": 11}}
+ "zinf": {"model": {"name": "charlm", "hidden": 128, "layers": 1}, "seed": 11,
+          "compute_threads": 1}}
 EOF
 common=(--config "$MH_DIR/shared/config.json" --nvme-path "$MH_NVME")
 

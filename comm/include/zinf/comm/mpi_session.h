@@ -47,6 +47,11 @@ class MpiSession {
   // Not collective in the zinf sense (MPI_Finalize is collective over MPI itself).
   Status Finalize();
 
+  // Ends every process of the job with `exit_code` (MPI_Abort on MPI_COMM_WORLD; plain exit when
+  // MPI is not running): the last resort for a failure one rank cannot report collectively, such
+  // as an unexpected exception, so that no other rank waits for it in a collective forever.
+  [[noreturn]] static void AbortJob(int exit_code);
+
  private:
   MpiSession() = default;
   std::unique_ptr<Communicator> world_;

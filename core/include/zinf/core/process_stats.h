@@ -9,6 +9,7 @@
 #pragma once
 
 #include <sys/resource.h>
+#include <sys/sysinfo.h>
 
 #include <chrono>
 #include <cstdint>
@@ -26,6 +27,14 @@ inline std::uint64_t PeakRssBytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
+}
+
+// The machine's RAM plus swap (sysinfo), in bytes: what all processes together could ever
+// allocate. 0 if unknown.
+inline std::uint64_t MachineMemoryBytes() {
+  struct sysinfo info {};
+  if (sysinfo(&info) != 0) return 0;
+  return (static_cast<std::uint64_t>(info.totalram) + info.totalswap) * info.mem_unit;
 }
 
 }  // namespace zinf

@@ -49,7 +49,9 @@ enum class SimdPath { kAuto, kScalar, kAvx2, kAvx512 };
 std::string_view SimdPathName(SimdPath path);
 // Parses the names above. Errors: InvalidArgument naming the text.
 Result<SimdPath> ParseSimdPath(std::string_view text);
-// True when this CPU (and build) can run `path`; kAuto and kScalar always can.
+// True when this CPU (and build) can run `path`, and ZINF_SIMD (scalar|avx2|avx512) does not cap
+// the paths below it (to run as a machine without the wider instructions would); kAuto and
+// kScalar always can.
 // kAvx2 needs avx2 (no FMA is used); kAvx512 needs avx512f, avx512bw, avx512vl and avx512dq.
 bool SimdPathSupported(SimdPath path);
 // The path kAuto resolves to on this CPU.
