@@ -21,6 +21,7 @@
 #include "train/data.h"
 #include "train/model.h"
 #include "train/synthetic.h"
+#include "zinf/core/process_stats.h"
 #include "zinf/swapper/cpu_adam.h"
 
 namespace zinf::train {
@@ -87,14 +88,18 @@ TEST(CharLM, LayoutFollowsTheParameterFormula) {
 }
 
 TEST(CharLM, BillionsOfParametersAreALayoutWithoutAllocation) {
-  const auto start = Clock::now();
+  // Measured in memory, not time: 3.2G parameters materialized would raise the peak RSS by 12 GB.
+  const std::uint64_t peak_before = PeakRssBytes();
   ZINF_ASSERT_OK_AND_ASSIGN(CharLM model, CharLM::Create({.hidden = 32768, .layers = 4}));
   EXPECT_EQ(model.layout().total_numel(), 3'238'138'112u);
   EXPECT_EQ(model.layout().max_param_numel(), 32768u * 32768u);
   // An InitSlice far into the vector costs only its own size.
   std::vector<float> slice(1000);
   ZINF_EXPECT_OK(model.InitSlice(7, model.layout().total_numel() - slice.size(), slice));
-  EXPECT_LT(SecondsSince(start), 1.0);
+  EXPECT_LT(PeakRssBytes() - peak_before, 64u << 20);
+  // What one ForwardBackward of a micro-batch would allocate is known before it runs.
+  EXPECT_GT(model.WorkingBytes(2'147'483'647), 1ull << 40);
+  EXPECT_EQ(model.WorkingBytes(0), 0u);
 }
 
 TEST(CharLM, CreateRejectsBadOptions) {
@@ -483,7 +488,7 @@ TEST(SyntheticModel, LayoutSplitsTheTotalEvenly) {
   EXPECT_THAT(SyntheticModel::Create(10, 0), StatusIs(ErrorCode::kInvalidArgument));
 }
 
-TEST(SyntheticModel, GradientIsDeterministicAccumulatesAndIsFast) {
+TEST(SyntheticModel, GradientIsDeterministicAndAccumulates) {
   constexpr std::uint64_t kNumel = 8'000'000;
   ZINF_ASSERT_OK_AND_ASSIGN(SyntheticModel one, SyntheticModel::Create(kNumel, 4, 1));
   ZINF_ASSERT_OK_AND_ASSIGN(SyntheticModel three, SyntheticModel::Create(kNumel, 4, 3));
@@ -521,7 +526,6 @@ TEST(SyntheticModel, GradientIsDeterministicAccumulatesAndIsFast) {
   const double gb = static_cast<double>(kNumel) * 3 * sizeof(float) / 1e9;
   std::printf("synthetic ForwardBackward, %llu params, 1 thread: %.1f ms, %.1f GB/s\n",
               static_cast<unsigned long long>(kNumel), 1e3 * seconds, gb / seconds);
-  EXPECT_LT(seconds, 1.0);
   EXPECT_THAT(one.ForwardBackward(w, batch, std::span<float>(g1).first(5)),
               StatusIs(ErrorCode::kInvalidArgument));
 }

@@ -9,7 +9,9 @@
 # flag, --resume latest without a checkpoint directory (2) or with an empty one (1), --resume of
 # a missing file, --data and --config naming missing paths (1): each names what is wrong. Last, a
 # few of them on 2 ranks under mpirun: the same exit code, and each rank prints the same one-line
-# error.
+# error. Hostile inputs: a 400k-deep config, a 20 MB one, FIFOs and devices as config, data,
+# metrics and checkpoint, a micro-batch of 2^31-1, bad ZINF_* values: each a clean error (or a WARN
+# with the value escaped), never a crash or a hang.
 #
 #   bad_configs.sh ZINF_TRAIN ZINF_CKPT MPIEXEC
 # shellcheck source=lib.sh
@@ -93,6 +95,48 @@ expect_failure data-missing 1 /nonexistent/zinf-e2e-corpus.txt \
 # command line (2); either is accepted, the message must name the path.
 expect_failure config-missing '1|2' /nonexistent/zinf-e2e.json \
   --config /nonexistent/zinf-e2e.json --steps 1 "${swap[@]}"
+
+check "hostile inputs: special files, huge and deep files, sizes that cannot fit, bad environment"
+# A 400k-deep document (nlohmann alone would overflow the stack printing it), a 20 MB file, a
+# FIFO and a device as the config, data, metrics and checkpoint; a micro-batch of 2^31-1.
+python3 -c "import sys; sys.stdout.write('{\"x\": ' + '[' * 400000 + ']' * 400000 + '}')" \
+  > "$work/deep.json"
+head -c $((20 << 20)) /dev/zero | tr '\0' ' ' > "$work/huge.json"
+mkfifo "$work/fifo"
+echo '{"train_micro_batch_size_per_gpu": 2147483647}' > "$work/micro.json"
+expect_failure config-400k-deep 2 'JSON nesting deeper than 32 levels' \
+  --config "$work/deep.json" --steps 1 "${swap[@]}"
+expect_failure config-20mb 2 'larger than 16777216 bytes' --config "$work/huge.json" --steps 1 \
+  "${swap[@]}"
+expect_failure config-fifo 1 'a FIFO, not a regular file' --config "$work/fifo" --steps 1 \
+  "${swap[@]}"
+expect_failure config-device 1 'a character device, not a regular file' --config /dev/zero \
+  --steps 1 "${swap[@]}"
+expect_failure data-fifo 1 'a FIFO, not a regular file' --data "$work/fifo" --steps 1 "${swap[@]}"
+expect_failure metrics-fifo 1 'not a regular file' --metrics "$work/fifo" --steps 1 "${swap[@]}"
+expect_failure resume-fifo 1 'not a regular file or a directory' --resume "$work/fifo" --steps 1 \
+  "${swap[@]}"
+expect_failure micro-batch-2g 1 'ResourceExhausted: rank 0: this rank needs at least' \
+  --config "$work/micro.json" --steps 1 "${swap[@]}"
+ZINF_IO_ENGINE=bogus expect_failure env-io-engine 2 "ZINF_IO_ENGINE: unknown I/O engine 'bogus'" \
+  --steps 1 "${swap[@]}"
+ZINF_FAULT_INJECT='read:99999999999999999999999:eio' expect_failure env-fault-count 2 \
+  "is not a count >= 1" --steps 1 "${swap[@]}"
+# Ignored with a WARN, escaped: an unknown kernel cap and a log level with terminal controls.
+cases=$((cases + 1))
+ZINF_SIMD=bogus ZINF_LOG_LEVEL=$'\e[2Jinfo' timeout --kill-after=5 30 "$zinf_train" --steps 1 \
+  "${swap[@]}" > "$work/out.txt" 2> "$work/err.txt"
+rc=$?
+if ((rc != 0)); then
+  bad "env-warnings: exit code $rc, expected 0; stderr: $(tail -3 "$work/err.txt")"
+elif grep -q $'\e' "$work/err.txt"; then
+  bad "env-warnings: an ESC byte from ZINF_LOG_LEVEL reached the terminal unescaped"
+elif ! grep -q "ZINF_SIMD: unknown SIMD path 'bogus'" "$work/err.txt" ||
+     ! grep -qF "ZINF_LOG_LEVEL='\x1b[2Jinfo'" "$work/err.txt"; then
+  bad "env-warnings: no WARN naming ZINF_SIMD and the escaped ZINF_LOG_LEVEL"
+else
+  echo "  ok env-warnings (exit 0): both named in WARN lines, the ESC escaped"
+fi
 
 check "on 2 ranks under mpirun: the exit code, one identical 'zinf-train failed: ' line per rank"
 # expect_failure_np2 NAME WANT_RC TEXT ARGS...: as expect_failure, on 2 ranks under mpirun.
