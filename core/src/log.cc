@@ -110,18 +110,46 @@ std::string EscapeForTerminal(std::string_view text, bool keep_newlines) {
 
 namespace {
 
-// Control characters other than newline and tab, escaped; everything else (UTF-8 included)
-// unchanged.
+// Control characters other than newline and tab escaped as \xNN: the C0 set and DEL, the C1 set
+// (U+0080-U+009F, which some terminals obey as escape sequences: U+009B is CSI) and bytes that
+// are not valid UTF-8. Valid UTF-8 text passes unchanged.
 std::string EscapeControls(std::string_view text) {
   std::string out;
   out.reserve(text.size());
-  for (const char ch : text) {
-    const auto c = static_cast<unsigned char>(ch);
-    if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7f) {
-      out += fmt::format("\\x{:02x}", c);
-    } else {
-      out.push_back(ch);
+  auto escape = [&out](std::string_view bytes) {
+    for (const char ch : bytes) out += fmt::format("\\x{:02x}", static_cast<unsigned char>(ch));
+  };
+  std::size_t i = 0;
+  while (i < text.size()) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c < 0x80) {
+      if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7f) {
+        escape(text.substr(i, 1));
+      } else {
+        out.push_back(text[i]);
+      }
+      ++i;
+      continue;
     }
+    // A UTF-8 sequence: its length from the lead byte, then continuation bytes 10xxxxxx.
+    const std::size_t length = c >= 0xf0 && c <= 0xf4 ? 4 : c >= 0xe0 ? 3 : c >= 0xc2 ? 2 : 0;
+    bool valid = length != 0 && i + length <= text.size() && !(c > 0xf4);
+    for (std::size_t k = 1; valid && k < length; ++k) {
+      valid = (static_cast<unsigned char>(text[i + k]) & 0xc0) == 0x80;
+    }
+    if (!valid) {
+      escape(text.substr(i, 1));
+      ++i;
+      continue;
+    }
+    // U+0080-U+009F are C2 80 - C2 9F.
+    const bool c1 = length == 2 && c == 0xc2 && static_cast<unsigned char>(text[i + 1]) < 0xa0;
+    if (c1) {
+      escape(text.substr(i, length));
+    } else {
+      out.append(text.substr(i, length));
+    }
+    i += length;
   }
   return out;
 }

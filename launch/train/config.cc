@@ -453,8 +453,9 @@ const std::vector<KeySpec>& Schema() {
        .range = AtLeast(0)},
       {.path = "zinf.steps",
        .field = Leaf<&T::zinf, &ZC::steps>(),
-       .description = "Optimizer steps to run",
-       .range = AtLeast(1)},
+       .description = "Optimizer steps to run (up to 2^53 - 1, the largest step a checkpoint "
+                      "holds)",
+       .range = Between(1, 9007199254740991.0)},
       {.path = "zinf.checkpoint", .field = {}, .description = "Collective HDF5 checkpoints"},
       {.path = "zinf.checkpoint.dir",
        .field = Leaf<&T::zinf, &ZC::checkpoint, &C::dir>(),

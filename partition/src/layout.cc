@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "zinf/core/check.h"
+#include "zinf/core/json.h"
 #include "zinf/core/units.h"
 
 namespace zinf::partition {
@@ -81,6 +82,11 @@ Result<std::uint64_t> ValidateShape(std::size_t index, std::string_view name,
     }
   }
   return numel;
+}
+
+// A JSON value from a layout for a message: escaped, quoted, at most 64 characters.
+std::string Shown(const nlohmann::json& value) {
+  return Quote(DumpJsonForDisplay(value).substr(0, 64));
 }
 
 Error JsonError(std::string_view what) {
@@ -234,11 +240,11 @@ Result<ParamLayout> ParamLayout::FromJson(const nlohmann::json& json) {
     for (const nlohmann::json& dim : *shape) {
       if (!dim.is_number_integer()) {
         return JsonError(fmt::format("params[{}] {}: shape has a non-integer dimension {}", i,
-                                     Quote(spec.name), dim.dump()));
+                                     Quote(spec.name), Shown(dim)));
       }
       if (dim.is_number_unsigned() && dim.get<std::uint64_t>() > kMaxLayoutNumel) {
         return JsonError(fmt::format("params[{}] {}: dimension {} exceeds 2^63 - 1", i,
-                                     Quote(spec.name), dim.dump()));
+                                     Quote(spec.name), Shown(dim)));
       }
       spec.shape.push_back(dim.get<std::int64_t>());
     }
@@ -249,7 +255,7 @@ Result<ParamLayout> ParamLayout::FromJson(const nlohmann::json& json) {
   auto total = json.find("total_numel");
   if (total != json.end()) {
     if (!total->is_number_unsigned() || total->get<std::uint64_t>() != layout.total_numel()) {
-      return JsonError(fmt::format("'total_numel' is {} but the shapes add up to {}", total->dump(),
+      return JsonError(fmt::format("'total_numel' is {} but the shapes add up to {}", Shown(*total),
                                    layout.total_numel()));
     }
   }
@@ -257,9 +263,10 @@ Result<ParamLayout> ParamLayout::FromJson(const nlohmann::json& json) {
 }
 
 Result<ParamLayout> ParamLayout::FromJsonString(std::string_view text) {
-  nlohmann::json json = nlohmann::json::parse(text, /*cb=*/nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded()) return JsonError("text is not valid JSON");
-  return FromJson(json);
+  // Bounded: a layout read from a file is hostile input (nesting, duplicate keys, huge numbers).
+  Result<nlohmann::json> json = ParseJson(text);
+  if (!json) return JsonError(json.error().message());
+  return FromJson(*json);
 }
 
 Status CompareLayouts(const ParamLayout& expected, const ParamLayout& actual, bool compare_dtype) {

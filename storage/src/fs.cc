@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -310,6 +311,16 @@ Status AtomicFile::Write(std::span<const std::byte> bytes) {
   return WriteAll(fd_.get(), bytes, temp_path_);
 }
 
+Status AtomicFile::Reserve(std::uint64_t bytes, bool keep_size) {
+  if (!fd_) return FailedPreconditionError(fmt::format("reserve {}: not open", temp_path_));
+  int rc;
+  do {
+    rc = ::fallocate(fd_.get(), keep_size ? FALLOC_FL_KEEP_SIZE : 0, 0, static_cast<off_t>(bytes));
+  } while (rc != 0 && errno == EINTR);
+  if (rc == 0 || errno == EOPNOTSUPP || errno == ENOSYS) return OkStatus();
+  return ErrnoError(errno, fmt::format("reserve {} bytes for {}", bytes, temp_path_));
+}
+
 Status AtomicFile::CloseDescriptor() { return fd_.Close(temp_path_); }
 
 Status AtomicFile::Commit() {
@@ -331,6 +342,16 @@ Status AtomicFile::Commit() {
   done_ = true;
   ZINF_ASSIGN_OR_RETURN(DirAndName parts, SplitPath(final_path_));
   return SyncDirectory(parts.dir);
+}
+
+Result<std::uint64_t> AvailableBytes(const std::string& dir) {
+  struct statvfs vfs {};
+  int rc;
+  do {
+    rc = ::statvfs(dir.c_str(), &vfs);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) return ErrnoError(errno, fmt::format("statvfs {}", dir));
+  return static_cast<std::uint64_t>(vfs.f_bavail) * static_cast<std::uint64_t>(vfs.f_frsize);
 }
 
 // ---- Durability by path ----

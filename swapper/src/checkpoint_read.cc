@@ -49,7 +49,9 @@ Result<std::int64_t> IntAttr(H5File& file, std::string_view object, std::string_
     if (v.error().code() == ErrorCode::kNotFound) {
       return Missing(fmt::format("attribute '{}' of {}", name, object), v.error());
     }
-    return std::move(v).error().WithContext(fmt::format("attribute '{}': ", name));
+    // The file holds something else than the format says (another type, an array, a value
+    // out of range): the checkpoint is bad, whatever the reader's own code for it.
+    return DataLossError(fmt::format("attribute '{}': {}", name, v.error().message()));
   }
   return v;
 }
@@ -60,7 +62,9 @@ Result<std::string> StringAttr(H5File& file, std::string_view object, std::strin
     if (v.error().code() == ErrorCode::kNotFound) {
       return Missing(fmt::format("attribute '{}' of {}", name, object), v.error());
     }
-    return std::move(v).error().WithContext(fmt::format("attribute '{}': ", name));
+    // The file holds something else than the format says (another type, an array, a value
+    // out of range): the checkpoint is bad, whatever the reader's own code for it.
+    return DataLossError(fmt::format("attribute '{}': {}", name, v.error().message()));
   }
   return v;
 }
@@ -97,23 +101,36 @@ Status CheckDataset(H5File& file, const std::string& name, std::uint64_t numel, 
                     std::uint64_t max_chunk_numel, std::uint64_t file_size) {
   Result<bool> has = file.HasDataset(name);
   if (!has) return std::move(has).error();
-  if (!*has)
+  if (!*has) {
     return DataLossError(fmt::format("checkpoint is incomplete: missing dataset {}", name));
-  ZINF_ASSIGN_OR_RETURN(const H5File::DatasetStorage ds, file.DatasetStorageOf(name));
+  }
+  Result<H5File::DatasetStorage> storage_of = file.DatasetStorageOf(name);
+  if (!storage_of) {
+    // A dataset of another rank or element type than any zinf writes: a bad checkpoint.
+    if (storage_of.error().code() != ErrorCode::kInvalidArgument) {
+      return std::move(storage_of).error();
+    }
+    return DataLossError(storage_of.error().message());
+  }
+  const H5File::DatasetStorage& ds = *storage_of;
   if (ds.numel != numel || ds.type != type) {
     return DataLossError(fmt::format("dataset {} has {} elements of {}, expected {} of {}", name,
                                      ds.numel, storage::H5DataTypeName(ds.type), numel,
                                      storage::H5DataTypeName(type)));
   }
-  const std::uint64_t element_bytes = type == H5DataType::kFloat32 ? 4 : 8;
   if (ds.chunk_numel > max_chunk_numel) {
     return DataLossError(fmt::format("dataset {} is chunked by {} elements, more than {}", name,
                                      ds.chunk_numel, max_chunk_numel));
   }
-  if (ds.allocated_bytes < numel * element_bytes) {
+  std::uint64_t bytes = 0;
+  if (!CheckedMul(numel, type == H5DataType::kFloat32 ? 4 : 8, &bytes)) {
+    return DataLossError(
+        fmt::format("dataset {} of {} elements is larger than 2^64 bytes", name, numel));
+  }
+  if (ds.allocated_bytes < bytes) {
     return DataLossError(
         fmt::format("dataset {} stores {} bytes for {} elements ({} bytes): chunks are missing",
-                    name, ds.allocated_bytes, numel, numel * element_bytes));
+                    name, ds.allocated_bytes, numel, bytes));
   }
   if (file_size != 0 && ds.allocated_bytes > file_size) {
     return DataLossError(fmt::format("dataset {} claims {} bytes of storage in a file of {} bytes",
@@ -408,6 +425,10 @@ Result<std::string> ResolveCheckpointPath(const std::string& path) {
     if (text.error().code() == ErrorCode::kNotFound) {
       return NotFoundError(fmt::format("checkpoint directory {} has no 'latest'", path));
     }
+    // Larger than any name it could hold: a damaged pointer, not a bad argument.
+    if (text.error().code() == ErrorCode::kInvalidArgument) {
+      return DataLossError(text.error().message());
+    }
     return std::move(text).error();
   }
   std::string name = std::move(*text);
@@ -535,13 +556,29 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
   };
 
   // The output appears under out_path only when complete: a failed export (a bad chunk, a full
-  // disk) leaves the previous output, if any, as it was.
+  // disk) leaves the previous output, if any, as it was. Its space is checked and reserved
+  // first: HDF5 (1.10) cannot close a file cleanly after a write failed for lack of space.
+  ZINF_ASSIGN_OR_RETURN(const storage::DirAndName out_parts, storage::SplitPath(out_path));
+  const std::uint64_t estimate =
+      info.total_numel * sizeof(float) + layout.num_params() * (8u << 10) + (1u << 20);
+  ZINF_ASSIGN_OR_RETURN(const std::uint64_t available, storage::AvailableBytes(out_parts.dir));
+  if (available < estimate) {
+    return ResourceExhaustedError(fmt::format("export needs about {} in {}, which has {} available",
+                                              FormatBytes(estimate), out_parts.dir,
+                                              FormatBytes(available)));
+  }
   ZINF_ASSIGN_OR_RETURN(storage::AtomicFile out, storage::AtomicFile::Create(out_path));
   if (format == ExportFormat::kHdf5) {
-    ZINF_RETURN_IF_ERROR(out.CloseDescriptor());
     ZINF_ASSIGN_OR_RETURN(
         storage::H5File h5,
         storage::H5File::CreateSerial(out.temp_path(), storage::H5CreateMode::kTruncate));
+    // Blocks allocated up front, the file grown past what HDF5 will write (it cuts the file back
+    // to its own end when it closes).
+    if (Status reserved = out.Reserve(estimate, /*keep_size=*/false); !reserved) {
+      (void)h5.Close();
+      return reserved;
+    }
+    ZINF_RETURN_IF_ERROR(out.CloseDescriptor());
     ZINF_RETURN_IF_ERROR(h5.WriteStringAttribute("/", "source", file_path));
     ZINF_RETURN_IF_ERROR(h5.WriteInt64Attribute("/", "step", info.step));
     for (const partition::ParamInfo& p : layout.params()) {
@@ -568,6 +605,7 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
     std::string text = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     text.append((8 - text.size() % 8) % 8, ' ');
     const std::uint64_t header_size = text.size();
+    ZINF_RETURN_IF_ERROR(out.Reserve(8 + header_size + offset, /*keep_size=*/true));
     ZINF_RETURN_IF_ERROR(out.Write(std::as_bytes(std::span(&header_size, 1))));
     ZINF_RETURN_IF_ERROR(out.Write(std::as_bytes(std::span(text.data(), text.size()))));
     for (const partition::ParamInfo& p : layout.params()) {

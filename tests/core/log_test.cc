@@ -61,5 +61,20 @@ TEST(Log, LineCarriesTimeLevelAndRank) {
   SetProcessRank(0, 1);
 }
 
+TEST(Log, ControlCharactersNeverReachTheTerminal) {
+  SetLogLevel(LogLevel::kInfo);
+  SetProcessRank(0, 1);
+  ::testing::internal::CaptureStderr();
+  // ESC, CR, BEL, DEL, C1 CSI (U+009B), an invalid byte; newline and tab and UTF-8 text stay.
+  ZINF_LOG_WARN("name '{}'", "a\x1b[2J\r\x07\x7f\xc2\x9b[2J\xff\tcaf\xc3\xa9\nnext");
+  const std::string out = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(out,
+              HasSubstr("name 'a\\x1b[2J\\x0d\\x07\\x7f\\xc2\\x9b[2J\\xff\tcaf\xc3\xa9\nnext'"));
+  for (const char c : out) {
+    const auto b = static_cast<unsigned char>(c);
+    EXPECT_FALSE((b < 0x20 && b != '\n' && b != '\t') || b == 0x7f) << static_cast<int>(b);
+  }
+}
+
 }  // namespace
 }  // namespace zinf

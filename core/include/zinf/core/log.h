@@ -29,9 +29,9 @@ void SetLogAllRanks(bool all_ranks);
 // True when a line of `level` would be printed by this rank.
 bool LogEnabled(LogLevel level);
 
-// Writes one line. Control characters in `message` (ESC, CR, BEL, ... but not newline or tab)
-// are escaped as \xNN, so text that came from a file or the environment cannot drive the
-// terminal.
+// Writes one line. Control characters in `message` (C0 such as ESC, CR, BEL but not newline or
+// tab; DEL; the C1 set U+0080-U+009F) and bytes that are not valid UTF-8 are escaped as \xNN, so
+// text that came from a file or the environment cannot drive the terminal.
 void LogLine(LogLevel level, std::string_view message);
 
 // `text` with every byte outside printable ASCII (0x20-0x7e) written as \xNN and backslashes

@@ -145,6 +145,10 @@ class AtomicFile {
   const std::string& final_path() const { return final_path_; }
 
   Status Write(std::span<const std::byte> bytes);
+  // Allocates the temporary's blocks for its first `bytes` bytes (fallocate; with `keep_size`
+  // the file's size stays as it is), so that writing the output cannot run out of space half-way.
+  // File systems without fallocate: OK, nothing reserved. Errors: ResourceExhausted (ENOSPC).
+  Status Reserve(std::uint64_t bytes, bool keep_size);
   // Closes our descriptor without committing, for a writer that reopens temp_path() by name
   // (HDF5); Commit() still renames.
   Status CloseDescriptor();
@@ -160,6 +164,9 @@ class AtomicFile {
   std::string final_path_;
   bool done_ = true;  // committed or abandoned (nothing to remove)
 };
+
+// The bytes available to this user on the file system of `dir` (statvfs f_bavail * f_frsize).
+Result<std::uint64_t> AvailableBytes(const std::string& dir);
 
 // fdatasync (data_only) or fsync of `fd`, EINTR retried. Errors: errno errors naming `what`.
 Status SyncFd(int fd, bool data_only, std::string_view what);
