@@ -12,3 +12,21 @@ add_test(NAME swapper_checkpoint_kill_test
                  $<TARGET_FILE:swapper_checkpoint_kill_helper> ${MPIEXEC_EXECUTABLE} 20)
 set_tests_properties(swapper_checkpoint_kill_test PROPERTIES TIMEOUT 300 LABELS "mpi;e2e"
                      PROCESSORS 2)
+
+# Hostile checkpoint files (sizes near 2^40, deep JSON, unallocated chunks, wrong types, bad
+# steps, links and storage outside the file, escapes) made by swapper_craft_checkpoints; every
+# zinf-ckpt command on them, and a zinf-train resume from a few, ends in exit 0 or 1 with the
+# defect named: no signal, no hang, no raw escape byte.
+add_executable(swapper_craft_checkpoints craft_checkpoints.cc)
+target_link_libraries(swapper_craft_checkpoints PRIVATE zinf_build_flags zinf::swapper
+                                                        zinf::storage zinf::partition zinf::core
+                                                        HDF5::HDF5 MPI::MPI_C)
+if(TARGET zinf-train AND TARGET zinf-ckpt)
+  add_test(NAME swapper_crafted_checkpoints
+           COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/crafted_checkpoints.sh
+                   $<TARGET_FILE:zinf-train> $<TARGET_FILE:zinf-ckpt> ${MPIEXEC_EXECUTABLE}
+                   $<TARGET_FILE:swapper_craft_checkpoints>)
+  # Two workers check the files side by side; about 25-50 s on the 2-core CI machine.
+  set_tests_properties(swapper_crafted_checkpoints PROPERTIES TIMEOUT 180 LABELS "e2e"
+                       PROCESSORS 2)
+endif()
