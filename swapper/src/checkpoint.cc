@@ -11,7 +11,6 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -225,7 +224,7 @@ std::string UtcNow() {
   return text;
 }
 
-// Rank 0: the metadata every rank writes (parallel HDF5 needs identical values everywhere).
+// The JSON and text attributes rank 0 writes into the file's structure.
 struct Header {
   std::string optimizer, config, trainer, created;
 };
@@ -495,10 +494,7 @@ class PartialFile {
     partial.dir_ = dir;
     partial.name_ = partial_name;
     ZINF_ASSIGN_OR_RETURN(partial.dir_fd_, storage::OpenDirectory(dir, storage::Follow::kYes));
-    struct statvfs vfs {};
-    if (::fstatvfs(partial.dir_fd_.get(), &vfs) != 0) return ErrnoError(errno, "statvfs " + dir);
-    const std::uint64_t available =
-        static_cast<std::uint64_t>(vfs.f_bavail) * static_cast<std::uint64_t>(vfs.f_frsize);
+    ZINF_ASSIGN_OR_RETURN(const std::uint64_t available, storage::AvailableBytes(dir));
     if (available < estimate_bytes) {
       return ResourceExhaustedError(fmt::format(
           "checkpoint step {} needs about {} in {}, which has {} available; free space there "

@@ -43,29 +43,24 @@ Error Missing(std::string what, const Error& cause) {
       fmt::format("checkpoint is incomplete: missing {} ({})", what, cause.message()));
 }
 
+// A missing attribute means an incomplete checkpoint, one of another type, rank or size a bad
+// one: DataLoss either way, whatever code the attribute reader used.
+Error AttrError(std::string_view object, std::string_view name, const Error& cause) {
+  if (cause.code() == ErrorCode::kNotFound) {
+    return Missing(fmt::format("attribute '{}' of {}", name, object), cause);
+  }
+  return DataLossError(fmt::format("attribute '{}': {}", name, cause.message()));
+}
+
 Result<std::int64_t> IntAttr(H5File& file, std::string_view object, std::string_view name) {
   Result<std::int64_t> v = file.ReadInt64Attribute(object, name);
-  if (!v) {
-    if (v.error().code() == ErrorCode::kNotFound) {
-      return Missing(fmt::format("attribute '{}' of {}", name, object), v.error());
-    }
-    // The file holds something else than the format says (another type, an array, a value
-    // out of range): the checkpoint is bad, whatever the reader's own code for it.
-    return DataLossError(fmt::format("attribute '{}': {}", name, v.error().message()));
-  }
+  if (!v) return AttrError(object, name, v.error());
   return v;
 }
 
 Result<std::string> StringAttr(H5File& file, std::string_view object, std::string_view name) {
   Result<std::string> v = file.ReadStringAttribute(object, name);
-  if (!v) {
-    if (v.error().code() == ErrorCode::kNotFound) {
-      return Missing(fmt::format("attribute '{}' of {}", name, object), v.error());
-    }
-    // The file holds something else than the format says (another type, an array, a value
-    // out of range): the checkpoint is bad, whatever the reader's own code for it.
-    return DataLossError(fmt::format("attribute '{}': {}", name, v.error().message()));
-  }
+  if (!v) return AttrError(object, name, v.error());
   return v;
 }
 

@@ -25,14 +25,20 @@
 //                    state, learning-rate schedule); "{}" when none was given
 // Gradients are not saved.
 //
-// Commit protocol (SaveCheckpoint). The ranks write `<dir>/step-<N>.h5.partial`, compute the
-// checksums, flush and close it collectively, and every rank fdatasyncs it. Only after every rank
-// agreed on success does rank 0 rename it to `<dir>/step-<N>.h5`, fsync the directory, write
-// `<dir>/latest.tmp` (the file name, one line), fsync it, rename it over `<dir>/latest` and fsync
-// the directory again; then `.partial` files left by crashed saves are removed and `keep_last`
-// retention deletes older `step-*.h5` files. A crash at any
-// point therefore leaves `latest` naming a complete checkpoint (the previous one until the rename
-// of `latest`), and at worst a stale `.partial` file, which the next save of that step replaces.
+// Commit protocol (SaveCheckpoint). Rank 0 checks that `<dir>` has room for the file
+// (EstimateCheckpointBytes; ResourceExhausted otherwise), removes any entry named
+// `<dir>/step-<N>.h5.partial` (never following it), creates that file exclusively, writes its
+// whole structure serially (attributes, layout, every dataset with its space allocated), closes
+// it and reserves its blocks (fallocate). The ranks then open it collectively and write elements
+// only (state, then checksums): no HDF5 metadata is flushed collectively, so one rank's failed
+// write cannot leave the others in HDF5's barriers. They close it and every rank fdatasyncs it.
+// Only after every rank agreed on success does rank 0 rename it to `<dir>/step-<N>.h5`, fsync the
+// directory, replace `<dir>/latest` (the file name, one line) through an exclusively created,
+// fsynced `latest.tmp` and fsync the directory again; then `.partial` files left by crashed saves
+// are removed and `keep_last` retention deletes older `step-*.h5` files (names parsed strictly,
+// unlinked without following). A crash at any point therefore leaves `latest` naming a complete
+// checkpoint (the previous one until the rename of `latest`), and at worst a stale `.partial`
+// file, which the next save of that step replaces.
 //
 // Write-behind (save). The file is written through MPI-IO into the page cache; after every slab
 // each rank starts the writeback of the file (sync_file_range) and, after reading its next run
