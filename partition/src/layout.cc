@@ -84,9 +84,10 @@ Result<std::uint64_t> ValidateShape(std::size_t index, std::string_view name,
   return numel;
 }
 
-// A JSON value from a layout for a message: escaped, quoted, at most 64 characters.
+// A JSON value from a layout for a message: at most 64 characters, non-ASCII and controls
+// escaped (\uXXXX) by the JSON dump itself.
 std::string Shown(const nlohmann::json& value) {
-  return Quote(DumpJsonForDisplay(value).substr(0, 64));
+  return DumpJsonForDisplay(value).substr(0, 64);
 }
 
 Error JsonError(std::string_view what) {

@@ -152,7 +152,13 @@ TEST(ParamLayout, JsonIsCompact) {
 
 TEST(ParamLayout, JsonErrorsAreInvalidArgument) {
   auto parse = [](const char* text) { return ParamLayout::FromJsonString(text); };
-  EXPECT_THAT(parse("{not json"), StatusIs(ErrorCode::kInvalidArgument, HasSubstr("not valid")));
+  EXPECT_THAT(parse("{not json"),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("JSON syntax error")));
+  // Read bounded: nesting beyond ParseJson's limit is refused before anything recurses on it.
+  EXPECT_THAT(parse((std::string(R"({"version":1,"dtype":"fp32","params":[{"name":"a","shape":)") +
+                     std::string(100000, '[') + std::string(100000, ']') + "}]}")
+                        .c_str()),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("nesting deeper")));
   EXPECT_THAT(parse("[]"), StatusIs(ErrorCode::kInvalidArgument, HasSubstr("not an object")));
   EXPECT_THAT(parse(R"({"dtype":"fp32","params":[]})"),
               StatusIs(ErrorCode::kInvalidArgument, HasSubstr("'version'")));
