@@ -300,68 +300,86 @@ Status SyncAndAgree(const comm::Communicator& comm, const std::string& path) {
   return comm.AgreeOnStatus(storage::SyncPath(path));
 }
 
-// Collective: the state (and then the checksums) of every rank into the open file.
-Status WriteContents(OptimizerSwapper& swapper, H5File& file, const CheckpointSaveOptions& options,
-                     ProgressReporter* progress) {
-  const comm::Communicator& comm = swapper.comm();
-  const partition::ParamLayout& layout = swapper.plan().layout();
-  const std::uint64_t total = layout.total_numel();
-  const std::uint64_t chunk = options.chunk_numel;
-  const std::uint64_t num_chunks = NumChunks(total, chunk);
-  const bool root = comm.rank() == 0;
-  comm::Timers& timers = swapper.timers();
+// A save's staging buffers: this rank's state is read from the swap store into them run by run.
+struct Staging {
+  std::uint64_t numel = 0;    // elements per buffer
+  std::vector<Run> runs;      // this rank's runs, split at `numel`
+  std::int64_t max_runs = 0;  // the most runs of any rank (agreed)
+  std::size_t depth = 1;      // buffers: with 2, the next read overlaps the current write
+  PoolLease lease;
+};
 
-  // State: run by run, each state tensor in turn. With two staging buffers (the common case) the
-  // next tensor is read from the swap store and hashed on a helper thread while this thread
-  // writes the current one, so a save costs about max(read, write) instead of their sum. Only the
-  // helper uses the swapper while a read is pending (ReadState is local and the engines take
-  // requests from any one thread), and every pending read is joined before its buffer is reused
-  // or released (std::async futures join on destruction, and are declared after the lease).
-  const std::uint64_t staging_numel = std::min(
+// Collective: splits this rank's runs at the staging size, agrees on the most runs of any rank,
+// and leases the staging buffers (errors agreed).
+Result<Staging> LeaseStaging(OptimizerSwapper& swapper) {
+  const comm::Communicator& comm = swapper.comm();
+  Staging staging;
+  staging.numel = std::min(
       {swapper.sub_groups().max_sub_group_numel(), swapper.pool().buffer_numel(), kMaxSlabNumel});
-  const std::vector<Run> runs = RunsOf(swapper, staging_numel);
-  ZINF_ASSIGN_OR_RETURN(const std::int64_t max_runs,
-                        AgreeMax(comm, static_cast<std::int64_t>(runs.size())));
+  staging.runs = RunsOf(swapper, staging.numel);
+  ZINF_ASSIGN_OR_RETURN(staging.max_runs,
+                        AgreeMax(comm, static_cast<std::int64_t>(staging.runs.size())));
   // Two buffers when the pool has three free (ReadState borrows one more), else one: the depth
   // is local, the sequence of collective calls is the same either way.
-  const std::size_t depth = swapper.pool().free_count() >= 3 ? 2 : 1;
-  Result<PoolLease> lease = swapper.pool().Allocate(staging_numel, depth);
+  staging.depth = swapper.pool().free_count() >= 3 ? 2 : 1;
+  Result<PoolLease> lease = swapper.pool().Allocate(staging.numel, staging.depth);
   ZINF_RETURN_IF_ERROR(comm.AgreeOnStatus(
       lease ? OkStatus() : Status(std::move(lease).error().WithContext("checkpoint staging: "))));
-  std::span<float> staging = lease->floats(0).first(staging_numel);
-  std::vector<ChunkHasher> hashers;
-  for (std::size_t t = 0; t < kNumStateTensors; ++t) hashers.emplace_back(total, chunk);
-  WriteBehind write_behind(file.path());
-  ZINF_RETURN_IF_ERROR(comm.AgreeOnStatus(write_behind.Opened()));
+  staging.lease = std::move(*lease);
+  return staging;
+}
 
-  struct Item {
-    Run run;
-    StateTensor which;
-    bool mine;
-  };
+// One slab of the state: one state tensor of one run (`mine` false: a rank with fewer runs
+// than max_runs writes an empty slab, as the collective write needs every rank).
+struct Item {
+  Run run;
+  StateTensor which;
+  bool mine;
+};
+
+// The items in the order every rank writes them: the state tensors of run 0, of run 1, ...
+std::vector<Item> ItemsOf(const Staging& staging) {
   std::vector<Item> items;
-  for (std::int64_t k = 0; k < max_runs; ++k) {
-    const bool mine = k < static_cast<std::int64_t>(runs.size());
+  for (std::int64_t k = 0; k < staging.max_runs; ++k) {
+    const bool mine = k < static_cast<std::int64_t>(staging.runs.size());
     for (StateTensor which : kStates) {
-      items.push_back(Item{mine ? runs[static_cast<std::size_t>(k)] : Run{}, which, mine});
+      items.push_back(Item{mine ? staging.runs[static_cast<std::size_t>(k)] : Run{}, which, mine});
     }
   }
+  return items;
+}
+
+// Reads an item of this rank from the swap store into `out` and hashes it.
+Status ReadItem(OptimizerSwapper& swapper, const Item& item, std::span<float> out,
+                ChunkHasher& hasher) {
+  comm::Timers& timers = swapper.timers();
+  {
+    ScopedTimer t(timers, "ckpt_save_read_state");
+    ZINF_RETURN_IF_ERROR(
+        swapper.ReadState(item.run.sub_group, item.which, item.run.sub_group_offset, out));
+  }
+  ScopedTimer t(timers, "ckpt_save_checksum");
+  hasher.Feed(item.run.flat_offset, out);
+  return OkStatus();
+}
+
+// Collective: writes every item's slab, each after agreeing on its read and on the write-behind;
+// with two staging buffers the next item is read on a helper thread meanwhile.
+Status WriteItems(OptimizerSwapper& swapper, H5File& file, const Staging& staging,
+                  std::vector<ChunkHasher>& hashers, WriteBehind& write_behind,
+                  ProgressReporter* progress) {
+  const comm::Communicator& comm = swapper.comm();
+  comm::Timers& timers = swapper.timers();
+  const std::uint64_t total = swapper.plan().layout().total_numel();
+  const std::vector<Item> items = ItemsOf(staging);
   auto buffer_of = [&](std::size_t i) {
-    return lease->floats(i % depth).first(items[i].run.numel);
+    return staging.lease.floats(i % staging.depth).first(items[i].run.numel);
   };
   // Reads and hashes item i (the hashers see the items in order: one read at a time).
   auto read_item = [&](std::size_t i) -> Status {
     const Item& item = items[i];
     if (!item.mine) return OkStatus();
-    std::span<float> out = buffer_of(i);
-    {
-      ScopedTimer t(timers, "ckpt_save_read_state");
-      ZINF_RETURN_IF_ERROR(
-          swapper.ReadState(item.run.sub_group, item.which, item.run.sub_group_offset, out));
-    }
-    ScopedTimer t(timers, "ckpt_save_checksum");
-    hashers[static_cast<std::size_t>(item.which)].Feed(item.run.flat_offset, out);
-    return OkStatus();
+    return ReadItem(swapper, item, buffer_of(i), hashers[static_cast<std::size_t>(item.which)]);
   };
   std::future<Status> pending;  // the read of item i + 1; joined on every return
   for (std::size_t i = 0; i < items.size(); ++i) {
@@ -373,7 +391,7 @@ Status WriteContents(OptimizerSwapper& swapper, H5File& file, const CheckpointSa
     } else {
       local = read_item(i);
     }
-    if (depth == 2 && i + 1 < items.size()) {
+    if (staging.depth == 2 && i + 1 < items.size()) {
       pending = std::async(std::launch::async, read_item, i + 1);
     }
     {
@@ -397,26 +415,53 @@ Status WriteContents(OptimizerSwapper& swapper, H5File& file, const CheckpointSa
     if (item.which == kStates.back()) {
       const double runs_done = static_cast<double>(i / kNumStateTensors + 1);
       progress->Update(static_cast<std::uint64_t>(
-          runs_done / static_cast<double>(max_runs) *
+          runs_done / static_cast<double>(staging.max_runs) *
           static_cast<double>(kNumStateTensors * total * sizeof(float))));
     }
   }
+  return OkStatus();
+}
+
+// Collective: waits for the last write-behind, then syncs every rank's writes.
+Status FlushState(const comm::Communicator& comm, H5File& file, WriteBehind& write_behind,
+                  comm::Timers& timers) {
   {
     ScopedTimer t(timers, "ckpt_save_writeback_wait");
     ZINF_RETURN_IF_ERROR(comm.AgreeOnStatus(write_behind.Wait()));
   }
-  {
-    ScopedTimer t(timers, "ckpt_save_flush");
-    ZINF_RETURN_IF_ERROR(SyncAndAgree(comm, file.path()));
-  }
-  ScopedTimer orphan_timer(timers, "ckpt_save_orphans_and_checksums");
+  ScopedTimer t(timers, "ckpt_save_flush");
+  return SyncAndAgree(comm, file.path());
+}
 
+// Collective: reads flat elements [begin, end) of `which` back in `pieces` reads of at most
+// piece.size() elements (empty ones past `end`) and returns their digest.
+Result<std::uint64_t> HashReadBack(H5File& file, StateTensor which, std::uint64_t begin,
+                                   std::uint64_t end, std::uint64_t pieces,
+                                   std::span<float> piece) {
+  const std::uint64_t piece_numel = piece.size();
+  storage::ChecksumBuilder builder;
+  for (std::uint64_t p = 0; p < pieces; ++p) {
+    const std::uint64_t from = std::min(begin + p * piece_numel, end);
+    const std::uint64_t to = std::min(from + piece_numel, end);
+    std::span<float> out = piece.first(to - from);
+    ZINF_RETURN_IF_ERROR(file.ReadSlab(StateDataset(which), from, out));
+    builder.Update(std::as_bytes(out));
+  }
+  return builder.Digest();
+}
+
+// Collective: hashes the chunks no rank hashed completely (orphan j is read back by rank
+// j % size) and writes each state's checksum table (rank 0's digests).
+Status WriteChecksums(const comm::Communicator& comm, H5File& file, std::span<float> staging,
+                      std::vector<ChunkHasher>& hashers, std::uint64_t total, std::uint64_t chunk) {
   // Orphan chunks: read back by rank (j % size), in pieces of the (agreed) staging size.
-  std::int64_t piece = static_cast<std::int64_t>(std::min(staging_numel, chunk));
+  std::int64_t piece = static_cast<std::int64_t>(std::min<std::uint64_t>(staging.size(), chunk));
   ZINF_RETURN_IF_ERROR(
       comm.AllreduceInPlace<std::int64_t>(std::span(&piece, 1), comm::ReduceOp::kMin));
   const std::uint64_t piece_numel = static_cast<std::uint64_t>(piece);
   const std::uint64_t pieces_per_chunk = (std::min(chunk, total) + piece_numel - 1) / piece_numel;
+  const std::uint64_t num_chunks = NumChunks(total, chunk);
+  const std::uint64_t size = static_cast<std::uint64_t>(comm.size());
   for (StateTensor which : kStates) {
     ChunkHasher& hasher = hashers[static_cast<std::size_t>(which)];
     ZINF_RETURN_IF_ERROR(
@@ -425,7 +470,6 @@ Status WriteContents(OptimizerSwapper& swapper, H5File& file, const CheckpointSa
     for (std::uint64_t c = 0; c < num_chunks; ++c) {
       if (hasher.have()[c] == 0) orphans.push_back(c);
     }
-    const std::uint64_t size = static_cast<std::uint64_t>(comm.size());
     const std::uint64_t rounds = (orphans.size() + size - 1) / size;
     for (std::uint64_t r = 0; r < rounds; ++r) {
       const std::uint64_t j = r * size + static_cast<std::uint64_t>(comm.rank());
@@ -433,24 +477,47 @@ Status WriteContents(OptimizerSwapper& swapper, H5File& file, const CheckpointSa
       const std::uint64_t c = mine ? orphans[j] : 0;
       const std::uint64_t begin = c * chunk;
       const std::uint64_t end = mine ? std::min(begin + chunk, total) : begin;
-      storage::ChecksumBuilder builder;
-      for (std::uint64_t p = 0; p < pieces_per_chunk; ++p) {
-        const std::uint64_t from = std::min(begin + p * piece_numel, end);
-        const std::uint64_t to = std::min(from + piece_numel, end);
-        std::span<float> out = staging.first(to - from);
-        ZINF_RETURN_IF_ERROR(file.ReadSlab(StateDataset(which), from, out));
-        builder.Update(std::as_bytes(out));
-      }
-      if (mine) hasher.digests()[c] = builder.Digest();
+      ZINF_ASSIGN_OR_RETURN(
+          const std::uint64_t digest,
+          HashReadBack(file, which, begin, end, pieces_per_chunk, staging.first(piece_numel)));
+      if (mine) hasher.digests()[c] = digest;
     }
     // Exactly one rank contributes each chunk's digest.
     ZINF_RETURN_IF_ERROR(
         comm.AllreduceInPlace<std::uint64_t>(std::span(hasher.digests()), comm::ReduceOp::kSum));
     std::span<const std::uint64_t> sums;
-    if (root) sums = hasher.digests();
+    if (comm.rank() == 0) sums = hasher.digests();
     ZINF_RETURN_IF_ERROR(file.WriteSlab(ChecksumDataset(which), 0, sums));
   }
-  lease->Release();
+  return OkStatus();
+}
+
+// Collective: the state (and then the checksums) of every rank into the open file.
+Status WriteContents(OptimizerSwapper& swapper, H5File& file, const CheckpointSaveOptions& options,
+                     ProgressReporter* progress) {
+  const comm::Communicator& comm = swapper.comm();
+  const std::uint64_t total = swapper.plan().layout().total_numel();
+  const std::uint64_t chunk = options.chunk_numel;
+  comm::Timers& timers = swapper.timers();
+
+  // State: run by run, each state tensor in turn. With two staging buffers (the common case) the
+  // next tensor is read from the swap store and hashed on a helper thread while this thread
+  // writes the current one, so a save costs about max(read, write) instead of their sum. Only the
+  // helper uses the swapper while a read is pending (ReadState is local and the engines take
+  // requests from any one thread), and every pending read is joined before its buffer is reused
+  // or released (std::async futures join on destruction: WriteItems' is gone when it returns,
+  // and the lease in `staging` outlives it).
+  ZINF_ASSIGN_OR_RETURN(Staging staging, LeaseStaging(swapper));
+  std::vector<ChunkHasher> hashers;
+  for (std::size_t t = 0; t < kNumStateTensors; ++t) hashers.emplace_back(total, chunk);
+  WriteBehind write_behind(file.path());
+  ZINF_RETURN_IF_ERROR(comm.AgreeOnStatus(write_behind.Opened()));
+  ZINF_RETURN_IF_ERROR(WriteItems(swapper, file, staging, hashers, write_behind, progress));
+  ZINF_RETURN_IF_ERROR(FlushState(comm, file, write_behind, timers));
+  ScopedTimer orphan_timer(timers, "ckpt_save_orphans_and_checksums");
+  ZINF_RETURN_IF_ERROR(WriteChecksums(comm, file, staging.lease.floats(0).first(staging.numel),
+                                      hashers, total, chunk));
+  staging.lease.Release();
   return OkStatus();
 }
 
@@ -770,18 +837,11 @@ Status CheckOptimizer(const nlohmann::json& optimizer, const AdamOptions& adam) 
   return OkStatus();
 }
 
-}  // namespace
-
-Result<RestoredCheckpoint> RestoreCheckpoint(OptimizerSwapper& swapper, const std::string& path,
-                                             const CheckpointRestoreOptions& options) {
-  const auto start = std::chrono::steady_clock::now();
-  const comm::Communicator& comm = swapper.comm();
-  const bool root = comm.rank() == 0;
-
-  // Rank 0 resolves `latest` once, so that every rank reads the same file.
+// Collective: rank 0 resolves `path` once (`latest`), so that every rank reads the same file.
+Result<std::string> AgreeOnRestorePath(const comm::Communicator& comm, const std::string& path) {
   std::string file_path;
   Status resolved = OkStatus();
-  if (root) {
+  if (comm.rank() == 0) {
     Result<std::string> r = ResolveCheckpointPath(path);
     if (r) {
       file_path = *r;
@@ -791,104 +851,136 @@ Result<RestoredCheckpoint> RestoreCheckpoint(OptimizerSwapper& swapper, const st
   }
   ZINF_RETURN_IF_ERROR(Annotate(comm.AgreeOnStatus(resolved), "checkpoint restore: "));
   ZINF_RETURN_IF_ERROR(comm.BroadcastString(&file_path, 0));
-  const std::string context = fmt::format("checkpoint restore from {}: ", file_path);
+  return file_path;
+}
 
-  comm::Timers& timers = swapper.timers();
-  std::optional<ScopedTimer> open_timer(std::in_place, timers, "ckpt_restore_open");
-  // Every rank opens its own read-only handle and validates the header.
-  Result<H5File> opened = H5File::OpenSerial(file_path, /*read_only=*/true);
+// A checkpoint opened for restore. Not movable: the readers point into `file`.
+struct RestoreSource {
+  RestoreSource() = default;
+  RestoreSource(const RestoreSource&) = delete;
+  RestoreSource& operator=(const RestoreSource&) = delete;
+
   std::optional<H5File> file;
   std::optional<CheckpointInfo> info;
+  std::vector<VerifiedChunkReader> readers;  // one per state tensor
+};
+
+// Local: opens this rank's read-only handle, validates the header against the swapper, and
+// makes a verified reader per state tensor.
+Status OpenForRestore(const OptimizerSwapper& swapper, const std::string& file_path,
+                      const CheckpointRestoreOptions& options, RestoreSource* source) {
+  Result<H5File> opened = H5File::OpenSerial(file_path, /*read_only=*/true);
+  if (!opened) return std::move(opened).error();
+  source->file.emplace(std::move(*opened));
+  Result<CheckpointInfo> i = checkpoint_internal::ReadInfo(*source->file, file_path);
+  if (!i) return std::move(i).error();
+  source->info.emplace(std::move(*i));
+  const CheckpointInfo& info = *source->info;
+  ZINF_RETURN_IF_ERROR(partition::CompareLayouts(*info.layout, swapper.plan().layout(),
+                                                 /*compare_dtype=*/false));
+  if (options.check_optimizer) {
+    ZINF_RETURN_IF_ERROR(CheckOptimizer(info.optimizer, swapper.options().adam));
+  }
+  for (StateTensor which : kStates) {
+    ZINF_ASSIGN_OR_RETURN(
+        std::vector<std::uint64_t> sums,
+        checkpoint_internal::ReadChecksums(*source->file, which, info.num_chunks));
+    source->readers.emplace_back(&*source->file, which, info.total_numel, info.chunk_numel,
+                                 std::move(sums));
+  }
+  return OkStatus();
+}
+
+// Local: verifies every chunk this rank's runs touch, state tensor by state tensor.
+Status VerifyRuns(std::vector<VerifiedChunkReader>& readers, const std::vector<Run>& runs,
+                  ProgressReporter& progress, std::uint64_t* done) {
+  for (StateTensor which : kStates) {
+    for (const Run& r : runs) {
+      ZINF_RETURN_IF_ERROR(readers[static_cast<std::size_t>(which)].Verify(r.flat_offset, r.numel));
+      *done += r.numel * sizeof(float);
+      progress.Update(*done);
+    }
+  }
+  return OkStatus();
+}
+
+// Local: writes each sub-group's state, read from the checkpoint run by run, to the swap store
+// (committed as `step`).
+Status WriteRuns(OptimizerSwapper& swapper, std::vector<VerifiedChunkReader>& readers,
+                 const std::vector<Run>& runs, std::int64_t step, ProgressReporter& progress,
+                 std::uint64_t* done) {
+  comm::Timers& timers = swapper.timers();
   Status local = OkStatus();
-  if (!opened) {
-    local = std::move(opened).error();
-  } else {
-    file.emplace(std::move(*opened));
-    Result<CheckpointInfo> i = checkpoint_internal::ReadInfo(*file, file_path);
-    if (!i) {
-      local = std::move(i).error();
-    } else {
-      info.emplace(std::move(*i));
-      local = partition::CompareLayouts(*info->layout, swapper.plan().layout(),
-                                        /*compare_dtype=*/false);
-      if (local && options.check_optimizer) {
-        local = CheckOptimizer(info->optimizer, swapper.options().adam);
-      }
-    }
-  }
-  std::vector<VerifiedChunkReader> readers;
-  if (local) {
-    for (StateTensor which : kStates) {
-      Result<std::vector<std::uint64_t>> sums =
-          checkpoint_internal::ReadChecksums(*file, which, info->num_chunks);
-      if (!sums) {
-        local = std::move(sums).error();
-        break;
-      }
-      readers.emplace_back(&*file, which, info->total_numel, info->chunk_numel, std::move(*sums));
-    }
-  }
-  ZINF_RETURN_IF_ERROR(Annotate(comm.AgreeOnStatus(local), context));
-  open_timer.reset();
-
-  const std::vector<Run> runs = RunsOf(swapper, UINT64_MAX);
-  std::uint64_t my_bytes = 0;
-  for (const Run& r : runs) my_bytes += kNumStateTensors * r.numel * sizeof(float);
-  const int passes = options.verify_before_write ? 2 : 1;
-  ProgressReporter progress(fmt::format("checkpoint restore step {}", info->step),
-                            my_bytes * static_cast<std::uint64_t>(passes), root && options.progress,
-                            options.progress_interval_s);
-  std::uint64_t done = 0;
-
-  if (options.verify_before_write) {
-    ScopedTimer verify_timer(timers, "ckpt_restore_verify_pass");
-    local = OkStatus();
-    for (StateTensor which : kStates) {
-      for (const Run& r : runs) {
-        local = readers[static_cast<std::size_t>(which)].Verify(r.flat_offset, r.numel);
-        if (!local) break;
-        done += r.numel * sizeof(float);
-        progress.Update(done);
-      }
-      if (!local) break;
-    }
-    ZINF_RETURN_IF_ERROR(Annotate(comm.AgreeOnStatus(local), context));
-  }
-
-  local = OkStatus();
   std::size_t next_run = 0;
   for (std::size_t i = 0; i < swapper.num_sub_groups() && local; ++i) {
     const std::size_t first = next_run;
     while (next_run < runs.size() && runs[next_run].sub_group == i) ++next_run;
     const std::size_t last = next_run;
     ScopedTimer write_timer(timers, "ckpt_restore_write_state");
-    local =
-        swapper.WriteState(i, info->step, [&](StateTensor which, std::span<float> out) -> Status {
-          ScopedTimer read_timer(timers, "ckpt_restore_read_in_write_state");
-          for (std::size_t r = first; r < last; ++r) {
-            const Run& run = runs[r];
-            ZINF_RETURN_IF_ERROR(readers[static_cast<std::size_t>(which)].Read(
-                run.flat_offset, out.subspan(run.sub_group_offset, run.numel)));
-            done += run.numel * sizeof(float);
-          }
-          progress.Update(done);
-          return OkStatus();
-        });
+    local = swapper.WriteState(i, step, [&](StateTensor which, std::span<float> out) -> Status {
+      ScopedTimer read_timer(timers, "ckpt_restore_read_in_write_state");
+      for (std::size_t r = first; r < last; ++r) {
+        const Run& run = runs[r];
+        ZINF_RETURN_IF_ERROR(readers[static_cast<std::size_t>(which)].Read(
+            run.flat_offset, out.subspan(run.sub_group_offset, run.numel)));
+        *done += run.numel * sizeof(float);
+      }
+      progress.Update(*done);
+      return OkStatus();
+    });
   }
-  if (local) local = file->Close();
-  ZINF_RETURN_IF_ERROR(Annotate(comm.AgreeOnStatus(local), context));
-  progress.Finish();
+  return local;
+}
 
+// What RestoreCheckpoint returns: the file's metadata (moved out of `info`).
+RestoredCheckpoint Restored(const std::string& file_path, CheckpointInfo& info,
+                            std::chrono::steady_clock::time_point start) {
   RestoredCheckpoint restored;
   restored.path = file_path;
-  restored.step = info->step;
-  restored.world_size = static_cast<int>(info->world_size);
-  restored.optimizer = std::move(info->optimizer);
-  restored.config = std::move(info->config);
-  restored.trainer = std::move(info->trainer);
+  restored.step = info.step;
+  restored.world_size = static_cast<int>(info.world_size);
+  restored.optimizer = std::move(info.optimizer);
+  restored.config = std::move(info.config);
+  restored.trainer = std::move(info.trainer);
   restored.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return restored;
+}
+
+}  // namespace
+
+Result<RestoredCheckpoint> RestoreCheckpoint(OptimizerSwapper& swapper, const std::string& path,
+                                             const CheckpointRestoreOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  const comm::Communicator& comm = swapper.comm();
+  ZINF_ASSIGN_OR_RETURN(const std::string file_path, AgreeOnRestorePath(comm, path));
+  const std::string context = fmt::format("checkpoint restore from {}: ", file_path);
+
+  comm::Timers& timers = swapper.timers();
+  std::optional<ScopedTimer> open_timer(std::in_place, timers, "ckpt_restore_open");
+  RestoreSource source;
+  ZINF_RETURN_IF_ERROR(
+      Annotate(comm.AgreeOnStatus(OpenForRestore(swapper, file_path, options, &source)), context));
+  open_timer.reset();
+
+  const std::vector<Run> runs = RunsOf(swapper, UINT64_MAX);
+  std::uint64_t my_bytes = 0;
+  for (const Run& r : runs) my_bytes += kNumStateTensors * r.numel * sizeof(float);
+  const int passes = options.verify_before_write ? 2 : 1;
+  ProgressReporter progress(fmt::format("checkpoint restore step {}", source.info->step),
+                            my_bytes * static_cast<std::uint64_t>(passes),
+                            comm.rank() == 0 && options.progress, options.progress_interval_s);
+  std::uint64_t done = 0;
+  if (options.verify_before_write) {
+    ScopedTimer verify_timer(timers, "ckpt_restore_verify_pass");
+    ZINF_RETURN_IF_ERROR(
+        Annotate(comm.AgreeOnStatus(VerifyRuns(source.readers, runs, progress, &done)), context));
+  }
+  Status local = WriteRuns(swapper, source.readers, runs, source.info->step, progress, &done);
+  if (local) local = source.file->Close();
+  ZINF_RETURN_IF_ERROR(Annotate(comm.AgreeOnStatus(local), context));
+  progress.Finish();
+  return Restored(file_path, *source.info, start);
 }
 
 }  // namespace zinf::swapper

@@ -247,33 +247,6 @@ Status GradientSwapper::SwapIn(std::size_t sub_group, std::span<float> grad) {
   return OkStatus();
 }
 
-Status GradientSwapper::WriteBack(std::size_t sub_group, std::span<const float> grad) {
-  ZINF_RETURN_IF_ERROR(Flush());
-  const SubGroupSwapInfo& info = (*infos_)[sub_group];
-  last_micro_batch_[sub_group] = 0;
-  if (mode_ == GradientAccumulation::kInMemory) {
-    float* partition = in_memory_.data() + info.sub_group.partition_offset;
-    for (const partition::SubGroupFragment& f : info.sub_group.fragments) {
-      std::memcpy(partition + f.sub_group_offset, grad.data() + f.sub_group_offset,
-                  f.numel * sizeof(float));
-    }
-    return OkStatus();
-  }
-  std::uint64_t next = 0;
-  for (const partition::GradientPiece& piece : info.unswapped_gradients) {
-    std::memcpy(unswapped_[sub_group].data() + next, grad.data() + piece.sub_group_offset,
-                piece.numel * sizeof(float));
-    next += piece.numel;
-  }
-  // The engine only writes from the buffer; the span is const to the caller.
-  std::span<std::byte> bytes(reinterpret_cast<std::byte*>(const_cast<float*>(grad.data())),
-                             grad.size() * sizeof(float));
-  Status submitted = SubmitPieces(sub_group, bytes, storage::IoOp::kWrite);
-  Status waited = engine_->WaitAll();
-  ZINF_RETURN_IF_ERROR(submitted);
-  return waited;
-}
-
 GradientSource GradientSwapper::Source() {
   return [this](const partition::SubGroup& sub_group, std::span<float> grad) {
     return SwapIn(sub_group.index, grad);

@@ -481,6 +481,224 @@ Status OptimizerSwapper::WriteState(
 
 // ---- Create ----
 
+namespace {
+
+// Checks the options against the plan and the communicator.
+Status CheckOptions(const partition::PartitionPlan& plan, const comm::Communicator& comm,
+                    const SwapperOptions& options) {
+  if (plan.world_size() != comm.size()) {
+    return InvalidArgumentError(
+        fmt::format("the partition plan is for {} ranks, the "
+                    "communicator has {}",
+                    plan.world_size(), comm.size()));
+  }
+  if (options.store.paths.empty()) {
+    return InvalidArgumentError("optimizer swapper: no nvme_path given");
+  }
+  if (options.gradient_accumulation_steps < 1) {
+    return InvalidArgumentError(fmt::format("gradient_accumulation_steps {} must be >= 1",
+                                            options.gradient_accumulation_steps));
+  }
+  return OkStatus();
+}
+
+// Sizes the pool for the mode (at least `min_buffers` buffers of the largest sub-group) and
+// creates it; `*pipelined`: it holds the pipelined swapper's buffers (WARN if asked but not).
+Result<std::unique_ptr<BufferPool>> CreatePool(const SwapperOptions& options,
+                                               std::uint64_t max_numel, std::uint64_t alignment,
+                                               std::uint64_t min_buffers, bool* pipelined) {
+  const std::uint64_t buffer_alignment = std::max<std::uint64_t>(alignment, 4096);
+  const std::uint64_t buffer_bytes = AlignUp(max_numel * sizeof(float), buffer_alignment);
+  // Pool: the mode decides the minimum number of buffers.
+  const bool want_pipeline = options.pipeline_read || options.pipeline_write;
+  const std::uint64_t pipeline_buffers = PipelinedOptimizerSwapper::kMinBuffers;
+  std::uint64_t count = 0;
+  if (options.pinned_budget_bytes > 0) {
+    count = options.pinned_budget_bytes / buffer_bytes;
+  } else {
+    count = options.buffer_count > 0 ? options.buffer_count
+                                     : (want_pipeline ? pipeline_buffers : min_buffers);
+  }
+  if (count < min_buffers) {
+    const std::uint64_t budget =
+        options.pinned_budget_bytes > 0 ? options.pinned_budget_bytes : count * buffer_bytes;
+    return ResourceExhaustedError(fmt::format(
+        "optimizer swapper: the pool budget {} ({} bytes) holds {} swap buffers of {} (the "
+        "largest sub-group, {} elements); a step needs at least {} ({} to pipeline): raise "
+        "zinf.pinned_budget_bytes to at least {} bytes ({}) or lower sub_group_size",
+        FormatBytes(budget), budget, count, FormatBytes(buffer_bytes), max_numel, min_buffers,
+        pipeline_buffers, min_buffers * buffer_bytes, FormatBytes(min_buffers * buffer_bytes)));
+  }
+  *pipelined = want_pipeline && count >= pipeline_buffers;
+  if (want_pipeline && !*pipelined) {
+    ZINF_LOG_WARN(
+        "optimizer swapper: pipeline_read/pipeline_write need {} swap buffers of {} ({}), the "
+        "pool holds {}: stepping synchronously; raise zinf.pinned_budget_bytes to pipeline",
+        pipeline_buffers, FormatBytes(buffer_bytes), FormatBytes(pipeline_buffers * buffer_bytes),
+        count);
+  }
+  return BufferPool::Create(BufferPoolOptions{.budget_bytes = options.pinned_budget_bytes,
+                                              .buffer_count = count,
+                                              .buffer_bytes = buffer_bytes,
+                                              .alignment = buffer_alignment,
+                                              .pin_memory = options.pin_memory});
+}
+
+// Creates the engine for `role` (wrapped by options.engine_wrapper) with the pool's buffers
+// registered.
+Result<std::unique_ptr<storage::IoEngine>> MakeEngine(const SwapperOptions& options,
+                                                      EngineRole role, BufferPool& pool) {
+  ZINF_ASSIGN_OR_RETURN(
+      std::unique_ptr<storage::IoEngine> engine,
+      storage::CreateIoEngine(options.engine, options.aio, options.store.paths.front()));
+  if (options.engine_wrapper) {
+    ZINF_ASSIGN_OR_RETURN(engine, options.engine_wrapper(role, std::move(engine)));
+  }
+  ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(pool.AllBuffers()));
+  return engine;
+}
+
+// options.accumulation, with kAuto resolved when gradients are swapped: in memory if the
+// partition's gradient fits accumulation_memory_limit_bytes.
+GradientAccumulation ResolveAccumulation(const SwapperOptions& options,
+                                         std::uint64_t partition_numel) {
+  const std::uint64_t partition_bytes = partition_numel * sizeof(float);
+  if (options.swap_gradients && options.accumulation == GradientAccumulation::kAuto) {
+    return partition_bytes <= options.accumulation_memory_limit_bytes
+               ? GradientAccumulation::kInMemory
+               : GradientAccumulation::kReadAddWrite;
+  }
+  return options.accumulation;
+}
+
+// Each sub-group's swap info; with gradients on disk, also its gradient split and "grad<i>".
+Result<std::vector<SubGroupSwapInfo>> MakeSwapInfos(const partition::SubGroupPlan& sub_groups,
+                                                    std::uint64_t alignment, bool gradients_on_disk,
+                                                    std::uint64_t min_swap_numel) {
+  const std::uint64_t alignment_elems = std::max<std::uint64_t>(alignment / sizeof(float), 1);
+  std::vector<SubGroupSwapInfo> infos;
+  for (const partition::SubGroup& sub_group : sub_groups.sub_groups()) {
+    SubGroupSwapInfo info;
+    info.sub_group = sub_group;
+    info.io_size_bytes = AlignUp(sub_group.numel * sizeof(float), alignment);
+    if (gradients_on_disk) {
+      ZINF_ASSIGN_OR_RETURN(
+          partition::GradientSwapSplit split,
+          partition::SplitGradientForSwap(sub_group, alignment_elems, min_swap_numel));
+      info.swapped_gradients = std::move(split.swapped);
+      info.unswapped_gradients = std::move(split.unswapped);
+      info.gradient_name = fmt::format("grad{}", sub_group.index);
+    }
+    infos.push_back(std::move(info));
+  }
+  return infos;
+}
+
+// The store's tensors: the three state tensors of every slot, then the swapped gradients.
+std::vector<storage::TensorSpec> StoreSpecs(std::size_t num_slots, std::uint64_t slot_bytes,
+                                            const std::vector<SubGroupSwapInfo>& infos) {
+  std::vector<storage::TensorSpec> specs;
+  for (std::size_t slot = 0; slot < num_slots; ++slot) {
+    for (StateTensor which : kStateTensors) {
+      specs.push_back({OptimizerSwapper::SlotTensorName(slot, which), slot_bytes});
+    }
+  }
+  for (const SubGroupSwapInfo& info : infos) {
+    if (info.has_gradients()) specs.push_back({info.gradient_name, info.io_size_bytes});
+  }
+  return specs;
+}
+
+// Collective: reclaims stale stores (if asked), checks every node's space, reserves `store`.
+Status ReserveStore(const comm::Communicator& comm, const storage::SwapStoreOptions& options,
+                    storage::SwapStore& store, const std::vector<storage::TensorSpec>& specs,
+                    const std::string& on_host) {
+  // Every rank's store is open (and locked): stores of killed runs on this node's swap paths
+  // can be told apart now, and removing them frees space before the preflight counts it.
+  // reclaim_stale is the same on every rank (one config), so all ranks take this branch.
+  if (options.reclaim_stale) {
+    ZINF_RETURN_IF_ERROR(ReclaimStaleStores(comm, options));
+  }
+  ZINF_RETURN_IF_ERROR(PreflightSpace(comm, options, specs));
+  return comm.AgreeOnStatus(Annotate(store.Reserve(specs), on_host + "reserve the swap store: "));
+}
+
+// Logs the gradient swapper's mode and the gradient it keeps in host memory per rank.
+void LogGradientSwapper(GradientAccumulation accumulation, int gradient_accumulation_steps,
+                        std::uint64_t partition_numel, const std::vector<SubGroupSwapInfo>& infos) {
+  std::uint64_t extra_bytes = 0;
+  if (accumulation == GradientAccumulation::kInMemory) {
+    extra_bytes = partition_numel * sizeof(float);
+  } else {
+    for (const SubGroupSwapInfo& info : infos) {
+      for (const partition::GradientPiece& piece : info.unswapped_gradients) {
+        extra_bytes += piece.numel * sizeof(float);
+      }
+    }
+  }
+  ZINF_LOG_INFO(
+      "gradient swapper: {} accumulation over {} micro-batches ({} of gradient in "
+      "host memory per rank{})",
+      GradientAccumulationName(accumulation), gradient_accumulation_steps, FormatBytes(extra_bytes),
+      accumulation == GradientAccumulation::kInMemory
+          ? ": the partition gradient fits accumulation_memory_limit_bytes"
+          : ": unswapped remainders; swapped pieces are read, added and written");
+}
+
+// Logs (rank 0) the mode, sub-groups, pool size, engines and store of a new swapper.
+void LogSwapper(OptimizerSwapper& swapper, const std::string& engine_name, bool pipelined,
+                std::span<const storage::TensorSpec> specs) {
+  std::uint64_t disk_bytes = 0;
+  for (const storage::TensorSpec& spec : specs) disk_bytes += spec.size_bytes;
+  const BufferPool& pool = swapper.pool();
+  ZINF_LOG_INFO(
+      "optimizer swapper: {} ({} engine{}), {} sub-groups of <= {} elements per rank; pool {} x "
+      "{} = {} (budget {}, pinned: {}); swap store {} per rank on {} ({} slots, alignment {})",
+      swapper.mode_name(), engine_name, pipelined ? "s, read + write" : "",
+      swapper.num_sub_groups(), swapper.sub_groups().max_sub_group_numel(), pool.buffer_count(),
+      FormatBytes(pool.buffer_bytes()), FormatBytes(pool.total_bytes()),
+      FormatBytes(pool.budget_bytes()), pool.pinned() ? "yes" : "no", FormatBytes(disk_bytes),
+      fmt::join(swapper.options().store.paths, ","), swapper.num_sub_groups() + 1,
+      swapper.store().alignment());
+}
+
+}  // namespace
+
+Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communicator& comm,
+                                             const partition::PartitionPlan& plan,
+                                             const SwapperOptions& options, LocalSetup* setup) {
+  ZINF_RETURN_IF_ERROR(CheckOptions(plan, comm, options));
+  ZINF_ASSIGN_OR_RETURN(partition::SubGroupPlan sub_groups,
+                        partition::SubGroupPlan::Create(plan, comm.rank(), options.sub_group_size));
+  parts.plan = plan;
+  ZINF_ASSIGN_OR_RETURN(CpuAdam adam, CpuAdam::Create(options.adam));
+  parts.adam.emplace(std::move(adam));
+  ZINF_ASSIGN_OR_RETURN(parts.store, storage::SwapStore::Open(parts.options.store));
+  const std::uint64_t alignment = std::max<std::uint64_t>(parts.store->alignment(), 1);
+  const std::uint64_t max_numel = sub_groups.max_sub_group_numel();
+  ZINF_ASSIGN_OR_RETURN(parts.pool, CreatePool(options, max_numel, alignment, kBuffersPerSubGroup,
+                                               &setup->pipelined));
+  ZINF_ASSIGN_OR_RETURN(parts.read_engine, MakeEngine(options, EngineRole::kRead, *parts.pool));
+  if (setup->pipelined) {
+    ZINF_ASSIGN_OR_RETURN(parts.write_engine, MakeEngine(options, EngineRole::kWrite, *parts.pool));
+  }
+  setup->accumulation = ResolveAccumulation(options, plan.partition_numel());
+  const bool gradients_on_disk =
+      options.swap_gradients && setup->accumulation == GradientAccumulation::kReadAddWrite;
+  if (gradients_on_disk) {
+    ZINF_ASSIGN_OR_RETURN(setup->gradient_engine,
+                          MakeEngine(options, EngineRole::kGradient, *parts.pool));
+  }
+  ZINF_ASSIGN_OR_RETURN(
+      parts.infos, MakeSwapInfos(sub_groups, alignment, gradients_on_disk, options.min_swap_numel));
+  parts.sub_groups.emplace(std::move(sub_groups));
+  // One spare slot suffices in both modes: each engine has at most one sub-group in flight.
+  parts.num_slots = parts.infos.size() + 1;
+  setup->specs =
+      StoreSpecs(parts.num_slots, AlignUp(max_numel * sizeof(float), alignment), parts.infos);
+  return OkStatus();
+}
+
 Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
     const comm::Communicator& comm, const partition::PartitionPlan& plan,
     const SwapperOptions& options) {
@@ -488,189 +706,33 @@ Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
   OptimizerSwapper::Parts parts;
   parts.options = options;
   parts.options.store.world_rank = dup.rank();
-  bool pipelined = false;
-  GradientAccumulation accumulation = options.accumulation;
-  std::unique_ptr<storage::IoEngine> gradient_engine;
-  std::vector<storage::TensorSpec> specs;
-
-  auto make_engine = [&](EngineRole role) -> Result<std::unique_ptr<storage::IoEngine>> {
-    ZINF_ASSIGN_OR_RETURN(
-        std::unique_ptr<storage::IoEngine> engine,
-        storage::CreateIoEngine(options.engine, options.aio, options.store.paths.front()));
-    if (options.engine_wrapper) {
-      ZINF_ASSIGN_OR_RETURN(engine, options.engine_wrapper(role, std::move(engine)));
-    }
-    ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(parts.pool->AllBuffers()));
-    return engine;
-  };
-
-  auto local_setup = [&]() -> Status {
-    if (plan.world_size() != dup.size()) {
-      return InvalidArgumentError(fmt::format("the partition plan is for {} ranks, the "
-                                              "communicator has {}",
-                                              plan.world_size(), dup.size()));
-    }
-    if (options.store.paths.empty()) {
-      return InvalidArgumentError("optimizer swapper: no nvme_path given");
-    }
-    if (options.gradient_accumulation_steps < 1) {
-      return InvalidArgumentError(fmt::format("gradient_accumulation_steps {} must be >= 1",
-                                              options.gradient_accumulation_steps));
-    }
-    ZINF_ASSIGN_OR_RETURN(partition::SubGroupPlan sub_groups,
-                          partition::SubGroupPlan::Create(plan, dup.rank(),
-                                                          options.sub_group_size));
-    parts.plan = plan;
-    ZINF_ASSIGN_OR_RETURN(CpuAdam adam, CpuAdam::Create(options.adam));
-    parts.adam.emplace(std::move(adam));
-    ZINF_ASSIGN_OR_RETURN(parts.store, storage::SwapStore::Open(parts.options.store));
-    const std::uint64_t alignment = std::max<std::uint64_t>(parts.store->alignment(), 1);
-    const std::uint64_t max_numel = sub_groups.max_sub_group_numel();
-    const std::uint64_t buffer_alignment = std::max<std::uint64_t>(alignment, 4096);
-    const std::uint64_t buffer_bytes = AlignUp(max_numel * sizeof(float), buffer_alignment);
-
-    // Pool: the mode decides the minimum number of buffers.
-    const bool want_pipeline = options.pipeline_read || options.pipeline_write;
-    const std::uint64_t min_buffers = OptimizerSwapper::kBuffersPerSubGroup;
-    const std::uint64_t pipeline_buffers = PipelinedOptimizerSwapper::kMinBuffers;
-    std::uint64_t count = 0;
-    if (options.pinned_budget_bytes > 0) {
-      count = options.pinned_budget_bytes / buffer_bytes;
-    } else {
-      count = options.buffer_count > 0 ? options.buffer_count
-                                       : (want_pipeline ? pipeline_buffers : min_buffers);
-    }
-    if (count < min_buffers) {
-      const std::uint64_t budget = options.pinned_budget_bytes > 0
-                                       ? options.pinned_budget_bytes
-                                       : count * buffer_bytes;
-      return ResourceExhaustedError(fmt::format(
-          "optimizer swapper: the pool budget {} ({} bytes) holds {} swap buffers of {} (the "
-          "largest sub-group, {} elements); a step needs at least {} ({} to pipeline): raise "
-          "zinf.pinned_budget_bytes to at least {} bytes ({}) or lower sub_group_size",
-          FormatBytes(budget), budget, count, FormatBytes(buffer_bytes), max_numel, min_buffers,
-          pipeline_buffers, min_buffers * buffer_bytes, FormatBytes(min_buffers * buffer_bytes)));
-    }
-    pipelined = want_pipeline && count >= pipeline_buffers;
-    if (want_pipeline && !pipelined) {
-      ZINF_LOG_WARN(
-          "optimizer swapper: pipeline_read/pipeline_write need {} swap buffers of {} ({}), the "
-          "pool holds {}: stepping synchronously; raise zinf.pinned_budget_bytes to pipeline",
-          pipeline_buffers, FormatBytes(buffer_bytes), FormatBytes(pipeline_buffers * buffer_bytes),
-          count);
-    }
-    ZINF_ASSIGN_OR_RETURN(parts.pool,
-                          BufferPool::Create(BufferPoolOptions{
-                              .budget_bytes = options.pinned_budget_bytes,
-                              .buffer_count = count,
-                              .buffer_bytes = buffer_bytes,
-                              .alignment = buffer_alignment,
-                              .pin_memory = options.pin_memory}));
-    ZINF_ASSIGN_OR_RETURN(parts.read_engine, make_engine(EngineRole::kRead));
-    if (pipelined) {
-      ZINF_ASSIGN_OR_RETURN(parts.write_engine, make_engine(EngineRole::kWrite));
-    }
-
-    // Gradients.
-    const std::uint64_t partition_bytes = plan.partition_numel() * sizeof(float);
-    if (options.swap_gradients && accumulation == GradientAccumulation::kAuto) {
-      accumulation = partition_bytes <= options.accumulation_memory_limit_bytes
-                         ? GradientAccumulation::kInMemory
-                         : GradientAccumulation::kReadAddWrite;
-    }
-    const bool gradients_on_disk =
-        options.swap_gradients && accumulation == GradientAccumulation::kReadAddWrite;
-    if (gradients_on_disk) {
-      ZINF_ASSIGN_OR_RETURN(gradient_engine, make_engine(EngineRole::kGradient));
-    }
-
-    const std::uint64_t alignment_elems = std::max<std::uint64_t>(alignment / sizeof(float), 1);
-    for (const partition::SubGroup& sub_group : sub_groups.sub_groups()) {
-      SubGroupSwapInfo info;
-      info.sub_group = sub_group;
-      info.io_size_bytes = AlignUp(sub_group.numel * sizeof(float), alignment);
-      if (gradients_on_disk) {
-        ZINF_ASSIGN_OR_RETURN(partition::GradientSwapSplit split,
-                              partition::SplitGradientForSwap(sub_group, alignment_elems,
-                                                              options.min_swap_numel));
-        info.swapped_gradients = std::move(split.swapped);
-        info.unswapped_gradients = std::move(split.unswapped);
-        info.gradient_name = fmt::format("grad{}", sub_group.index);
-      }
-      parts.infos.push_back(std::move(info));
-    }
-    parts.sub_groups.emplace(std::move(sub_groups));
-    // One spare slot suffices in both modes: each engine has at most one sub-group in flight.
-    parts.num_slots = parts.infos.size() + 1;
-    const std::uint64_t slot_bytes = AlignUp(max_numel * sizeof(float), alignment);
-    for (std::size_t slot = 0; slot < parts.num_slots; ++slot) {
-      for (StateTensor which : kStateTensors) {
-        specs.push_back({OptimizerSwapper::SlotTensorName(slot, which), slot_bytes});
-      }
-    }
-    for (const SubGroupSwapInfo& info : parts.infos) {
-      if (info.has_gradients()) specs.push_back({info.gradient_name, info.io_size_bytes});
-    }
-    return OkStatus();
-  };
+  LocalSetup setup;
   // Store, engine and pool errors are about this node's disks and memory: name the host, so a
   // multi-node job says which node lacks its nvme_path.
-  const std::string on_host = fmt::format("optimizer swapper on host {}: ", dup.topology().hostname);
-  ZINF_RETURN_IF_ERROR(dup.AgreeOnStatus(Annotate(local_setup(), on_host)));
-  // Every rank's store is open (and locked): stores of killed runs on this node's swap paths
-  // can be told apart now, and removing them frees space before the preflight counts it.
-  // reclaim_stale is the same on every rank (one config), so all ranks take this branch.
-  if (parts.options.store.reclaim_stale) {
-    ZINF_RETURN_IF_ERROR(ReclaimStaleStores(dup, parts.options.store));
-  }
-  ZINF_RETURN_IF_ERROR(PreflightSpace(dup, parts.options.store, specs));
+  const std::string on_host =
+      fmt::format("optimizer swapper on host {}: ", dup.topology().hostname);
   ZINF_RETURN_IF_ERROR(dup.AgreeOnStatus(
-      Annotate(parts.store->Reserve(specs), on_host + "reserve the swap store: ")));
+      Annotate(OptimizerSwapper::Parts::SetUpLocally(parts, dup, plan, options, &setup), on_host)));
+  ZINF_RETURN_IF_ERROR(ReserveStore(dup, parts.options.store, *parts.store, setup.specs, on_host));
 
-  std::uint64_t disk_bytes = 0;
-  for (const storage::TensorSpec& spec : specs) disk_bytes += spec.size_bytes;
-  const BufferPool& pool = *parts.pool;
   const std::string engine_name(parts.read_engine->name());
   parts.comm.emplace(std::move(dup));
   std::unique_ptr<OptimizerSwapper> swapper;
-  if (pipelined) {
+  if (setup.pipelined) {
     swapper.reset(new PipelinedOptimizerSwapper(std::move(parts)));
   } else {
     swapper.reset(new PartitionedOptimizerSwapper(std::move(parts)));
   }
-  std::uint64_t extra_bytes = 0;
-  if (gradient_engine || (options.swap_gradients &&
-                          accumulation == GradientAccumulation::kInMemory)) {
+  if (setup.gradient_engine ||
+      (options.swap_gradients && setup.accumulation == GradientAccumulation::kInMemory)) {
     swapper->gradient_swapper_ = std::make_unique<GradientSwapper>(
-        accumulation, options.gradient_accumulation_steps, &swapper->infos_,
-        plan.partition_numel(), swapper->store_.get(), std::move(gradient_engine),
+        setup.accumulation, options.gradient_accumulation_steps, &swapper->infos_,
+        plan.partition_numel(), swapper->store_.get(), std::move(setup.gradient_engine),
         swapper->pool_.get(), &swapper->timers_);
-    if (accumulation == GradientAccumulation::kInMemory) {
-      extra_bytes = plan.partition_numel() * sizeof(float);
-    } else {
-      for (const SubGroupSwapInfo& info : swapper->infos_) {
-        for (const partition::GradientPiece& piece : info.unswapped_gradients) {
-          extra_bytes += piece.numel * sizeof(float);
-        }
-      }
-    }
-    ZINF_LOG_INFO("gradient swapper: {} accumulation over {} micro-batches ({} of gradient in "
-                  "host memory per rank{})",
-                  GradientAccumulationName(accumulation), options.gradient_accumulation_steps,
-                  FormatBytes(extra_bytes),
-                  accumulation == GradientAccumulation::kInMemory
-                      ? ": the partition gradient fits accumulation_memory_limit_bytes"
-                      : ": unswapped remainders; swapped pieces are read, added and written");
+    LogGradientSwapper(setup.accumulation, options.gradient_accumulation_steps,
+                       plan.partition_numel(), swapper->infos_);
   }
-  ZINF_LOG_INFO(
-      "optimizer swapper: {} ({} engine{}), {} sub-groups of <= {} elements per rank; pool {} x "
-      "{} = {} (budget {}, pinned: {}); swap store {} per rank on {} ({} slots, alignment {})",
-      swapper->mode_name(), engine_name, pipelined ? "s, read + write" : "",
-      swapper->num_sub_groups(), swapper->sub_groups().max_sub_group_numel(), pool.buffer_count(),
-      FormatBytes(pool.buffer_bytes()), FormatBytes(pool.total_bytes()),
-      FormatBytes(pool.budget_bytes()), pool.pinned() ? "yes" : "no", FormatBytes(disk_bytes),
-      fmt::join(options.store.paths, ","), swapper->num_sub_groups() + 1,
-      swapper->store().alignment());
+  LogSwapper(*swapper, engine_name, setup.pipelined, setup.specs);
   return swapper;
 }
 

@@ -9,6 +9,14 @@
 
 namespace zinf::swapper {
 
+// What CreateOptimizerSwapper's local phase decides besides the swapper's parts.
+struct LocalSetup {
+  bool pipelined = false;  // a pipeline was asked for and the pool holds its buffers
+  GradientAccumulation accumulation = GradientAccumulation::kAuto;  // resolved
+  std::unique_ptr<storage::IoEngine> gradient_engine;               // read-add-write gradients only
+  std::vector<storage::TensorSpec> specs;                           // what the store reserves
+};
+
 struct OptimizerSwapper::Parts {
   SwapperOptions options;
   std::optional<comm::Communicator> comm;
@@ -21,6 +29,13 @@ struct OptimizerSwapper::Parts {
   std::unique_ptr<BufferPool> pool;
   std::optional<CpuAdam> adam;
   std::size_t num_slots = 0;
+
+  // CreateOptimizerSwapper's local phase (a member: Parts is protected): checks `options`, then
+  // builds this rank's sub-group plan, CpuAdam, store (opened with parts.options.store), pool,
+  // engines and swap infos into `parts`.
+  static Status SetUpLocally(Parts& parts, const comm::Communicator& comm,
+                             const partition::PartitionPlan& plan, const SwapperOptions& options,
+                             LocalSetup* setup);
 };
 
 }  // namespace zinf::swapper

@@ -54,62 +54,7 @@ Status PartitionedOptimizerSwapper::SwapIn(std::size_t sub_group, const Gradient
   return OkStatus();
 }
 
-Result<PartitionedOptimizerSwapper::Buffers> PartitionedOptimizerSwapper::SwappedIn(
-    std::size_t sub_group) const {
-  auto it = swapped_in_.find(sub_group);
-  if (it == swapped_in_.end()) {
-    return FailedPreconditionError(fmt::format("sub-group {} is not swapped in", sub_group));
-  }
-  const std::size_t numel = infos_[sub_group].sub_group.numel;
-  return Buffers{it->second.floats(0).first(numel), it->second.floats(1).first(numel),
-                 it->second.floats(2).first(numel), it->second.floats(3).first(numel)};
-}
-
-Status PartitionedOptimizerSwapper::SwapOut(std::size_t sub_group, std::int64_t step) {
-  return Writeback(sub_group, step, /*write_state=*/true, /*write_gradients=*/false);
-}
-
-Status PartitionedOptimizerSwapper::Writeback(std::size_t sub_group, std::int64_t step,
-                                              bool write_state, bool write_gradients) {
-  auto it = swapped_in_.find(sub_group);
-  if (it == swapped_in_.end()) {
-    return FailedPreconditionError(fmt::format("sub-group {} is not swapped in", sub_group));
-  }
-  // Whatever happens below, the buffers go back (the engine is drained by then).
-  PoolLease lease = std::move(it->second);
-  swapped_in_.erase(it);
-  if (write_state) {
-    comm::ScopedTimer swap_out(timers_, "swap_out_param");
-    comm::ScopedTimer submit(timers_, "swap_submit_write");
-    IoBatch batch;
-    Result<std::size_t> slot = SubmitStateWrites(sub_group, lease, write_engine(), &batch);
-    Status written = batch.Wait(write_engine());
-    if (!slot) return std::move(slot).error().WithContext("swap-out ");
-    if (!written) {
-      Abandon(*slot);
-      return std::move(written).error().WithContext("swap-out ");
-    }
-    Commit(sub_group, *slot, step);
-  }
-  if (write_gradients && gradient_swapper_) {
-    ZINF_RETURN_IF_ERROR(Annotate(
-        gradient_swapper_->WriteBack(sub_group,
-                                     lease.floats(3).first(infos_[sub_group].sub_group.numel)),
-        "gradient writeback: "));
-  }
-  return OkStatus();
-}
-
 void PartitionedOptimizerSwapper::Release(std::size_t sub_group) { swapped_in_.erase(sub_group); }
-
-Status PartitionedOptimizerSwapper::SwapOutGradients(int micro_batch, std::size_t sub_group,
-                                                     std::span<const float> grad) {
-  if (!gradient_swapper_) {
-    return FailedPreconditionError("swap_out_gradients: gradients are not swapped "
-                                   "(SwapperOptions::swap_gradients is off)");
-  }
-  return gradient_swapper_->SwapOut(micro_batch, sub_group, grad);
-}
 
 Status PartitionedOptimizerSwapper::StepOne(std::int64_t step, std::size_t sub_group,
                                             const GradientSource& source, const ParamSink& sink,

@@ -68,9 +68,6 @@ class GradientSwapper {
   // Fills `grad` (the sub-group's numel elements at the start of an aligned buffer of at least
   // its io_size_bytes, e.g. a pool buffer) with the accumulated gradient. Flushes first.
   Status SwapIn(std::size_t sub_group, std::span<float> grad);
-  // Writes a whole sub-group gradient back (Writeback), as if it were micro-batch 0 of a new
-  // accumulation. `grad` must be aligned like SwapIn's.
-  Status WriteBack(std::size_t sub_group, std::span<const float> grad);
   // A GradientSource that calls SwapIn. Valid while this object lives.
   GradientSource Source();
 
