@@ -2,7 +2,6 @@
 find_package(Threads REQUIRED)
 find_package(MPI REQUIRED COMPONENTS C)
 find_package(fmt CONFIG REQUIRED)
-find_package(spdlog CONFIG REQUIRED)
 find_package(nlohmann_json CONFIG REQUIRED)
 find_package(CLI11 CONFIG REQUIRED)
 find_package(PkgConfig REQUIRED)

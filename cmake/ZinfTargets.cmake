@@ -21,13 +21,26 @@ elseif(NOT ZINF_SANITIZE STREQUAL "")
 endif()
 
 # zinf_add_library(<module> SOURCES ... [PUBLIC_DEPS ...] [PRIVATE_DEPS ...])
-# Builds target zinf_<module> with alias zinf::<module>; public headers in <module>/include.
+# Builds shared library target zinf_<module> (libzinf_<module>.so) with alias zinf::<module>;
+# public headers in <module>/include, installed under include/ with the export set zinfTargets
+# (cmake/zinfConfig.cmake.in). Shared, so that an installed zinf carries its private dependencies
+# (HDF5, liburing, xxHash, CUDA) itself and a user's program links only what the headers need.
 function(zinf_add_library module)
   cmake_parse_arguments(ARG "" "" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
-  add_library(zinf_${module} ${ARG_SOURCES})
+  add_library(zinf_${module} SHARED ${ARG_SOURCES})
   add_library(zinf::${module} ALIAS zinf_${module})
-  target_include_directories(zinf_${module} PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/include
-                                            PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)
-  target_link_libraries(zinf_${module} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE zinf_build_flags ${ARG_PRIVATE_DEPS})
+  set_target_properties(zinf_${module} PROPERTIES EXPORT_NAME ${module}
+                        VERSION ${PROJECT_VERSION} SOVERSION ${PROJECT_VERSION_MAJOR}.${PROJECT_VERSION_MINOR})
+  target_include_directories(zinf_${module}
+    PUBLIC $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include> $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>
+    PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)
+  target_link_libraries(zinf_${module} PUBLIC ${ARG_PUBLIC_DEPS}
+                        PRIVATE $<BUILD_INTERFACE:zinf_build_flags> ${ARG_PRIVATE_DEPS})
   target_compile_definitions(zinf_${module} PUBLIC OMPI_SKIP_MPICXX=1 MPICH_SKIP_MPICXX=1)
+  target_compile_features(zinf_${module} PUBLIC cxx_std_23)  # std::expected in the headers
+  install(TARGETS zinf_${module} EXPORT zinfTargets
+          LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT runtime)
+  install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+          COMPONENT devel)
+  set_property(GLOBAL APPEND PROPERTY ZINF_MODULES ${module})
 endfunction()

@@ -9,7 +9,7 @@ packages=(
   liburing-dev
   libhdf5-openmpi-dev hdf5-tools
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
+  nlohmann-json3-dev libcli11-dev libfmt-dev
   libopenblas-dev
   libxxhash-dev
   fio gnuplot-nox python3

@@ -9,11 +9,12 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
-#include "train/config.h"
+#include "train/train_config.h"
 #include "train/trainer.h"
 #include "zinf/comm/mpi_session.h"
 #include "zinf/core/log.h"
 #include "zinf/core/status.h"
+#include "zinf/engine/config.h"
 
 namespace {
 
@@ -125,7 +126,8 @@ int Main(int argc, char** argv) {
       return rc;
     }
     if (help_config) {
-      if (world.rank() == 0) std::fputs(zinf::train::DescribeConfigKeys().c_str(), stdout);
+      if (world.rank() == 0)
+        std::fputs(zinf::engine::DescribeConfigKeys(zinf::train::TrainAppKeys()).c_str(), stdout);
       (void)session->Finalize();
       return 0;
     }
@@ -136,7 +138,7 @@ int Main(int argc, char** argv) {
     if (!config) {
       rc = Fail(config.error());
     } else {
-      zinf::train::LogEffectiveConfig(*config);
+      zinf::engine::LogEffectiveConfig(*config);
       zinf::Result<zinf::train::TrainSummary> summary =
           zinf::train::Train(world, *config,
                              {.metrics_path = metrics_path,

@@ -1,23 +1,17 @@
-// Trainer: the data-parallel ZeRO training loop of zinf-train (DESIGN.md, "One training step").
+// Trainer: zinf-train's training loop, a user of the engine (engine/engine.h) like any other:
+// its models (charlm, synthetic) and data are the workload; the ZeRO step, checkpoints, resume,
+// stop signals and metrics are the engine's.
 //
 //   ZINF_ASSIGN_OR_RETURN(TrainConfig config, BuildTrainConfig(world, flags.config_path,
 //                                                              flags.overrides));  // collective
 //   ZINF_ASSIGN_OR_RETURN(TrainSummary summary, Train(world, config, {.metrics_path = "m.jsonl"}));
 //
-// One step, on every rank:
-//   1. forward/backward of the rank's micro-batches (BatchId {seed, step - 1, micro-batch, rank,
-//      world size}) on the replicated working weights, giving the flat gradient of the mean loss;
-//   2. reduce-scatter (sum) of the flat gradient: each rank gets its partition's gradient. With
-//      zinf.swap_gradients, every micro-batch is reduce-scattered and handed to the gradient
-//      swapper (DeepSpeed's flow); otherwise the micro-batches accumulate in memory and one
-//      reduce-scatter per step suffices;
-//   3. global gradient norm (allreduce of the partitions' squared sums); the gradient is scaled by
-//      1 / (micro-batches x ranks) and, with gradient_clipping, by min(1, clip / (norm + 1e-6));
-//   4. the swapped optimizer step over the rank's sub-groups (OptimizerSwapper::Step), the
-//      learning rate from the scheduler at iteration step - 1; the updated fp32 weights land in
-//      the rank's partition buffer;
-//   5. all-gather of the partitions into the working weights (rounded to bf16 when bf16.enabled);
-//   6. every zinf.checkpoint.every steps and at the last step: SaveCheckpoint.
+// One step, on every rank: forward/backward of the rank's micro-batches (BatchId {seed, step - 1,
+// micro-batch, rank, world size}) on the working weights the engine keeps up to date, the
+// gradient accumulated into a flat buffer registered with the engine (handed over after every
+// micro-batch with zinf.swap_gradients), then ZeroEngine::Step (reduce-scatter, clipping, the
+// learning rate, the swapped Adam step, all-gather); every zinf.checkpoint.every steps, at the
+// last step and on a stop signal: ZeroEngine::SaveCheckpoint.
 // Determinism: batches are pure functions of their BatchId, the models are deterministic for a
 // fixed BLAS thread count (zinf.compute_threads; by default cores / ranks per node) on one kind
 // of CPU, and MPI's reductions are deterministic for a fixed world size, so a run that is
@@ -29,8 +23,9 @@
 // collective swapper calls), so every rank returns the same Status. A failed step leaves the last
 // committed checkpoint as it was.
 //
-// Thread safety: one call at a time; Train installs SIGINT/SIGTERM/SIGUSR1/SIGUSR2 handlers for
-// its duration (stop after the current step, with a checkpoint when a directory is set).
+// Thread safety: one call at a time; the engine installs SIGINT/SIGTERM/SIGUSR1/SIGUSR2 handlers
+// for the run's duration (stop after the current step, with a checkpoint when a directory is
+// set).
 #pragma once
 
 #include <cstdint>
@@ -38,7 +33,7 @@
 #include <string>
 #include <vector>
 
-#include "config.h"
+#include "train_config.h"
 #include "zinf/comm/communicator.h"
 #include "zinf/core/status.h"
 

@@ -37,9 +37,10 @@
 #include <string_view>
 #include <vector>
 
-#include "train/config.h"
+#include "train/train_config.h"
 #include "zinf/core/json.h"
 #include "zinf/core/log.h"
+#include "zinf/engine/config.h"
 #include "zinf/swapper/checkpoint.h"
 
 namespace {
@@ -236,9 +237,9 @@ int FuzzConfig(const Flags& flags) {
     const std::string text =
         m.Chance(0.05) ? m.Pick(inputs) : m.MutateBytes(m.Pick(inputs), inputs);
     WriteAll(last, text);
-    const zinf::train::ConfigContext ctx{.world_size = static_cast<int>(1 + m.Below(7)),
-                                         .local_rank = static_cast<int>(m.Below(3)),
-                                         .node = static_cast<int>(m.Below(3))};
+    const zinf::engine::ConfigContext ctx{.world_size = static_cast<int>(1 + m.Below(7)),
+                                          .local_rank = static_cast<int>(m.Below(3)),
+                                          .node = static_cast<int>(m.Below(3))};
     const auto start = Clock::now();
     zinf::Result<zinf::train::TrainConfig> parsed = zinf::train::ParseTrainConfig(text, ctx);
     zinf::Result<nlohmann::json> json = zinf::ParseJson(text);
@@ -256,9 +257,9 @@ int FuzzConfig(const Flags& flags) {
     }
     if (parsed) {
       // What the parser accepts, it prints and reads back the same.
-      const std::string effective = zinf::train::EffectiveConfigJson(*parsed);
+      const std::string effective = zinf::engine::EffectiveConfigJson(*parsed);
       zinf::Result<zinf::train::TrainConfig> again = zinf::train::ParseTrainConfig(effective, ctx);
-      if (!again || zinf::train::ConfigHash(*again) != zinf::train::ConfigHash(*parsed)) {
+      if (!again || zinf::engine::ConfigHash(*again) != zinf::engine::ConfigHash(*parsed)) {
         std::fprintf(stderr, "FAIL: an accepted config does not round-trip (input in %s)\n",
                      last.c_str());
         return 1;

@@ -1,4 +1,4 @@
-# zinf-train's config (launch/train/config.{h,cc}): parsing, defaults, batch arithmetic, schedules,
+# The engine's config as zinf-train uses it (engine/config.h, launch/train/train_config.{h,cc}): parsing, defaults, batch arithmetic, schedules,
 # the corpus of bad configs (bad_configs/NN-name.json + NN-name.expect, also used end to end), and
 # the collective same-config check.
 zinf_add_unit_test(launch_config_test SOURCES config_test.cc LIBS zinf_train TIMEOUT 60)

@@ -7,7 +7,8 @@
 
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
-#include "train/config.h"
+#include "train/train_config.h"
+#include "zinf/engine/config.h"
 
 namespace zinf::train {
 namespace {
@@ -24,11 +25,8 @@ constexpr const char* kConfig = R"({
       "device": "nvme", "nvme_path": ["/tmp/zinf-a{local_rank}", "/tmp/zinf-b{node}"]}}
 })";
 
-ConfigContext ContextOf(const comm::Communicator& world) {
-  return {.world_size = world.size(),
-          .local_rank = world.topology().local_rank,
-          .node = world.topology().node};
-}
+using engine::CheckSameConfigOnAllRanks;
+using engine::ContextOf;
 
 TEST(CheckSameConfigOnAllRanks, SameFileAgreesWhateverTheLocalRank) {
   const comm::Communicator& world = World();

@@ -1,5 +1,6 @@
-// Tests of launch/train/config.{h,cc}: the strict DeepSpeed-style config of zinf-train.
-#include "train/config.h"
+// Tests of the engine's strict DeepSpeed-style config (engine/config.h) as zinf-train uses it
+// (launch/train/train_config.{h,cc}: the engine's keys plus zinf-train's own).
+#include "train/train_config.h"
 
 #include <algorithm>
 #include <cctype>
@@ -16,6 +17,9 @@
 
 #include "testing/status_matchers.h"
 #include "zinf/core/units.h"
+#include "zinf/engine/config.h"
+#include "zinf/engine/config_options.h"
+#include "zinf/engine/lr_schedule.h"
 
 namespace zinf::train {
 namespace {
@@ -23,6 +27,17 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 using ::zinf::testing::StatusIs;
+using namespace ::zinf::engine;  // NOLINT(google-build-using-namespace): the config's vocabulary
+
+// zinf-train's job id: the engine's, over the layout of the model the config describes.
+std::string JobIdOf(const TrainConfig& c) {
+  Result<CharLM> model = CharLM::Create({.context = c.model.context,
+                                         .embed_dim = c.model.embed_dim,
+                                         .hidden = c.model.hidden,
+                                         .layers = c.model.layers,
+                                         .activation = c.model.activation});
+  return EffectiveJobId(c, model.value().layout());
+}
 
 std::string ReadFile(const std::filesystem::path& path) {
   std::ifstream in(path);
@@ -63,7 +78,7 @@ TEST(TrainConfig, MinimalConfigGetsDeepSpeedDefaults) {
   EXPECT_TRUE(c.aio.overlap_events);
   EXPECT_EQ(c.zinf.io_engine, storage::EngineKind::kAuto);
   EXPECT_EQ(c.zinf.pinned_budget_bytes, 0u);
-  EXPECT_EQ(c.zinf.model.name, ModelName::kCharLM);
+  EXPECT_EQ(c.model.name, ModelName::kCharLM);
   EXPECT_TRUE(c.zinf.checkpoint.dir.empty());
   // The defaults agree with the option structs of the modules they feed.
   const storage::AioOptions aio_defaults;
@@ -108,12 +123,13 @@ TEST(TrainConfig, FullDeepSpeedConfigParses) {
   EXPECT_EQ(c.zinf.checkpoint.every, 250);
   EXPECT_EQ(c.zinf.checkpoint.keep_last, 3);
   EXPECT_EQ(c.zinf.checkpoint.load, "auto");
-  EXPECT_EQ(c.zinf.model.hidden, 512);
-  EXPECT_EQ(c.zinf.model.activation, Activation::kRelu);
-  EXPECT_EQ(ActivationName(c.zinf.model.activation), "relu");
-  EXPECT_EQ(c.zinf.data_path, "/data/text.txt");
+  EXPECT_EQ(c.model.hidden, 512);
+  EXPECT_EQ(c.model.activation, Activation::kRelu);
+  EXPECT_EQ(ActivationName(c.model.activation), "relu");
+  EXPECT_EQ(c.data_path, "/data/text.txt");
 
-  const swapper::SwapperOptions options = ToSwapperOptions(c, 5);
+  const swapper::SwapperOptions options =
+      ToSwapperOptions(c, 5, partition::ParamLayout::Create({{"w", {4}}}).value());
   EXPECT_THAT(options.store.paths, ::testing::ElementsAre("/local_nvme/2/a", "/local_nvme/2/b3"));
   EXPECT_EQ(options.store.job_id, "run-42");
   EXPECT_EQ(options.store.world_rank, 5);
@@ -219,7 +235,9 @@ TEST(TrainConfig, NvmePathPlaceholdersExpandPerProcess) {
               ::testing::ElementsAre("/nvme0/node0/x"));
   EXPECT_THAT(b.zero_optimization.offload_optimizer.resolved_nvme_paths,
               ::testing::ElementsAre("/nvme3/node1/x"));
-  EXPECT_THAT(ToSwapperOptions(b, 11).store.paths, ::testing::ElementsAre("/nvme3/node1/x"));
+  EXPECT_THAT(
+      ToSwapperOptions(b, 11, partition::ParamLayout::Create({{"w", {4}}}).value()).store.paths,
+      ::testing::ElementsAre("/nvme3/node1/x"));
   // The config as written is what ranks compare and print.
   EXPECT_EQ(ConfigHash(a), ConfigHash(b));
   EXPECT_EQ(EffectiveConfigJson(a), EffectiveConfigJson(b));
@@ -287,14 +305,14 @@ TEST(TrainConfig, HashChangesWithAnyValue) {
   EXPECT_NE(ConfigHash(a), ConfigHash(b));
   EXPECT_NE(ConfigHash(a), ConfigHash(c));  // different micro batch
   EXPECT_EQ(ConfigHash(a), ConfigHash(a));
-  EXPECT_EQ(EffectiveJobId(a).size(), 15u);
-  EXPECT_EQ(EffectiveJobId(a).substr(0, 3), "cfg");
+  EXPECT_EQ(JobIdOf(a).size(), 15u);
+  EXPECT_EQ(JobIdOf(a).substr(0, 3), "cfg");
   // The job id is not the config hash: the learning rate does not identify the job.
-  EXPECT_EQ(EffectiveJobId(a), EffectiveJobId(b));
+  EXPECT_EQ(JobIdOf(a), JobIdOf(b));
 }
 
 TEST(TrainConfig, DescribeConfigKeysListsEveryKeyWithDefaultAndRange) {
-  const std::string help = DescribeConfigKeys();
+  const std::string help = DescribeConfigKeys(TrainAppKeys());
   for (const char* key :
        {"train_batch_size", "optimizer.params.betas", "scheduler.params.cos_min_ratio",
         "zero_optimization.offload_optimizer.nvme_path", "aio.thread_count",
@@ -445,7 +463,7 @@ TEST(TrainConfig, JobIdDependsOnlyOnWhatIdentifiesTheJob) {
   const std::string base =
       R"("checkpoint": {"dir": "/ckpt/a"}, "model": {"hidden": 64}, "seed": 5, "steps": 100)";
   ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig a, parse(base));
-  const std::string id = EffectiveJobId(a);
+  const std::string id = JobIdOf(a);
   EXPECT_EQ(id.size(), 15u);
   EXPECT_EQ(id.substr(0, 3), "cfg");
   EXPECT_TRUE(std::all_of(id.begin() + 3, id.end(), [](char ch) {
@@ -459,33 +477,34 @@ TEST(TrainConfig, JobIdDependsOnlyOnWhatIdentifiesTheJob) {
                        R"( "model": {"hidden": 64}, "seed": 5, "steps": 100)"),
            std::string(R"("checkpoint": {"dir": "/ckpt/a", "every": 3, "keep_last": 2},)"
                        R"( "model": {"hidden": 64}, "seed": 5, "steps": 100)"),
+           // The seed and the data change the batches, not the parameters or the store.
+           std::string(R"("checkpoint": {"dir": "/ckpt/a"}, "model": {"hidden": 64}, "seed": 6,)"
+                       R"( "steps": 100)"),
+           std::string(R"("checkpoint": {"dir": "/ckpt/a"}, "model": {"hidden": 64}, "seed": 5,)"
+                       R"( "steps": 100, "data": {"path": "/text"})"),
        }) {
     ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig b, parse(same));
     EXPECT_NE(ConfigHash(a), ConfigHash(b)) << same;  // the config differs...
-    EXPECT_EQ(EffectiveJobId(b), id) << same;         // ...the job does not
+    EXPECT_EQ(JobIdOf(b), id) << same;                // ...the job does not
   }
   ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig lr,
                             parse(base, R"(, "optimizer": {"params": {"lr": 0.002}})"));
-  EXPECT_EQ(EffectiveJobId(lr), id);
+  EXPECT_EQ(JobIdOf(lr), id);
 
   for (const std::string& other : {
            std::string(R"("checkpoint": {"dir": "/ckpt/b"}, "model": {"hidden": 64}, "seed": 5,)"
                        R"( "steps": 100)"),
            std::string(R"("checkpoint": {"dir": "/ckpt/a"}, "model": {"hidden": 65}, "seed": 5,)"
                        R"( "steps": 100)"),
-           std::string(R"("checkpoint": {"dir": "/ckpt/a"}, "model": {"hidden": 64}, "seed": 6,)"
-                       R"( "steps": 100)"),
-           std::string(R"("checkpoint": {"dir": "/ckpt/a"}, "model": {"hidden": 64}, "seed": 5,)"
-                       R"( "steps": 100, "data": {"path": "/text"})"),
        }) {
     ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig b, parse(other));
-    EXPECT_NE(EffectiveJobId(b), id) << other;
+    EXPECT_NE(JobIdOf(b), id) << other;
   }
   ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig four_ranks, parse(base, "", 4));
-  EXPECT_NE(EffectiveJobId(four_ranks), id);
+  EXPECT_NE(JobIdOf(four_ranks), id);
   // An explicit job_id is taken as it is.
   ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig named, parse(base + R"(, "job_id": "mine")"));
-  EXPECT_EQ(EffectiveJobId(named), "mine");
+  EXPECT_EQ(JobIdOf(named), "mine");
 }
 
 }  // namespace

@@ -72,16 +72,16 @@ TEST(BuildTrainConfig, FlagsOverrideTheFileAndAreValidatedLikeKeys) {
   o.layers = 4;
   o.seed = 99;
   ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig config, BuildTrainConfig(World(), path, o));
-  EXPECT_EQ(config.zinf.steps, 7);
+  EXPECT_EQ(config.steps, 7);
   EXPECT_EQ(config.zero_optimization.offload_optimizer.nvme_path,
             (std::vector<std::string>{"/a{local_rank}", "/b"}));
   EXPECT_EQ(config.zinf.checkpoint.every, 3);
   EXPECT_EQ(config.zinf.checkpoint.keep_last, 2);
   EXPECT_EQ(config.zinf.checkpoint.dir, dir.Join("ckpt"));  // from the file
-  EXPECT_EQ(config.zinf.seed, 99);
+  EXPECT_EQ(config.seed, 99);
   // synthetic: --layers 4 --hidden 10 -> 4 tensors of 10 x 10.
-  EXPECT_EQ(config.zinf.model.total_params, 400u);
-  EXPECT_EQ(config.zinf.model.num_params, 4);
+  EXPECT_EQ(config.model.total_params, 400u);
+  EXPECT_EQ(config.model.num_params, 4);
 
   ConfigOverrides bad;
   bad.checkpoint_every = 0;
@@ -96,7 +96,7 @@ TEST(BuildTrainConfig, FlagsOverrideTheFileAndAreValidatedLikeKeys) {
 
 TEST(BuildTrainConfig, BuiltInDefaultAndFileErrors) {
   ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig config, BuildTrainConfig(World(), "", {}));
-  EXPECT_EQ(config.zinf.model.name, ModelName::kCharLM);
+  EXPECT_EQ(config.model.name, ModelName::kCharLM);
   EXPECT_EQ(config.zero_optimization.offload_optimizer.nvme_path,
             std::vector<std::string>{"zinf-swap"});
   EXPECT_THAT(BuildTrainConfig(World(), "/nonexistent/zinf.json", {}),

@@ -62,8 +62,8 @@ run_killed() {
   ((rc != 0)) || fail "$tag: mpirun exited 0 although rank 1 was killed"
 }
 
-job_id_of() {  # job_id_of LOG: the job id rank 0 printed with the effective config
-  sed -nE 's/.*effective config \(world size [0-9]+, job id ([A-Za-z0-9_.-]+),.*/\1/p' "$1" |
+job_id_of() {  # job_id_of LOG: the job id rank 0's engine printed when it opened the swap store
+  sed -nE 's/.*\[rank 0\/[0-9]+\] engine: job id ([A-Za-z0-9_.-]+)$/\1/p' "$1" |
     head -1
 }
 

@@ -1,13 +1,9 @@
-// TrainConfig: the strict, DeepSpeed-style JSON configuration of zinf-train (DESIGN.md,
+// Config: the strict, DeepSpeed-style JSON configuration of the zinf engine (docs/DESIGN.md,
 // "Configuration").
 //
-//   ZINF_ASSIGN_OR_RETURN(TrainConfig config,
-//                         LoadTrainConfig(path, {.world_size = world.size(),
-//                                                .local_rank = world.topology().local_rank,
-//                                                .node = world.topology().node}));
-//   ZINF_RETURN_IF_ERROR(CheckSameConfigOnAllRanks(world, config));  // collective
-//   LogEffectiveConfig(config);                                       // rank 0 prints it
-//   swapper::SwapperOptions options = ToSwapperOptions(config, world.rank());
+//   ZINF_ASSIGN_OR_RETURN(zinf::engine::Config config,
+//                         zinf::engine::LoadConfig(world, "ds.json"));   // collective
+//   LogEffectiveConfig(config);                                          // rank 0 prints it
 //
 // Keys. DeepSpeed's key names and defaults wherever DeepSpeed has the key: train_batch_size,
 // train_micro_batch_size_per_gpu, gradient_accumulation_steps, gradient_clipping, steps_per_print,
@@ -17,10 +13,11 @@
 // fast_init}}, aio {block_size, queue_depth, intra_op_parallelism (old name: thread_count),
 // single_submit, overlap_events}, checkpoint {tag_validation, load_universal,
 // use_node_local_storage}. What DeepSpeed lacks lives in the `zinf` section: pinned budget, io
-// engine, verify_swap, keep_swap, job_id, checkpoint {dir, every, keep_last, load} (DeepSpeed's
-// `checkpoint` block has no directory/interval keys, so zinf's are under zinf.checkpoint), model,
-// data, seed, steps. The whole schema (path, type, default, range, description) is one table in
-// config.cc; DescribeConfigKeys() prints it.
+// engine, verify_swap, keep_swap, swap_gradients, adam_threads, job_id, checkpoint {dir, every,
+// keep_last, load} (DeepSpeed's `checkpoint` block has no directory/interval keys, so zinf's are
+// under zinf.checkpoint). An application adds its own keys (AppKey: zinf-train's model, data,
+// seed and steps). The whole schema (path, type, default, range, description) is one table in
+// engine/src/config_schema.cc; DescribeConfigKeys() prints it.
 //
 // Deliberate differences from DeepSpeed (each documented at its field):
 //   - zero_optimization.stage defaults to 1 (DeepSpeed: 0); zinf always partitions the optimizer
@@ -35,28 +32,30 @@
 //   "aio.queue_depth: 0 is out of range [1, 4096]"
 //   "train_batch_size: 30 != train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps 2 *
 //    world_size 4 = 32"
-// JSON syntax errors carry nlohmann's line and column. Integer keys accept an integral float
+// JSON syntax errors carry nlohmann's line and column; the text is parsed bounded (ParseJson: at
+// most 16 MiB, 32 levels, a key given twice is an error). Integer keys accept an integral float
 // (DeepSpeed configs write "sub_group_size": 1e9).
 //
-// Thread safety: the functions are thread safe (the parser keeps no state); TrainConfig is a
-// plain value.
+// Thread safety: the functions are thread safe (the parser keeps no state); Config is a plain
+// value.
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <limits>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include "charlm.h"
+#include <nlohmann/json.hpp>
+
 #include "zinf/comm/communicator.h"
 #include "zinf/core/status.h"
-#include "zinf/partition/plan.h"
+#include "zinf/partition/layout.h"
 #include "zinf/storage/io_engine.h"
-#include "zinf/swapper/cpu_adam.h"
-#include "zinf/swapper/optimizer_swapper.h"
 
-namespace zinf::train {
+namespace zinf::engine {
 
 // What the parser needs to know about the process: the batch arithmetic uses world_size, the
 // nvme_path placeholders {local_rank} and {node} use the other two.
@@ -71,17 +70,14 @@ enum class SchedulerType { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
 enum class WarmupType { kLog, kLinear };
 enum class OffloadDevice { kNone, kCpu, kNvme };
 enum class TagValidation { kIgnore, kWarn, kFail };
-enum class ModelName { kCharLM, kSynthetic };
 
 // DeepSpeed's names: "Adam", "AdamW"; "WarmupLR", ... ("none" for kNone); "log", "linear";
-// "none", "cpu", "nvme"; "Ignore", "Warn", "Fail"; zinf's "charlm", "synthetic". (Activation
-// and ActivationName come from charlm.h.)
+// "none", "cpu", "nvme"; "Ignore", "Warn", "Fail".
 std::string_view OptimizerTypeName(OptimizerType type);
 std::string_view SchedulerTypeName(SchedulerType type);
 std::string_view WarmupTypeName(WarmupType type);
 std::string_view OffloadDeviceName(OffloadDevice device);
 std::string_view TagValidationName(TagValidation value);
-std::string_view ModelNameName(ModelName name);
 
 // optimizer {type, params {...}}. DeepSpeed's defaults.
 struct OptimizerConfig {
@@ -166,18 +162,6 @@ struct CheckpointConfig {
   std::string load;
 };
 
-// zinf.model.
-struct ModelConfig {
-  ModelName name = ModelName::kCharLM;
-  int hidden = 256;                           // charlm: width of each hidden layer, [1, 1 << 20]
-  int layers = 2;                             // charlm: hidden layers, [0, 1024]
-  int context = 16;                           // charlm: bytes of context per example, [1, 4096]
-  int embed_dim = 16;                         // charlm: embedding width, [1, 65536]
-  Activation activation = Activation::kTanh;  // charlm (charlm.h)
-  std::uint64_t total_params = 1 << 20;       // synthetic: parameters in all, [1, 2^40]
-  int num_params = 4;  // synthetic: parameter tensors the total is split into, [1, 1 << 20]
-};
-
 // zinf: what DeepSpeed does not have.
 struct ZinfConfig {
   // Host memory for swap buffers, bytes (an integer or a size string "2G", "512MiB"); 0: the
@@ -188,18 +172,13 @@ struct ZinfConfig {
   bool keep_swap = false;       // keep the swap store at exit
   bool swap_gradients = false;  // accumulate partition gradients through the gradient swapper
   int adam_threads = 0;         // CpuAdam threads per rank; 0 = hardware concurrency; [0, 1024]
-  int compute_threads = 0;      // BLAS threads per rank; 0 = cores / local ranks; [0, 1024]
   // Keys the swap store directory; [A-Za-z0-9_.-]+. Empty: derived (EffectiveJobId).
   std::string job_id;
   CheckpointConfig checkpoint;
-  ModelConfig model;
-  std::string data_path;     // zinf.data.path: a text file or directory; empty: built-in
-  std::int64_t seed = 1234;  // initialization and data seed, >= 0
-  std::int64_t steps = 100;  // optimizer steps to run, >= 1
 };
 
-struct TrainConfig {
-  // DeepSpeed's batch keys, all three filled in by ParseTrainConfig (DeepSpeed's rule).
+struct Config {
+  // DeepSpeed's batch keys, all three filled in by ParseConfig (DeepSpeed's rule).
   std::int64_t train_batch_size = 0;
   std::int64_t train_micro_batch_size_per_gpu = 0;
   std::int64_t gradient_accumulation_steps = 1;
@@ -213,8 +192,27 @@ struct TrainConfig {
   AioConfig aio;
   DeepSpeedCheckpointConfig checkpoint;
   ZinfConfig zinf;
+  // The values of the application's own keys (AppKey), at their paths, defaults filled:
+  // {"zinf": {"model": {"hidden": 256, ...}}}. Empty without application keys.
+  nlohmann::ordered_json app;
   // The world size the batch arithmetic was checked against (ConfigContext). Not a key.
   int world_size = 1;
+};
+
+// A key an application adds to the schema for its own settings (zinf-train adds its model and
+// data under zinf.model and zinf.data). It is validated like the engine's keys (type, range,
+// choices, unknown siblings with a suggestion, one spelling) and its value, or its default,
+// lands in Config::app at its path. Sections on the way are created; a path may not be one of
+// the engine's keys.
+enum class AppKeyType { kSection, kBool, kInteger, kNumber, kString, kChoice };
+struct AppKey {
+  std::string path;  // "zinf.model.hidden"; a kSection only describes "zinf.model" for --help
+  AppKeyType type = AppKeyType::kInteger;
+  nlohmann::ordered_json default_value = nullptr;  // of its type (a choice: one of `choices`)
+  std::string description = {};
+  double min = -std::numeric_limits<double>::infinity();  // numbers: the range, inclusive
+  double max = std::numeric_limits<double>::infinity();
+  std::vector<std::string> choices = {};  // kChoice: the canonical spellings (case-insensitive)
 };
 
 // Parses `json_text` against the schema, fills defaults, expands placeholders and checks the
@@ -227,7 +225,9 @@ struct TrainConfig {
 //     scheduler needs total_num_steps (WarmupCosineLR: more than max(2, warmup_num_steps)).
 // Logs a WARN line (every rank) for `aio.thread_count` and for questionable but valid values.
 // Errors: InvalidArgument whose message starts with the key path (see the top of the file).
-Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const ConfigContext& ctx);
+// `app_keys` must outlive the call.
+Result<Config> ParseConfig(std::string_view json_text, const ConfigContext& ctx,
+                           std::span<const AppKey> app_keys = {});
 
 // The text of the config file at `path` (at most 16 MiB). Errors: NotFound (no such file),
 // FailedPrecondition (not a regular file), other errno codes (unreadable), InvalidArgument (too
@@ -236,71 +236,51 @@ Result<std::string> ReadConfigFile(const std::string& path);
 
 // Reads the file at `path` and parses it; error messages are prefixed with "config <path>: ".
 // Errors: NotFound (no such file), FailedPrecondition/other errno codes (unreadable),
-// InvalidArgument (as ParseTrainConfig).
-Result<TrainConfig> LoadTrainConfig(const std::string& path, const ConfigContext& ctx);
+// InvalidArgument (as ParseConfig).
+Result<Config> LoadConfigFile(const std::string& path, const ConfigContext& ctx,
+                              std::span<const AppKey> app_keys = {});
 
-// Every key, one entry per key in schema order: path, type, default, range or choices and a
-// description. For --help.
-std::string DescribeConfigKeys();
+// Collective over `world`: reads and parses `path` on every rank (with the rank's own
+// ConfigContext from the world's topology), then checks that every rank holds the same config
+// (CheckSameConfigOnAllRanks). The same Status on every rank.
+Result<Config> LoadConfig(const comm::Communicator& world, const std::string& path,
+                          std::span<const AppKey> app_keys = {});
+
+// The ConfigContext of this process in `world`.
+ConfigContext ContextOf(const comm::Communicator& world);
+
+// Every key, one entry per key in schema order (the application's keys after the engine's):
+// path, type, default, range or choices and a description. For --help.
+std::string DescribeConfigKeys(std::span<const AppKey> app_keys = {});
 
 // The whole effective configuration as pretty JSON (2-space indent): every key of the schema
 // in schema order with its value (defaults filled, canonical spellings, nvme_path as written,
 // scheduler params only of the chosen type, no `scheduler` block when there is none; old names
-// such as thread_count never appear). Parsing it again with the same world_size gives the same
-// config.
-std::string EffectiveConfigJson(const TrainConfig& config);
+// such as thread_count never appear; the application's values after the engine's). Parsing it
+// again with the same world_size and application keys gives the same config.
+std::string EffectiveConfigJson(const Config& config);
 
 // XXH3-64 of the compact canonical JSON (the same content as EffectiveConfigJson). Equal on
 // every rank that loaded the same file with the same world_size, whatever its local rank/node.
-std::uint64_t ConfigHash(const TrainConfig& config);
+std::uint64_t ConfigHash(const Config& config);
 
 // zinf.job_id, or when it is empty "cfg" + 12 hex digits of an XXH3-64 of only what identifies
-// the job: zinf.checkpoint.dir, the zinf.model section, zinf.data.path, zinf.seed and the world
-// size. Everything else (zinf.steps, zinf.checkpoint.load/every/keep_last, the optimizer and
-// scheduler, ...) leaves it unchanged, so a resumed or re-run job finds the swap store a killed
-// run of it left behind and reclaims it. The same on every rank. Two concurrent runs of the same
-// job on the same nvme_path need distinct explicit job_ids (the second one's swap store reports
-// that the directory is in use).
-std::string EffectiveJobId(const TrainConfig& config);
+// the job: zinf.checkpoint.dir, the parameter layout (names and shapes) and the world size.
+// Everything else (the steps a loop runs, zinf.checkpoint.load/every/keep_last, the optimizer
+// and scheduler, ...) leaves it unchanged, so a resumed or re-run job finds the swap store a
+// killed run of it left behind and reclaims it. The same on every rank. Two concurrent runs of
+// the same job on the same nvme_path need distinct explicit job_ids (the second one's swap
+// store reports that the directory is in use).
+std::string EffectiveJobId(const Config& config, const partition::ParamLayout& layout);
 
 // Collective over `comm`: checks that every rank loaded the same config (ConfigHash). Every rank
 // returns the same status: OK, or InvalidArgument "rank <r> loaded a different config (hash ...,
 // rank 0 has ...)" naming the lowest rank whose hash differs from rank 0's; MPI failures as the
 // communicator reports them.
-Status CheckSameConfigOnAllRanks(const comm::Communicator& comm, const TrainConfig& config);
+Status CheckSameConfigOnAllRanks(const comm::Communicator& comm, const Config& config);
 
-// Logs "effective config:\n<EffectiveConfigJson>" and the job id as INFO (printed by rank 0).
-void LogEffectiveConfig(const TrainConfig& config);
+// Logs "effective config:\n<EffectiveConfigJson>" as INFO (printed by rank 0). The engine logs the
+// job id (EffectiveJobId) when it creates the swap store.
+void LogEffectiveConfig(const Config& config);
 
-// DeepSpeed's learning-rate schedules, deepspeed/runtime/lr_schedules.py. `iteration` is the
-// scheduler's last_batch_iteration: the number of scheduler steps taken before this optimizer
-// step (the trainer passes step - 1 for its 1-based step). With w = max(2, warmup_num_steps),
-// i = iteration, warm(i) = log(i + 1) / log(w) ("log") or i / w ("linear"):
-//   kNone:           base_lr
-//   WarmupLR:        min + (max - min) * (i < w ? warm(i) : 1)                (absolute lrs)
-//   WarmupDecayLR:   min + (max - min) * (i < w ? warm(i)
-//                                         : max(0, (T - i) / max(1, T - w)))  (T = total)
-//   WarmupCosineLR:  base_lr * ratio, r0 = warmup_min_ratio, c = cos_min_ratio,
-//                    ratio = i < w ? r0 + (1 - r0) * warm(i)
-//                                  : max(0, c + (1 - c) * (1 + cos(pi * p)) / 2),
-//                    p = min(1, (i - w + 1) / (T - w))
-// A negative iteration gives 0 (DeepSpeed's value before the first scheduler step). One
-// difference: past total_num_steps DeepSpeed's cosine rises again (its progress exceeds 1);
-// zinf holds the floor c (the min(1, ...) above).
-double LearningRate(const SchedulerConfig& scheduler, double base_lr, std::int64_t iteration);
-
-// Conversions for the trainer.
-storage::AioOptions ToAioOptions(const TrainConfig& config);
-// Adam hyper-parameters; adamw from swapper::ResolveAdamWMode(type, adam_w_mode); threads from
-// zinf.adam_threads.
-swapper::AdamOptions ToAdamOptions(const TrainConfig& config);
-// ZeRO stage 1/2 -> kFlat, 3 -> kPerParam.
-partition::PlanKind ToPlanKind(const TrainConfig& config);
-// Everything the optimizer swapper takes from the config: store (resolved nvme paths,
-// EffectiveJobId, world_rank, keep_swap, verify_swap), aio, engine, sub_group_size, pool
-// (pinned_budget_bytes, buffer_count, pin_memory), pipeline flags, Adam, bf16,
-// swap_gradients and gradient_accumulation_steps. Meaningful for device nvme (the store paths
-// are empty otherwise).
-swapper::SwapperOptions ToSwapperOptions(const TrainConfig& config, int world_rank);
-
-}  // namespace zinf::train
+}  // namespace zinf::engine

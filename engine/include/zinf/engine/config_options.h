@@ -1,0 +1,28 @@
+// The config as the options of the modules the engine builds (for a program that drives a
+// swapper itself; ZeroEngine uses them).
+#pragma once
+
+#include "zinf/engine/config.h"
+#include "zinf/partition/plan.h"
+#include "zinf/storage/io_engine.h"
+#include "zinf/swapper/cpu_adam.h"
+#include "zinf/swapper/optimizer_swapper.h"
+
+namespace zinf::engine {
+
+// Conversions of the config into the options of the modules the engine drives.
+storage::AioOptions ToAioOptions(const Config& config);
+// Adam hyper-parameters; adamw from swapper::ResolveAdamWMode(type, adam_w_mode); threads from
+// zinf.adam_threads.
+swapper::AdamOptions ToAdamOptions(const Config& config);
+// ZeRO stage 1/2 -> kFlat, 3 -> kPerParam.
+partition::PlanKind ToPlanKind(const Config& config);
+// Everything the optimizer swapper takes from the config: store (resolved nvme paths,
+// EffectiveJobId(config, layout), world_rank, keep_swap, verify_swap), aio, engine, sub_group_size,
+// pool (pinned_budget_bytes, buffer_count, pin_memory), pipeline flags, Adam, bf16, swap_gradients
+// and gradient_accumulation_steps. Meaningful for device nvme (the store paths are empty
+// otherwise).
+swapper::SwapperOptions ToSwapperOptions(const Config& config, int world_rank,
+                                         const partition::ParamLayout& layout);
+
+}  // namespace zinf::engine

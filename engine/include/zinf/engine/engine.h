@@ -1,0 +1,217 @@
+// ZeroEngine: the ZeRO training step a user's own training loop drives (docs/library.md). The
+// user owns the model: its parameters' working weights and gradients live in the user's buffers,
+// replicated on every rank, and registered by name and shape. The engine owns the optimizer:
+// each rank's ZeRO partition of the Adam state (fp32 master weights, exp_avg, exp_avg_sq) is
+// kept on node-local NVMe and swapped through a bounded pool around every step.
+//
+//   auto session = zinf::comm::MpiSession::Init(&argc, &argv);        // or adopt the host's MPI
+//   const zinf::comm::Communicator& world = session->world();
+//   ZINF_ASSIGN_OR_RETURN(zinf::engine::Config config,
+//                         zinf::engine::LoadConfig(world, "ds.json"));  // collective
+//   std::vector<zinf::engine::Param> params = {
+//       {"fc1.weight", {512, 256}, w1, g1},  // std::span<float>: weights, gradients
+//       {"fc1.bias", {512}, b1, gb1}};
+//   ZINF_ASSIGN_OR_RETURN(auto engine, zinf::engine::ZeroEngine::Create(world, config, params));
+//   while (engine->step() < 1000) {
+//     double loss = ForwardBackward(batch);   // writes (or accumulates) g1, gb1, ...
+//     ZINF_ASSIGN_OR_RETURN(zinf::engine::StepInfo info, engine->Step(loss));
+//     if (info.step % 100 == 0) ZINF_RETURN_IF_ERROR(engine->SaveCheckpoint({{"epoch", e}}));
+//     if (info.stop_requested) break;         // SIGUSR1/SIGTERM on some rank
+//   }
+//   ZINF_RETURN_IF_ERROR(engine->Close());
+//
+// One Step (collective), on every rank, for the gradients the user accumulated since the last
+// Step into the registered `grads` buffers (the gradient of the rank's mean loss, summed over the
+// micro-batches it ran):
+//   1. the flat gradient is reduce-scattered (comm::CollectiveBackend): each rank gets the sum of
+//      its partition; with zinf.swap_gradients it goes to the gradient swapper on NVMe;
+//   2. the global gradient norm is computed (one allreduce), the gradient is averaged over
+//      gradient_accumulation_steps x ranks and clipped to gradient_clipping;
+//   3. the swapped Adam/AdamW step runs over the rank's sub-groups at the scheduler's learning
+//      rate (optimizer_swapper.h: crash-consistent per sub-group);
+//   4. the updated partitions are all-gathered into every parameter's `weights` (rounded to bf16
+//      values with bf16.enabled), and every `grads` buffer is zeroed for the next step.
+// Gradient accumulation: the user may sum the micro-batches in `grads` and call Step once, or
+// call AccumulateGradients() after each micro-batch but the last (required with
+// zinf.swap_gradients, so each micro-batch is reduced and written behind during the next one's
+// backward). Either way a step stands for gradient_accumulation_steps micro-batches per rank
+// (DeepSpeed's batch rule): AccumulateGradients() may be called gradient_accumulation_steps - 1
+// times per step, or not at all.
+//
+// Checkpoints (collective): SaveCheckpoint writes one parallel-HDF5 file per step into
+// zinf.checkpoint.dir with the commit protocol of swapper/checkpoint.h (keep_last applied), the
+// engine's state and the user's JSON. Create restores one when zinf.checkpoint.load says so
+// (`latest`, `auto`, or a path), on any number of ranks: the swapped state, the step, the
+// learning-rate schedule's position and the weights; user_state() returns the user's JSON. A
+// checkpoint restores only into the same parameters (names and shapes; the first mismatch is
+// named).
+//
+// Output: rank 0 logs one line every steps_per_print steps (step, loss, lr, step time, swap
+// GB/s), and keeps a live line (step, loss, GB/s, ETA when EngineOptions::total_steps is set) on
+// stderr when it is a terminal; EngineOptions::metrics_path gets one JSON object per step.
+//
+// Errors: every call returns the same Status on every rank (one rank's EIO fails all of them
+// alike; nothing waits in a collective forever). A failed Step leaves every sub-group either
+// stepped or not (optimizer_swapper.h); the last committed checkpoint is never touched.
+//
+// Thread safety: one thread at a time. Create installs stop-signal handlers (SIGINT, SIGTERM,
+// SIGUSR1, SIGUSR2) for the engine's lifetime unless EngineOptions::stop_signals is false.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "zinf/comm/communicator.h"
+#include "zinf/core/status.h"
+#include "zinf/engine/config.h"
+#include "zinf/partition/layout.h"
+
+namespace zinf::engine {
+
+// One parameter of the user's model. The buffers are the user's and must outlive the engine;
+// both hold exactly the shape's number of elements.
+struct Param {
+  std::string name;                 // unique; [A-Za-z0-9_.:/-] (partition::ParamLayout)
+  std::vector<std::int64_t> shape;  // each dimension > 0; {} is a scalar
+  std::span<float> weights;         // working weights, the same on every rank; Step writes them
+  std::span<float> grads;           // this rank's accumulated gradient; Step reads and zeroes it
+};
+
+struct EngineOptions {
+  // Rank 0 appends one JSON object per step (a fresh run truncates it); empty: none.
+  std::string metrics_path = {};
+  // The loop's last step, for the ETA of the live progress line; 0: unknown.
+  std::int64_t total_steps = 0;
+  bool progress = true;      // the log lines every steps_per_print steps and the live line
+  bool stop_signals = true;  // SIGINT/SIGTERM/SIGUSR1/SIGUSR2 set StepInfo::stop_requested
+  // Create missing nvme_path directories (mode 0700, parents included). Off by default: a
+  // configured path that is missing is an error (an unmounted drive must not silently become a
+  // directory on the root file system).
+  bool create_nvme_paths = false;
+  // Restore from this checkpoint instead of zinf.checkpoint.load ("latest", "auto", a path);
+  // unset: the config's.
+  std::optional<std::string> load = std::nullopt;
+};
+
+// What one Step did. Figures summed or maximized over the ranks are the same on every rank.
+struct StepInfo {
+  std::int64_t step = 0;         // the optimizer step just applied (1-based)
+  double lr = 0;                 // its learning rate
+  double loss = 0;               // the mean over ranks of the loss passed to Step (NaN if none)
+  double grad_norm = 0;          // the global norm of the averaged gradient, before clipping
+  bool clipped = false;          // the gradient was scaled down to gradient_clipping
+  double step_seconds = 0;       // since the previous Step returned (or Create), slowest rank
+  double optimizer_seconds = 0;  // the swapped Adam step, slowest rank
+  std::uint64_t swap_read_bytes = 0;   // read by the swap stores during the step, all ranks
+  std::uint64_t swap_write_bytes = 0;  // written, all ranks (gradient write-behind included)
+  std::uint64_t optimizer_swap_read_bytes = 0;  // the part inside the optimizer step
+  std::uint64_t optimizer_swap_write_bytes = 0;
+  std::uint64_t peak_rss_bytes = 0;  // largest over the ranks
+  bool stop_requested = false;       // a stop signal arrived on some rank
+  int stop_signal = 0;               // which (this rank's; 0 if none here)
+};
+
+struct SavedCheckpointInfo {
+  std::string path;  // the committed <dir>/step-<N>.h5
+  std::uint64_t state_bytes = 0;
+  double seconds = 0;
+  std::vector<std::string> removed;  // by keep_last and stale-partial cleanup
+};
+
+class ZeroEngine {
+ public:
+  // Collective over `world`. Checks the parameters (names unique and valid, shapes positive,
+  // buffer sizes equal to the shapes, no buffer shared by two parameters or by weights and
+  // grads), builds the partition plan (ZeRO stage 1/2: flat; 3: per
+  // parameter), the swapper (store on nvme_path, pool, I/O engines, CpuAdam) and the collective
+  // backend, then either restores a checkpoint (EngineOptions::load, else zinf.checkpoint.load)
+  // or swaps the parameters' current weights in as the initial state (exp_avg = exp_avg_sq = 0).
+  // Errors: InvalidArgument (bad parameters, offload device not nvme), NotFound (a missing
+  // nvme_path or checkpoint), ResourceExhausted (host memory, disk space, pool), the swapper's
+  // and the checkpoint's errors (a mismatched checkpoint names the first differing parameter).
+  static Result<std::unique_ptr<ZeroEngine>> Create(const comm::Communicator& world,
+                                                    const Config& config, std::vector<Param> params,
+                                                    const EngineOptions& options = {});
+
+  ~ZeroEngine();
+  ZeroEngine(const ZeroEngine&) = delete;
+  ZeroEngine& operator=(const ZeroEngine&) = delete;
+
+  // Collective. Hands the gradient accumulated in the `grads` buffers since the last call to the
+  // engine (reduce-scatter; with zinf.swap_gradients written behind to NVMe) and zeroes them. For
+  // every micro-batch of a step but the last. Errors: FailedPrecondition when called
+  // gradient_accumulation_steps times in one step; the swapper's I/O errors.
+  Status AccumulateGradients();
+
+  // Collective. One optimizer step (see the top of the file); `loss` is this rank's loss, for
+  // the log, the metrics and StepInfo (optional). Errors, nothing stepped: FailedPrecondition
+  // for a non-finite loss or gradient norm, for a gradient that is zero on every rank (Step
+  // before any gradient was written), and for AccumulateGradients called a number of times
+  // other than 0 or gradient_accumulation_steps - 1; the swapper's errors.
+  Result<StepInfo> Step(std::optional<double> loss = std::nullopt);
+
+  // Collective. Saves checkpoint step() into `dir` (empty: zinf.checkpoint.dir) with keep_last
+  // from the config; `user_state` (a JSON object, or null) is stored and given back by
+  // user_state() after a restore. Errors: InvalidArgument (no directory, state not an object),
+  // ResourceExhausted (no space), I/O errors; `latest` and older checkpoints stay as they were.
+  Result<SavedCheckpointInfo> SaveCheckpoint(const nlohmann::json& user_state = nullptr,
+                                             const std::string& dir = {});
+
+  // Collective: the timers (min/mean/max over ranks) and the swap bandwidth per node, logged
+  // by rank 0. For the end of a run.
+  Status LogSummary();
+
+  // Collective. Closes the swapper (removes the swap store unless keep_swap) and the metrics
+  // file. Idempotent; the destructor does it best effort (collectively only if every rank
+  // destroys the engine at the same point).
+  Status Close();
+
+  // The last step applied (0 before the first; the checkpoint's step after a restore).
+  std::int64_t step() const { return step_; }
+  // The learning rate the next Step will use.
+  double next_lr() const;
+  // After a restore: the checkpoint read, its user JSON (null otherwise), the ranks it was saved
+  // on.
+  const std::string& resumed_from() const { return resumed_from_; }
+  const nlohmann::json& user_state() const { return user_state_; }
+  int resumed_world_size() const { return resumed_world_size_; }
+  const Config& config() const { return config_; }
+  const partition::ParamLayout& layout() const;
+  const comm::Communicator& world() const { return world_; }
+
+ private:
+  struct State;
+  ZeroEngine(const comm::Communicator& world, const Config& config, const EngineOptions& options);
+
+  // The parts of Create, Step and the rest (engine.cc); each collective unless said otherwise.
+  Status Build(std::vector<Param> params);
+  Status CheckHostMemory(std::uint64_t padded_numel) const;  // local
+  Status InitializeOrRestore();
+  Status Initialize();
+  Status Restore(const std::string& path);
+  Status ReadPartition();  // local
+  Status Gather();
+  Status ReduceGradients(std::span<float> reduced);
+  Status HandGradient(int micro_batch);
+  Result<double> PartitionGradSquaredSum();
+  Status Report(const StepInfo& info);
+  Status LogPerNode();
+
+  const comm::Communicator& world_;
+  Config config_;
+  EngineOptions options_;
+  std::unique_ptr<State> state_;
+  std::int64_t step_ = 0;
+  std::string resumed_from_;
+  nlohmann::json user_state_;
+  int resumed_world_size_ = 0;
+  bool closed_ = false;
+};
+
+}  // namespace zinf::engine

@@ -1,0 +1,464 @@
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "config_schema.h"
+#include "zinf/core/json.h"
+#include "zinf/core/log.h"
+#include "zinf/core/units.h"
+#include "zinf/engine/config.h"
+#include "zinf/storage/fs.h"
+
+namespace zinf::engine {
+namespace {
+
+using namespace config_internal;  // NOLINT(google-build-using-namespace): the schema's vocabulary
+
+// What a config file may be: at most 16 MiB, nested at most 32 levels (the schema needs 4).
+constexpr std::uint64_t kMaxConfigBytes = 16u << 20;
+constexpr JsonLimits kConfigJsonLimits{.max_bytes = kMaxConfigBytes, .max_depth = 32};
+
+std::string_view DisplayPath(std::string_view path) { return path.empty() ? "(top level)" : path; }
+
+class Parser {
+ public:
+  Parser(const ConfigContext& ctx, std::span<const AppKey> app_keys)
+      : ctx_(ctx), schema_(app_keys) {}
+
+  Result<Config> Run(std::string_view json_text) {
+    if (ctx_.world_size < 1 || ctx_.local_rank < 0 || ctx_.node < 0) {
+      return InvalidArgumentError(
+          fmt::format("config context: world_size {} must be >= 1, local_rank {} and node {} >= 0",
+                      ctx_.world_size, ctx_.local_rank, ctx_.node));
+    }
+    // Bounded: nesting, duplicate keys (a setting has one spelling) and numbers out of range are
+    // errors, never an exception or a stack overflow.
+    ZINF_ASSIGN_OR_RETURN(Json root, ParseJson<Json>(json_text, kConfigJsonLimits));
+    if (!root.is_object()) return TypeError(DisplayPath(""), "an object", root);
+    for (const AppKey& key : schema_.app_keys()) {
+      if (key.type != AppKeyType::kSection) config_.app[PointerOf(key.path)] = key.default_value;
+    }
+    ZINF_RETURN_IF_ERROR(WalkObject(root, ""));
+    ZINF_RETURN_IF_ERROR(CheckAliases());
+    ZINF_RETURN_IF_ERROR(CheckScheduler());
+    ZINF_RETURN_IF_ERROR(CheckOffload());
+    ZINF_RETURN_IF_ERROR(CheckZinf());
+    ZINF_RETURN_IF_ERROR(ResolveBatchSizes());
+    config_.world_size = ctx_.world_size;
+    return std::move(config_);
+  }
+
+ private:
+  bool Given(std::string_view path) const { return given_.contains(path); }
+
+  Status WalkObject(const Json& object, const std::string& prefix) {
+    for (const auto& [key, value] : object.items()) {
+      const std::string path = prefix.empty() ? key : prefix + "." + key;
+      const KeySpec* spec = schema_.Find(path);
+      if (spec == nullptr) return UnknownKey(prefix, key, path);
+      if (!spec->unsupported.empty()) {
+        const std::string why =
+            spec->description.empty() ? "" : fmt::format(" ({})", spec->description);
+        return InvalidArgumentError(
+            fmt::format("{}: {}{}; remove it", path, spec->unsupported, why));
+      }
+      given_.insert(path);
+      if (std::holds_alternative<std::monostate>(spec->field)) {
+        if (!value.is_object()) return TypeError(path, "an object", value);
+        ZINF_RETURN_IF_ERROR(WalkObject(value, path));
+        continue;
+      }
+      ZINF_RETURN_IF_ERROR(SetLeaf(*spec, path, value));
+    }
+    return OkStatus();
+  }
+
+  Status UnknownKey(const std::string& prefix, const std::string& key, const std::string& path) {
+    const std::vector<std::string_view> keys = schema_.ChildKeys(prefix);
+    if (auto nearest = Nearest(key, keys)) {
+      return InvalidArgumentError(
+          fmt::format("{}: unknown key; did you mean '{}'?", path, *nearest));
+    }
+    return InvalidArgumentError(fmt::format("{}: unknown key; valid keys in {}: {}", path,
+                                            DisplayPath(prefix), JoinQuoted(keys, "'")));
+  }
+
+  Status SetLeaf(const KeySpec& spec, const std::string& path, const Json& value) {
+    Config& c = config_;
+    if (auto* f = std::get_if<Accessor<bool>>(&spec.field)) {
+      if (!value.is_boolean()) return TypeError(path, "a boolean", value);
+      *(*f)(c) = value.get<bool>();
+    } else if (auto* fi = std::get_if<Accessor<int>>(&spec.field)) {
+      ZINF_ASSIGN_OR_RETURN(const std::int64_t v, ReadInteger(path, value, spec));
+      *(*fi)(c) = static_cast<int>(v);
+    } else if (auto* fl = std::get_if<Accessor<std::int64_t>>(&spec.field)) {
+      ZINF_ASSIGN_OR_RETURN(*(*fl)(c), ReadInteger(path, value, spec));
+    } else if (auto* fu = std::get_if<Accessor<std::uint64_t>>(&spec.field)) {
+      ZINF_ASSIGN_OR_RETURN(const std::int64_t v, ReadInteger(path, value, spec));
+      *(*fu)(c) = static_cast<std::uint64_t>(v);
+    } else if (auto* fd = std::get_if<Accessor<double>>(&spec.field)) {
+      ZINF_ASSIGN_OR_RETURN(*(*fd)(c), ReadNumber(path, value, spec));
+    } else if (auto* fs = std::get_if<Accessor<std::string>>(&spec.field)) {
+      if (!value.is_string()) return TypeError(path, "a string", value);
+      *(*fs)(c) = value.get<std::string>();
+    } else if (auto* fb = std::get_if<Accessor<std::array<double, 2>>>(&spec.field)) {
+      if (!value.is_array() || value.size() != 2) {
+        return TypeError(path, "an array of 2 numbers", value);
+      }
+      for (std::size_t i = 0; i < 2; ++i) {
+        ZINF_ASSIGN_OR_RETURN((*(*fb)(c))[i],
+                              ReadNumber(fmt::format("{}[{}]", path, i), value[i], spec));
+      }
+    } else if (auto* fe = std::get_if<EnumAccess>(&spec.field)) {
+      ZINF_ASSIGN_OR_RETURN(const int index, ReadChoice(path, value, spec));
+      fe->set(c, index);
+    } else if (auto* fz = std::get_if<SizeAccess>(&spec.field)) {
+      ZINF_RETURN_IF_ERROR(SetSize(spec, path, value, fz->get(c)));
+    } else if (auto* fp = std::get_if<PathListAccess>(&spec.field)) {
+      ZINF_RETURN_IF_ERROR(SetPathList(path, value, fp->get(c)));
+    } else if (auto* fa = std::get_if<AppAccess>(&spec.field)) {
+      ZINF_ASSIGN_OR_RETURN(c.app[PointerOf(path)], ReadAppValue(*fa->key, spec, path, value));
+    }
+    return OkStatus();
+  }
+
+  // An application key's value, checked as its AppKey says.
+  static Result<Json> ReadAppValue(const AppKey& key, const KeySpec& spec, const std::string& path,
+                                   const Json& value) {
+    switch (key.type) {
+      case AppKeyType::kBool:
+        if (!value.is_boolean()) return TypeError(path, "a boolean", value);
+        return value;
+      case AppKeyType::kInteger: {
+        ZINF_ASSIGN_OR_RETURN(const std::int64_t v, ReadInteger(path, value, spec));
+        return Json(v);
+      }
+      case AppKeyType::kNumber: {
+        ZINF_ASSIGN_OR_RETURN(const double v, ReadNumber(path, value, spec));
+        return Json(v);
+      }
+      case AppKeyType::kString:
+        if (!value.is_string()) return TypeError(path, "a string", value);
+        return value;
+      case AppKeyType::kChoice: {
+        ZINF_ASSIGN_OR_RETURN(const int index, ReadChoice(path, value, spec));
+        return Json(key.choices[static_cast<std::size_t>(index)]);
+      }
+      case AppKeyType::kSection:
+        break;
+    }
+    return InternalError(fmt::format("{}: a section has no value", path));
+  }
+
+  Status SetSize(const KeySpec& spec, const std::string& path, const Json& value,
+                 std::uint64_t* out) {
+    if (value.is_string()) {
+      const auto& text = value.get_ref<const std::string&>();
+      auto bytes = ParseBytes(text);
+      if (!bytes) {
+        return InvalidArgumentError(fmt::format(
+            "{}: \"{}\" is not a size (an integer number of bytes, or a number with a unit: "
+            "\"4096\", \"512M\", \"2GiB\", \"1.5G\")",
+            path, text));
+      }
+      if (!InRange(static_cast<double>(*bytes), spec.range)) {
+        return InvalidArgumentError(fmt::format("{}: {} is out of range {}", path, Shown(value),
+                                                FormatRange(spec.range, true)));
+      }
+      *out = *bytes;
+      return OkStatus();
+    }
+    if (!value.is_number()) {
+      return TypeError(path, "an integer or a size string (\"2G\")", value);
+    }
+    ZINF_ASSIGN_OR_RETURN(const std::int64_t v, ReadInteger(path, value, spec));
+    *out = static_cast<std::uint64_t>(v);
+    return OkStatus();
+  }
+
+  Status SetPathList(const std::string& path, const Json& value, std::vector<std::string>* out) {
+    constexpr std::string_view kExpected = "a string or a list of strings";
+    out->clear();
+    if (value.is_string()) {
+      out->push_back(value.get<std::string>());
+    } else if (value.is_array()) {
+      if (value.empty()) {
+        return InvalidArgumentError(
+            fmt::format("{}: empty list; give at least one directory", path));
+      }
+      for (std::size_t i = 0; i < value.size(); ++i) {
+        if (!value[i].is_string()) {
+          return TypeError(fmt::format("{}[{}]", path, i), "a string", value[i]);
+        }
+        out->push_back(value[i].get<std::string>());
+      }
+    } else {
+      return TypeError(path, kExpected, value);
+    }
+    return OkStatus();
+  }
+
+  Status CheckAliases() {
+    for (const KeySpec& spec : schema_.specs()) {
+      if (spec.alias_of.empty() || !Given(spec.path)) continue;
+      if (Given(spec.alias_of)) {
+        return InvalidArgumentError(fmt::format(
+            "{}: old name of {}; give only one of them (both are set)", spec.path, spec.alias_of));
+      }
+      ZINF_LOG_WARN("config: {} is the old name of {}; please rename it", spec.path, spec.alias_of);
+    }
+    return OkStatus();
+  }
+
+  Status CheckScheduler() {
+    SchedulerConfig& s = config_.scheduler;
+    if (Given("scheduler") && !Given("scheduler.type")) {
+      return InvalidArgumentError(
+          fmt::format("scheduler.type: required in a scheduler block "
+                      "(one of {})",
+                      JoinQuoted(kSchedulerChoicesForError, "\"")));
+    }
+    const unsigned bit = SchedulerBit(s.type);
+    for (const KeySpec& spec : schema_.specs()) {
+      if (spec.scheduler_types == 0 || !Given(spec.path) || (spec.scheduler_types & bit) != 0) {
+        continue;
+      }
+      std::vector<std::string_view> valid;
+      for (const KeySpec& other : schema_.specs()) {
+        if (ParentOf(other.path) == "scheduler.params" && (other.scheduler_types & bit) != 0) {
+          valid.push_back(LastComponent(other.path));
+        }
+      }
+      return InvalidArgumentError(
+          fmt::format("{}: not a parameter of scheduler {} (its "
+                      "parameters: {})",
+                      spec.path, SchedulerTypeName(s.type), JoinQuoted(valid, "")));
+    }
+    if (s.type == SchedulerType::kWarmupDecayLR || s.type == SchedulerType::kWarmupCosineLR) {
+      if (!Given("scheduler.params.total_num_steps")) {
+        return InvalidArgumentError(
+            fmt::format("scheduler.params.total_num_steps: required by scheduler {}",
+                        SchedulerTypeName(s.type)));
+      }
+      const std::int64_t warmup = std::max<std::int64_t>(2, s.warmup_num_steps);
+      if (s.type == SchedulerType::kWarmupCosineLR && s.total_num_steps <= warmup) {
+        // DeepSpeed divides by total - warmup: equal values divide by zero.
+        return InvalidArgumentError(fmt::format(
+            "scheduler.params.total_num_steps: {} must be greater than warmup_num_steps {} "
+            "(WarmupCosineLR decays over the steps after the warmup)",
+            s.total_num_steps, warmup));
+      }
+      if (s.total_num_steps < warmup) {
+        ZINF_LOG_WARN(
+            "config: scheduler.params.total_num_steps {} is less than "
+            "warmup_num_steps {}",
+            s.total_num_steps, warmup);
+      }
+    }
+    if (s.type == SchedulerType::kWarmupLR || s.type == SchedulerType::kWarmupDecayLR) {
+      if (s.warmup_min_lr > s.warmup_max_lr) {
+        ZINF_LOG_WARN(
+            "config: scheduler.params.warmup_min_lr {} > warmup_max_lr {}: the warmup "
+            "lowers the learning rate",
+            s.warmup_min_lr, s.warmup_max_lr);
+      }
+    }
+    return OkStatus();
+  }
+
+  static Result<std::string> ExpandPlaceholders(const std::string& path, const std::string& text,
+                                                const ConfigContext& ctx) {
+    std::string out;
+    std::size_t pos = 0;
+    while (pos < text.size()) {
+      const char ch = text[pos];
+      if (ch == '}') {
+        return InvalidArgumentError(fmt::format("{}: unmatched '}}' in \"{}\"", path, text));
+      }
+      if (ch != '{') {
+        out += ch;
+        ++pos;
+        continue;
+      }
+      const std::size_t close = text.find('}', pos);
+      if (close == std::string::npos) {
+        return InvalidArgumentError(
+            fmt::format("{}: unterminated placeholder in \"{}\"", path, text));
+      }
+      const std::string_view name = std::string_view(text).substr(pos + 1, close - pos - 1);
+      if (name == "local_rank") {
+        out += std::to_string(ctx.local_rank);
+      } else if (name == "node") {
+        out += std::to_string(ctx.node);
+      } else {
+        return InvalidArgumentError(fmt::format(
+            "{}: unknown placeholder '{{{}}}' in \"{}\" (known: {{local_rank}}, {{node}})", path,
+            name, text));
+      }
+      pos = close + 1;
+    }
+    return out;
+  }
+
+  Status CheckOffload() {
+    OffloadOptimizerConfig& o = config_.zero_optimization.offload_optimizer;
+    constexpr std::string_view kPath = "zero_optimization.offload_optimizer.nvme_path";
+    o.resolved_nvme_paths.clear();
+    for (std::size_t i = 0; i < o.nvme_path.size(); ++i) {
+      const std::string element =
+          o.nvme_path.size() > 1 ? fmt::format("{}[{}]", kPath, i) : std::string(kPath);
+      if (o.nvme_path[i].empty()) {
+        return InvalidArgumentError(fmt::format("{}: empty path", element));
+      }
+      ZINF_ASSIGN_OR_RETURN(std::string resolved,
+                            ExpandPlaceholders(element, o.nvme_path[i], ctx_));
+      if (std::find(o.resolved_nvme_paths.begin(), o.resolved_nvme_paths.end(), resolved) !=
+          o.resolved_nvme_paths.end()) {
+        return InvalidArgumentError(fmt::format("{}: \"{}\" is listed twice", element, resolved));
+      }
+      o.resolved_nvme_paths.push_back(std::move(resolved));
+    }
+    if (o.device == OffloadDevice::kNvme && o.nvme_path.empty()) {
+      return InvalidArgumentError(
+          fmt::format("{}: required when offload_optimizer.device is \"nvme\"", kPath));
+    }
+    // CpuAdam has amsgrad, but the swap store keeps three tensors per sub-group, not the fourth
+    // (max_exp_avg_sq) it needs, and neither does the checkpoint: refused here rather than
+    // failing the first step.
+    if (o.device == OffloadDevice::kNvme && config_.optimizer.amsgrad) {
+      return InvalidArgumentError(
+          "optimizer.params.amsgrad: true is not supported with offload_optimizer.device "
+          "\"nvme\" (the swap store and checkpoints keep no max_exp_avg_sq); set it to false");
+    }
+    return OkStatus();
+  }
+
+  Status CheckZinf() {
+    const std::string& job_id = config_.zinf.job_id;
+    const bool valid_chars = std::all_of(job_id.begin(), job_id.end(), [](char ch) {
+      return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+             ch == '_' || ch == '.' || ch == '-';
+    });
+    if (!valid_chars || job_id.find("..") != std::string::npos || job_id == ".") {
+      return InvalidArgumentError(fmt::format(
+          "zinf.job_id: \"{}\" may contain only A-Z a-z 0-9 _ . - (and no \"..\")", job_id));
+    }
+    const CheckpointConfig& checkpoint = config_.zinf.checkpoint;
+    if ((checkpoint.load == "latest" || checkpoint.load == "auto") && checkpoint.dir.empty()) {
+      return InvalidArgumentError(fmt::format(
+          "zinf.checkpoint.load: \"{}\" resumes from <dir>/latest, but zinf.checkpoint.dir is "
+          "not set",
+          checkpoint.load));
+    }
+    return OkStatus();
+  }
+
+  // DeepSpeed's _set_batch_related_parameters + _batch_assertion, with exact divisibility.
+  Status ResolveBatchSizes() {
+    Config& c = config_;
+    const std::int64_t world = ctx_.world_size;
+    const bool has_batch = Given("train_batch_size");
+    const bool has_micro = Given("train_micro_batch_size_per_gpu");
+    const bool has_gas = Given("gradient_accumulation_steps");
+    std::int64_t& batch = c.train_batch_size;
+    std::int64_t& micro = c.train_micro_batch_size_per_gpu;
+    std::int64_t& gas = c.gradient_accumulation_steps;
+    if (has_batch && has_micro && has_gas) {
+      if (batch != micro * gas * world) {
+        return InvalidArgumentError(
+            fmt::format("train_batch_size: {} != train_micro_batch_size_per_gpu {} * "
+                        "gradient_accumulation_steps {} * world_size {} = {}",
+                        batch, micro, gas, world, micro * gas * world));
+      }
+    } else if (has_batch && has_micro) {
+      if (batch % (micro * world) != 0) {
+        return InvalidArgumentError(fmt::format(
+            "train_batch_size: {} is not divisible by train_micro_batch_size_per_gpu {} * "
+            "world_size {} = {}, so gradient_accumulation_steps cannot be derived",
+            batch, micro, world, micro * world));
+      }
+      gas = batch / (micro * world);
+    } else if (has_batch && has_gas) {
+      if (batch % (gas * world) != 0) {
+        return InvalidArgumentError(
+            fmt::format("train_batch_size: {} is not divisible by gradient_accumulation_steps {} * "
+                        "world_size {} = {}, so train_micro_batch_size_per_gpu cannot be derived",
+                        batch, gas, world, gas * world));
+      }
+      micro = batch / (gas * world);
+    } else if (has_micro && has_gas) {
+      batch = micro * gas * world;
+    } else if (has_batch) {
+      if (batch % world != 0) {
+        return InvalidArgumentError(
+            fmt::format("train_batch_size: {} is not divisible by world_size {}, so "
+                        "train_micro_batch_size_per_gpu cannot be derived",
+                        batch, world));
+      }
+      gas = 1;
+      micro = batch / world;
+    } else if (has_micro) {
+      gas = 1;
+      batch = micro * world;
+    } else {
+      return InvalidArgumentError(
+          "train_batch_size: either train_batch_size or train_micro_batch_size_per_gpu must be "
+          "given (DeepSpeed's rule)");
+    }
+    if (batch > static_cast<std::int64_t>(kMaxInt32)) {
+      return InvalidArgumentError(
+          fmt::format("train_batch_size: the derived value {} is out of range [1, {}]", batch,
+                      static_cast<std::int64_t>(kMaxInt32)));
+    }
+    return OkStatus();
+  }
+
+  const ConfigContext& ctx_;
+  SchemaView schema_;
+  Config config_;
+  std::set<std::string, std::less<>> given_;  // every key (and section) the file sets
+};
+
+}  // namespace
+
+Result<Config> ParseConfig(std::string_view json_text, const ConfigContext& ctx,
+                           std::span<const AppKey> app_keys) {
+  return Parser(ctx, app_keys).Run(json_text);
+}
+
+Result<std::string> ReadConfigFile(const std::string& path) {
+  // The path is the user's own: a link is followed, but a FIFO or device is refused, never read.
+  return Annotate(storage::ReadSmallFile(path, kMaxConfigBytes, storage::Follow::kYes), "config: ");
+}
+
+Result<Config> LoadConfigFile(const std::string& path, const ConfigContext& ctx,
+                              std::span<const AppKey> app_keys) {
+  ZINF_ASSIGN_OR_RETURN(std::string text, ReadConfigFile(path));
+  return Annotate(ParseConfig(text, ctx, app_keys), fmt::format("config {}: ", path));
+}
+
+ConfigContext ContextOf(const comm::Communicator& world) {
+  return ConfigContext{.world_size = world.size(),
+                       .local_rank = world.topology().local_rank,
+                       .node = world.topology().node};
+}
+
+Result<Config> LoadConfig(const comm::Communicator& world, const std::string& path,
+                          std::span<const AppKey> app_keys) {
+  Result<Config> config = LoadConfigFile(path, ContextOf(world), app_keys);
+  ZINF_RETURN_IF_ERROR(
+      world.AgreeOnStatus(config.has_value() ? OkStatus() : Status(config.error())));
+  ZINF_RETURN_IF_ERROR(CheckSameConfigOnAllRanks(world, *config));
+  return config;
+}
+
+}  // namespace zinf::engine

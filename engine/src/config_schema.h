@@ -1,0 +1,175 @@
+// Private to zinf::engine: the config schema (one KeySpec per key: how to read and write it,
+// its range, choices and description) and the helpers the parser and the printers share.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "zinf/core/status.h"
+#include "zinf/engine/config.h"
+
+namespace zinf::engine::config_internal {
+
+using Json = nlohmann::ordered_json;
+
+inline constexpr double kInf = std::numeric_limits<double>::infinity();
+inline constexpr double kMaxInt32 = 2147483647.0;
+
+// ---- Field access: the schema reaches into Config through these. ----
+
+template <auto M, auto... Ms>
+constexpr auto& MemberOf(auto& object) {
+  if constexpr (sizeof...(Ms) == 0) {
+    return object.*M;
+  } else {
+    return MemberOf<Ms...>(object.*M);
+  }
+}
+
+template <typename T>
+using Accessor = T* (*)(Config&);
+
+// An enum field, read and written as its index into KeySpec::choices.
+struct EnumAccess {
+  int (*get)(Config&);
+  void (*set)(Config&, int);
+};
+// An unsigned byte count given as an integer or a size string ("2G").
+struct SizeAccess {
+  std::uint64_t* (*get)(Config&);
+};
+// One path or a list of paths.
+struct PathListAccess {
+  std::vector<std::string>* (*get)(Config&);
+};
+// An application's key (AppKey): its value lives in Config::app at its path.
+struct AppAccess {
+  const AppKey* key;
+};
+// std::monostate: a section (a JSON object holding keys).
+using Field = std::variant<std::monostate, Accessor<bool>, Accessor<int>, Accessor<std::int64_t>,
+                           Accessor<std::uint64_t>, Accessor<double>, Accessor<std::string>,
+                           Accessor<std::array<double, 2>>, EnumAccess, SizeAccess, PathListAccess,
+                           AppAccess>;
+
+template <auto... Ms>
+Field Leaf() {
+  using T = std::remove_cvref_t<decltype(MemberOf<Ms...>(std::declval<Config&>()))>;
+  if constexpr (std::is_enum_v<T>) {
+    return EnumAccess{[](Config& c) { return static_cast<int>(MemberOf<Ms...>(c)); },
+                      [](Config& c, int v) { MemberOf<Ms...>(c) = static_cast<T>(v); }};
+  } else {
+    return Accessor<T>{[](Config& c) { return &MemberOf<Ms...>(c); }};
+  }
+}
+template <auto... Ms>
+Field Size() {
+  return SizeAccess{[](Config& c) { return &MemberOf<Ms...>(c); }};
+}
+template <auto... Ms>
+Field PathList() {
+  return PathListAccess{[](Config& c) { return &MemberOf<Ms...>(c); }};
+}
+
+struct Range {
+  double min = -kInf;
+  double max = kInf;
+  bool min_open = false;  // (min, ...
+  bool max_open = false;  // ..., max)
+};
+
+constexpr Range AtLeast(double min) { return {.min = min}; }
+constexpr Range Between(double min, double max) { return {.min = min, .max = max}; }
+constexpr Range Positive() { return {.min = 0, .min_open = true}; }
+constexpr Range UnitOpen() { return {.min = 0, .max = 1, .max_open = true}; }
+
+constexpr unsigned SchedulerBit(SchedulerType type) { return 1u << static_cast<int>(type); }
+inline constexpr unsigned kWarmupLRBit = SchedulerBit(SchedulerType::kWarmupLR);
+inline constexpr unsigned kWarmupDecayLRBit = SchedulerBit(SchedulerType::kWarmupDecayLR);
+inline constexpr unsigned kWarmupCosineLRBit = SchedulerBit(SchedulerType::kWarmupCosineLR);
+inline constexpr unsigned kAllSchedulersBits =
+    kWarmupLRBit | kWarmupDecayLRBit | kWarmupCosineLRBit;
+
+// One key of the schema.
+struct KeySpec {
+  std::string_view path;  // "aio.queue_depth"
+  Field field;            // how to read/write the value; monostate: a section
+  std::string_view description;
+  Range range = {};                                // numbers
+  std::span<const std::string_view> choices = {};  // enums: choices[enum value]
+  std::uint64_t multiple_of = 0;                   // integers: must be a multiple of this
+  std::string_view default_text = {};              // overrides the printed default
+  std::string_view alias_of = {};                  // old name of this other key (a WARN)
+  unsigned scheduler_types = 0;                    // nonzero: only for these scheduler types
+  std::string_view unsupported = {};               // a DeepSpeed key zinf rejects: why
+};
+
+// Only the scheduler types a config may name ("none" is the absence of the block).
+inline constexpr std::array<std::string_view, 3> kSchedulerChoicesForError = {
+    "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"};
+
+// THE engine's schema: every key it knows, in the order EffectiveConfigJson prints them.
+const std::vector<KeySpec>& EngineSchema();
+
+// The engine's schema plus an application's keys (after them, with sections made for their
+// parents), indexed by path. Keeps views into `app_keys`, which must outlive it.
+class SchemaView {
+ public:
+  explicit SchemaView(std::span<const AppKey> app_keys);
+  SchemaView(const SchemaView&) = delete;
+  SchemaView& operator=(const SchemaView&) = delete;
+
+  const std::vector<KeySpec>& specs() const { return specs_; }
+  std::span<const AppKey> app_keys() const { return app_keys_; }
+  const KeySpec* Find(std::string_view path) const;
+  // The keys a section may hold (for suggestions): its children that are neither old names nor
+  // rejected DeepSpeed keys.
+  std::vector<std::string_view> ChildKeys(std::string_view section) const;
+
+ private:
+  std::span<const AppKey> app_keys_;
+  std::vector<std::string> section_paths_;  // sections the application's keys need
+  std::vector<std::vector<std::string_view>> choice_views_;
+  std::vector<KeySpec> specs_;
+  std::map<std::string_view, const KeySpec*> index_;
+};
+
+// ---- Helpers shared by the parser and the printers ----
+
+std::string_view ParentOf(std::string_view path);
+std::string_view LastComponent(std::string_view path);
+bool EqualsIgnoreCase(std::string_view a, std::string_view b);
+// The candidate closest to `text` (case-insensitive edit distance), if close enough.
+std::optional<std::string_view> Nearest(std::string_view text,
+                                        std::span<const std::string_view> candidates);
+std::string JoinQuoted(std::span<const std::string_view> items, std::string_view quote);
+// A JSON value for a message: the value itself, shortened.
+std::string Shown(const Json& value);
+Error TypeError(std::string_view path, std::string_view expected, const Json& got);
+bool IsIntegerKind(const Field& field);
+std::string FormatRange(const Range& range, bool integer);
+bool InRange(double value, const Range& range);
+// An integer: a JSON integer, or a float with an integral value (1e9), within the range.
+Result<std::int64_t> ReadInteger(std::string_view path, const Json& value, const KeySpec& spec);
+Result<double> ReadNumber(std::string_view path, const Json& value, const KeySpec& spec);
+// The index into spec.choices (case-insensitive).
+Result<int> ReadChoice(std::string_view path, const Json& value, const KeySpec& spec);
+// "integer", "one of Adam, AdamW", ... for --help.
+std::string TypeText(const KeySpec& spec);
+// "/a/b" for "a.b".
+Json::json_pointer PointerOf(std::string_view path);
+// The effective config as JSON, in schema order (see EffectiveConfigJson).
+Json CanonicalJson(const Config& config);
+
+}  // namespace zinf::engine::config_internal

@@ -1,0 +1,802 @@
+// ZeroEngine (engine.h): the ZeRO step over the user's parameters. The step is a sequence of named
+// parts, each collective: HandGradient (flatten, reduce-scatter, accumulate), GlobalNorm,
+// OptimizerStep (the swapped Adam step), Gather (the updated partitions into the user's weights),
+// Report (log, live line, metrics).
+#include "zinf/engine/engine.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <optional>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "zinf/comm/collective_backend.h"
+#include "zinf/comm/timers.h"
+#include "zinf/core/log.h"
+#include "zinf/core/process_stats.h"
+#include "zinf/core/units.h"
+#include "zinf/engine/config_options.h"
+#include "zinf/engine/lr_schedule.h"
+#include "zinf/partition/plan.h"
+#include "zinf/storage/fs.h"
+#include "zinf/swapper/checkpoint.h"
+#include "zinf/swapper/gradient_swapper.h"
+#include "zinf/swapper/optimizer_swapper.h"
+
+namespace zinf::engine {
+namespace {
+
+using Json = nlohmann::json;
+using comm::ReduceOp;
+
+// Partitions and sub-groups are multiples of 1024 elements (4 KiB of fp32): the direct-I/O
+// alignment of every file system we have seen, so no sub-group needs a padded tail on disk.
+constexpr std::uint64_t kPartitionAlignmentElems = 1024;
+
+// ---- Stop signals ----
+
+std::atomic<int> g_stop_signal{0};
+
+extern "C" void OnStopSignal(int sig) { g_stop_signal.store(sig, std::memory_order_relaxed); }
+
+// Installs the stop handlers for the lifetime of the object and restores the old ones after.
+// SIGINT/SIGTERM for a rank run directly; under Open MPI's mpirun those become SIGTERM then
+// SIGKILL a second later, while SIGUSR1/SIGUSR2 sent to mpirun reach the ranks unchanged and the
+// job waits for them: the way to stop a job with a final checkpoint.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal.store(0);
+    struct sigaction action {};
+    action.sa_handler = OnStopSignal;
+    sigemptyset(&action.sa_mask);
+    for (std::size_t i = 0; i < kSignals.size(); ++i) sigaction(kSignals[i], &action, &old_[i]);
+  }
+  ~StopSignals() {
+    for (std::size_t i = 0; i < kSignals.size(); ++i) sigaction(kSignals[i], &old_[i], nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  static constexpr std::array<int, 4> kSignals = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+  std::array<struct sigaction, 4> old_{};
+};
+
+// bf16 round-to-nearest-even, kept in fp32 (the value the bf16 working weights hold).
+float RoundToBf16(float x) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7f800000u) == 0x7f800000u) return x;  // inf and NaN stay as they are
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  bits &= 0xffff0000u;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+// The checkpoint's trainer JSON: the engine's own state, and the user's under "user".
+constexpr const char* kUserStateKey = "user";
+
+}  // namespace
+
+// Everything the engine builds in Create.
+struct ZeroEngine::State {
+  std::vector<Param> params;
+  std::optional<partition::PartitionPlan> plan;
+  std::optional<comm::Communicator> comm;  // the engine's own dup of the world
+  std::unique_ptr<comm::CollectiveBackend> backend;
+  std::unique_ptr<swapper::OptimizerSwapper> swapper;
+  std::optional<StopSignals> stop_signals;
+  std::uint64_t total_numel = 0;
+  std::uint64_t partition_numel = 0;
+  std::vector<float> partition;       // this rank's updated fp32 weights (padding 0)
+  std::vector<float> partition_grad;  // this rank's reduced gradient (in-memory accumulation)
+  std::vector<float> gathered;        // every rank's partition, rank order (padded)
+  std::vector<float> grad;            // the flat gradient in partition order (padded)
+  comm::Timers timers;
+  storage::UniqueFd metrics;
+  int micro_batches = 0;     // AccumulateGradients calls since the last Step
+  double last_step_end = 0;  // MonotonicSeconds() when the previous Step (or Create) returned
+  double loop_start = 0;
+  std::int64_t first_step = 0;   // the first step this engine ran
+  double swap_seconds = 0;       // this rank's optimizer steps, wall time
+  std::uint64_t swap_bytes = 0;  // this rank's swap reads + writes in its optimizer steps
+  double last_tty_line = 0;
+  bool tty = false;
+
+  // Calls fn(param index, offset in the param, count, offset in the partition-ordered buffer)
+  // for every piece of the flat vector, in partition order (rank by rank, fragment by fragment).
+  template <typename Fn>
+  void ForEachPiece(Fn&& fn) const {
+    const partition::ParamLayout& layout = plan->layout();
+    for (int r = 0; r < plan->world_size(); ++r) {
+      const std::uint64_t base = static_cast<std::uint64_t>(r) * partition_numel;
+      for (const partition::Fragment& f : plan->RankFragments(r)) {
+        ForEachParamIn(
+            layout, f.flat_offset, f.numel,
+            [&](std::size_t p, std::uint64_t in_param, std::uint64_t n, std::uint64_t done) {
+              fn(p, in_param, n, base + f.partition_offset + done);
+            });
+      }
+    }
+  }
+
+  // Calls fn(param index, offset in the param, count, offset from flat_offset) for the params
+  // that flat range [flat_offset, flat_offset + numel) covers.
+  template <typename Fn>
+  static void ForEachParamIn(const partition::ParamLayout& layout, std::uint64_t flat_offset,
+                             std::uint64_t numel, Fn&& fn) {
+    const auto& ps = layout.params();
+    auto it = std::upper_bound(
+        ps.begin(), ps.end(), flat_offset,
+        [](std::uint64_t v, const partition::ParamInfo& p) { return v < p.flat_offset; });
+    std::size_t p = static_cast<std::size_t>(it - ps.begin()) - 1;
+    std::uint64_t done = 0;
+    while (done < numel && p < ps.size()) {
+      const std::uint64_t at = flat_offset + done;
+      const std::uint64_t in_param = at - ps[p].flat_offset;
+      const std::uint64_t n = std::min(numel - done, ps[p].numel - in_param);
+      if (n > 0) fn(p, in_param, n, done);
+      done += n;
+      ++p;
+    }
+  }
+};
+
+ZeroEngine::ZeroEngine(const comm::Communicator& world, const Config& config,
+                       const EngineOptions& options)
+    : world_(world), config_(config), options_(options), state_(std::make_unique<State>()) {}
+
+ZeroEngine::~ZeroEngine() {
+  if (closed_) return;
+  Status closed = Close();
+  if (!closed) ZINF_LOG_WARN("engine: close in destructor: {}", closed.error().ToString());
+}
+
+const partition::ParamLayout& ZeroEngine::layout() const { return state_->plan->layout(); }
+
+double ZeroEngine::next_lr() const {
+  return LearningRate(config_.scheduler, config_.optimizer.lr, step_);
+}
+
+namespace {
+
+// The parameters as a layout, after checking every buffer against its shape.
+Result<partition::ParamLayout> LayoutOf(const std::vector<Param>& params) {
+  if (params.empty()) return InvalidArgumentError("engine: no parameters");
+  std::vector<partition::ParamSpec> specs;
+  specs.reserve(params.size());
+  for (const Param& p : params) specs.push_back({p.name, p.shape});
+  ZINF_ASSIGN_OR_RETURN(partition::ParamLayout layout,
+                        Annotate(partition::ParamLayout::Create(std::move(specs)), "engine: "));
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const partition::ParamInfo& info = layout.params()[i];
+    if (params[i].weights.size() != info.numel || params[i].grads.size() != info.numel) {
+      return InvalidArgumentError(fmt::format(
+          "engine: parameter {} '{}' of shape {} has {} elements, but its weights buffer holds "
+          "{} and its grads buffer {}",
+          i, EscapeForTerminal(info.name), partition::FormatShape(info.shape), info.numel,
+          params[i].weights.size(), params[i].grads.size()));
+    }
+  }
+  // A buffer registered twice (two names, or weights and grads alike) would be written twice
+  // per step: its parameters would silently train on each other's values.
+  struct Buffer {
+    const float* begin;
+    const float* end;
+    std::size_t param;
+    const char* what;
+  };
+  std::vector<Buffer> buffers;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    for (auto [span, what] :
+         {std::pair{params[i].weights, "weights"}, {params[i].grads, "grads"}}) {
+      if (!span.empty()) buffers.push_back({span.data(), span.data() + span.size(), i, what});
+    }
+  }
+  std::sort(buffers.begin(), buffers.end(),
+            [](const Buffer& x, const Buffer& y) { return x.begin < y.begin; });
+  for (std::size_t i = 1; i < buffers.size(); ++i) {
+    const Buffer& a = buffers[i - 1];
+    const Buffer& b = buffers[i];
+    if (b.begin < a.end) {
+      return InvalidArgumentError(fmt::format(
+          "engine: the {} buffer of parameter '{}' overlaps the {} buffer of parameter '{}'; "
+          "every parameter needs weights and grads of its own",
+          b.what, EscapeForTerminal(layout.params()[b.param].name), a.what,
+          EscapeForTerminal(layout.params()[a.param].name)));
+    }
+  }
+  return layout;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<ZeroEngine>> ZeroEngine::Create(const comm::Communicator& world,
+                                                       const Config& config,
+                                                       std::vector<Param> params,
+                                                       const EngineOptions& options) {
+  std::unique_ptr<ZeroEngine> engine(new ZeroEngine(world, config, options));
+  ZINF_RETURN_IF_ERROR(engine->Build(std::move(params)));
+  ZINF_RETURN_IF_ERROR(engine->InitializeOrRestore());
+  State& s = *engine->state_;
+  s.last_step_end = MonotonicSeconds();
+  s.loop_start = s.last_step_end;
+  s.first_step = engine->step_ + 1;
+  return engine;
+}
+
+Status ZeroEngine::Build(std::vector<Param> params) {
+  State& s = *state_;
+  if (config_.zero_optimization.offload_optimizer.device != OffloadDevice::kNvme) {
+    return world_.AgreeOnStatus(InvalidArgumentError(fmt::format(
+        "zero_optimization.offload_optimizer.device: \"{}\": the engine keeps the optimizer "
+        "state on NVMe; set it to \"nvme\" with a nvme_path",
+        OffloadDeviceName(config_.zero_optimization.offload_optimizer.device))));
+  }
+  if (config_.world_size != world_.size()) {
+    return world_.AgreeOnStatus(InvalidArgumentError(fmt::format(
+        "engine: the config was parsed for {} ranks, the world has {} (batch sizes depend on it)",
+        config_.world_size, world_.size())));
+  }
+  // Every rank checks its own buffers; agree before the first collective.
+  Result<partition::ParamLayout> layout = LayoutOf(params);
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(layout ? OkStatus() : Status(layout.error())));
+  s.params = std::move(params);
+  ZINF_ASSIGN_OR_RETURN(s.comm, world_.Dup());
+  ZINF_ASSIGN_OR_RETURN(s.plan, partition::PartitionPlan::Create(
+                                    *layout, {.kind = ToPlanKind(config_),
+                                              .world_size = world_.size(),
+                                              .alignment_elems = kPartitionAlignmentElems}));
+  s.total_numel = s.plan->layout().total_numel();
+  s.partition_numel = s.plan->partition_numel();
+  if (s.partition_numel > static_cast<std::uint64_t>(std::numeric_limits<int>::max())) {
+    return world_.AgreeOnStatus(InvalidArgumentError(fmt::format(
+        "engine: {} parameters per rank exceed what one MPI collective moves ({}); run on more "
+        "ranks",
+        s.partition_numel, std::numeric_limits<int>::max())));
+  }
+  const std::uint64_t padded = s.partition_numel * static_cast<std::uint64_t>(world_.size());
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(CheckHostMemory(padded)));
+  ZINF_LOG_INFO(
+      "engine: {} parameters in {} tensors; partition {} elements per rank; "
+      "replicated gathered weights and gradient {} per rank",
+      s.total_numel, s.params.size(), s.partition_numel, FormatBytes(2 * padded * sizeof(float)));
+  s.partition.assign(s.partition_numel, 0.0f);
+  s.gathered.assign(padded, 0.0f);
+  s.grad.assign(padded, 0.0f);
+  ZINF_ASSIGN_OR_RETURN(s.backend, comm::CreateCollectiveBackend(*s.comm, comm::BackendKind::kMpi));
+
+  if (options_.create_nvme_paths) {
+    Status created = OkStatus();
+    for (const std::string& path :
+         config_.zero_optimization.offload_optimizer.resolved_nvme_paths) {
+      std::error_code ec;
+      std::filesystem::create_directories(path, ec);
+      if (ec) {
+        created = ErrnoError(ec.value(), fmt::format("create swap directory {}", path));
+        break;
+      }
+    }
+    ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(created));
+  }
+  swapper::SwapperOptions options = ToSwapperOptions(config_, world_.rank(), s.plan->layout());
+  // Stores left by killed runs are scratch: this job's own is reused, other jobs' are removed
+  // once every rank's store is open (SwapStore::ReclaimStale; kept ones are named in a WARN).
+  options.store.reclaim_stale = !config_.zinf.keep_swap;
+  ZINF_LOG_INFO("engine: job id {}", options.store.job_id);
+  ZINF_ASSIGN_OR_RETURN(s.swapper, swapper::CreateOptimizerSwapper(*s.comm, *s.plan, options));
+  if (s.swapper->gradient_swapper() == nullptr) s.partition_grad.assign(s.partition_numel, 0.0f);
+
+  if (options_.stop_signals) s.stop_signals.emplace();
+  // Rank 0 appends to the metrics of a resumed run and starts a fresh file otherwise: opened
+  // after the restore decides which (InitializeOrRestore).
+  s.tty = options_.progress && world_.rank() == 0 && isatty(STDERR_FILENO) == 1;
+  return OkStatus();
+}
+
+// The engine's own buffers against the machine's RAM + swap shared by this node's ranks: what
+// cannot fit is ResourceExhausted before it is allocated, not a std::bad_alloc half-way.
+Status ZeroEngine::CheckHostMemory(std::uint64_t padded_numel) const {
+  const std::uint64_t machine = MachineMemoryBytes();
+  if (machine == 0) return OkStatus();
+  const auto local = static_cast<std::uint64_t>(std::max(world_.topology().local_size, 1));
+  // gathered and grad, the partition and its gradient, and the user's weights and gradients.
+  std::uint64_t need = 0;
+  const std::uint64_t floats = 2 * padded_numel + 2 * state_->partition_numel;
+  if (!CheckedMul(floats, sizeof(float), &need)) need = UINT64_MAX;
+  if (need <= machine / local) return OkStatus();
+  return ResourceExhaustedError(fmt::format(
+      "the engine needs at least {} of host memory per rank for the replicated weights and "
+      "gradient of {} parameters, more than its share of this machine: {} of RAM + swap over {} "
+      "rank(s); run on more nodes or fewer ranks per node",
+      FormatBytes(need), state_->total_numel, FormatBytes(machine), local));
+}
+
+Status ZeroEngine::InitializeOrRestore() {
+  State& s = *state_;
+  const CheckpointConfig& ckpt = config_.zinf.checkpoint;
+  const std::string load = options_.load.value_or(ckpt.load);
+  std::string path;
+  if (load == "latest" || load == "auto") {
+    if (ckpt.dir.empty()) {
+      return world_.AgreeOnStatus(InvalidArgumentError(fmt::format(
+          "zinf.checkpoint.load: \"{}\" resumes from <dir>/latest, but zinf.checkpoint.dir is "
+          "not set",
+          load)));
+    }
+    // Any entry named `latest` (a link or a dangling one included) is resolved, so that a bad
+    // one is an error rather than a silent fresh start.
+    const std::string latest = ckpt.dir + "/latest";
+    struct stat st {};
+    if (::lstat(latest.c_str(), &st) == 0) {
+      path = ckpt.dir;
+    } else if (load == "latest") {
+      return world_.AgreeOnStatus(NotFoundError(
+          fmt::format("--resume latest: no checkpoint to resume from: {} does not exist", latest)));
+    }
+  } else if (!load.empty()) {
+    path = load;
+  }
+  Status restored = path.empty() ? Initialize() : Restore(path);
+  ZINF_RETURN_IF_ERROR(restored);
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(
+      Annotate(ReadPartition(), resumed_from_.empty() ? "reading the initial weights back: "
+                                                      : "reading the restored weights back: ")));
+  ZINF_RETURN_IF_ERROR(Gather());
+  // Rank 0 appends to the metrics of a resumed run and starts a fresh file otherwise.
+  Status opened = OkStatus();
+  if (world_.rank() == 0 && !options_.metrics_path.empty()) {
+    // The user's own path (a link is followed); a FIFO or device is refused, never blocked on.
+    Result<storage::UniqueFd> fd =
+        storage::OpenFile(options_.metrics_path,
+                          resumed_from_.empty() ? storage::FileAccess::kTruncateOrCreate
+                                                : storage::FileAccess::kAppendOrCreate,
+                          storage::Follow::kYes);
+    if (fd) {
+      s.metrics = std::move(*fd);
+    } else {
+      opened = std::move(fd).error().WithContext("--metrics: ");
+    }
+  }
+  return world_.AgreeOnStatus(opened);
+}
+
+Status ZeroEngine::Initialize() {
+  State& s = *state_;
+  const double start = MonotonicSeconds();
+  // Each rank writes its partition of the user's initial weights, slice by slice.
+  const swapper::InitialWeights initial = [&](std::uint64_t partition_offset,
+                                              std::span<float> out) -> Status {
+    std::fill(out.begin(), out.end(), 0.0f);
+    for (const partition::Fragment& f :
+         s.plan->FragmentsInPartitionRange(world_.rank(), partition_offset, out.size())) {
+      float* dst = out.data() + (f.partition_offset - partition_offset);
+      State::ForEachParamIn(
+          s.plan->layout(), f.flat_offset, f.numel,
+          [&](std::size_t p, std::uint64_t in_param, std::uint64_t n, std::uint64_t done) {
+            std::copy_n(s.params[p].weights.data() + in_param, n, dst + done);
+          });
+    }
+    return OkStatus();
+  };
+  ZINF_RETURN_IF_ERROR(s.swapper->Initialize(initial));
+  ZINF_LOG_INFO("engine: initialized {} parameters in {:.2f} s", s.total_numel,
+                MonotonicSeconds() - start);
+  step_ = 0;
+  return OkStatus();
+}
+
+Status ZeroEngine::Restore(const std::string& path) {
+  State& s = *state_;
+  // One pass: every chunk is verified as it is read, and a bad file fails the restore on every
+  // rank before any step runs. The store was created empty for this engine and is discarded
+  // with it on error, so the verify-first pass (which keeps a live store untouched by reading
+  // the file twice) would only cost time.
+  ZINF_ASSIGN_OR_RETURN(
+      swapper::RestoredCheckpoint restored,
+      swapper::RestoreCheckpoint(*s.swapper, path,
+                                 {.verify_before_write = false, .progress = options_.progress}));
+  resumed_from_ = restored.path;
+  resumed_world_size_ = restored.world_size;
+  step_ = restored.step;
+  const Json& trainer = restored.trainer;
+  // A checkpoint of this engine holds the user's JSON under "user"; one of an older zinf-train
+  // holds the trainer's state itself.
+  user_state_ =
+      trainer.is_object() && trainer.contains(kUserStateKey) ? trainer[kUserStateKey] : trainer;
+  ZINF_LOG_INFO("resumed from {} (step {}, saved on {} ranks, now {}) in {:.2f} s", restored.path,
+                restored.step, restored.world_size, world_.size(), restored.seconds);
+  return OkStatus();
+}
+
+Status ZeroEngine::ReadPartition() {
+  State& s = *state_;
+  std::fill(s.partition.begin(), s.partition.end(), 0.0f);
+  for (std::size_t i = 0; i < s.swapper->num_sub_groups(); ++i) {
+    const partition::SubGroup& sg = s.swapper->swap_info(i).sub_group;
+    ZINF_RETURN_IF_ERROR(
+        s.swapper->ReadState(i, swapper::StateTensor::kFp32, 0,
+                             std::span<float>(s.partition).subspan(sg.partition_offset, sg.numel)));
+  }
+  return OkStatus();
+}
+
+Status ZeroEngine::Gather() {
+  State& s = *state_;
+  {
+    comm::ScopedTimer timer(s.timers, "allgather");
+    ZINF_RETURN_IF_ERROR(s.backend->Allgather(s.partition, s.gathered));
+  }
+  const bool bf16 = config_.bf16;
+  s.ForEachPiece([&](std::size_t p, std::uint64_t in_param, std::uint64_t n, std::uint64_t at) {
+    float* dst = s.params[p].weights.data() + in_param;
+    const float* src = s.gathered.data() + at;
+    if (bf16) {
+      for (std::uint64_t k = 0; k < n; ++k) dst[k] = RoundToBf16(src[k]);
+    } else {
+      std::copy_n(src, n, dst);
+    }
+  });
+  return OkStatus();
+}
+
+// Flattens the user's gradients into partition order and reduce-scatters them: into
+// `reduced` (this rank's partition, the sum over ranks); zeroes the user's gradients.
+Status ZeroEngine::ReduceGradients(std::span<float> reduced) {
+  State& s = *state_;
+  std::fill(s.grad.begin(), s.grad.end(), 0.0f);
+  s.ForEachPiece([&](std::size_t p, std::uint64_t in_param, std::uint64_t n, std::uint64_t at) {
+    std::copy_n(s.params[p].grads.data() + in_param, n, s.grad.data() + at);
+  });
+  for (Param& p : s.params) std::fill(p.grads.begin(), p.grads.end(), 0.0f);
+  comm::ScopedTimer timer(s.timers, "reduce_scatter");
+  return s.backend->ReduceScatterSum(s.grad, reduced);
+}
+
+Status ZeroEngine::HandGradient(int micro_batch) {
+  State& s = *state_;
+  swapper::GradientSwapper* gradients = s.swapper->gradient_swapper();
+  if (gradients != nullptr) {
+    // partition is free until the step's sink refills it: the staging buffer.
+    ZINF_RETURN_IF_ERROR(ReduceGradients(s.partition));
+    comm::ScopedTimer timer(s.timers, "gradient_swap_out");
+    return world_.AgreeOnStatus(gradients->SwapOutPartition(micro_batch, s.partition));
+  }
+  if (micro_batch == 0) return ReduceGradients(s.partition_grad);
+  ZINF_RETURN_IF_ERROR(ReduceGradients(s.partition));
+  for (std::uint64_t i = 0; i < s.partition_numel; ++i) s.partition_grad[i] += s.partition[i];
+  return OkStatus();
+}
+
+Status ZeroEngine::AccumulateGradients() {
+  State& s = *state_;
+  if (closed_) return FailedPreconditionError("engine: AccumulateGradients after Close");
+  Status calls = OkStatus();
+  if (s.micro_batches + 1 >= config_.gradient_accumulation_steps) {
+    calls = FailedPreconditionError(fmt::format(
+        "engine: step {}: AccumulateGradients called {} times; gradient_accumulation_steps {} "
+        "allows {} (Step takes the last micro-batch)",
+        step_ + 1, s.micro_batches + 1, config_.gradient_accumulation_steps,
+        config_.gradient_accumulation_steps - 1));
+  }
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(calls));
+  ZINF_RETURN_IF_ERROR(HandGradient(s.micro_batches));
+  ++s.micro_batches;
+  return OkStatus();
+}
+
+// The squared L2 norm of this rank's reduced partition gradient.
+Result<double> ZeroEngine::PartitionGradSquaredSum() {
+  State& s = *state_;
+  double sum = 0;
+  auto add = [&sum](std::span<const float> g) {
+    double part = 0;
+    for (float v : g) part += static_cast<double>(v) * v;
+    sum += part;
+  };
+  swapper::GradientSwapper* gradients = s.swapper->gradient_swapper();
+  if (gradients == nullptr) {
+    add(s.partition_grad);
+    return sum;
+  }
+  // The accumulated gradient is in the gradient swapper: read it once through one pool buffer.
+  ZINF_RETURN_IF_ERROR(s.swapper->FlushGradients());
+  Status local = [&]() -> Status {
+    ZINF_ASSIGN_OR_RETURN(
+        swapper::PoolLease lease,
+        s.swapper->pool().Allocate(s.swapper->sub_groups().max_sub_group_numel(), 1));
+    for (std::size_t i = 0; i < s.swapper->num_sub_groups(); ++i) {
+      std::span<float> g = lease.floats(0).first(s.swapper->swap_info(i).sub_group.numel);
+      ZINF_RETURN_IF_ERROR(gradients->SwapIn(i, g));
+      add(g);
+    }
+    return OkStatus();
+  }();
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(local));
+  return sum;
+}
+
+Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
+  State& s = *state_;
+  if (closed_) return FailedPreconditionError("engine: Step after Close");
+  const std::int64_t step = step_ + 1;
+  const int gas = static_cast<int>(config_.gradient_accumulation_steps);
+  // Agreed every time: a rank whose loop made other calls must not leave the rest in a
+  // collective it skips.
+  Status calls = OkStatus();
+  if (s.micro_batches != 0 && s.micro_batches != gas - 1) {
+    calls = FailedPreconditionError(
+        fmt::format("engine: step {}: AccumulateGradients was called {} times; with "
+                    "gradient_accumulation_steps {} call it {} times per step, or not at all",
+                    step, s.micro_batches, gas, gas - 1));
+  }
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(calls));
+  const storage::SwapStore& store = s.swapper->store();
+  StepInfo info;
+  info.step = step;
+  // 1: the last micro-batch's gradient (a step's gradient store I/O counts from here; the
+  // write-behind of earlier micro-batches was counted by their AccumulateGradients).
+  const storage::SwapStore::IoCounters io_start = store.io_counters();
+  ZINF_RETURN_IF_ERROR(HandGradient(s.micro_batches));
+  s.micro_batches = 0;
+  // 2: the global norm of the averaged gradient, the loss and the stop flag, in one allreduce.
+  const double average = 1.0 / (static_cast<double>(gas) * world_.size());
+  ZINF_ASSIGN_OR_RETURN(const double squared, PartitionGradSquaredSum());
+  const double my_loss = loss.value_or(std::numeric_limits<double>::quiet_NaN());
+  std::array<double, 3> sums = {squared, my_loss, g_stop_signal.load() != 0 ? 1.0 : 0.0};
+  ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<double>(sums, ReduceOp::kSum));
+  info.grad_norm = std::sqrt(sums[0]) * average;
+  info.loss = sums[1] / world_.size();
+  info.stop_requested = sums[2] > 0;
+  info.stop_signal = g_stop_signal.load();
+  double clip = 1.0;
+  if (config_.gradient_clipping > 0 && info.grad_norm > config_.gradient_clipping) {
+    clip = config_.gradient_clipping / (info.grad_norm + 1e-6);
+    info.clipped = true;
+  }
+  if (sums[0] == 0) {
+    // Adam would still move every weight (momentum, weight decay): a loop that forgot its
+    // backward pass, or wrote elsewhere, must not train silently on nothing.
+    return FailedPreconditionError(fmt::format(
+        "step {}: the gradient is zero on every rank: Step was called before any gradient was "
+        "written into the registered grads buffers; nothing was stepped",
+        step));
+  }
+  if (!std::isfinite(info.grad_norm) || (loss && !std::isfinite(info.loss))) {
+    return FailedPreconditionError(fmt::format(
+        "step {}: the loss ({}) or the gradient norm ({}) is not finite; lower the learning rate "
+        "or set gradient_clipping",
+        step, info.loss, info.grad_norm));
+  }
+  // 3: the swapped optimizer step; the sink gathers the new weights into the partition.
+  info.lr = LearningRate(config_.scheduler, config_.optimizer.lr, step - 1);
+  swapper::GradientSwapper* gradients = s.swapper->gradient_swapper();
+  const swapper::GradientSource source =
+      gradients != nullptr
+          ? gradients->Source()
+          : swapper::GradientSource([&s](const partition::SubGroup& sg, std::span<float> g) {
+              std::copy_n(s.partition_grad.data() + sg.partition_offset, sg.numel, g.data());
+              return OkStatus();
+            });
+  const swapper::ParamSink sink = [&s](const partition::SubGroup& sg, std::span<const float> fp32,
+                                       std::span<const std::uint16_t>) {
+    std::copy_n(fp32.data(), sg.numel, s.partition.data() + sg.partition_offset);
+    return OkStatus();
+  };
+  const double optimizer_start = MonotonicSeconds();
+  const storage::SwapStore::IoCounters io_optimizer_start = store.io_counters();
+  {
+    comm::ScopedTimer timer(s.timers, "optimizer_step");
+    ZINF_RETURN_IF_ERROR(s.swapper->Step(
+        step, source, sink, {.lr = info.lr, .grad_scale = static_cast<float>(average * clip)}));
+  }
+  const double optimizer_seconds = MonotonicSeconds() - optimizer_start;
+  const storage::SwapStore::IoCounters io_optimizer_end = store.io_counters();
+  s.swap_seconds += optimizer_seconds;
+  step_ = step;
+  // 4: the updated partitions into every parameter's weights.
+  ZINF_RETURN_IF_ERROR(Gather());
+  const double now = MonotonicSeconds();
+  const double step_seconds = now - s.last_step_end;
+  const storage::SwapStore::IoCounters io_end = store.io_counters();
+  // Per-step figures: peak RSS and the slowest rank's times; swap bytes, as the store counted
+  // them, summed over the ranks: over the whole step and within the optimizer step.
+  std::array<double, 3> maxima = {static_cast<double>(PeakRssBytes()), step_seconds,
+                                  optimizer_seconds};
+  ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<double>(maxima, ReduceOp::kMax));
+  std::array<std::uint64_t, 4> bytes = {
+      io_end.read_bytes - io_start.read_bytes, io_end.write_bytes - io_start.write_bytes,
+      io_optimizer_end.read_bytes - io_optimizer_start.read_bytes,
+      io_optimizer_end.write_bytes - io_optimizer_start.write_bytes};
+  s.swap_bytes += bytes[2] + bytes[3];
+  ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<std::uint64_t>(bytes, ReduceOp::kSum));
+  info.peak_rss_bytes = static_cast<std::uint64_t>(maxima[0]);
+  info.step_seconds = maxima[1];
+  info.optimizer_seconds = maxima[2];
+  info.swap_read_bytes = bytes[0];
+  info.swap_write_bytes = bytes[1];
+  info.optimizer_swap_read_bytes = bytes[2];
+  info.optimizer_swap_write_bytes = bytes[3];
+  ZINF_RETURN_IF_ERROR(Report(info));
+  s.last_step_end = MonotonicSeconds();
+  return info;
+}
+
+// Rank 0: the log line every steps_per_print steps (and at total_steps), the live line on a
+// terminal, and the metrics record. Collective only in agreeing on the metrics write.
+Status ZeroEngine::Report(const StepInfo& info) {
+  State& s = *state_;
+  auto gbps = [&](std::uint64_t b) {
+    return static_cast<double>(b) / std::max(info.optimizer_seconds, 1e-9) / 1e9;
+  };
+  const std::string total =
+      options_.total_steps > 0 ? fmt::format("/{}", options_.total_steps) : std::string();
+  const bool print =
+      options_.progress && (info.step % config_.steps_per_print == 0 ||
+                            info.step == options_.total_steps || info.stop_requested);
+  if (s.tty) {
+    const double now = MonotonicSeconds();
+    if (print || now - s.last_tty_line >= 0.2) {
+      s.last_tty_line = now;
+      std::string eta;
+      if (options_.total_steps > info.step && info.step >= s.first_step) {
+        const double per_step =
+            (now - s.loop_start) / static_cast<double>(info.step - s.first_step + 1);
+        eta = fmt::format(", ETA {:.0f} s",
+                          per_step * static_cast<double>(options_.total_steps - info.step));
+      }
+      std::fprintf(stderr, "\r[step %lld%s] loss %.4f, %.2f GB/s swap%s\033[K",
+                   static_cast<long long>(info.step), total.c_str(), info.loss,
+                   gbps(info.optimizer_swap_read_bytes + info.optimizer_swap_write_bytes),
+                   eta.c_str());
+      if (print) std::fprintf(stderr, "\r\033[K");
+      std::fflush(stderr);
+    }
+  }
+  if (print) {
+    ZINF_LOG_INFO(
+        "step {}{} loss {:.6f} lr {:.2e} time {:.3f} s swap read {:.2f} GB/s write "
+        "{:.2f} GB/s{}",
+        info.step, total, info.loss, info.lr, info.step_seconds,
+        gbps(info.optimizer_swap_read_bytes), gbps(info.optimizer_swap_write_bytes),
+        info.clipped ? fmt::format(" (clipped, norm {:.3g})", info.grad_norm) : "");
+  }
+  if (config_.wall_clock_breakdown && print) {
+    ZINF_RETURN_IF_ERROR(s.timers.LogSummary(*s.comm, "engine timers"));
+  }
+  Status written = OkStatus();
+  if (s.metrics) {
+    Json record = {{"step", info.step},
+                   {"loss", info.loss},
+                   {"lr", info.lr},
+                   {"grad_norm", info.grad_norm},
+                   {"step_seconds", info.step_seconds},
+                   {"optimizer_seconds", info.optimizer_seconds},
+                   {"swap_read_bytes", info.swap_read_bytes},
+                   {"swap_write_bytes", info.swap_write_bytes},
+                   {"optimizer_swap_read_bytes", info.optimizer_swap_read_bytes},
+                   {"optimizer_swap_write_bytes", info.optimizer_swap_write_bytes},
+                   {"peak_rss_bytes", info.peak_rss_bytes},
+                   {"world_size", world_.size()}};
+    if (info.stop_requested) record["stop_requested"] = true;
+    written = storage::WriteAll(s.metrics.get(), record.dump() + "\n",
+                                fmt::format("--metrics {}", options_.metrics_path));
+  }
+  return world_.AgreeOnStatus(written);
+}
+
+Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& user_state,
+                                                       const std::string& dir) {
+  State& s = *state_;
+  if (closed_) return FailedPreconditionError("engine: SaveCheckpoint after Close");
+  Status check = OkStatus();
+  const std::string target = dir.empty() ? config_.zinf.checkpoint.dir : dir;
+  if (target.empty()) {
+    check = InvalidArgumentError(
+        "engine: SaveCheckpoint without a directory (set zinf.checkpoint.dir)");
+  } else if (!user_state.is_null() && !user_state.is_object()) {
+    check = InvalidArgumentError("engine: the user state of a checkpoint must be a JSON object");
+  }
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(check));
+  swapper::CheckpointSaveOptions options;
+  options.dir = target;
+  options.keep_last = static_cast<int>(config_.zinf.checkpoint.keep_last);
+  const Json effective = Json::parse(EffectiveConfigJson(config_));
+  options.optimizer = effective.at("optimizer");
+  options.config = effective;
+  options.trainer = Json{{"step", step_},
+                         {"world_size", world_.size()},
+                         {"train_batch_size", config_.train_batch_size},
+                         {"train_micro_batch_size_per_gpu", config_.train_micro_batch_size_per_gpu},
+                         {"gradient_accumulation_steps", config_.gradient_accumulation_steps},
+                         {"lr", LearningRate(config_.scheduler, config_.optimizer.lr, step_ - 1)},
+                         {"scheduler_last_batch_iteration", step_ - 1},
+                         {kUserStateKey, user_state.is_null() ? Json::object() : user_state}};
+  options.progress = options_.progress;
+  comm::ScopedTimer timer(s.timers, "checkpoint");
+  ZINF_ASSIGN_OR_RETURN(swapper::SavedCheckpoint saved,
+                        swapper::SaveCheckpoint(*s.swapper, step_, options));
+  ZINF_LOG_INFO("checkpoint {}: {} in {:.2f} s ({:.2f} GB/s){}", saved.path,
+                FormatBytes(saved.state_bytes), saved.seconds,
+                static_cast<double>(saved.state_bytes) / std::max(saved.seconds, 1e-9) / 1e9,
+                saved.removed.empty() ? "" : fmt::format(", removed {}", saved.removed.size()));
+  return SavedCheckpointInfo{.path = saved.path,
+                             .state_bytes = saved.state_bytes,
+                             .seconds = saved.seconds,
+                             .removed = std::move(saved.removed)};
+}
+
+Status ZeroEngine::LogSummary() {
+  State& s = *state_;
+  ZINF_RETURN_IF_ERROR(s.timers.LogSummary(*s.comm, "engine timers"));
+  ZINF_RETURN_IF_ERROR(s.swapper->LogTimers());
+  return LogPerNode();
+}
+
+// Rank 0 logs the swap bandwidth of every node (its ranks' bytes over their slowest optimizer
+// time): on several hosts, the node with the slow disk stands out.
+Status ZeroEngine::LogPerNode() {
+  State& s = *state_;
+  constexpr std::size_t kHostChars = 64;
+  const comm::Topology& topo = world_.topology();
+  std::string host = topo.hostname.substr(0, kHostChars - 1);
+  host.resize(kHostChars, '\0');
+  std::string hosts(kHostChars * static_cast<std::size_t>(world_.size()), '\0');
+  ZINF_RETURN_IF_ERROR(s.comm->Allgather<char>(host, hosts));
+  const std::array<double, 3> mine = {static_cast<double>(topo.node),
+                                      static_cast<double>(s.swap_bytes), s.swap_seconds};
+  std::vector<double> all(3 * static_cast<std::size_t>(world_.size()));
+  ZINF_RETURN_IF_ERROR(s.comm->Allgather<double>(mine, all));
+  if (world_.rank() != 0) return OkStatus();
+  struct Node {
+    std::string host;
+    int ranks = 0;
+    double bytes = 0, seconds = 0;
+  };
+  std::vector<Node> nodes(static_cast<std::size_t>(topo.num_nodes));
+  for (int r = 0; r < world_.size(); ++r) {
+    const auto ri = static_cast<std::size_t>(r);
+    Node& n = nodes.at(static_cast<std::size_t>(all[3 * ri]));
+    n.host = hosts.substr(kHostChars * ri, kHostChars).c_str();
+    ++n.ranks;
+    n.bytes += all[3 * ri + 1];
+    n.seconds = std::max(n.seconds, all[3 * ri + 2]);
+  }
+  std::string table;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    const Node& n = nodes[i];
+    table += fmt::format("\n  node {} ({}): {} rank(s), {} swapped in {:.2f} s: {:.2f} GB/s", i,
+                         n.host, n.ranks, FormatBytes(static_cast<std::uint64_t>(n.bytes)),
+                         n.seconds, n.bytes / std::max(n.seconds, 1e-9) / 1e9);
+  }
+  ZINF_LOG_INFO("swap read + write per node (over the optimizer steps):{}", table);
+  return OkStatus();
+}
+
+Status ZeroEngine::Close() {
+  if (closed_) return OkStatus();
+  closed_ = true;
+  State& s = *state_;
+  Status local = s.metrics.Close(options_.metrics_path);
+  if (s.swapper) {
+    Status swapper_closed = s.swapper->Close();
+    if (local) local = std::move(swapper_closed);
+  }
+  s.stop_signals.reset();
+  return world_.AgreeOnStatus(local);
+}
+
+}  // namespace zinf::engine

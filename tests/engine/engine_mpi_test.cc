@@ -1,0 +1,338 @@
+// ZeroEngine (engine/include/zinf/engine/engine.h) against a reference: plain in-memory data
+// parallel Adam/AdamW in double precision, with the same gradient averaging, clipping and
+// learning-rate schedule, computed independently of the engine's code. Plus the engine's
+// argument errors and a checkpoint restore into mismatched parameters.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "testing/mpi_env.h"
+#include "testing/status_matchers.h"
+#include "zinf/engine/config.h"
+#include "zinf/engine/engine.h"
+
+namespace zinf::engine {
+namespace {
+
+using ::testing::HasSubstr;
+using ::zinf::testing::SharedScratchDir;
+using ::zinf::testing::StatusIs;
+using ::zinf::testing::World;
+
+// A model the way a user holds it: weights and gradients in buffers of their own.
+struct Model {
+  std::vector<std::string> names;
+  std::vector<std::vector<std::int64_t>> shapes;
+  std::vector<std::vector<float>> w, g;
+
+  std::vector<Param> Params() {
+    std::vector<Param> params;
+    for (std::size_t i = 0; i < names.size(); ++i)
+      params.push_back({names[i], shapes[i], w[i], g[i]});
+    return params;
+  }
+};
+
+// Odd sizes, so that partitions and sub-groups split tensors on every world size of the test.
+Model MakeModel() {
+  Model m;
+  m.names = {"fc1.weight", "fc1.bias", "emb", "head.w"};
+  m.shapes = {{64, 70}, {70}, {5000}, {3, 5, 7}};
+  for (std::size_t i = 0; i < m.shapes.size(); ++i) {
+    std::int64_t n = 1;
+    for (std::int64_t d : m.shapes[i]) n *= d;
+    m.w.emplace_back(static_cast<std::size_t>(n));
+    m.g.emplace_back(static_cast<std::size_t>(n), 0.0f);
+    for (std::size_t k = 0; k < m.w[i].size(); ++k) {
+      m.w[i][k] = 0.5f * static_cast<float>(std::sin(0.1 * static_cast<double>(k) + 1.7 * i));
+    }
+  }
+  return m;
+}
+
+// The gradient rank `rank` computes in micro-batch `micro` of step `step` at weights `w`: it
+// depends on the weights, so a wrong all-gather shows in the next step's gradient.
+float GradOf(std::size_t param, std::size_t k, int rank, std::int64_t step, int micro, float w) {
+  const double phase = 0.37 * static_cast<double>(k) + 1.3 * rank +
+                       0.71 * static_cast<double>(step) + 0.13 * micro +
+                       0.5 * static_cast<double>(param);
+  return static_cast<float>(0.3 * std::sin(phase)) + 0.05f * w;
+}
+
+struct Case {
+  std::string name;
+  int gas = 1;                   // gradient_accumulation_steps
+  bool accumulate_calls = true;  // AccumulateGradients per micro-batch; false: sum in the buffers
+  bool swap_gradients = false;
+  int stage = 2;
+  bool adamw = true;
+  double clipping = 0.0;
+};
+
+// DeepSpeed's WarmupLR, linear: min + (max - min) * i / max(2, warmup) for i < warmup.
+double RefLr(std::int64_t iteration) {
+  constexpr double kMin = 0.001, kMax = 0.01, kWarmup = 3;
+  if (iteration >= kWarmup) return kMax;
+  return kMin + (kMax - kMin) * static_cast<double>(iteration) / kWarmup;
+}
+
+std::string ConfigText(const Case& c, const std::string& swap_dir, const std::string& ckpt_dir) {
+  return fmt::format(R"({{
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": {},
+    "gradient_clipping": {},
+    "steps_per_print": 1000,
+    "optimizer": {{"type": "Adam", "params": {{"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8,
+                                               "weight_decay": 0.01, "adam_w_mode": {}}}}},
+    "scheduler": {{"type": "WarmupLR", "params": {{"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
+                   "warmup_num_steps": 3, "warmup_type": "linear"}}}},
+    "zero_optimization": {{"stage": {}, "sub_group_size": 3000,
+                           "offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}}}},
+    "zinf": {{"swap_gradients": {}, "adam_threads": 1, "checkpoint": {{"dir": "{}"}}}}
+  }})",
+                     c.gas, c.clipping, c.adamw ? "true" : "false", c.stage, swap_dir,
+                     c.swap_gradients ? "true" : "false", ckpt_dir);
+}
+
+Result<Config> ParseFor(const Case& c, const SharedScratchDir& dir) {
+  return ParseConfig(ConfigText(c, dir.Join("swap"), dir.Join("ckpt")), ContextOf(World()));
+}
+
+// Plain data parallel Adam over every rank's gradients, in double precision.
+class Reference {
+ public:
+  Reference(const Model& initial, const Case& c, int world) : c_(c), world_(world) {
+    for (const std::vector<float>& w : initial.w) {
+      p_.emplace_back(w.begin(), w.end());
+      m_.emplace_back(w.size(), 0.0);
+      v_.emplace_back(w.size(), 0.0);
+    }
+  }
+
+  // One step: returns the gradient norm before clipping.
+  double Step(std::int64_t step) {
+    std::vector<std::vector<double>> grad;
+    for (const auto& p : p_) grad.emplace_back(p.size(), 0.0);
+    for (int micro = 0; micro < c_.gas; ++micro) {
+      for (int rank = 0; rank < world_; ++rank) {
+        for (std::size_t i = 0; i < p_.size(); ++i) {
+          for (std::size_t k = 0; k < p_[i].size(); ++k) {
+            grad[i][k] += GradOf(i, k, rank, step, micro, static_cast<float>(p_[i][k]));
+          }
+        }
+      }
+    }
+    double squared = 0;
+    const double average = 1.0 / (c_.gas * world_);
+    for (auto& g : grad) {
+      for (double& x : g) {
+        x *= average;
+        squared += x * x;
+      }
+    }
+    const double norm = std::sqrt(squared);
+    const double clip = c_.clipping > 0 && norm > c_.clipping ? c_.clipping / (norm + 1e-6) : 1.0;
+    const double lr = RefLr(step - 1), beta1 = 0.9, beta2 = 0.99, eps = 1e-8, wd = 0.01;
+    const double bc1 = 1 - std::pow(beta1, static_cast<double>(step));
+    const double bc2 = 1 - std::pow(beta2, static_cast<double>(step));
+    for (std::size_t i = 0; i < p_.size(); ++i) {
+      for (std::size_t k = 0; k < p_[i].size(); ++k) {
+        double g = grad[i][k] * clip;
+        double& p = p_[i][k];
+        if (c_.adamw) {
+          p *= 1 - lr * wd;
+        } else {
+          g += wd * p;
+        }
+        m_[i][k] = beta1 * m_[i][k] + (1 - beta1) * g;
+        v_[i][k] = beta2 * v_[i][k] + (1 - beta2) * g * g;
+        p -= lr / bc1 * m_[i][k] / (std::sqrt(v_[i][k]) / std::sqrt(bc2) + eps);
+      }
+    }
+    return norm;
+  }
+
+  const std::vector<double>& weights(std::size_t i) const { return p_[i]; }
+
+ private:
+  Case c_;
+  int world_;
+  std::vector<std::vector<double>> p_, m_, v_;
+};
+
+// The largest |got - want| of a tensor relative to the tensor's largest |want|.
+double RelativeError(const std::vector<float>& got, const std::vector<double>& want) {
+  double err = 0, scale = 0;
+  for (std::size_t k = 0; k < want.size(); ++k) {
+    err = std::max(err, std::abs(static_cast<double>(got[k]) - want[k]));
+    scale = std::max(scale, std::abs(want[k]));
+  }
+  return err / std::max(scale, 1e-30);
+}
+
+// The user's loop for one step: every micro-batch's gradient at the current weights.
+Result<StepInfo> RunStep(ZeroEngine& engine, Model& model, const Case& c, std::int64_t step) {
+  const int rank = World().rank();
+  for (int micro = 0; micro < c.gas; ++micro) {
+    for (std::size_t i = 0; i < model.w.size(); ++i) {
+      for (std::size_t k = 0; k < model.w[i].size(); ++k) {
+        model.g[i][k] += GradOf(i, k, rank, step, micro, model.w[i][k]);
+      }
+    }
+    if (micro + 1 < c.gas && c.accumulate_calls) ZINF_RETURN_IF_ERROR(engine.AccumulateGradients());
+  }
+  return engine.Step(1.0 + rank);
+}
+
+class EngineMatchesReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(EngineMatchesReference, ForSeveralSteps) {
+  const Case& c = GetParam();
+  SharedScratchDir dir("engine");
+  ZINF_ASSERT_OK_AND_ASSIGN(Config config, ParseFor(c, dir));
+  Model model = MakeModel();
+  Reference ref(model, c, World().size());
+  ZINF_ASSERT_OK_AND_ASSIGN(
+      auto engine,
+      ZeroEngine::Create(World(), config, model.Params(),
+                         {.progress = false, .stop_signals = false, .create_nvme_paths = true}));
+  bool clipped_once = false;
+  for (std::int64_t step = 1; step <= 5; ++step) {
+    SCOPED_TRACE(fmt::format("step {}", step));
+    ZINF_ASSERT_OK_AND_ASSIGN(StepInfo info, RunStep(*engine, model, c, step));
+    const double norm = ref.Step(step);
+    EXPECT_EQ(info.step, step);
+    EXPECT_EQ(engine->step(), step);
+    EXPECT_NEAR(info.lr, RefLr(step - 1), 1e-12);
+    EXPECT_NEAR(info.grad_norm, norm, 1e-6 * norm);
+    EXPECT_NEAR(info.loss, 1.0 + (World().size() - 1) / 2.0, 1e-12);
+    clipped_once |= info.clipped;
+    for (std::size_t i = 0; i < model.w.size(); ++i) {
+      EXPECT_LE(RelativeError(model.w[i], ref.weights(i)), 1e-6) << model.names[i];
+      // Step hands the gradients back zeroed for the next step.
+      EXPECT_TRUE(
+          std::all_of(model.g[i].begin(), model.g[i].end(), [](float x) { return x == 0; }));
+    }
+  }
+  EXPECT_EQ(clipped_once, c.clipping > 0);
+  ZINF_EXPECT_OK(engine->Close());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, EngineMatchesReference,
+    ::testing::Values(
+        Case{.name = "AdamW"}, Case{.name = "AccumulateCalls", .gas = 3},
+        Case{.name = "AccumulateInBuffers", .gas = 3, .accumulate_calls = false},
+        Case{.name = "SwapGradients", .gas = 2, .swap_gradients = true},
+        Case{.name = "Stage3AdamL2Clipped", .stage = 3, .adamw = false, .clipping = 0.5}),
+    [](const ::testing::TestParamInfo<Case>& param) { return param.param.name; });
+
+TEST(ZeroEngine, RestoreNamesTheMismatchedParameter) {
+  SharedScratchDir dir("engine-restore");
+  const Case c;
+  ZINF_ASSERT_OK_AND_ASSIGN(Config config, ParseFor(c, dir));
+  const EngineOptions options = {
+      .progress = false, .stop_signals = false, .create_nvme_paths = true};
+  Model model = MakeModel();
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
+                              ZeroEngine::Create(World(), config, model.Params(), options));
+    for (std::int64_t step = 1; step <= 2; ++step) {
+      ZINF_ASSERT_OK(RunStep(*engine, model, c, step));
+    }
+    ZINF_ASSERT_OK(engine->SaveCheckpoint({{"epoch", 7}}));
+    ZINF_ASSERT_OK(engine->Close());
+  }
+  EngineOptions resume = options;
+  resume.load = "latest";
+  {
+    Model same = MakeModel();
+    ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
+                              ZeroEngine::Create(World(), config, same.Params(), resume));
+    EXPECT_EQ(engine->step(), 2);
+    EXPECT_EQ(engine->user_state(), nlohmann::json({{"epoch", 7}}));
+    EXPECT_EQ(engine->resumed_world_size(), World().size());
+    for (std::size_t i = 0; i < model.w.size(); ++i)
+      EXPECT_EQ(same.w[i], model.w[i]) << model.names[i];
+    ZINF_ASSERT_OK(engine->Close());
+  }
+  {
+    Model renamed = MakeModel();
+    renamed.names[1] = "fc1.b";
+    EXPECT_THAT(ZeroEngine::Create(World(), config, renamed.Params(), resume),
+                StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("fc1.b")));
+  }
+  {
+    Model reshaped = MakeModel();
+    reshaped.shapes[0] = {70, 64};
+    EXPECT_THAT(ZeroEngine::Create(World(), config, reshaped.Params(), resume),
+                StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("fc1.weight")));
+  }
+}
+
+class EngineErrors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ZINF_ASSERT_OK_AND_ASSIGN(config_, ParseFor(Case{.name = "gas2", .gas = 2}, dir_));
+  }
+  Result<std::unique_ptr<ZeroEngine>> Create(Model& model) {
+    return ZeroEngine::Create(World(), config_, model.Params(), options_);
+  }
+
+  SharedScratchDir dir_{"engine-errors"};
+  Config config_;
+  EngineOptions options_ = {.progress = false, .stop_signals = false, .create_nvme_paths = true};
+};
+
+TEST_F(EngineErrors, StepBeforeAnyGradient) {
+  Model model = MakeModel();
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, Create(model));
+  const std::vector<float> before = model.w[0];
+  EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kFailedPrecondition,
+                                       HasSubstr("before any gradient was written")));
+  EXPECT_EQ(engine->step(), 0);
+  EXPECT_EQ(model.w[0], before);
+  // The loop can go on once it writes gradients.
+  ZINF_EXPECT_OK(RunStep(*engine, model, Case{.name = "gas2", .gas = 2}, 1));
+  EXPECT_EQ(engine->step(), 1);
+}
+
+TEST_F(EngineErrors, ParameterRegisteredTwice) {
+  Model model = MakeModel();
+  model.names[2] = "fc1.weight";
+  EXPECT_THAT(Create(model),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("'fc1.weight': duplicate name")));
+  Model shared = MakeModel();
+  std::vector<Param> params = shared.Params();
+  params[3].grads = params[2].grads.first(params[3].grads.size());  // head.w's grads in emb's
+  EXPECT_THAT(ZeroEngine::Create(World(), config_, params, options_),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("grads buffer of parameter 'head.w' overlaps the grads buffer of "
+                                 "parameter 'emb'")));
+}
+
+TEST_F(EngineErrors, BufferSizeAndAccumulateCalls) {
+  Model model = MakeModel();
+  model.w[1].pop_back();
+  EXPECT_THAT(Create(model), StatusIs(ErrorCode::kInvalidArgument,
+                                      HasSubstr("'fc1.bias' of shape [70] has 70 elements, but "
+                                                "its weights buffer holds 69")));
+  Model good = MakeModel();
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, Create(good));
+  good.g[0][0] = 1;
+  ZINF_ASSERT_OK(engine->AccumulateGradients());
+  EXPECT_THAT(
+      engine->AccumulateGradients(),
+      StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("AccumulateGradients called 2 times")));
+  ZINF_ASSERT_OK(engine->Close());
+  EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("after Close")));
+}
+
+}  // namespace
+}  // namespace zinf::engine
