@@ -24,6 +24,10 @@ class MpiBackend final : public CollectiveBackend {
   Status ReduceScatterSum(std::span<const float> in, std::span<float> out) override {
     return comm_.ReduceScatterBlock<float>(in, out, ReduceOp::kSum);
   }
+  Status ReduceScatterVSum(std::span<const float> in, std::span<const std::int64_t> counts,
+                           std::span<float> out) override {
+    return comm_.ReduceScatter<float>(in, out, counts, ReduceOp::kSum);
+  }
   Status Allgather(std::span<const float> in, std::span<float> out) override {
     return comm_.Allgather<float>(in, out);
   }

@@ -297,14 +297,48 @@ Status Communicator::ReduceScatterBlock(std::span<const std::type_identity_t<T>>
   });
 }
 
-#define ZINF_INSTANTIATE_NUMERIC(T)                                                          \
-  template Status Communicator::Broadcast<T>(std::span<T>, int) const;                       \
-  template Status Communicator::Allreduce<T>(std::span<const T>, std::span<T>, ReduceOp) const; \
-  template Status Communicator::Allgather<T>(std::span<const T>, std::span<T>) const;        \
-  template Status Communicator::Allgatherv<T>(std::span<const T>, std::span<T>,              \
-                                              std::span<const std::int64_t>) const;          \
-  template Status Communicator::ReduceScatterBlock<T>(std::span<const T>, std::span<T>,      \
-                                                      ReduceOp) const;
+template <typename T>
+Status Communicator::ReduceScatter(std::span<const std::type_identity_t<T>> in, std::span<T> out,
+                                   std::span<const std::int64_t> counts, ReduceOp op) const {
+  Status check = OkStatus();
+  std::vector<int> recv_counts(static_cast<std::size_t>(size_));
+  if (counts.size() != static_cast<std::size_t>(size_)) {
+    check = InvalidArgumentError(
+        fmt::format("ReduceScatter: {} counts for {} ranks", counts.size(), size_));
+  } else {
+    std::uint64_t total = 0;
+    for (int r = 0; r < size_ && check; ++r) {
+      if (counts[r] < 0) {
+        check = InvalidArgumentError(
+            fmt::format("ReduceScatter: count of rank {} is {}", r, counts[r]));
+        break;
+      }
+      total += static_cast<std::uint64_t>(counts[r]);
+      check = CountFitsInt(total, "ReduceScatter");
+      recv_counts[r] = static_cast<int>(counts[r]);
+    }
+    if (check) check = SizeMatches(in.size(), total, "ReduceScatter", "in");
+    if (check) {
+      check = SizeMatches(out.size(), static_cast<std::uint64_t>(counts[rank_]), "ReduceScatter",
+                          "out");
+    }
+  }
+  return Collective(check, "MPI_Reduce_scatter", [&] {
+    return MPI_Reduce_scatter(in.data(), out.data(), recv_counts.data(), MpiType<T>(), MpiOp(op),
+                              Raw(handle_));
+  });
+}
+
+#define ZINF_INSTANTIATE_NUMERIC(T)                                                               \
+  template Status Communicator::Broadcast<T>(std::span<T>, int) const;                            \
+  template Status Communicator::Allreduce<T>(std::span<const T>, std::span<T>, ReduceOp) const;   \
+  template Status Communicator::Allgather<T>(std::span<const T>, std::span<T>) const;             \
+  template Status Communicator::Allgatherv<T>(std::span<const T>, std::span<T>,                   \
+                                              std::span<const std::int64_t>) const;               \
+  template Status Communicator::ReduceScatterBlock<T>(std::span<const T>, std::span<T>, ReduceOp) \
+      const;                                                                                      \
+  template Status Communicator::ReduceScatter<T>(std::span<const T>, std::span<T>,                \
+                                                 std::span<const std::int64_t>, ReduceOp) const;
 ZINF_INSTANTIATE_NUMERIC(std::int32_t)
 ZINF_INSTANTIATE_NUMERIC(std::int64_t)
 ZINF_INSTANTIATE_NUMERIC(std::uint64_t)

@@ -141,4 +141,13 @@ Status MpiSession::Finalize() {
   return MpiStatus(MPI_Finalize(), "MPI_Finalize");
 }
 
+ThreadLevel ProvidedThreadLevel() {
+  int initialized = 0, finalized = 0;
+  if (MPI_Initialized(&initialized) != MPI_SUCCESS || !initialized) return ThreadLevel::kSingle;
+  if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) return ThreadLevel::kSingle;
+  int provided = MPI_THREAD_SINGLE;
+  if (MPI_Query_thread(&provided) != MPI_SUCCESS) return ThreadLevel::kSingle;
+  return FromMpi(provided);
+}
+
 }  // namespace zinf::comm

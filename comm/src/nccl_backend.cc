@@ -1,5 +1,8 @@
 #include "nccl_backend.h"
 
+#include <algorithm>
+#include <cstdint>
+
 #include <fmt/format.h>
 
 #if defined(ZINF_WITH_CUDA)
@@ -62,6 +65,41 @@ class NcclBackend final : public CollectiveBackend {
     return Agree(NcclStatus(ncclReduceScatter(in.data(), out.data(), out.size(), ncclFloat, ncclSum,
                                               nccl_, stream_),
                             "ncclReduceScatter"));
+  }
+  // NCCL has no reduce-scatter with counts: one ncclReduce per rank to that rank, grouped.
+  Status ReduceScatterVSum(std::span<const float> in, std::span<const std::int64_t> counts,
+                           std::span<float> out) override {
+    Status check = OkStatus();
+    std::uint64_t total = 0;
+    if (counts.size() != static_cast<std::size_t>(comm_.size())) {
+      check = InvalidArgumentError(
+          fmt::format("ReduceScatterVSum: {} counts for {} ranks", counts.size(), comm_.size()));
+    } else {
+      for (std::int64_t c : counts) {
+        if (c < 0) check = InvalidArgumentError(fmt::format("ReduceScatterVSum: count {}", c));
+        total += static_cast<std::uint64_t>(std::max<std::int64_t>(c, 0));
+      }
+      if (check &&
+          (in.size() != total || out.size() != static_cast<std::uint64_t>(counts[comm_.rank()]))) {
+        check = InvalidArgumentError(fmt::format(
+            "ReduceScatterVSum: in has {} floats (counts sum to {}), out {} (expected {})",
+            in.size(), total, out.size(), counts[comm_.rank()]));
+      }
+    }
+    ZINF_RETURN_IF_ERROR(comm_.AgreeOnStatus(check));
+    Status issued = NcclStatus(ncclGroupStart(), "ncclGroupStart");
+    std::uint64_t offset = 0;
+    for (int r = 0; r < comm_.size() && issued; ++r) {
+      const auto n = static_cast<std::size_t>(counts[r]);
+      if (n > 0) {
+        issued = NcclStatus(ncclReduce(in.data() + offset, r == comm_.rank() ? out.data() : nullptr,
+                                       n, ncclFloat, ncclSum, r, nccl_, stream_),
+                            "ncclReduce");
+      }
+      offset += n;
+    }
+    Status ended = NcclStatus(ncclGroupEnd(), "ncclGroupEnd");
+    return Agree(issued ? ended : issued);
   }
   Status Allgather(std::span<const float> in, std::span<float> out) override {
     Status check = out.size() == in.size() * static_cast<std::size_t>(comm_.size())

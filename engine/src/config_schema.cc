@@ -238,9 +238,11 @@ const std::vector<KeySpec>& EngineSchema() {
        .description = "",
        .unsupported = kNotImplemented},
       {.path = "zero_optimization.reduce_bucket_size",
-       .field = {},
-       .description = "",
-       .unsupported = kNotImplemented},
+       .field = Leaf<&T::zero_optimization, &Z::reduce_bucket_size>(),
+       .description = "Elements per gradient bucket: the engine reduce-scatters the gradient "
+                      "bucket by bucket, overlapping the backward pass when gradients are handed "
+                      "per parameter (ZeroEngine::GradientReady)",
+       .range = AtLeast(1)},
       {.path = "zero_optimization.allgather_partitions",
        .field = {},
        .description = "",

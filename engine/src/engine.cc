@@ -1,7 +1,7 @@
 // ZeroEngine (engine.h): the ZeRO step over the user's parameters. The step is a sequence of named
-// parts, each collective: HandGradient (flatten, reduce-scatter, accumulate), GlobalNorm,
-// OptimizerStep (the swapped Adam step), Gather (the updated partitions into the user's weights),
-// Report (log, live line, metrics).
+// parts, each collective: HandGradient (the micro-batch's buckets reduce-scattered into the
+// partition gradient, gradient_buckets.h), the global norm, the swapped Adam step, Gather (the
+// updated partitions into the user's weights), Report (log, live line, metrics).
 #include "zinf/engine/engine.h"
 
 #include <sys/stat.h>
@@ -22,7 +22,9 @@
 
 #include <fmt/format.h>
 
+#include "gradient_buckets.h"
 #include "zinf/comm/collective_backend.h"
+#include "zinf/comm/mpi_session.h"
 #include "zinf/comm/timers.h"
 #include "zinf/core/log.h"
 #include "zinf/core/process_stats.h"
@@ -104,7 +106,6 @@ struct ZeroEngine::State {
   std::vector<float> partition;       // this rank's updated fp32 weights (padding 0)
   std::vector<float> partition_grad;  // this rank's reduced gradient (in-memory accumulation)
   std::vector<float> gathered;        // every rank's partition, rank order (padded)
-  std::vector<float> grad;            // the flat gradient in partition order (padded)
   comm::Timers timers;
   storage::UniqueFd metrics;
   int micro_batches = 0;     // AccumulateGradients calls since the last Step
@@ -115,6 +116,8 @@ struct ZeroEngine::State {
   std::uint64_t swap_bytes = 0;  // this rank's swap reads + writes in its optimizer steps
   double last_tty_line = 0;
   bool tty = false;
+  // Last: destroyed first (its worker uses the backend, the swapper and the timers).
+  std::unique_ptr<GradientBuckets> buckets;
 
   // Calls fn(param index, offset in the param, count, offset in the partition-ordered buffer)
   // for every piece of the flat vector, in partition order (rank by rank, fragment by fragment).
@@ -276,7 +279,6 @@ Status ZeroEngine::Build(std::vector<Param> params) {
       s.total_numel, s.params.size(), s.partition_numel, FormatBytes(2 * padded * sizeof(float)));
   s.partition.assign(s.partition_numel, 0.0f);
   s.gathered.assign(padded, 0.0f);
-  s.grad.assign(padded, 0.0f);
   ZINF_ASSIGN_OR_RETURN(s.backend, comm::CreateCollectiveBackend(*s.comm, comm::BackendKind::kMpi));
 
   if (options_.create_nvme_paths) {
@@ -296,9 +298,11 @@ Status ZeroEngine::Build(std::vector<Param> params) {
   // Stores left by killed runs are scratch: this job's own is reused, other jobs' are removed
   // once every rank's store is open (SwapStore::ReclaimStale; kept ones are named in a WARN).
   options.store.reclaim_stale = !config_.zinf.keep_swap;
+  options.accumulation_memory_limit_bytes = options_.gradient_memory_limit_bytes;
   ZINF_LOG_INFO("engine: job id {}", options.store.job_id);
   ZINF_ASSIGN_OR_RETURN(s.swapper, swapper::CreateOptimizerSwapper(*s.comm, *s.plan, options));
   if (s.swapper->gradient_swapper() == nullptr) s.partition_grad.assign(s.partition_numel, 0.0f);
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(CreateBuckets()));
 
   if (options_.stop_signals) s.stop_signals.emplace();
   // Rank 0 appends to the metrics of a resumed run and starts a fresh file otherwise: opened
@@ -453,32 +457,48 @@ Status ZeroEngine::Gather() {
   return OkStatus();
 }
 
-// Flattens the user's gradients into partition order and reduce-scatters them: into
-// `reduced` (this rank's partition, the sum over ranks); zeroes the user's gradients.
-Status ZeroEngine::ReduceGradients(std::span<float> reduced) {
+// The buckets the gradients are reduced in (gradient_buckets.h). Local.
+Status ZeroEngine::CreateBuckets() {
   State& s = *state_;
-  std::fill(s.grad.begin(), s.grad.end(), 0.0f);
-  s.ForEachPiece([&](std::size_t p, std::uint64_t in_param, std::uint64_t n, std::uint64_t at) {
-    std::copy_n(s.params[p].grads.data() + in_param, n, s.grad.data() + at);
-  });
-  for (Param& p : s.params) std::fill(p.grads.begin(), p.grads.end(), 0.0f);
-  comm::ScopedTimer timer(s.timers, "reduce_scatter");
-  return s.backend->ReduceScatterSum(s.grad, reduced);
+  GradientBuckets::Target target;
+  target.gradients = s.swapper->gradient_swapper();
+  if (target.gradients != nullptr) {
+    target.staging = s.partition;  // free until the step's sink refills it
+  } else {
+    target.accumulated = s.partition_grad;
+  }
+  for (std::size_t i = 0; i < s.swapper->num_sub_groups(); ++i) {
+    target.sub_groups.push_back(s.swapper->swap_info(i).sub_group);
+  }
+  std::vector<std::span<float>> grads;
+  for (const Param& p : s.params) grads.push_back(p.grads);
+  // A worker thread may call MPI while the caller's thread runs its backward pass only when MPI
+  // allows calls from several threads, one at a time.
+  const comm::ThreadLevel level = comm::ProvidedThreadLevel();
+  const bool background =
+      level == comm::ThreadLevel::kSerialized || level == comm::ThreadLevel::kMultiple;
+  ZINF_ASSIGN_OR_RETURN(s.buckets, GradientBuckets::Create(
+                                       *s.plan, world_.rank(), std::move(grads),
+                                       config_.zero_optimization.reduce_bucket_size,
+                                       s.backend.get(), std::move(target), &s.timers, background));
+  ZINF_LOG_INFO(
+      "engine: gradient in {} bucket(s) of <= {} elements; gradients handed per "
+      "parameter are reduced {}",
+      s.buckets->num_buckets(), s.buckets->max_bucket_elems(),
+      background ? "on a background thread, overlapping the backward pass"
+                 : "in the caller's thread (MPI gives no MPI_THREAD_SERIALIZED; "
+                   "MpiSession::Init(..., ThreadLevel::kSerialized) lets them overlap)");
+  return OkStatus();
 }
 
+// Collective: reduces what the micro-batch has not reduced yet and ends it.
 Status ZeroEngine::HandGradient(int micro_batch) {
-  State& s = *state_;
-  swapper::GradientSwapper* gradients = s.swapper->gradient_swapper();
-  if (gradients != nullptr) {
-    // partition is free until the step's sink refills it: the staging buffer.
-    ZINF_RETURN_IF_ERROR(ReduceGradients(s.partition));
-    comm::ScopedTimer timer(s.timers, "gradient_swap_out");
-    return world_.AgreeOnStatus(gradients->SwapOutPartition(micro_batch, s.partition));
-  }
-  if (micro_batch == 0) return ReduceGradients(s.partition_grad);
-  ZINF_RETURN_IF_ERROR(ReduceGradients(s.partition));
-  for (std::uint64_t i = 0; i < s.partition_numel; ++i) s.partition_grad[i] += s.partition[i];
-  return OkStatus();
+  return world_.AgreeOnStatus(state_->buckets->Finish(micro_batch));
+}
+
+Status ZeroEngine::GradientReady(std::size_t index) {
+  if (closed_) return FailedPreconditionError("engine: GradientReady after Close");
+  return state_->buckets->Ready(index, state_->micro_batches);
 }
 
 Status ZeroEngine::AccumulateGradients() {
@@ -492,8 +512,11 @@ Status ZeroEngine::AccumulateGradients() {
         step_ + 1, s.micro_batches + 1, config_.gradient_accumulation_steps,
         config_.gradient_accumulation_steps - 1));
   }
+  // The micro-batch's reductions come first, so that no rank enters another collective while
+  // some rank's buckets are still being reduced.
+  const Status handed = HandGradient(s.micro_batches);
   ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(calls));
-  ZINF_RETURN_IF_ERROR(HandGradient(s.micro_batches));
+  ZINF_RETURN_IF_ERROR(handed);
   ++s.micro_batches;
   return OkStatus();
 }
@@ -543,15 +566,17 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
                     "gradient_accumulation_steps {} call it {} times per step, or not at all",
                     step, s.micro_batches, gas, gas - 1));
   }
-  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(calls));
   const storage::SwapStore& store = s.swapper->store();
   StepInfo info;
   info.step = step;
   // 1: the last micro-batch's gradient (a step's gradient store I/O counts from here; the
-  // write-behind of earlier micro-batches was counted by their AccumulateGradients).
+  // write-behind of earlier micro-batches was counted by their AccumulateGradients and, for
+  // gradients handed per parameter, by the swap-outs during the backward pass).
   const storage::SwapStore::IoCounters io_start = store.io_counters();
-  ZINF_RETURN_IF_ERROR(HandGradient(s.micro_batches));
+  const Status handed = HandGradient(s.micro_batches);
   s.micro_batches = 0;
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(calls));
+  ZINF_RETURN_IF_ERROR(handed);
   // 2: the global norm of the averaged gradient, the loss and the stop flag, in one allreduce.
   const double average = 1.0 / (static_cast<double>(gas) * world_.size());
   ZINF_ASSIGN_OR_RETURN(const double squared, PartitionGradSquaredSum());
@@ -790,6 +815,7 @@ Status ZeroEngine::Close() {
   if (closed_) return OkStatus();
   closed_ = true;
   State& s = *state_;
+  s.buckets.reset();  // joins its worker before the swapper goes
   Status local = s.metrics.Close(options_.metrics_path);
   if (s.swapper) {
     Status swapper_closed = s.swapper->Close();

@@ -4,8 +4,10 @@
 // data, data parallel over the ranks of an mpirun job. The program owns the model: its weights
 // and gradients are plain vectors, its forward and backward passes are loops below. zinf owns
 // the optimizer: each rank's ZeRO partition of the Adam state lives on NVMe (the config's
-// nvme_path), and every Step reduces the gradients, runs the swapped Adam step and writes the new
-// weights back into the vectors. Checkpoints resume on any number of ranks.
+// nvme_path). The backward pass hands each parameter's gradient over as soon as it is complete
+// (GradientReady), so that its reduction overlaps the rest of the pass; every Step then runs the
+// swapped Adam step and writes the new weights back into the vectors. Checkpoints resume on any
+// number of ranks.
 //
 //   mpirun -np 2 ./mlp ds.json 200          # train to step 200, checkpoint at the end
 //   mpirun -np 3 ./mlp ds.json 300          # with "load": "auto": resume at 200 on 3 ranks
@@ -45,6 +47,8 @@ struct Mlp {
     for (float& w : w2) w = normal(rng) / std::sqrt(static_cast<float>(kHidden));
   }
 
+  // Positions in Params(), for ZeroEngine::GradientReady.
+  static constexpr std::size_t kFc1Weight = 0, kFc1Bias = 1, kFc2Weight = 2, kFc2Bias = 3;
   std::vector<zinf::engine::Param> Params() {
     return {{"fc1.weight", {kHidden, kIn}, w1, gw1},
             {"fc1.bias", {kHidden}, b1, gb1},
@@ -52,30 +56,46 @@ struct Mlp {
             {"fc2.bias", {1}, b2, gb2}};
   }
 
-  // Mean squared error over the batch; adds its gradient to gw1, gb1, gw2, gb2.
-  double ForwardBackward(const std::vector<float>& x, const std::vector<float>& y) {
+  // Mean squared error over the batch. The backward pass adds the gradient to gw1, gb1, gw2,
+  // gb2 layer by layer from the output back, and calls ready(i) as soon as parameter i's gradient
+  // is complete, as a framework's backward hook would: the engine reduces it (on its own thread)
+  // while the rest of the backward pass runs.
+  template <typename Ready>
+  zinf::Result<double> ForwardBackward(const std::vector<float>& x, const std::vector<float>& y,
+                                       Ready&& ready) {
+    std::vector<float> h(static_cast<std::size_t>(kBatch) * kHidden), d_out(kBatch);
     double loss = 0;
-    std::vector<float> h(kHidden);
-    for (int n = 0; n < kBatch; ++n) {
+    for (int n = 0; n < kBatch; ++n) {  // forward
       const float* xn = &x[static_cast<std::size_t>(n) * kIn];
+      float* hn = &h[static_cast<std::size_t>(n) * kHidden];
       float out = b2[0];
       for (int j = 0; j < kHidden; ++j) {
         float a = b1[j];
         for (int i = 0; i < kIn; ++i) a += w1[j * kIn + i] * xn[i];
-        h[j] = std::tanh(a);
-        out += w2[j] * h[j];
+        hn[j] = std::tanh(a);
+        out += w2[j] * hn[j];
       }
       const float err = out - y[n];
       loss += 0.5 * err * err / kBatch;
-      const float d_out = err / kBatch;
-      gb2[0] += d_out;
+      d_out[n] = err / kBatch;
+    }
+    for (int n = 0; n < kBatch; ++n) {  // backward: the output layer
+      gb2[0] += d_out[n];
+      for (int j = 0; j < kHidden; ++j) gw2[j] += d_out[n] * h[n * kHidden + j];
+    }
+    ZINF_RETURN_IF_ERROR(ready(kFc2Bias));
+    ZINF_RETURN_IF_ERROR(ready(kFc2Weight));
+    for (int n = 0; n < kBatch; ++n) {  // the hidden layer
+      const float* xn = &x[static_cast<std::size_t>(n) * kIn];
       for (int j = 0; j < kHidden; ++j) {
-        gw2[j] += d_out * h[j];
-        const float d_a = d_out * w2[j] * (1 - h[j] * h[j]);
+        const float hj = h[n * kHidden + j];
+        const float d_a = d_out[n] * w2[j] * (1 - hj * hj);
         gb1[j] += d_a;
         for (int i = 0; i < kIn; ++i) gw1[j * kIn + i] += d_a * xn[i];
       }
     }
+    ZINF_RETURN_IF_ERROR(ready(kFc1Bias));
+    ZINF_RETURN_IF_ERROR(ready(kFc1Weight));
     return loss;
   }
 };
@@ -120,8 +140,12 @@ zinf::Status Train(const zinf::comm::Communicator& world, const std::string& con
     double rank_loss = 0;
     for (int micro = 0; micro < gas; ++micro) {
       MakeBatch(world.rank(), step, micro, &x, &y);
-      rank_loss += model.ForwardBackward(x, y) / gas;
-      // Every micro-batch but the last is handed over as it completes.
+      ZINF_ASSIGN_OR_RETURN(double loss_of_batch,
+                            model.ForwardBackward(x, y, [&](std::size_t param) {
+                              return engine->GradientReady(param);
+                            }));
+      rank_loss += loss_of_batch / gas;
+      // Every micro-batch but the last ends here; Step ends the last.
       if (micro + 1 < gas) ZINF_RETURN_IF_ERROR(engine->AccumulateGradients());
     }
     ZINF_ASSIGN_OR_RETURN(zinf::engine::StepInfo info, engine->Step(rank_loss));
@@ -146,7 +170,9 @@ zinf::Status Train(const zinf::comm::Communicator& world, const std::string& con
 }  // namespace
 
 int main(int argc, char** argv) {
-  auto session = zinf::comm::MpiSession::Init(&argc, &argv);
+  // MPI_THREAD_SERIALIZED: the engine reduces gradients on its own thread during the backward
+  // pass (this program makes no MPI call of its own meanwhile).
+  auto session = zinf::comm::MpiSession::Init(&argc, &argv, zinf::comm::ThreadLevel::kSerialized);
   if (!session) {
     std::fprintf(stderr, "mlp: %s\n", session.error().ToString().c_str());
     return 1;

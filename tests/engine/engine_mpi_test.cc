@@ -73,6 +73,11 @@ struct Case {
   int stage = 2;
   bool adamw = true;
   double clipping = 0.0;
+  // GradientReady per parameter: none; last parameter first (as a backward pass); first
+  // parameter first; last first on rank 0 only (the others hand nothing).
+  enum class Hand { kNone, kReverse, kForward, kRankZero } hand = Hand::kNone;
+  std::uint64_t bucket = 500'000'000;  // zero_optimization.reduce_bucket_size
+  bool gradient_on_disk = false;       // swap_gradients: read-add-write on NVMe, not in memory
 };
 
 // DeepSpeed's WarmupLR, linear: min + (max - min) * i / max(2, warmup) for i < warmup.
@@ -92,11 +97,11 @@ std::string ConfigText(const Case& c, const std::string& swap_dir, const std::st
                                                "weight_decay": 0.01, "adam_w_mode": {}}}}},
     "scheduler": {{"type": "WarmupLR", "params": {{"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
                    "warmup_num_steps": 3, "warmup_type": "linear"}}}},
-    "zero_optimization": {{"stage": {}, "sub_group_size": 3000,
+    "zero_optimization": {{"stage": {}, "sub_group_size": 3000, "reduce_bucket_size": {},
                            "offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}}}},
     "zinf": {{"swap_gradients": {}, "adam_threads": 1, "checkpoint": {{"dir": "{}"}}}}
   }})",
-                     c.gas, c.clipping, c.adamw ? "true" : "false", c.stage, swap_dir,
+                     c.gas, c.clipping, c.adamw ? "true" : "false", c.stage, c.bucket, swap_dir,
                      c.swap_gradients ? "true" : "false", ckpt_dir);
 }
 
@@ -176,14 +181,20 @@ double RelativeError(const std::vector<float>& got, const std::vector<double>& w
   return err / std::max(scale, 1e-30);
 }
 
-// The user's loop for one step: every micro-batch's gradient at the current weights.
+// The user's loop for one step: every micro-batch's gradient at the current weights, parameter
+// by parameter in the order a backward pass (or the case) produces them.
 Result<StepInfo> RunStep(ZeroEngine& engine, Model& model, const Case& c, std::int64_t step) {
   const int rank = World().rank();
+  const std::size_t n = model.w.size();
+  const bool hand = c.hand == Case::Hand::kReverse || c.hand == Case::Hand::kForward ||
+                    (c.hand == Case::Hand::kRankZero && rank == 0);
   for (int micro = 0; micro < c.gas; ++micro) {
-    for (std::size_t i = 0; i < model.w.size(); ++i) {
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::size_t i = c.hand == Case::Hand::kForward ? j : n - 1 - j;
       for (std::size_t k = 0; k < model.w[i].size(); ++k) {
         model.g[i][k] += GradOf(i, k, rank, step, micro, model.w[i][k]);
       }
+      if (hand) ZINF_RETURN_IF_ERROR(engine.GradientReady(i));
     }
     if (micro + 1 < c.gas && c.accumulate_calls) ZINF_RETURN_IF_ERROR(engine.AccumulateGradients());
   }
@@ -201,7 +212,10 @@ TEST_P(EngineMatchesReference, ForSeveralSteps) {
   ZINF_ASSERT_OK_AND_ASSIGN(
       auto engine,
       ZeroEngine::Create(World(), config, model.Params(),
-                         {.progress = false, .stop_signals = false, .create_nvme_paths = true}));
+                         {.progress = false,
+                          .stop_signals = false,
+                          .create_nvme_paths = true,
+                          .gradient_memory_limit_bytes = c.gradient_on_disk ? 0 : 256ull << 20}));
   bool clipped_once = false;
   for (std::int64_t step = 1; step <= 5; ++step) {
     SCOPED_TRACE(fmt::format("step {}", step));
@@ -230,7 +244,34 @@ INSTANTIATE_TEST_SUITE_P(
         Case{.name = "AdamW"}, Case{.name = "AccumulateCalls", .gas = 3},
         Case{.name = "AccumulateInBuffers", .gas = 3, .accumulate_calls = false},
         Case{.name = "SwapGradients", .gas = 2, .swap_gradients = true},
-        Case{.name = "Stage3AdamL2Clipped", .stage = 3, .adamw = false, .clipping = 0.5}),
+        Case{.name = "Stage3AdamL2Clipped", .stage = 3, .adamw = false, .clipping = 0.5},
+        // Gradients handed per parameter, in buckets of >= 3000 elements: [fc1.weight],
+        // [fc1.bias, emb], [head.w]; or one bucket; or one per parameter (bucket 1).
+        Case{.name = "PerParam", .hand = Case::Hand::kReverse, .bucket = 3000},
+        Case{.name = "PerParamOneBucket", .hand = Case::Hand::kReverse},
+        Case{.name = "PerParamForwardOrder", .hand = Case::Hand::kForward, .bucket = 3000},
+        Case{.name = "PerParamRankZeroOnly",
+             .gas = 2,
+             .hand = Case::Hand::kRankZero,
+             .bucket = 3000},
+        Case{.name = "PerParamAccumulateClipped",
+             .gas = 3,
+             .clipping = 0.5,
+             .hand = Case::Hand::kReverse,
+             .bucket = 1},
+        Case{.name = "PerParamSwapGradients",
+             .gas = 2,
+             .swap_gradients = true,
+             .hand = Case::Hand::kReverse,
+             .bucket = 3000},
+        Case{.name = "PerParamStage3", .stage = 3, .hand = Case::Hand::kReverse, .bucket = 3000},
+        Case{.name = "PerParamGradientOnDisk",
+             .gas = 3,
+             .swap_gradients = true,
+             .hand = Case::Hand::kReverse,
+             .bucket = 3000,
+             .gradient_on_disk = true},
+        Case{.name = "GradientOnDisk", .gas = 2, .swap_gradients = true, .gradient_on_disk = true}),
     [](const ::testing::TestParamInfo<Case>& param) { return param.param.name; });
 
 TEST(ZeroEngine, RestoreNamesTheMismatchedParameter) {
@@ -315,6 +356,25 @@ TEST_F(EngineErrors, ParameterRegisteredTwice) {
               StatusIs(ErrorCode::kInvalidArgument,
                        HasSubstr("grads buffer of parameter 'head.w' overlaps the grads buffer of "
                                  "parameter 'emb'")));
+}
+
+TEST_F(EngineErrors, GradientReadyMisuse) {
+  Model model = MakeModel();
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, Create(model));
+  EXPECT_THAT(engine->GradientReady(4),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("GradientReady(4): there are 4")));
+  // Recorded: the micro-batch fails on every rank, and the loop can go on after it.
+  EXPECT_THAT(engine->AccumulateGradients(),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("GradientReady(4)")));
+  ZINF_ASSERT_OK(engine->GradientReady(2));
+  EXPECT_THAT(engine->GradientReady(2),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("GradientReady(2) called twice")));
+  EXPECT_THAT(engine->AccumulateGradients(),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("called twice")));
+  EXPECT_EQ(engine->step(), 0);
+  ZINF_ASSERT_OK(engine->Close());
+  EXPECT_THAT(engine->GradientReady(0),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("after Close")));
 }
 
 TEST_F(EngineErrors, BufferSizeAndAccumulateCalls) {

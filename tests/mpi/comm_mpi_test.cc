@@ -122,6 +122,24 @@ TYPED_TEST(TypedCollectives, ReduceScatterBlock) {
   for (int k = 0; k < 3; ++k) EXPECT_EQ(out[k], static_cast<TypeParam>(n * (3 * world.rank() + k)));
 }
 
+// Rank r receives r elements (rank 0 none): block r of every rank's input, summed.
+TYPED_TEST(TypedCollectives, ReduceScatterWithCounts) {
+  const Communicator& world = World();
+  const int n = world.size();
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(n));
+  std::vector<TypeParam> in;
+  for (int r = 0; r < n; ++r) {
+    counts[r] = r;
+    for (int k = 0; k < r; ++k) in.push_back(static_cast<TypeParam>(10 * r + k + world.rank()));
+  }
+  std::vector<TypeParam> out(static_cast<std::size_t>(world.rank()));
+  ZINF_ASSERT_OK(world.ReduceScatter<TypeParam>(in, out, counts, ReduceOp::kSum));
+  for (int k = 0; k < world.rank(); ++k) {
+    // sum over ranks q of 10 r + k + q, r = this rank.
+    EXPECT_EQ(out[k], static_cast<TypeParam>(n * (10 * world.rank() + k) + n * (n - 1) / 2));
+  }
+}
+
 TEST(Collectives, BroadcastString) {
   const Communicator& world = World();
   std::string text = world.rank() == 0 ? std::string("/nvme/zinf-job42") : std::string("x");
@@ -200,6 +218,13 @@ TEST_F(OneRankFails, ReduceScatterBlock) {
                             "ReduceScatterBlock");
 }
 
+TEST_F(OneRankFails, ReduceScatterWithCounts) {
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(World().size()), 2);
+  std::vector<float> in(2 * World().size() + (IsBad() ? 1 : 0)), out(2);
+  ExpectSameErrorEverywhere(World().ReduceScatter<float>(in, out, counts, ReduceOp::kSum),
+                            "ReduceScatter");
+}
+
 TEST_F(OneRankFails, Split) {
   auto split = World().Split(IsBad() ? -1 : 0, 0);
   ExpectSameErrorEverywhere(split.has_value() ? OkStatus() : Status(split.error()), "color -1");
@@ -260,6 +285,13 @@ TEST(CollectiveBackend, MpiBackendReducesScattersAndGathers) {
   std::vector<float> full(4 * static_cast<std::size_t>(n));
   ZINF_ASSERT_OK(backend->Allgather(part, full));
   EXPECT_THAT(full, ::testing::Each(static_cast<float>(n * n)));
+  // With counts: rank r gets r + 1 elements of value n (each rank sends ones).
+  std::vector<std::int64_t> counts;
+  for (int r = 0; r < n; ++r) counts.push_back(r + 1);
+  std::vector<float> ones(static_cast<std::size_t>(n * (n + 1) / 2), 1.0f);
+  std::vector<float> mine(static_cast<std::size_t>(world.rank() + 1));
+  ZINF_ASSERT_OK(backend->ReduceScatterVSum(ones, counts, mine));
+  EXPECT_THAT(mine, ::testing::Each(static_cast<float>(n)));
   ZINF_ASSERT_OK(backend->Synchronize());
 }
 

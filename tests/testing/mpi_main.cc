@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <system_error>
 
 #include <gtest/gtest.h>
@@ -68,8 +69,26 @@ SharedScratchDir::~SharedScratchDir() {
 
 }  // namespace zinf::testing
 
+// --mpi-thread-level=serialized|multiple (the first argument, taken out before gtest sees it):
+// the thread level to ask MPI for; funneled otherwise (MpiSession's default).
+static zinf::comm::ThreadLevel TakeThreadLevel(int* argc, char** argv) {
+  constexpr std::string_view kFlag = "--mpi-thread-level=";
+  if (*argc < 2 || !std::string_view(argv[1]).starts_with(kFlag)) {
+    return zinf::comm::ThreadLevel::kFunneled;
+  }
+  const std::string_view value = std::string_view(argv[1]).substr(kFlag.size());
+  for (int i = 1; i + 1 < *argc; ++i) argv[i] = argv[i + 1];
+  --*argc;
+  if (value == "serialized") return zinf::comm::ThreadLevel::kSerialized;
+  if (value == "multiple") return zinf::comm::ThreadLevel::kMultiple;
+  std::fprintf(stderr, "MPI test main: unknown thread level '%.*s'\n",
+               static_cast<int>(value.size()), value.data());
+  std::exit(2);
+}
+
 int main(int argc, char** argv) {
-  auto session = zinf::comm::MpiSession::Init(&argc, &argv);
+  const zinf::comm::ThreadLevel level = TakeThreadLevel(&argc, argv);
+  auto session = zinf::comm::MpiSession::Init(&argc, &argv, level);
   if (!session) {
     std::fprintf(stderr, "MPI test main: %s\n", session.error().ToString().c_str());
     return 1;

@@ -32,6 +32,10 @@ class CollectiveBackend {
   virtual Status AllreduceSum(std::span<float> data) = 0;
   // in has size * out.size() floats; out receives the sum of block `rank`.
   virtual Status ReduceScatterSum(std::span<const float> in, std::span<float> out) = 0;
+  // `counts` (one per rank, the same everywhere) cuts `in` (sum(counts) floats, rank-major) into
+  // blocks; out (counts[rank] floats) receives the sum of block `rank`.
+  virtual Status ReduceScatterVSum(std::span<const float> in, std::span<const std::int64_t> counts,
+                                   std::span<float> out) = 0;
   // out has size * in.size() floats.
   virtual Status Allgather(std::span<const float> in, std::span<float> out) = 0;
   virtual Status Broadcast(std::span<float> data, int root) = 0;

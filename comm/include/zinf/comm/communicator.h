@@ -94,6 +94,12 @@ class Communicator {
   template <typename T>
   Status ReduceScatterBlock(std::span<const std::type_identity_t<T>> in, std::span<T> out,
                             ReduceOp op) const;
+  // MPI_Reduce_scatter: `counts` (size() entries, the same on every rank) cuts `in` (sum(counts)
+  // elements, rank-major) into one block per rank; rank r receives op over ranks of block r in
+  // `out` (counts[r] elements; a count may be 0).
+  template <typename T>
+  Status ReduceScatter(std::span<const std::type_identity_t<T>> in, std::span<T> out,
+                       std::span<const std::int64_t> counts, ReduceOp op) const;
 
   // Collective. Every rank passes its local status and every rank returns the same status: OK if
   // all were OK; otherwise the most severe ErrorCode over all ranks, and the message (prefixed

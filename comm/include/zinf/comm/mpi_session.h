@@ -60,4 +60,8 @@ class MpiSession {
   ThreadLevel provided_ = ThreadLevel::kSingle;
 };
 
+// The thread level MPI provides to this process (MPI_Query_thread), for code that was handed a
+// Communicator rather than the session. kSingle when MPI is not initialized (or finalized).
+ThreadLevel ProvidedThreadLevel();
+
 }  // namespace zinf::comm

@@ -23,8 +23,10 @@
 // One Step (collective), on every rank, for the gradients the user accumulated since the last
 // Step into the registered `grads` buffers (the gradient of the rank's mean loss, summed over the
 // micro-batches it ran):
-//   1. the flat gradient is reduce-scattered (comm::CollectiveBackend): each rank gets the sum of
-//      its partition; with zinf.swap_gradients it goes to the gradient swapper on NVMe;
+//   1. the gradient is reduce-scattered (comm::CollectiveBackend) in buckets of whole parameters
+//      (zero_optimization.reduce_bucket_size elements; those handed by GradientReady during the
+//      backward pass already are): each rank gets the sum of its partition; with
+//      zinf.swap_gradients each sub-group goes to the gradient swapper once complete;
 //   2. the global gradient norm is computed (one allreduce), the gradient is averaged over
 //      gradient_accumulation_steps x ranks and clipped to gradient_clipping;
 //   3. the swapped Adam/AdamW step runs over the rank's sub-groups at the scheduler's learning
@@ -94,6 +96,10 @@ struct EngineOptions {
   // configured path that is missing is an error (an unmounted drive must not silently become a
   // directory on the root file system).
   bool create_nvme_paths = false;
+  // With zinf.swap_gradients: the partition's accumulated gradient stays in host memory up to
+  // this many bytes per rank, and above it is written behind to NVMe (read, added and written
+  // again by each micro-batch).
+  std::uint64_t gradient_memory_limit_bytes = 256ull << 20;
   // Restore from this checkpoint instead of zinf.checkpoint.load ("latest", "auto", a path);
   // unset: the config's.
   std::optional<std::string> load = std::nullopt;
@@ -149,6 +155,24 @@ class ZeroEngine {
   // gradient_accumulation_steps times in one step; the swapper's I/O errors.
   Status AccumulateGradients();
 
+  // Hands parameter `index`'s gradient (its position in Create's params) of the current
+  // micro-batch to the engine as soon as the backward pass has finished writing it, so that its
+  // reduction (and with zinf.swap_gradients its swap-out) overlaps the rest of the backward
+  // pass. Optional: parameters not handed are reduced by the AccumulateGradients or Step that
+  // ends the micro-batch. After the call the engine owns the buffer until that call returns (it
+  // reads and zeroes it, possibly from another thread).
+  // Gradients are reduced in buckets of whole parameters (zero_optimization.reduce_bucket_size
+  // elements), last bucket first, each once it and every bucket after it are complete: handing
+  // them in reverse registration order, as a backward pass produces them, overlaps best; any
+  // order is correct, but every rank must hand the same parameters. The reductions run on a
+  // background thread when MPI provides MPI_THREAD_SERIALIZED or more (MpiSession::Init(...,
+  // ThreadLevel::kSerialized)); the program then must not call MPI itself until the micro-batch
+  // ends, unless MPI provides MPI_THREAD_MULTIPLE. Below that level they run inside this call.
+  // Local. Errors, also reported by the next AccumulateGradients/Step on every rank:
+  // InvalidArgument (no such parameter), FailedPrecondition (handed twice in a micro-batch,
+  // after Close). A failed reduction or swap-out is reported there too.
+  Status GradientReady(std::size_t index);
+
   // Collective. One optimizer step (see the top of the file); `loss` is this rank's loss, for
   // the log, the metrics and StepInfo (optional). Errors, nothing stepped: FailedPrecondition
   // for a non-finite loss or gradient norm, for a gradient that is zero on every rank (Step
@@ -197,7 +221,7 @@ class ZeroEngine {
   Status Restore(const std::string& path);
   Status ReadPartition();  // local
   Status Gather();
-  Status ReduceGradients(std::span<float> reduced);
+  Status CreateBuckets();  // local
   Status HandGradient(int micro_batch);
   Result<double> PartitionGradSquaredSum();
   Status Report(const StepInfo& info);

@@ -1,0 +1,277 @@
+// GradientBuckets (gradient_buckets.h): the buckets, their order and the worker thread.
+#include "gradient_buckets.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include <fmt/format.h>
+
+namespace zinf::engine {
+
+Result<std::unique_ptr<GradientBuckets>> GradientBuckets::Create(
+    const partition::PartitionPlan& plan, int rank, std::vector<std::span<float>> grads,
+    std::uint64_t bucket_elems, comm::CollectiveBackend* backend, Target target,
+    comm::Timers* timers, bool background) {
+  std::unique_ptr<GradientBuckets> b(new GradientBuckets());
+  b->grads_ = std::move(grads);
+  b->backend_ = backend;
+  b->target_ = std::move(target);
+  b->timers_ = timers;
+  b->background_ = background;
+  b->rank_ = rank;
+  ZINF_RETURN_IF_ERROR(b->Build(plan, rank, std::max<std::uint64_t>(bucket_elems, 1)));
+  return b;
+}
+
+// Cuts the parameters into buckets and sorts every rank's fragments into them.
+Status GradientBuckets::Build(const partition::PartitionPlan& plan, int rank,
+                              std::uint64_t bucket_elems) {
+  const auto& params = plan.layout().params();
+  const auto world = static_cast<std::size_t>(plan.world_size());
+  bucket_of_.resize(params.size());
+  std::uint64_t in_bucket = 0;
+  for (std::size_t p = 0; p < params.size(); ++p) {
+    if (buckets_.empty() || in_bucket >= bucket_elems) {
+      buckets_.emplace_back();
+      buckets_.back().first_param = p;
+      buckets_.back().counts.assign(world, 0);
+      in_bucket = 0;
+    }
+    bucket_of_[p] = buckets_.size() - 1;
+    buckets_.back().end_param = p + 1;
+    in_bucket += params[p].numel;
+  }
+  for (int r = 0; r < plan.world_size(); ++r) {
+    for (const partition::Fragment& f : plan.RankFragments(r)) {
+      Bucket& bucket = buckets_[bucket_of_[f.param_index]];
+      const Piece piece{f.param_index, f.param_offset, f.numel, f.partition_offset};
+      bucket.send.push_back(piece);
+      bucket.counts[static_cast<std::size_t>(r)] += static_cast<std::int64_t>(f.numel);
+      if (r == rank) bucket.mine.push_back(piece);
+    }
+  }
+  // Which of this rank's sub-groups each bucket fills, and by how much.
+  const std::vector<partition::SubGroup>& sgs = target_.sub_groups;
+  sub_group_total_.assign(sgs.size(), 0);
+  std::uint64_t largest = 0, largest_mine = 0;
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    Bucket& bucket = buckets_[i];
+    std::uint64_t total = 0;
+    for (std::int64_t c : bucket.counts) total += static_cast<std::uint64_t>(c);
+    if (total > static_cast<std::uint64_t>(std::numeric_limits<int>::max())) {
+      return InvalidArgumentError(fmt::format(
+          "zero_optimization.reduce_bucket_size: gradient bucket {} holds {} elements, more than "
+          "one MPI collective moves ({}); lower it",
+          i, total, std::numeric_limits<int>::max()));
+    }
+    largest = std::max(largest, total);
+    largest_mine = std::max(largest_mine, static_cast<std::uint64_t>(bucket.counts[rank]));
+    std::vector<std::uint64_t> per_sub_group(sgs.size(), 0);
+    for (const Piece& piece : bucket.mine) {
+      // Sub-groups are contiguous and sorted: split the piece over those it covers.
+      auto it = std::upper_bound(
+          sgs.begin(), sgs.end(), piece.partition_offset,
+          [](std::uint64_t v, const partition::SubGroup& sg) { return v < sg.partition_offset; });
+      std::size_t s = static_cast<std::size_t>(it - sgs.begin()) - 1;
+      std::uint64_t at = piece.partition_offset;
+      const std::uint64_t end = piece.partition_offset + piece.numel;
+      while (at < end && s < sgs.size()) {
+        const std::uint64_t sg_end = sgs[s].partition_offset + sgs[s].numel;
+        const std::uint64_t n = std::min(end, sg_end) - at;
+        per_sub_group[s] += n;
+        at += n;
+        ++s;
+      }
+    }
+    for (std::size_t s = 0; s < sgs.size(); ++s) {
+      if (per_sub_group[s] == 0) continue;
+      bucket.sub_group_elems.emplace_back(s, per_sub_group[s]);
+      sub_group_total_[s] += per_sub_group[s];
+    }
+  }
+  send_.assign(largest, 0.0f);
+  recv_.assign(largest_mine, 0.0f);
+  ready_.assign(params.size(), false);
+  missing_.assign(buckets_.size(), 0);
+  return OkStatus();
+}
+
+GradientBuckets::~GradientBuckets() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+// A new micro-batch: nothing handed, nothing arrived. The caller's thread, worker idle.
+void GradientBuckets::Begin(int micro_batch) {
+  active_ = true;
+  micro_batch_ = micro_batch;
+  std::fill(ready_.begin(), ready_.end(), false);
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    missing_[i] = buckets_[i].end_param - buckets_[i].first_param;
+  }
+  pending_ = sub_group_total_;
+  collective_error_.reset();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    complete_ = 0;
+    reduced_ = 0;
+  }
+  // A sub-group of padding only (a tiny model on many ranks) has nothing to wait for.
+  if (target_.gradients == nullptr) return;
+  for (std::size_t s = 0; s < pending_.size(); ++s) {
+    if (pending_[s] != 0) continue;
+    const partition::SubGroup& sg = target_.sub_groups[s];
+    RecordLocal(target_.gradients->SwapOut(
+        micro_batch_, s,
+        std::span<const float>(target_.staging).subspan(sg.partition_offset, sg.numel)));
+  }
+}
+
+void GradientBuckets::RecordLocal(Status status) {
+  if (status) return;
+  std::lock_guard<std::mutex> lock(error_mu_);
+  if (!local_error_) local_error_ = std::move(status).error();
+}
+
+bool GradientBuckets::HasLocalError() {
+  std::lock_guard<std::mutex> lock(error_mu_);
+  return local_error_.has_value();
+}
+
+Status GradientBuckets::Ready(std::size_t param, int micro_batch) {
+  if (param >= ready_.size()) {
+    Status bad = InvalidArgumentError(
+        fmt::format("engine: GradientReady({}): there are {} parameters", param, ready_.size()));
+    RecordLocal(bad);
+    return bad;
+  }
+  if (!active_) Begin(micro_batch);
+  if (ready_[param]) {
+    Status twice = FailedPreconditionError(fmt::format(
+        "engine: GradientReady({}) called twice in micro-batch {}", param, micro_batch_));
+    RecordLocal(twice);
+    return twice;
+  }
+  ready_[param] = true;
+  const std::size_t bucket = bucket_of_[param];
+  if (--missing_[bucket] > 0) return OkStatus();
+  // The order reduces the last bucket first: how many of it are complete now.
+  std::size_t complete;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (complete_ < buckets_.size() && missing_[buckets_.size() - 1 - complete_] == 0) {
+      ++complete_;
+    }
+    complete = complete_;
+    if (background_ && !worker_.joinable()) worker_ = std::thread([this] { Work(); });
+  }
+  if (background_) {
+    work_cv_.notify_one();
+    return OkStatus();
+  }
+  while (reduced_ < complete) Reduce(reduced_++);
+  return OkStatus();
+}
+
+Status GradientBuckets::Finish(int micro_batch) {
+  if (!active_) Begin(micro_batch);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    idle_cv_.wait(lock, [&] { return !busy_ && reduced_ >= complete_; });
+  }
+  // The worker is idle and gets nothing new (complete_ stays below reduced_ from here).
+  while (true) {
+    std::size_t k;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (reduced_ >= buckets_.size()) break;
+      k = reduced_++;
+    }
+    Reduce(k);
+  }
+  active_ = false;
+  if (collective_error_) return *collective_error_;
+  std::lock_guard<std::mutex> lock(error_mu_);
+  if (local_error_) {
+    Error error = std::move(*local_error_);
+    local_error_.reset();
+    return error;
+  }
+  return OkStatus();
+}
+
+void GradientBuckets::Work() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    work_cv_.wait(lock, [&] { return stop_ || reduced_ < complete_; });
+    if (reduced_ >= complete_) return;  // stop_, and nothing given is left
+    const std::size_t k = reduced_++;
+    busy_ = true;
+    lock.unlock();
+    Reduce(k);
+    lock.lock();
+    busy_ = false;
+    idle_cv_.notify_all();
+  }
+}
+
+void GradientBuckets::Reduce(std::size_t k) {
+  if (collective_error_) return;  // every rank stops at the same collective
+  const Bucket& bucket = buckets_[buckets_.size() - 1 - k];
+  std::size_t at = 0;
+  for (const Piece& piece : bucket.send) {
+    std::copy_n(grads_[piece.param].data() + piece.in_param, piece.numel, send_.data() + at);
+    at += piece.numel;
+  }
+  for (std::size_t p = bucket.first_param; p < bucket.end_param; ++p) {
+    std::fill(grads_[p].begin(), grads_[p].end(), 0.0f);
+  }
+  const auto mine = static_cast<std::size_t>(bucket.counts[static_cast<std::size_t>(rank_)]);
+  Status reduced;
+  {
+    comm::ScopedTimer timer(*timers_, "reduce_scatter");
+    reduced = backend_->ReduceScatterVSum(std::span<const float>(send_).first(at), bucket.counts,
+                                          std::span<float>(recv_).first(mine));
+  }
+  if (!reduced) {
+    collective_error_ = std::move(reduced).error();
+    return;
+  }
+  Unpack(bucket);
+}
+
+// This rank's sums into the partition gradient or the staging partition; each sub-group whose
+// elements have all arrived goes to the gradient swapper.
+void GradientBuckets::Unpack(const Bucket& bucket) {
+  const bool swapped = target_.gradients != nullptr;
+  float* base = swapped ? target_.staging.data() : target_.accumulated.data();
+  const bool add = !swapped && micro_batch_ > 0;
+  std::size_t at = 0;
+  for (const Piece& piece : bucket.mine) {
+    float* dst = base + piece.partition_offset;
+    const float* src = recv_.data() + at;
+    if (add) {
+      for (std::uint64_t i = 0; i < piece.numel; ++i) dst[i] += src[i];
+    } else {
+      std::copy_n(src, piece.numel, dst);
+    }
+    at += piece.numel;
+  }
+  if (!swapped) return;
+  for (const auto& [s, n] : bucket.sub_group_elems) {
+    pending_[s] -= n;
+    if (pending_[s] != 0 || HasLocalError()) continue;
+    const partition::SubGroup& sg = target_.sub_groups[s];
+    comm::ScopedTimer timer(*timers_, "gradient_swap_out");
+    RecordLocal(target_.gradients->SwapOut(
+        micro_batch_, s,
+        std::span<const float>(target_.staging).subspan(sg.partition_offset, sg.numel)));
+  }
+}
+
+}  // namespace zinf::engine

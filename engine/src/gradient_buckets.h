@@ -1,0 +1,137 @@
+// GradientBuckets: how the user's gradients reach this rank's partition (ZeroEngine's
+// AccumulateGradients, GradientReady and Step).
+//
+// The parameters are cut, in registration order, into buckets of whole parameters of at least
+// zero_optimization.reduce_bucket_size elements (the last one smaller). A bucket is reduced by
+// one reduce-scatter with counts (comm::CollectiveBackend::ReduceScatterVSum): each rank sends
+// every rank's pieces of the bucket (partition order) and receives the sum of its own, which land
+// in its partition gradient (in memory: micro-batch 0 overwrites, later ones add) or in a staging
+// partition from which each sub-group goes to the gradient swapper as soon as all of its elements
+// of the micro-batch have arrived. The user's gradients of a reduced bucket are zeroed.
+//
+// Order: the buckets of a micro-batch are always reduced last bucket first, and bucket k only
+// after every bucket above it: the same sequence of collectives on every rank whatever order the
+// parameters were handed in, so ranks that hand gradients differently (or not at all: Finish
+// reduces what is left) still meet in the same collectives. A backward pass produces the last
+// parameters first, which is the order that overlaps best.
+//
+// Overlap: with `background`, a worker thread reduces the complete buckets while the caller's
+// thread goes on with its backward pass; the engine's MPI calls then come from two threads, one
+// at a time (MPI_THREAD_SERIALIZED), and the caller must not call MPI itself until Finish unless
+// MPI provides MPI_THREAD_MULTIPLE. Without it Ready reduces the complete buckets itself.
+//
+// Errors: a failed collective is the same on every rank (the backend agrees on it) and stops the
+// micro-batch's remaining collectives everywhere; a failed swap-out or a bad Ready call is local
+// and recorded, the collectives go on, and Finish returns it (the engine agrees on it).
+//
+// Thread safety: Ready and Finish from one thread (the engine's caller).
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "zinf/comm/collective_backend.h"
+#include "zinf/comm/timers.h"
+#include "zinf/core/status.h"
+#include "zinf/partition/plan.h"
+#include "zinf/partition/sub_group.h"
+#include "zinf/swapper/gradient_swapper.h"
+
+namespace zinf::engine {
+
+class GradientBuckets {
+ public:
+  // Where this rank's reduced gradient goes: `accumulated` (partition-sized) without a gradient
+  // swapper; else `staging` (partition-sized, free during the backward pass) and `gradients`.
+  struct Target {
+    std::span<float> accumulated;
+    std::span<float> staging;
+    swapper::GradientSwapper* gradients = nullptr;
+    std::vector<partition::SubGroup> sub_groups;  // this rank's, in partition order
+  };
+
+  // `grads`: every parameter's gradient buffer, in layout order. InvalidArgument when a bucket
+  // exceeds what one MPI collective moves (2^31 - 1 elements).
+  static Result<std::unique_ptr<GradientBuckets>> Create(
+      const partition::PartitionPlan& plan, int rank, std::vector<std::span<float>> grads,
+      std::uint64_t bucket_elems, comm::CollectiveBackend* backend, Target target,
+      comm::Timers* timers, bool background);
+  ~GradientBuckets();  // lets the worker finish what it was given, then joins it
+  GradientBuckets(const GradientBuckets&) = delete;
+  GradientBuckets& operator=(const GradientBuckets&) = delete;
+
+  std::size_t num_buckets() const { return buckets_.size(); }
+  std::uint64_t max_bucket_elems() const { return send_.size(); }
+  bool background() const { return background_; }
+
+  // Parameter `param`'s gradient of micro-batch `micro_batch` is complete in its buffer. Local.
+  // Errors (also recorded for Finish): InvalidArgument (no such parameter), FailedPrecondition
+  // (handed twice in the micro-batch).
+  Status Ready(std::size_t param, int micro_batch);
+  // Collective over the backend: reduces every bucket of micro-batch `micro_batch` not reduced
+  // yet and ends the micro-batch. Returns the collective error (the same everywhere) or this
+  // rank's recorded local error.
+  Status Finish(int micro_batch);
+
+ private:
+  struct Piece {
+    std::size_t param;
+    std::uint64_t in_param, numel;
+    std::uint64_t partition_offset;  // in the owning rank's partition
+  };
+  struct Bucket {
+    std::size_t first_param = 0, end_param = 0;
+    std::vector<std::int64_t> counts;  // per rank
+    std::vector<Piece> send;           // every rank's pieces, rank-major, partition order
+    std::vector<Piece> mine;           // this rank's, in the order it receives them
+    std::vector<std::pair<std::size_t, std::uint64_t>> sub_group_elems;  // (sub-group, count)
+  };
+
+  GradientBuckets() = default;
+  Status Build(const partition::PartitionPlan& plan, int rank, std::uint64_t bucket_elems);
+  void Begin(int micro_batch);
+  // Reduces the k-th bucket of the micro-batch's order (bucket num_buckets - 1 - k).
+  void Reduce(std::size_t k);
+  void Unpack(const Bucket& bucket);
+  void RecordLocal(Status status);  // keeps the first local error (both threads)
+  bool HasLocalError();
+  void Work();
+
+  std::vector<std::span<float>> grads_;
+  comm::CollectiveBackend* backend_ = nullptr;
+  Target target_;
+  comm::Timers* timers_ = nullptr;
+  bool background_ = false;
+  int rank_ = 0;
+  std::vector<Bucket> buckets_;
+  std::vector<std::size_t> bucket_of_;          // per parameter
+  std::vector<std::uint64_t> sub_group_total_;  // parameter elements per sub-group
+  std::vector<float> send_, recv_;
+
+  // Per micro-batch (the caller's thread, and the worker under mu_ as noted).
+  bool active_ = false;
+  int micro_batch_ = 0;
+  std::vector<bool> ready_;                // per parameter
+  std::vector<std::size_t> missing_;       // per bucket: parameters not handed yet
+  std::vector<std::uint64_t> pending_;     // per sub-group: elements still to arrive (worker)
+  std::optional<Error> collective_error_;  // written by whoever reduces; read after a wait
+  std::mutex error_mu_;
+  std::optional<Error> local_error_;  // (error_mu_)
+
+  std::mutex mu_;
+  std::condition_variable work_cv_, idle_cv_;
+  std::size_t complete_ = 0;  // buckets of the order, from the first, that are complete (mu_)
+  std::size_t reduced_ = 0;   // buckets of the order reduced or being reduced by now (mu_)
+  bool busy_ = false;         // the worker is reducing (mu_)
+  bool stop_ = false;         // (mu_)
+  std::thread worker_;
+};
+
+}  // namespace zinf::engine
