@@ -116,6 +116,9 @@ struct ZeroEngine::State {
   std::uint64_t swap_bytes = 0;  // this rank's swap reads + writes in its optimizer steps
   double last_tty_line = 0;
   bool tty = false;
+  // The swap stores' counters when the previous Step (or Create, or a checkpoint save) ended: a
+  // step's swap bytes are all I/O since, its micro-batches' gradient write-behind included.
+  storage::SwapStore::IoCounters io_mark{};
   // Last: destroyed first (its worker uses the backend, the swapper and the timers).
   std::unique_ptr<GradientBuckets> buckets;
 
@@ -237,6 +240,7 @@ Result<std::unique_ptr<ZeroEngine>> ZeroEngine::Create(const comm::Communicator&
   State& s = *engine->state_;
   s.last_step_end = MonotonicSeconds();
   s.loop_start = s.last_step_end;
+  s.io_mark = s.swapper->store().io_counters();
   s.first_step = engine->step_ + 1;
   return engine;
 }
@@ -569,10 +573,9 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   const storage::SwapStore& store = s.swapper->store();
   StepInfo info;
   info.step = step;
-  // 1: the last micro-batch's gradient (a step's gradient store I/O counts from here; the
-  // write-behind of earlier micro-batches was counted by their AccumulateGradients and, for
-  // gradients handed per parameter, by the swap-outs during the backward pass).
-  const storage::SwapStore::IoCounters io_start = store.io_counters();
+  // 1: the last micro-batch's gradient. The step's swap I/O counts from the end of the previous
+  // one: earlier micro-batches' write-behind and the swap-outs during the backward pass.
+  const storage::SwapStore::IoCounters io_start = s.io_mark;
   const Status handed = HandGradient(s.micro_batches);
   s.micro_batches = 0;
   ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(calls));
@@ -657,6 +660,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   info.optimizer_swap_write_bytes = bytes[3];
   ZINF_RETURN_IF_ERROR(Report(info));
   s.last_step_end = MonotonicSeconds();
+  s.io_mark = store.io_counters();
   return info;
 }
 
@@ -754,6 +758,7 @@ Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& use
   comm::ScopedTimer timer(s.timers, "checkpoint");
   ZINF_ASSIGN_OR_RETURN(swapper::SavedCheckpoint saved,
                         swapper::SaveCheckpoint(*s.swapper, step_, options));
+  s.io_mark = s.swapper->store().io_counters();  // the save's reads are not the next step's
   ZINF_LOG_INFO("checkpoint {}: {} in {:.2f} s ({:.2f} GB/s){}", saved.path,
                 FormatBytes(saved.state_bytes), saved.seconds,
                 static_cast<double>(saved.state_bytes) / std::max(saved.seconds, 1e-9) / 1e9,

@@ -114,8 +114,10 @@ struct StepInfo {
   bool clipped = false;          // the gradient was scaled down to gradient_clipping
   double step_seconds = 0;       // since the previous Step returned (or Create), slowest rank
   double optimizer_seconds = 0;  // the swapped Adam step, slowest rank
-  std::uint64_t swap_read_bytes = 0;   // read by the swap stores during the step, all ranks
-  std::uint64_t swap_write_bytes = 0;  // written, all ranks (gradient write-behind included)
+  // Read and written by the swap stores since the previous Step returned, all ranks: the
+  // micro-batches' gradient write-behind included, a checkpoint save's reads not.
+  std::uint64_t swap_read_bytes = 0;
+  std::uint64_t swap_write_bytes = 0;
   std::uint64_t optimizer_swap_read_bytes = 0;  // the part inside the optimizer step
   std::uint64_t optimizer_swap_write_bytes = 0;
   std::uint64_t peak_rss_bytes = 0;  // largest over the ranks
