@@ -731,6 +731,7 @@ Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& use
                                                        const std::string& dir) {
   State& s = *state_;
   if (closed_) return FailedPreconditionError("engine: SaveCheckpoint after Close");
+  s.buckets->WaitIdle();  // mid-micro-batch: its worker's collectives first
   Status check = OkStatus();
   const std::string target = dir.empty() ? config_.zinf.checkpoint.dir : dir;
   if (target.empty()) {
@@ -771,6 +772,8 @@ Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& use
 
 Status ZeroEngine::LogSummary() {
   State& s = *state_;
+  if (closed_) return FailedPreconditionError("engine: LogSummary after Close");
+  s.buckets->WaitIdle();
   ZINF_RETURN_IF_ERROR(s.timers.LogSummary(*s.comm, "engine timers"));
   ZINF_RETURN_IF_ERROR(s.swapper->LogTimers());
   return LogPerNode();

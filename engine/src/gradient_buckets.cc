@@ -178,12 +178,14 @@ Status GradientBuckets::Ready(std::size_t param, int micro_batch) {
   return OkStatus();
 }
 
+void GradientBuckets::WaitIdle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_cv_.wait(lock, [&] { return !busy_ && reduced_ >= complete_; });
+}
+
 Status GradientBuckets::Finish(int micro_batch) {
   if (!active_) Begin(micro_batch);
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    idle_cv_.wait(lock, [&] { return !busy_ && reduced_ >= complete_; });
-  }
+  WaitIdle();
   // The worker is idle and gets nothing new (complete_ stays below reduced_ from here).
   while (true) {
     std::size_t k;

@@ -79,6 +79,10 @@ class GradientBuckets {
   // yet and ends the micro-batch. Returns the collective error (the same everywhere) or this
   // rank's recorded local error.
   Status Finish(int micro_batch);
+  // Waits until the worker has reduced every bucket it was given (local; no MPI). After it no
+  // thread of this object calls MPI until the next Ready, so the engine may run collectives of
+  // its own in the middle of a micro-batch.
+  void WaitIdle();
 
  private:
   struct Piece {

@@ -186,11 +186,14 @@ class ZeroEngine {
   // from the config; `user_state` (a JSON object, or null) is stored and given back by
   // user_state() after a restore. Errors: InvalidArgument (no directory, state not an object),
   // ResourceExhausted (no space), I/O errors; `latest` and older checkpoints stay as they were.
+  // Also in the middle of a micro-batch: it first waits (without MPI) for the gradient
+  // reductions the engine's thread has in flight.
   Result<SavedCheckpointInfo> SaveCheckpoint(const nlohmann::json& user_state = nullptr,
                                              const std::string& dir = {});
 
   // Collective: the timers (min/mean/max over ranks) and the swap bandwidth per node, logged
   // by rank 0. For the end of a run.
+  // Errors: FailedPrecondition after Close.
   Status LogSummary();
 
   // Collective. Closes the swapper (removes the swap store unless keep_swap) and the metrics
