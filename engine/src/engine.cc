@@ -123,40 +123,14 @@ struct ZeroEngine::State {
   std::unique_ptr<GradientBuckets> buckets;
 
   // Calls fn(param index, offset in the param, count, offset in the partition-ordered buffer)
-  // for every piece of the flat vector, in partition order (rank by rank, fragment by fragment).
+  // for every fragment (one parameter's piece, partition::Fragment), in partition order.
   template <typename Fn>
   void ForEachPiece(Fn&& fn) const {
-    const partition::ParamLayout& layout = plan->layout();
     for (int r = 0; r < plan->world_size(); ++r) {
       const std::uint64_t base = static_cast<std::uint64_t>(r) * partition_numel;
       for (const partition::Fragment& f : plan->RankFragments(r)) {
-        ForEachParamIn(
-            layout, f.flat_offset, f.numel,
-            [&](std::size_t p, std::uint64_t in_param, std::uint64_t n, std::uint64_t done) {
-              fn(p, in_param, n, base + f.partition_offset + done);
-            });
+        fn(f.param_index, f.param_offset, f.numel, base + f.partition_offset);
       }
-    }
-  }
-
-  // Calls fn(param index, offset in the param, count, offset from flat_offset) for the params
-  // that flat range [flat_offset, flat_offset + numel) covers.
-  template <typename Fn>
-  static void ForEachParamIn(const partition::ParamLayout& layout, std::uint64_t flat_offset,
-                             std::uint64_t numel, Fn&& fn) {
-    const auto& ps = layout.params();
-    auto it = std::upper_bound(
-        ps.begin(), ps.end(), flat_offset,
-        [](std::uint64_t v, const partition::ParamInfo& p) { return v < p.flat_offset; });
-    std::size_t p = static_cast<std::size_t>(it - ps.begin()) - 1;
-    std::uint64_t done = 0;
-    while (done < numel && p < ps.size()) {
-      const std::uint64_t at = flat_offset + done;
-      const std::uint64_t in_param = at - ps[p].flat_offset;
-      const std::uint64_t n = std::min(numel - done, ps[p].numel - in_param);
-      if (n > 0) fn(p, in_param, n, done);
-      done += n;
-      ++p;
     }
   }
 };
@@ -391,12 +365,8 @@ Status ZeroEngine::Initialize() {
     std::fill(out.begin(), out.end(), 0.0f);
     for (const partition::Fragment& f :
          s.plan->FragmentsInPartitionRange(world_.rank(), partition_offset, out.size())) {
-      float* dst = out.data() + (f.partition_offset - partition_offset);
-      State::ForEachParamIn(
-          s.plan->layout(), f.flat_offset, f.numel,
-          [&](std::size_t p, std::uint64_t in_param, std::uint64_t n, std::uint64_t done) {
-            std::copy_n(s.params[p].weights.data() + in_param, n, dst + done);
-          });
+      std::copy_n(s.params[f.param_index].weights.data() + f.param_offset, f.numel,
+                  out.data() + (f.partition_offset - partition_offset));
     }
     return OkStatus();
   };
