@@ -405,7 +405,12 @@ Result<std::string> ResolveCheckpointPath(const std::string& path) {
     }
     return ErrnoError(errno, fmt::format("checkpoint {}", path));
   }
-  if (S_ISREG(st.st_mode)) return path;
+  if (S_ISREG(st.st_mode)) {
+    // <dir>/latest itself stands for the checkpoint it names, as the directory does.
+    const std::filesystem::path file(path);
+    if (file.filename() != "latest") return path;
+    return ResolveCheckpointPath(file.has_parent_path() ? file.parent_path().string() : ".");
+  }
   if (!S_ISDIR(st.st_mode)) {
     return FailedPreconditionError(
         fmt::format("checkpoint {} is not a regular file or a directory", path));

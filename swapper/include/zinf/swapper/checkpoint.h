@@ -161,11 +161,11 @@ struct RestoredCheckpoint {
 };
 
 // Collective over swapper.comm(). Restores the checkpoint `path` (a checkpoint file, or a
-// directory whose `latest` names one) into `swapper`, whatever world size it was saved on: each
-// rank reads the flat ranges its own plan owns, verifying the checksum of every chunk it reads
-// (whole chunks), and writes each sub-group's state with WriteState (last_step = the file's
-// step; padding 0). Every rank reads through its own read-only (serial) HDF5 handle. Returns the
-// same Status on every rank. Errors, all before the store is written (see verify_before_write):
+// directory whose `latest` names one, or that `latest` file) into `swapper`, whatever world size it
+// was saved on: each rank reads the flat ranges its own plan owns, verifying the checksum of every
+// chunk it reads (whole chunks), and writes each sub-group's state with WriteState (last_step = the
+// file's step; padding 0). Every rank reads through its own read-only (serial) HDF5 handle. Returns
+// the same Status on every rank. Errors, all before the store is written (see verify_before_write):
 //   NotFound: no file, no `latest` in the directory, or `latest` names a missing file;
 //   DataLoss: not an HDF5 file or truncated, a missing attribute or dataset or one of the wrong
 //             size/type ("missing dataset /state/exp_avg"), a checksum mismatch naming the
@@ -179,7 +179,8 @@ Result<RestoredCheckpoint> RestoreCheckpoint(OptimizerSwapper& swapper, const st
 
 // ---- Serial inspection (no MPI needed; used by zinf-ckpt and tests) ----
 
-// `path` itself if it is not a directory; otherwise <path>/<contents of <path>/latest>.
+// `path` itself if it is a file other than `latest`; for a directory, or its `latest` file,
+// <dir>/<contents of <dir>/latest>.
 // Errors: NotFound (no such path, no `latest`), DataLoss (empty `latest`).
 Result<std::string> ResolveCheckpointPath(const std::string& path);
 
