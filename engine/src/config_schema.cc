@@ -248,9 +248,10 @@ const std::vector<KeySpec>& EngineSchema() {
        .description = "",
        .unsupported = kNotImplemented},
       {.path = "zero_optimization.allgather_bucket_size",
-       .field = {},
-       .description = "",
-       .unsupported = kNotImplemented},
+       .field = Leaf<&T::zero_optimization, &Z::allgather_bucket_size>(),
+       .description = "Elements per all-gather round: the engine gathers the updated weights "
+                      "into the parameters through a buffer of this many elements",
+       .range = AtLeast(1)},
       {.path = "zero_optimization.stage3_max_live_parameters",
        .field = {},
        .description = "",

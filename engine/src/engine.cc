@@ -103,9 +103,10 @@ struct ZeroEngine::State {
   std::optional<StopSignals> stop_signals;
   std::uint64_t total_numel = 0;
   std::uint64_t partition_numel = 0;
-  std::vector<float> partition;       // this rank's updated fp32 weights (padding 0)
   std::vector<float> partition_grad;  // this rank's reduced gradient (in-memory accumulation)
-  std::vector<float> gathered;        // every rank's partition, rank order (padded)
+  StagingBuffer staging;  // with a gradient swapper: its reduced gradient on its way to NVMe
+  // One all-gather round: this rank's piece and every rank's (rank order).
+  std::vector<float> gather_send, gather_recv;
   comm::Timers timers;
   storage::UniqueFd metrics;
   int micro_batches = 0;     // AccumulateGradients calls since the last Step
@@ -122,14 +123,29 @@ struct ZeroEngine::State {
   // Last: destroyed first (its worker uses the backend, the swapper and the timers).
   std::unique_ptr<GradientBuckets> buckets;
 
-  // Calls fn(param index, offset in the param, count, offset in the partition-ordered buffer)
-  // for every fragment (one parameter's piece, partition::Fragment), in partition order.
-  template <typename Fn>
-  void ForEachPiece(Fn&& fn) const {
-    for (int r = 0; r < plan->world_size(); ++r) {
-      const std::uint64_t base = static_cast<std::uint64_t>(r) * partition_numel;
-      for (const partition::Fragment& f : plan->RankFragments(r)) {
-        fn(f.param_index, f.param_offset, f.numel, base + f.partition_offset);
+  // Rank `rank`'s partition elements [partition_offset, + out.size()) from the parameters'
+  // weights (padding 0).
+  void PackWeights(int rank, std::uint64_t partition_offset, std::span<float> out) const {
+    std::fill(out.begin(), out.end(), 0.0f);
+    for (const partition::Fragment& f :
+         plan->FragmentsInPartitionRange(rank, partition_offset, out.size())) {
+      std::copy_n(params[f.param_index].weights.data() + f.param_offset, f.numel,
+                  out.data() + (f.partition_offset - partition_offset));
+    }
+  }
+
+  // The reverse: rank `rank`'s partition elements [partition_offset, + in.size()) into the
+  // parameters' weights, rounded to bf16 values with `bf16`.
+  void UnpackWeights(int rank, std::uint64_t partition_offset, std::span<const float> in,
+                     bool bf16) const {
+    for (const partition::Fragment& f :
+         plan->FragmentsInPartitionRange(rank, partition_offset, in.size())) {
+      float* dst = params[f.param_index].weights.data() + f.param_offset;
+      const float* src = in.data() + (f.partition_offset - partition_offset);
+      if (bf16) {
+        for (std::uint64_t k = 0; k < f.numel; ++k) dst[k] = RoundToBf16(src[k]);
+      } else {
+        std::copy_n(src, f.numel, dst);
       }
     }
   }
@@ -250,13 +266,18 @@ Status ZeroEngine::Build(std::vector<Param> params) {
         s.partition_numel, std::numeric_limits<int>::max())));
   }
   const std::uint64_t padded = s.partition_numel * static_cast<std::uint64_t>(world_.size());
-  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(CheckHostMemory(padded)));
+  // The all-gather runs in rounds of allgather_bucket_size elements over all ranks.
+  const std::uint64_t round = std::clamp<std::uint64_t>(
+      config_.zero_optimization.allgather_bucket_size / static_cast<std::uint64_t>(world_.size()),
+      1, s.partition_numel);
+  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(CheckHostMemory(padded, round)));
   ZINF_LOG_INFO(
-      "engine: {} parameters in {} tensors; partition {} elements per rank; "
-      "replicated gathered weights and gradient {} per rank",
-      s.total_numel, s.params.size(), s.partition_numel, FormatBytes(2 * padded * sizeof(float)));
-  s.partition.assign(s.partition_numel, 0.0f);
-  s.gathered.assign(padded, 0.0f);
+      "engine: {} parameters in {} tensors; partition {} elements per rank; weights gathered in "
+      "{} round(s) of {} elements per rank",
+      s.total_numel, s.params.size(), s.partition_numel, (s.partition_numel + round - 1) / round,
+      round);
+  s.gather_send.assign(round, 0.0f);
+  s.gather_recv.assign(round * static_cast<std::uint64_t>(world_.size()), 0.0f);
   ZINF_ASSIGN_OR_RETURN(s.backend, comm::CreateCollectiveBackend(*s.comm, comm::BackendKind::kMpi));
 
   if (options_.create_nvme_paths) {
@@ -279,7 +300,11 @@ Status ZeroEngine::Build(std::vector<Param> params) {
   options.accumulation_memory_limit_bytes = options_.gradient_memory_limit_bytes;
   ZINF_LOG_INFO("engine: job id {}", options.store.job_id);
   ZINF_ASSIGN_OR_RETURN(s.swapper, swapper::CreateOptimizerSwapper(*s.comm, *s.plan, options));
-  if (s.swapper->gradient_swapper() == nullptr) s.partition_grad.assign(s.partition_numel, 0.0f);
+  if (s.swapper->gradient_swapper() == nullptr) {
+    s.partition_grad.assign(s.partition_numel, 0.0f);
+  } else {
+    ZINF_ASSIGN_OR_RETURN(s.staging, StagingBuffer::Create(s.partition_numel));
+  }
   ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(CreateBuckets()));
 
   if (options_.stop_signals) s.stop_signals.emplace();
@@ -291,18 +316,19 @@ Status ZeroEngine::Build(std::vector<Param> params) {
 
 // The engine's own buffers against the machine's RAM + swap shared by this node's ranks: what
 // cannot fit is ResourceExhausted before it is allocated, not a std::bad_alloc half-way.
-Status ZeroEngine::CheckHostMemory(std::uint64_t padded_numel) const {
+Status ZeroEngine::CheckHostMemory(std::uint64_t padded_numel, std::uint64_t round) const {
   const std::uint64_t machine = MachineMemoryBytes();
   if (machine == 0) return OkStatus();
   const auto local = static_cast<std::uint64_t>(std::max(world_.topology().local_size, 1));
-  // gathered and grad, the partition and its gradient, and the user's weights and gradients.
+  // The user's weights and gradients, the partition's gradient and the all-gather buffers.
   std::uint64_t need = 0;
-  const std::uint64_t floats = 2 * padded_numel + 2 * state_->partition_numel;
+  const std::uint64_t floats = 2 * padded_numel + state_->partition_numel +
+                               round * (1 + static_cast<std::uint64_t>(world_.size()));
   if (!CheckedMul(floats, sizeof(float), &need)) need = UINT64_MAX;
   if (need <= machine / local) return OkStatus();
   return ResourceExhaustedError(fmt::format(
       "the engine needs at least {} of host memory per rank for the replicated weights and "
-      "gradient of {} parameters, more than its share of this machine: {} of RAM + swap over {} "
+      "gradients of {} parameters, more than its share of this machine: {} of RAM + swap over {} "
       "rank(s); run on more nodes or fewer ranks per node",
       FormatBytes(need), state_->total_numel, FormatBytes(machine), local));
 }
@@ -362,12 +388,7 @@ Status ZeroEngine::Initialize() {
   // Each rank writes its partition of the user's initial weights, slice by slice.
   const swapper::InitialWeights initial = [&](std::uint64_t partition_offset,
                                               std::span<float> out) -> Status {
-    std::fill(out.begin(), out.end(), 0.0f);
-    for (const partition::Fragment& f :
-         s.plan->FragmentsInPartitionRange(world_.rank(), partition_offset, out.size())) {
-      std::copy_n(s.params[f.param_index].weights.data() + f.param_offset, f.numel,
-                  out.data() + (f.partition_offset - partition_offset));
-    }
+    s.PackWeights(world_.rank(), partition_offset, out);
     return OkStatus();
   };
   ZINF_RETURN_IF_ERROR(s.swapper->Initialize(initial));
@@ -400,34 +421,41 @@ Status ZeroEngine::Restore(const std::string& path) {
   return OkStatus();
 }
 
+// This rank's committed fp32 weights from the swap store into its part of the parameters'
+// weights, through the all-gather's send buffer.
 Status ZeroEngine::ReadPartition() {
   State& s = *state_;
-  std::fill(s.partition.begin(), s.partition.end(), 0.0f);
+  const std::span<float> buffer(s.gather_send);
   for (std::size_t i = 0; i < s.swapper->num_sub_groups(); ++i) {
     const partition::SubGroup& sg = s.swapper->swap_info(i).sub_group;
-    ZINF_RETURN_IF_ERROR(
-        s.swapper->ReadState(i, swapper::StateTensor::kFp32, 0,
-                             std::span<float>(s.partition).subspan(sg.partition_offset, sg.numel)));
+    for (std::uint64_t at = 0; at < sg.numel; at += buffer.size()) {
+      const std::span<float> piece =
+          buffer.first(std::min<std::uint64_t>(buffer.size(), sg.numel - at));
+      ZINF_RETURN_IF_ERROR(s.swapper->ReadState(i, swapper::StateTensor::kFp32, at, piece));
+      s.UnpackWeights(world_.rank(), sg.partition_offset + at, piece, /*bf16=*/false);
+    }
   }
   return OkStatus();
 }
 
+// Every rank's part of the parameters' weights (its partition's updated values, written there by
+// the step's sink or ReadPartition) to every rank, in rounds of gather_send.size() elements per
+// rank: the engine never holds a copy of the model.
 Status ZeroEngine::Gather() {
   State& s = *state_;
-  {
-    comm::ScopedTimer timer(s.timers, "allgather");
-    ZINF_RETURN_IF_ERROR(s.backend->Allgather(s.partition, s.gathered));
-  }
-  const bool bf16 = config_.bf16;
-  s.ForEachPiece([&](std::size_t p, std::uint64_t in_param, std::uint64_t n, std::uint64_t at) {
-    float* dst = s.params[p].weights.data() + in_param;
-    const float* src = s.gathered.data() + at;
-    if (bf16) {
-      for (std::uint64_t k = 0; k < n; ++k) dst[k] = RoundToBf16(src[k]);
-    } else {
-      std::copy_n(src, n, dst);
+  comm::ScopedTimer timer(s.timers, "allgather");
+  const std::uint64_t round = s.gather_send.size();
+  const int world = world_.size();
+  for (std::uint64_t at = 0; at < s.partition_numel; at += round) {
+    const std::uint64_t n = std::min(round, s.partition_numel - at);
+    const std::span<float> send(s.gather_send.data(), n);
+    const std::span<float> recv(s.gather_recv.data(), n * static_cast<std::uint64_t>(world));
+    s.PackWeights(world_.rank(), at, send);
+    ZINF_RETURN_IF_ERROR(s.backend->Allgather(send, recv));
+    for (int r = 0; r < world; ++r) {
+      s.UnpackWeights(r, at, recv.subspan(static_cast<std::uint64_t>(r) * n, n), config_.bf16);
     }
-  });
+  }
   return OkStatus();
 }
 
@@ -437,7 +465,7 @@ Status ZeroEngine::CreateBuckets() {
   GradientBuckets::Target target;
   target.gradients = s.swapper->gradient_swapper();
   if (target.gradients != nullptr) {
-    target.staging = s.partition;  // free until the step's sink refills it
+    target.staging = s.staging.span();
   } else {
     target.accumulated = s.partition_grad;
   }
@@ -579,7 +607,8 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
         "or set gradient_clipping",
         step, info.loss, info.grad_norm));
   }
-  // 3: the swapped optimizer step; the sink gathers the new weights into the partition.
+  // 3: the swapped optimizer step; the sink writes this rank's new weights into the
+  // parameters (its own part of them), from where step 4 gathers them.
   info.lr = LearningRate(config_.scheduler, config_.optimizer.lr, step - 1);
   swapper::GradientSwapper* gradients = s.swapper->gradient_swapper();
   const swapper::GradientSource source =
@@ -589,9 +618,10 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
               std::copy_n(s.partition_grad.data() + sg.partition_offset, sg.numel, g.data());
               return OkStatus();
             });
-  const swapper::ParamSink sink = [&s](const partition::SubGroup& sg, std::span<const float> fp32,
-                                       std::span<const std::uint16_t>) {
-    std::copy_n(fp32.data(), sg.numel, s.partition.data() + sg.partition_offset);
+  const swapper::ParamSink sink = [&s, rank = world_.rank()](const partition::SubGroup& sg,
+                                                             std::span<const float> fp32,
+                                                             std::span<const std::uint16_t>) {
+    s.UnpackWeights(rank, sg.partition_offset, fp32.first(sg.numel), /*bf16=*/false);
     return OkStatus();
   };
   const double optimizer_start = MonotonicSeconds();

@@ -1,7 +1,12 @@
 // GradientBuckets (gradient_buckets.h): the buckets, their order and the worker thread.
 #include "gradient_buckets.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdint>
 #include <limits>
 #include <utility>
 
@@ -124,11 +129,7 @@ void GradientBuckets::Begin(int micro_batch) {
   // A sub-group of padding only (a tiny model on many ranks) has nothing to wait for.
   if (target_.gradients == nullptr) return;
   for (std::size_t s = 0; s < pending_.size(); ++s) {
-    if (pending_[s] != 0) continue;
-    const partition::SubGroup& sg = target_.sub_groups[s];
-    RecordLocal(target_.gradients->SwapOut(
-        micro_batch_, s,
-        std::span<const float>(target_.staging).subspan(sg.partition_offset, sg.numel)));
+    if (pending_[s] == 0) SwapOut(s);
   }
 }
 
@@ -268,12 +269,55 @@ void GradientBuckets::Unpack(const Bucket& bucket) {
   for (const auto& [s, n] : bucket.sub_group_elems) {
     pending_[s] -= n;
     if (pending_[s] != 0 || HasLocalError()) continue;
-    const partition::SubGroup& sg = target_.sub_groups[s];
     comm::ScopedTimer timer(*timers_, "gradient_swap_out");
-    RecordLocal(target_.gradients->SwapOut(
-        micro_batch_, s,
-        std::span<const float>(target_.staging).subspan(sg.partition_offset, sg.numel)));
+    SwapOut(s);
   }
+}
+
+void GradientBuckets::SwapOut(std::size_t s) {
+  const partition::SubGroup& sg = target_.sub_groups[s];
+  const std::span<const float> grad =
+      std::span<const float>(target_.staging).subspan(sg.partition_offset, sg.numel);
+  RecordLocal(target_.gradients->SwapOut(micro_batch_, s, grad));  // copies what it keeps
+  StagingBuffer::Release(grad);
+}
+
+Result<StagingBuffer> StagingBuffer::Create(std::uint64_t numel) {
+  StagingBuffer buffer;
+  if (numel == 0) return buffer;
+  void* p = ::mmap(nullptr, numel * sizeof(float), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    return ErrnoError(errno, fmt::format("gradient staging of {} elements", numel));
+  }
+  buffer.data_ = static_cast<float*>(p);
+  buffer.numel_ = numel;
+  return buffer;
+}
+
+StagingBuffer::StagingBuffer(StagingBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), numel_(std::exchange(other.numel_, 0)) {}
+
+StagingBuffer& StagingBuffer::operator=(StagingBuffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) ::munmap(data_, numel_ * sizeof(float));
+    data_ = std::exchange(other.data_, nullptr);
+    numel_ = std::exchange(other.numel_, 0);
+  }
+  return *this;
+}
+
+StagingBuffer::~StagingBuffer() {
+  if (data_ != nullptr) ::munmap(data_, numel_ * sizeof(float));
+}
+
+void StagingBuffer::Release(std::span<const float> range) {
+  static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<std::uintptr_t>(range.data());
+  const std::uintptr_t first = (begin + page - 1) / page * page;
+  const std::uintptr_t last = (begin + range.size_bytes()) / page * page;
+  // Best effort: a failure only keeps the pages.
+  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
 }
 
 }  // namespace zinf::engine

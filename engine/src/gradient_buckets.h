@@ -46,10 +46,33 @@
 
 namespace zinf::engine {
 
+// Anonymous memory whose pages can be given back to the kernel (Release): the staging of the
+// reduced gradient on its way to the gradient swapper, which then costs host memory only for
+// the sub-groups in flight, not for the partition.
+class StagingBuffer {
+ public:
+  StagingBuffer() = default;
+  // Reserves `numel` floats (zero; pages are allocated when first written). Errors:
+  // ResourceExhausted (mmap failed).
+  static Result<StagingBuffer> Create(std::uint64_t numel);
+  StagingBuffer(StagingBuffer&& other) noexcept;
+  StagingBuffer& operator=(StagingBuffer&& other) noexcept;
+  ~StagingBuffer();
+
+  std::span<float> span() const { return {data_, numel_}; }
+  // Gives the whole pages inside `range` (a part of span()) back; they read as zero afterwards.
+  static void Release(std::span<const float> range);
+
+ private:
+  float* data_ = nullptr;
+  std::uint64_t numel_ = 0;
+};
+
 class GradientBuckets {
  public:
   // Where this rank's reduced gradient goes: `accumulated` (partition-sized) without a gradient
-  // swapper; else `staging` (partition-sized, free during the backward pass) and `gradients`.
+  // swapper; else `staging` (a StagingBuffer's partition-sized span: each sub-group's pages are
+  // released once it is handed to `gradients`) and `gradients`.
   struct Target {
     std::span<float> accumulated;
     std::span<float> staging;
@@ -104,6 +127,8 @@ class GradientBuckets {
   // Reduces the k-th bucket of the micro-batch's order (bucket num_buckets - 1 - k).
   void Reduce(std::size_t k);
   void Unpack(const Bucket& bucket);
+  // Hands sub-group `s` of the staging to the gradient swapper and releases its pages.
+  void SwapOut(std::size_t s);
   void RecordLocal(Status status);  // keeps the first local error (both threads)
   bool HasLocalError();
   void Work();

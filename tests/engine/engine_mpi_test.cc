@@ -82,6 +82,7 @@ struct Case {
   // swap_gradients with read-add-write on NVMe instead of in memory; the model and sub-groups
   // are then large enough (emb 1.2M elements) for every rank's gradient to have swapped pieces.
   bool gradient_on_disk = false;
+  std::uint64_t gather = 500'000'000;  // zero_optimization.allgather_bucket_size
 };
 
 // DeepSpeed's WarmupLR, linear: min + (max - min) * i / max(2, warmup) for i < warmup.
@@ -102,11 +103,12 @@ std::string ConfigText(const Case& c, const std::string& swap_dir, const std::st
     "scheduler": {{"type": "WarmupLR", "params": {{"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
                    "warmup_num_steps": 3, "warmup_type": "linear"}}}},
     "zero_optimization": {{"stage": {}, "sub_group_size": {}, "reduce_bucket_size": {},
+                           "allgather_bucket_size": {},
                            "offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}}}},
     "zinf": {{"swap_gradients": {}, "adam_threads": 1, "checkpoint": {{"dir": "{}"}}}}
   }})",
                      c.gas, c.clipping, c.adamw ? "true" : "false", c.stage,
-                     c.gradient_on_disk ? 1 << 20 : 3000, c.bucket, swap_dir,
+                     c.gradient_on_disk ? 1 << 20 : 3000, c.bucket, c.gather, swap_dir,
                      c.swap_gradients ? "true" : "false", ckpt_dir);
 }
 
@@ -255,10 +257,16 @@ TEST_P(EngineMatchesReference, ForSeveralSteps) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, EngineMatchesReference,
     ::testing::Values(
-        Case{.name = "AdamW"}, Case{.name = "AccumulateCalls", .gas = 3},
+        Case{.name = "AdamW"}, Case{.name = "AccumulateCalls", .gas = 3, .gather = 1},
         Case{.name = "AccumulateInBuffers", .gas = 3, .accumulate_calls = false},
         Case{.name = "SwapGradients", .gas = 2, .swap_gradients = true},
-        Case{.name = "Stage3AdamL2Clipped", .stage = 3, .adamw = false, .clipping = 5.0},
+        // The all-gather in rounds (allgather_bucket_size over all ranks) that cut parameters
+        // and end short of the partition.
+        Case{.name = "Stage3AdamL2Clipped",
+             .stage = 3,
+             .adamw = false,
+             .clipping = 5.0,
+             .gather = 1000},
         // Gradients handed per parameter, in buckets of >= 3000 elements: [fc1.weight],
         // [fc1.bias, emb], [head.w]; or one bucket; or one per parameter (bucket 1).
         Case{.name = "PerParam", .hand = Case::Hand::kReverse, .bucket = 3000},
@@ -285,7 +293,11 @@ INSTANTIATE_TEST_SUITE_P(
              .hand = Case::Hand::kReverse,
              .bucket = 3000,
              .gradient_on_disk = true},
-        Case{.name = "GradientOnDisk", .gas = 2, .swap_gradients = true, .gradient_on_disk = true}),
+        Case{.name = "GradientOnDisk",
+             .gas = 2,
+             .swap_gradients = true,
+             .gradient_on_disk = true,
+             .gather = 100'003}),
     [](const ::testing::TestParamInfo<Case>& param) { return param.param.name; });
 
 TEST(ZeroEngine, RestoreNamesTheMismatchedParameter) {

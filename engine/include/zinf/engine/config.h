@@ -9,15 +9,15 @@
 // train_micro_batch_size_per_gpu, gradient_accumulation_steps, gradient_clipping, steps_per_print,
 // wall_clock_breakdown, bf16 {enabled}, optimizer {type, params {lr, betas, eps, weight_decay,
 // adam_w_mode, amsgrad}}, scheduler {type, params}, zero_optimization {stage, sub_group_size,
-// reduce_bucket_size, offload_optimizer {device, nvme_path, buffer_count, pin_memory,
-// pipeline_read, pipeline_write, fast_init}}, aio {block_size, queue_depth, intra_op_parallelism
-// (old name: thread_count), single_submit, overlap_events}, checkpoint {tag_validation,
-// load_universal, use_node_local_storage}. What DeepSpeed lacks lives in the `zinf` section: pinned
-// budget, io engine, verify_swap, keep_swap, swap_gradients, adam_threads, job_id, checkpoint {dir,
-// every, keep_last, load} (DeepSpeed's `checkpoint` block has no directory/interval keys, so zinf's
-// are under zinf.checkpoint). An application adds its own keys (AppKey: zinf-train's model, data,
-// seed and steps). The whole schema (path, type, default, range, description) is one table in
-// engine/src/config_schema.cc; DescribeConfigKeys() prints it.
+// reduce_bucket_size, allgather_bucket_size, offload_optimizer {device, nvme_path, buffer_count,
+// pin_memory, pipeline_read, pipeline_write, fast_init}}, aio {block_size, queue_depth,
+// intra_op_parallelism (old name: thread_count), single_submit, overlap_events}, checkpoint
+// {tag_validation, load_universal, use_node_local_storage}. What DeepSpeed lacks lives in the
+// `zinf` section: pinned budget, io engine, verify_swap, keep_swap, swap_gradients, adam_threads,
+// job_id, checkpoint {dir, every, keep_last, load} (DeepSpeed's `checkpoint` block has no
+// directory/interval keys, so zinf's are under zinf.checkpoint). An application adds its own keys
+// (AppKey: zinf-train's model, data, seed and steps). The whole schema (path, type, default, range,
+// description) is one table in engine/src/config_schema.cc; DescribeConfigKeys() prints it.
 //
 // Deliberate differences from DeepSpeed (each documented at its field):
 //   - zero_optimization.stage defaults to 1 (DeepSpeed: 0); zinf always partitions the optimizer
@@ -133,6 +133,9 @@ struct ZeroConfig {
   // Elements per gradient bucket, >= 1 (DeepSpeed 5e8): ZeroEngine reduces the gradient bucket
   // by bucket (whole parameters, at least this many elements each but the last).
   std::uint64_t reduce_bucket_size = 500'000'000;
+  // Elements per all-gather round, >= 1 (DeepSpeed 5e8): ZeroEngine gathers the updated
+  // partitions into the parameters in rounds of at most this many elements (all ranks).
+  std::uint64_t allgather_bucket_size = 500'000'000;
   OffloadOptimizerConfig offload_optimizer;
 };
 

@@ -32,7 +32,10 @@
 //   3. the swapped Adam/AdamW step runs over the rank's sub-groups at the scheduler's learning
 //      rate (optimizer_swapper.h: crash-consistent per sub-group);
 //   4. the updated partitions are all-gathered into every parameter's `weights` (rounded to bf16
-//      values with bf16.enabled), and every `grads` buffer is zeroed for the next step.
+//      values with bf16.enabled) in rounds of zero_optimization.allgather_bucket_size elements,
+//      and every `grads` buffer is zeroed for the next step. Step 3 writes each rank's new values
+//      into its own part of `weights` and step 4 gathers them from there: the engine keeps no
+//      copy of the model.
 // Gradient accumulation: the user may sum the micro-batches in `grads` and call Step once, or
 // call AccumulateGradients() after each micro-batch but the last (required with
 // zinf.swap_gradients, so each micro-batch is reduced and written behind during the next one's
@@ -54,7 +57,8 @@
 //
 // Errors: every call returns the same Status on every rank (one rank's EIO fails all of them
 // alike; nothing waits in a collective forever). A failed Step leaves every sub-group either
-// stepped or not (optimizer_swapper.h); the last committed checkpoint is never touched.
+// stepped or not (optimizer_swapper.h), but the `weights` may then hold some of the step's new
+// values on some ranks (restore a checkpoint); the last committed checkpoint is never touched.
 //
 // Thread safety: one thread at a time. Create installs stop-signal handlers (SIGINT, SIGTERM,
 // SIGUSR1, SIGUSR2) for the engine's lifetime unless EngineOptions::stop_signals is false.
@@ -220,7 +224,7 @@ class ZeroEngine {
 
   // The parts of Create, Step and the rest (engine.cc); each collective unless said otherwise.
   Status Build(std::vector<Param> params);
-  Status CheckHostMemory(std::uint64_t padded_numel) const;  // local
+  Status CheckHostMemory(std::uint64_t padded_numel, std::uint64_t round) const;  // local
   Status InitializeOrRestore();
   Status Initialize();
   Status Restore(const std::string& path);
