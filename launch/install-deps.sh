@@ -13,6 +13,7 @@ packages=(
   libopenblas-dev
   libxxhash-dev
   fio gnuplot-nox python3
+  python3-dev pybind11-dev python3-numpy python3-torch python3-mpi4py
   iproute2 util-linux procps
 )
 

@@ -1,0 +1,369 @@
+// zinf._zinf: the Python extension over the engine (zinf/torch.py is its user; docs/python.md).
+//
+// It links no Python framework: parameters cross as buffers (the buffer protocol: NumPy arrays,
+// which torch CPU tensors share memory with), so the same build works with any torch. Every
+// zinf error becomes an exception of the zinf.errors class for its code (ZinfError subclasses,
+// with .code, .errno and the message), the same on every rank because the engine's calls agree
+// on their Status.
+//
+// MPI: init() adopts MPI when the process already initialized it (mpi4py, another extension)
+// and otherwise initializes it; finalize() (registered with atexit by zinf/__init__.py) closes
+// the engines still open and finalizes MPI only if init() initialized it.
+//
+// Thread safety: the GIL is released during the engine's calls; one Python thread at a time
+// may use an Engine (the engine's contract), which the GIL-holding entry points check.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "zinf/comm/mpi_session.h"
+#include "zinf/core/log.h"
+#include "zinf/core/status.h"
+#include "zinf/engine/config.h"
+#include "zinf/engine/engine.h"
+
+namespace py = pybind11;
+
+namespace zinf::python {
+namespace {
+
+using Json = nlohmann::json;
+
+// Raises the zinf.errors exception for `error`'s code.
+[[noreturn]] void Raise(const Error& error) {
+  py::object errors = py::module_::import("zinf.errors");
+  py::object cls = errors.attr("class_for_code")(std::string(ErrorCodeName(error.code())));
+  py::object exc =
+      cls(error.message(), std::string(ErrorCodeName(error.code())), error.sys_errno());
+  PyErr_SetObject(cls.ptr(), exc.ptr());
+  throw py::error_already_set();
+}
+
+void Check(const Status& status) {
+  if (!status) Raise(status.error());
+}
+
+template <typename T>
+T Value(Result<T> result) {
+  if (!result) Raise(result.error());
+  return std::move(*result);
+}
+
+class EngineHandle;
+
+// The process's MPI session and the engines open in it.
+struct Runtime {
+  std::optional<comm::MpiSession> session;
+  std::vector<EngineHandle*> engines;
+};
+
+Runtime& GetRuntime() {
+  static Runtime* runtime = new Runtime();  // never destroyed: finalize() ends it
+  return *runtime;
+}
+
+const comm::Communicator& World() {
+  Runtime& rt = GetRuntime();
+  if (!rt.session) {
+    Raise(FailedPreconditionError("zinf: MPI is not initialized (call zinf.init() first)"));
+  }
+  return rt.session->world();
+}
+
+// A float32, C-contiguous, writable buffer of exactly `numel` elements; `what` names it.
+std::span<float> FloatSpan(const py::buffer& buffer, std::int64_t numel, const std::string& what) {
+  py::buffer_info info = buffer.request(/*writable=*/true);
+  if (info.itemsize != sizeof(float) || info.format != py::format_descriptor<float>::format()) {
+    Raise(InvalidArgumentError(
+        fmt::format("{}: must hold float32 elements, not format '{}' of {} bytes", what,
+                    info.format, info.itemsize)));
+  }
+  if (info.size != numel) {
+    Raise(InvalidArgumentError(
+        fmt::format("{}: holds {} elements, its shape needs {}", what, info.size, numel)));
+  }
+  py::ssize_t expected = info.itemsize;
+  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+    if (info.shape[d] > 1 && info.strides[d] != expected) {
+      Raise(InvalidArgumentError(fmt::format("{}: is not contiguous", what)));
+    }
+    expected *= info.shape[d];
+  }
+  return {static_cast<float*>(info.ptr), static_cast<std::size_t>(numel)};
+}
+
+py::dict StepInfoDict(const engine::StepInfo& info) {
+  py::dict d;
+  d["step"] = info.step;
+  d["lr"] = info.lr;
+  d["loss"] = info.loss;
+  d["grad_norm"] = info.grad_norm;
+  d["clipped"] = info.clipped;
+  d["step_seconds"] = info.step_seconds;
+  d["optimizer_seconds"] = info.optimizer_seconds;
+  d["swap_read_bytes"] = info.swap_read_bytes;
+  d["swap_write_bytes"] = info.swap_write_bytes;
+  d["optimizer_swap_read_bytes"] = info.optimizer_swap_read_bytes;
+  d["optimizer_swap_write_bytes"] = info.optimizer_swap_write_bytes;
+  d["peak_rss_bytes"] = info.peak_rss_bytes;
+  d["stop_requested"] = info.stop_requested;
+  d["stop_signal"] = info.stop_signal;
+  return d;
+}
+
+// One ZeroEngine and the Python buffers it works in (kept alive as long as it is).
+class EngineHandle {
+ public:
+  // `params`: (name, shape, weights buffer, grads buffer) per parameter. `config` is a path or,
+  // with `config_is_text`, JSON text. Collective.
+  EngineHandle(const std::string& config, bool config_is_text, const py::list& params,
+               const py::dict& options) {
+    const comm::Communicator& world = World();
+    engine::Config cfg;
+    if (config_is_text) {
+      Result<engine::Config> parsed = engine::ParseConfig(config, engine::ContextOf(world));
+      Check(world.AgreeOnStatus(
+          parsed ? OkStatus() : Status(Error(parsed.error()).WithContext("config (dict): "))));
+      cfg = std::move(*parsed);
+      Check(engine::CheckSameConfigOnAllRanks(world, cfg));
+    } else {
+      cfg = Value(engine::LoadConfig(world, config));
+    }
+    // Bad parameters are agreed on before Create, so that every rank raises.
+    std::vector<engine::Param> list;
+    Status local = OkStatus();
+    try {
+      for (const py::handle& item : params) {
+        auto t = item.cast<py::tuple>();
+        engine::Param p;
+        p.name = t[0].cast<std::string>();
+        p.shape = t[1].cast<std::vector<std::int64_t>>();
+        std::int64_t numel = 1;
+        for (std::int64_t d : p.shape) numel *= d > 0 ? d : 0;
+        p.weights = FloatSpan(t[2].cast<py::buffer>(), numel, "parameter " + p.name + " weights");
+        p.grads = FloatSpan(t[3].cast<py::buffer>(), numel, "parameter " + p.name + " grads");
+        buffers_.push_back(py::reinterpret_borrow<py::object>(t[2]));
+        buffers_.push_back(py::reinterpret_borrow<py::object>(t[3]));
+        list.push_back(std::move(p));
+      }
+    } catch (py::error_already_set& e) {
+      local = InvalidArgumentError(e.what());
+    } catch (const py::cast_error& e) {
+      local = InvalidArgumentError(
+          fmt::format("parameters: expected (name, shape, weights, grads) tuples: {}", e.what()));
+    }
+    Check(world.AgreeOnStatus(local));
+
+    engine::EngineOptions opts;
+    if (options.contains("metrics_path"))
+      opts.metrics_path = options["metrics_path"].cast<std::string>();
+    if (options.contains("total_steps"))
+      opts.total_steps = options["total_steps"].cast<std::int64_t>();
+    if (options.contains("progress")) opts.progress = options["progress"].cast<bool>();
+    if (options.contains("stop_signals")) opts.stop_signals = options["stop_signals"].cast<bool>();
+    if (options.contains("create_nvme_paths")) {
+      opts.create_nvme_paths = options["create_nvme_paths"].cast<bool>();
+    }
+    if (options.contains("gradient_memory_limit_bytes")) {
+      opts.gradient_memory_limit_bytes =
+          options["gradient_memory_limit_bytes"].cast<std::uint64_t>();
+    }
+    if (options.contains("load") && !options["load"].is_none()) {
+      opts.load = options["load"].cast<std::string>();
+    }
+    Result<std::unique_ptr<engine::ZeroEngine>> created = [&] {
+      py::gil_scoped_release release;
+      return engine::ZeroEngine::Create(world, cfg, std::move(list), opts);
+    }();
+    engine_ = Value(std::move(created));
+    GetRuntime().engines.push_back(this);
+  }
+
+  ~EngineHandle() {
+    Forget();
+    if (engine_) {
+      py::gil_scoped_release release;
+      engine_.reset();  // best effort (ZeroEngine's destructor)
+    }
+  }
+
+  EngineHandle(const EngineHandle&) = delete;
+  EngineHandle& operator=(const EngineHandle&) = delete;
+
+  py::dict Step(std::optional<double> loss) {
+    Result<engine::StepInfo> info = [&] {
+      py::gil_scoped_release release;
+      return Open().Step(loss);
+    }();
+    return StepInfoDict(Value(std::move(info)));
+  }
+
+  void AccumulateGradients() {
+    Status status = [&] {
+      py::gil_scoped_release release;
+      return Open().AccumulateGradients();
+    }();
+    Check(status);
+  }
+
+  // `user_state`: JSON text of an object (or "null").
+  py::dict SaveCheckpoint(const std::string& user_state, const std::string& dir) {
+    Json state = Json::parse(user_state, nullptr, /*allow_exceptions=*/false);
+    Status local =
+        state.is_discarded()
+            ? Status(InvalidArgumentError("save_checkpoint: client_state is not valid JSON"))
+            : OkStatus();
+    Check(Open().world().AgreeOnStatus(local));
+    Result<engine::SavedCheckpointInfo> saved = [&] {
+      py::gil_scoped_release release;
+      return Open().SaveCheckpoint(state, dir);
+    }();
+    engine::SavedCheckpointInfo info = Value(std::move(saved));
+    py::dict d;
+    d["path"] = info.path;
+    d["state_bytes"] = info.state_bytes;
+    d["seconds"] = info.seconds;
+    d["removed"] = info.removed;
+    return d;
+  }
+
+  void LogSummary() {
+    Status status = [&] {
+      py::gil_scoped_release release;
+      return Open().LogSummary();
+    }();
+    Check(status);
+  }
+
+  void Close() {
+    if (!engine_) return;
+    // Destroyed right away: its stop-signal handlers give Python's back.
+    Status status = [&] {
+      py::gil_scoped_release release;
+      Status closed = engine_->Close();
+      engine_.reset();
+      return closed;
+    }();
+    Forget();
+    Check(status);
+  }
+
+  std::int64_t step() { return Open().step(); }
+  double next_lr() { return Open().next_lr(); }
+  std::string resumed_from() { return Open().resumed_from(); }
+  int resumed_world_size() { return Open().resumed_world_size(); }
+  std::string user_state() { return Open().user_state().dump(); }
+  std::string effective_config() { return engine::EffectiveConfigJson(Open().config()); }
+  bool closed() const { return !engine_; }
+
+ private:
+  engine::ZeroEngine& Open() {
+    if (!engine_) Raise(FailedPreconditionError("the optimizer's engine is closed"));
+    return *engine_;
+  }
+
+  void Forget() {
+    auto& engines = GetRuntime().engines;
+    std::erase(engines, this);
+  }
+
+  std::unique_ptr<engine::ZeroEngine> engine_;
+  std::vector<py::object> buffers_;
+};
+
+py::dict Init() {
+  Runtime& rt = GetRuntime();
+  if (!rt.session) {
+    // MPI_Init_thread accepts null argc/argv; Open MPI reads its settings from the environment.
+    Result<comm::MpiSession> session =
+        comm::MpiSession::Init(nullptr, nullptr, comm::ThreadLevel::kSingle);
+    if (!session) Raise(session.error());
+    rt.session.emplace(std::move(*session));
+  }
+  const comm::Communicator& world = rt.session->world();
+  py::dict d;
+  d["rank"] = world.rank();
+  d["world_size"] = world.size();
+  d["local_rank"] = world.topology().local_rank;
+  d["local_size"] = world.topology().local_size;
+  d["node"] = world.topology().node;
+  d["owns_mpi"] = rt.session->owns_mpi();
+  return d;
+}
+
+// Closes every engine still open (collective: every rank exits at the same point, or the
+// engines' agreed errors already ended the program alike), then ends the session.
+void Finalize() {
+  Runtime& rt = GetRuntime();
+  while (!rt.engines.empty()) {
+    EngineHandle* e = rt.engines.back();
+    try {
+      e->Close();
+    } catch (py::error_already_set& ex) {
+      LogLine(LogLevel::kWarn, fmt::format("zinf: closing an optimizer at exit: {}", ex.what()));
+    }
+  }
+  if (rt.session) {
+    Status status = rt.session->Finalize();
+    rt.session.reset();
+    Check(status);
+  }
+}
+
+// Collective: raises on every rank the agreed error when `message` is not empty on some rank.
+void Agree(const std::string& code, const std::string& message) {
+  Status local = OkStatus();
+  if (!message.empty()) {
+    ErrorCode c = ErrorCode::kInvalidArgument;
+    for (int i = 1; i <= static_cast<int>(ErrorCode::kInternal); ++i) {
+      if (ErrorCodeName(static_cast<ErrorCode>(i)) == code) c = static_cast<ErrorCode>(i);
+    }
+    local = Error(c, message);
+  }
+  Check(World().AgreeOnStatus(local));
+}
+
+void Log(const std::string& level, const std::string& message) {
+  LogLevel l = LogLevel::kInfo;
+  if (!ParseLogLevel(level, &l)) Raise(InvalidArgumentError("log: unknown level " + level));
+  if (LogEnabled(l)) LogLine(l, message);
+}
+
+}  // namespace
+}  // namespace zinf::python
+
+PYBIND11_MODULE(_zinf, m) {
+  using zinf::python::EngineHandle;
+  m.doc() = "zinf's engine (use zinf.torch.ZeroOptimizer; docs/python.md)";
+  m.def("init", &zinf::python::Init, "Initializes or adopts MPI; returns the rank facts.");
+  m.def("finalize", &zinf::python::Finalize,
+        "Closes the open engines and finalizes MPI if init() initialized it.");
+  m.def("agree", &zinf::python::Agree, py::arg("code"), py::arg("message"),
+        "Collective: raises on every rank when some rank passes a message.");
+  m.def("log", &zinf::python::Log, py::arg("level"), py::arg("message"));
+  py::class_<EngineHandle>(m, "Engine")
+      .def(py::init<const std::string&, bool, const py::list&, const py::dict&>(),
+           py::arg("config"), py::arg("config_is_text"), py::arg("params"), py::arg("options"))
+      .def("step", &EngineHandle::Step, py::arg("loss") = py::none())
+      .def("accumulate_gradients", &EngineHandle::AccumulateGradients)
+      .def("save_checkpoint", &EngineHandle::SaveCheckpoint, py::arg("user_state"), py::arg("dir"))
+      .def("log_summary", &EngineHandle::LogSummary)
+      .def("close", &EngineHandle::Close)
+      .def_property_readonly("step_count", &EngineHandle::step)
+      .def_property_readonly("next_lr", &EngineHandle::next_lr)
+      .def_property_readonly("resumed_from", &EngineHandle::resumed_from)
+      .def_property_readonly("resumed_world_size", &EngineHandle::resumed_world_size)
+      .def_property_readonly("user_state", &EngineHandle::user_state)
+      .def_property_readonly("effective_config", &EngineHandle::effective_config)
+      .def_property_readonly("closed", &EngineHandle::closed);
+}

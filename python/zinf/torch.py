@@ -1,0 +1,438 @@
+"""zinf.torch: ZeroOptimizer, a torch.optim optimizer whose Adam state lives on NVMe.
+
+    import torch, zinf.torch
+    model = MyModel()                                   # the same initial weights on every rank
+    opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config="ds.json")  # or a dict
+    for batch in loader:                                # each rank its own shard of the data
+        loss = model(batch).mean()
+        loss.backward()
+        info = opt.step(loss=loss)      # reduce-scatter, clip, lr, swapped Adam, all-gather
+        opt.zero_grad()
+        if info.step % 500 == 0:
+            opt.save_checkpoint("ckpt", client_state={"epoch": epoch})
+        if info.stop_requested:         # SIGUSR1/SIGTERM/Ctrl-C on some rank: save and stop
+            opt.save_checkpoint("ckpt"); break
+
+launched with ``mpirun -np N python3 train.py`` (or ``zinf-run -np N -- python3 train.py``).
+The config is a DeepSpeed JSON file or dict (docs/config.md); the optimizer, learning-rate
+schedule, gradient clipping and batch sizes come from it. docs/python.md teaches the rest.
+"""
+
+import json
+import os
+
+import torch
+
+import zinf
+from zinf import _zinf
+
+__all__ = ["ZeroOptimizer", "StepInfo", "log"]
+
+
+def log(*args, level="info"):
+    """zinf.log: one line on rank 0 (INFO), every rank for "warn" and "error"."""
+    zinf.log(*args, level=level)
+
+
+class StepInfo:
+    """What one step did; the figures are the same on every rank.
+
+    step (1-based), lr, loss (mean over ranks; NaN when no loss was passed), grad_norm (before
+    clipping), clipped, step_seconds and optimizer_seconds (slowest rank), swap_read_bytes and
+    swap_write_bytes (all ranks, since the previous step), peak_rss_bytes (largest rank),
+    stop_requested (a stop signal arrived on some rank) and stop_signal (this rank's, 0 if none).
+    """
+
+    __slots__ = ("step", "lr", "loss", "grad_norm", "clipped", "step_seconds",
+                 "optimizer_seconds", "swap_read_bytes", "swap_write_bytes",
+                 "optimizer_swap_read_bytes", "optimizer_swap_write_bytes", "peak_rss_bytes",
+                 "stop_requested", "stop_signal")
+
+    def __init__(self, fields):
+        for key in self.__slots__:
+            setattr(self, key, fields[key])
+
+    def __repr__(self):
+        return "StepInfo(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
+
+
+class _Registered:
+    """One parameter as the engine sees it: the tensor, its name and the host buffers."""
+
+    def __init__(self, name, param, weights, grads):
+        self.name = name
+        self.param = param
+        self.shape = tuple(param.shape)
+        self.dtype = param.dtype
+        self.device = param.device
+        self.weights = weights  # CPU: param.detach(), its memory; CUDA: a pinned host copy
+        self.grads = grads      # CPU: the registered param.grad; CUDA: a pinned host buffer
+        self.data_ptr = param.data_ptr()
+
+
+def _shape(shape):
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """A drop-in torch optimizer whose Adam/AdamW state is a ZeRO partition per MPI rank on NVMe.
+
+    Every rank holds the whole model (the same initial weights on every rank) and computes the
+    gradient of its own mean loss; step() reduce-scatters the gradients, clips them, runs the
+    swapped Adam step of the config's optimizer at the config's learning-rate schedule on this
+    rank's partition (fp32 master weights, exp_avg and exp_avg_sq on offload_optimizer.nvme_path),
+    and all-gathers the new weights into the parameters. Collective: every rank makes the same
+    calls in the same order; every error is raised on every rank alike (zinf.errors).
+
+    Parameters:
+      params: model.named_parameters() (names are what checkpoints match on), or parameters
+        (named "param.<i>"), or one param group {"params": ...}. Parameters must be float32 and
+        contiguous, on the CPU (used in place: no copy of weights or gradients) or on a CUDA
+        device (staged through pinned host buffers around every step). Frozen parameters
+        (requires_grad False) are left out. Per-group hyper-parameters are not supported: the
+        config's optimizer applies to every parameter.
+      config: a DeepSpeed config file path or dict. offload_optimizer.device must be "nvme".
+      load: restore this checkpoint (a file, or a directory's `latest`) instead of the config's
+        zinf.checkpoint.load ("latest", "auto", a path).
+      metrics_path: rank 0 appends one JSON object per step there.
+      total_steps: the loop's last step, for the live progress line's ETA.
+      progress: the log line every steps_per_print steps and the live line on a terminal.
+      stop_signals: SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 set StepInfo.stop_requested while the
+        optimizer is open instead of interrupting the program (as zinf-train: save, then stop).
+      create_nvme_paths: create missing nvme_path directories (off: a missing one is an error).
+      gradient_memory_limit: with zinf.swap_gradients, bytes of accumulated gradient kept in
+        memory per rank before it is written behind to NVMe.
+
+    Gradients: the engine reads each parameter's .grad in place, so .grad is the tensor the
+    optimizer registered for the optimizer's whole life (zero_grad keeps it and zeroes it, also
+    with set_to_none=True); a .grad replaced by another tensor is copied in at the next step,
+    and a .grad set to None counts as zero. With gradient_accumulation_steps k in the config, a
+    step stands for k micro-batches per rank: either run k backward passes and call step(), or
+    call accumulate_gradients() after each micro-batch but the last.
+    """
+
+    def __init__(self, params, config, *, load=None, metrics_path=None, total_steps=0,
+                 progress=True, stop_signals=True, create_nvme_paths=False,
+                 gradient_memory_limit=256 << 20):
+        facts = zinf.init()
+        self.rank = facts["rank"]
+        self.world_size = facts["world_size"]
+        self.local_rank = facts["local_rank"]
+        self._engine = None
+        self._last_checkpoint = None
+        problem = ""
+        try:
+            named = self._named(params)
+            config_text, is_text = self._config(config)
+            super().__init__([p for _, p in named], {"lr": 0.0})
+            self._params = [self._register(name, p) for name, p in named]
+        except Exception as e:  # any local failure is agreed on, so that no rank waits alone
+            problem = (str(e) if isinstance(e, (TypeError, ValueError))
+                       else f"{type(e).__name__}: {e}")
+        _zinf.agree("InvalidArgument", problem)
+        self._options = {
+            "metrics_path": "" if metrics_path is None else os.fspath(metrics_path),
+            "total_steps": int(total_steps),
+            "progress": bool(progress),
+            "stop_signals": bool(stop_signals),
+            "create_nvme_paths": bool(create_nvme_paths),
+            "gradient_memory_limit_bytes": int(gradient_memory_limit),
+        }
+        self._config_source = (config_text, is_text)
+        self._open(None if load is None else os.fspath(load))
+
+    # --- construction -------------------------------------------------------------------------
+
+    @staticmethod
+    def _named(params):
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params: expected an iterable of parameters or (name, parameter) "
+                            "pairs, got a single tensor")
+        items = list(params)
+        if len(items) == 1 and isinstance(items[0], dict):
+            group = items[0]
+            extra = sorted(set(group) - {"params"})
+            if extra:
+                raise ValueError(f"params: param group options {extra} are not supported; the "
+                                 "config's optimizer applies to every parameter")
+            items = list(group["params"])
+        named, seen = [], set()
+        for i, item in enumerate(items):
+            if isinstance(item, dict):
+                raise ValueError("params: several param groups are not supported; the config's "
+                                 "optimizer applies to every parameter")
+            if isinstance(item, tuple) and len(item) == 2:
+                name, p = item
+            else:
+                name, p = f"param.{i}", item
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params: {name} is a {type(p).__name__}, not a tensor")
+            if not p.requires_grad:
+                continue  # frozen: not optimized
+            if id(p) in seen:
+                raise ValueError(f"params: {name} is given twice")
+            seen.add(id(p))
+            if p.dtype != torch.float32:
+                raise ValueError(f"parameter {name} is {p.dtype}; zinf steps float32 parameters "
+                                 "(convert the model with model.float(); bf16 working weights "
+                                 "are the config's bf16.enabled)")
+            if p.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"parameter {name} is on {p.device}; zinf supports CPU and CUDA "
+                                 "parameters")
+            if not p.is_contiguous():
+                raise ValueError(f"parameter {name} is not contiguous")
+            named.append((str(name), p))
+        if not named:
+            raise ValueError("params: no parameter that requires a gradient")
+        return named
+
+    @staticmethod
+    def _config(config):
+        if isinstance(config, dict):
+            try:
+                return json.dumps(config), True
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"config: the dict is not JSON: {e}") from None
+        if isinstance(config, (str, os.PathLike)):
+            return os.fspath(config), False
+        raise TypeError(f"config: expected a path or a dict, got {type(config).__name__}")
+
+    @staticmethod
+    def _register(name, p):
+        if p.device.type == "cpu":
+            g = p.grad
+            if (g is None or g.dtype != torch.float32 or g.shape != p.shape
+                    or g.device != p.device or not g.is_contiguous()):
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            return _Registered(name, p, p.detach(), p.grad)
+        weights = torch.empty(p.shape, dtype=torch.float32, pin_memory=True)
+        weights.copy_(p.detach())
+        grads = torch.zeros(p.shape, dtype=torch.float32, pin_memory=True)
+        if p.grad is not None:
+            grads.copy_(p.grad)
+        p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return _Registered(name, p, weights, grads)
+
+    def _open(self, load):
+        options = dict(self._options, load=load)
+        buffers = []
+        for r in self._params:  # NumPy views: the engine's buffers are these tensors' memory
+            buffers.append((r.name, list(r.shape), r.weights.numpy(), r.grads.numpy()))
+        config_text, is_text = self._config_source
+        self._engine = _zinf.Engine(config_text, is_text, buffers, options)
+        for r in self._params:
+            if r.device.type == "cuda":  # the restored (or initial) weights onto the device
+                r.param.data.copy_(r.weights, non_blocking=False)
+        settings = json.loads(self._engine.effective_config)
+        optimizer = settings.get("optimizer", {}).get("params", {})
+        for group in self.param_groups:
+            group["lr"] = self._engine.next_lr
+            for key in ("betas", "eps", "weight_decay"):
+                if key in optimizer:
+                    group[key] = tuple(optimizer[key]) if key == "betas" else optimizer[key]
+        self._lr_set = self._engine.next_lr
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    @property
+    def global_step(self):
+        """The last step applied (0 before the first; the checkpoint's after a restore)."""
+        return self._open_engine().step_count
+
+    def _open_engine(self):
+        if self._engine is None or self._engine.closed:
+            raise zinf.errors.FailedPreconditionError("the optimizer is closed",
+                                                      "FailedPrecondition")
+        return self._engine
+
+    def _check_and_stage(self, loss=None):
+        """Local checks before a collective call, agreed on every rank, with the gradients put
+        into the registered buffers (CUDA: device to pinned host). Returns `loss` as a float."""
+        try:
+            if isinstance(loss, torch.Tensor):
+                loss = float(loss.detach().float().mean())
+            elif loss is not None:
+                loss = float(loss)
+            problem = self._stage()
+        except Exception as e:  # agreed below, so that no rank waits alone
+            problem = f"{type(e).__name__}: {e}"
+        _zinf.agree("FailedPrecondition", problem)
+        return loss
+
+    def _stage(self):
+        problem = ""
+        for group in self.param_groups:
+            if group["lr"] != self._lr_set:
+                problem = (f"param_groups[...]['lr'] was set to {group['lr']}; the learning rate "
+                           "comes from the config's scheduler (read it, do not set it)")
+        for r in self._params:
+            p = r.param
+            if problem:
+                break
+            if tuple(p.shape) != r.shape:
+                problem = (f"parameter {r.name} changed shape from {_shape(r.shape)} to "
+                           f"{_shape(p.shape)}; the optimizer's state is laid out for the shapes "
+                           "it was created with: create a new optimizer (and checkpoint) for the "
+                           "new model")
+            elif p.dtype != r.dtype or p.device != r.device:
+                problem = (f"parameter {r.name} changed from {r.dtype} on {r.device} to {p.dtype} "
+                           f"on {p.device}; create the optimizer after moving or converting the "
+                           "model")
+            elif r.device.type == "cpu" and p.data_ptr() != r.data_ptr:
+                problem = (f"parameter {r.name} no longer uses the memory the optimizer "
+                           "registered (its .data was replaced); the optimizer writes the new "
+                           "weights there: create the optimizer after the model is final")
+            else:
+                g = p.grad
+                if g is not None and g.data_ptr() == r.grads.data_ptr():
+                    continue  # the registered tensor (CPU)
+                if g is None:
+                    r.grads.zero_()
+                elif g.shape != p.shape:
+                    problem = (f"parameter {r.name}: its gradient has shape {_shape(g.shape)}, "
+                               f"not {_shape(p.shape)}")
+                else:
+                    r.grads.copy_(g)
+                if r.device.type == "cpu":
+                    p.grad = r.grads
+        return problem
+
+    def _after_step(self):
+        for r in self._params:
+            if r.device.type == "cuda":
+                r.param.data.copy_(r.weights, non_blocking=False)
+                r.param.grad.zero_()
+        self._lr_set = self._engine.next_lr
+        for group in self.param_groups:
+            group["lr"] = self._lr_set
+
+    @torch.no_grad()
+    def step(self, closure=None, *, loss=None):
+        """One optimizer step (collective) for the gradients in the parameters' .grad; returns a
+        StepInfo. `loss` (a number or a one-element tensor: this rank's loss) is for the log, the
+        metrics and StepInfo.loss; with `closure` its return value is the loss. Raises on every
+        rank, with nothing stepped, for a non-finite loss or gradient norm, a gradient that is
+        zero on every rank, or a parameter that changed since the optimizer was created."""
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        engine = self._open_engine()
+        info = StepInfo(engine.step(self._check_and_stage(loss)))
+        self._after_step()
+        return info
+
+    @torch.no_grad()
+    def accumulate_gradients(self):
+        """Hands this micro-batch's gradient to the engine (reduce-scatter; with
+        zinf.swap_gradients written behind to NVMe) and zeroes .grad: call it after every
+        micro-batch of a step but the last (gradient_accumulation_steps). Collective."""
+        engine = self._open_engine()
+        self._check_and_stage()
+        engine.accumulate_gradients()
+        for r in self._params:
+            if r.device.type == "cuda":
+                r.param.grad.zero_()
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none=False):
+        """Zeroes the gradients. The engine reads .grad in place, so .grad stays the registered
+        tensor (zeroed) also with set_to_none=True. step() already leaves them zero."""
+        for r in self._params:
+            p = r.param
+            r.grads.zero_()
+            if r.device.type == "cpu":
+                p.grad = r.grads
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, dir=None, client_state=None):
+        """Saves step `global_step` collectively into one HDF5 file <dir>/step-<N>.h5 (dir: the
+        config's zinf.checkpoint.dir when None) and points <dir>/latest at it; keep_last from
+        the config. `client_state` (a JSON-serializable dict) is stored and returned by
+        load_checkpoint. Returns the file's path."""
+        engine = self._open_engine()
+        problem = ""
+        try:
+            if client_state is not None and not isinstance(client_state, dict):
+                raise TypeError(f"client_state must be a dict, not {type(client_state).__name__}")
+            text = json.dumps(client_state, allow_nan=False)
+        except Exception as e:  # TypeError, ValueError, RecursionError, ...
+            problem, text = f"save_checkpoint: client_state is not JSON-serializable: {e}", "null"
+        _zinf.agree("InvalidArgument", problem)
+        saved = engine.save_checkpoint(text, "" if dir is None else os.fspath(dir))
+        self._last_checkpoint = saved["path"]
+        return saved["path"]
+
+    def load_checkpoint(self, path):
+        """Restores a checkpoint (a file, or a directory whose `latest` names one), saved on any
+        number of ranks, into this optimizer and the parameters' weights; returns the
+        client_state that was saved with it (None if none). Collective. The parameters must be
+        the same (names and shapes) as when it was saved. The optimizer reopens its engine for
+        it: after a failed load it is closed."""
+        self._open_engine().close()
+        self._open(os.fspath(path))
+        self._last_checkpoint = self._engine.resumed_from
+        return json.loads(self._engine.user_state)
+
+    @property
+    def resumed_from(self):
+        """The checkpoint file this optimizer restored ("" when it started fresh)."""
+        return self._open_engine().resumed_from
+
+    @property
+    def client_state(self):
+        """The client_state of the checkpoint restored (None when none was)."""
+        return json.loads(self._open_engine().user_state)
+
+    def state_dict(self):
+        """The optimizer's small metadata, not its state: the Adam state lives on NVMe and is
+        never pulled into memory. The dict points at the checkpoint file last saved or loaded
+        (call save_checkpoint first); load_state_dict restores from that file."""
+        return {
+            "state": {},
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"}
+                | {"params": list(range(len(g["params"])))} for g in self.param_groups
+            ],
+            "zinf": {
+                "checkpoint": self._last_checkpoint,
+                "step": self.global_step,
+                "world_size": self.world_size,
+                "names": [r.name for r in self._params],
+            },
+        }
+
+    def load_state_dict(self, state_dict):
+        """Restores from the checkpoint file a state_dict() points at (collective)."""
+        meta = state_dict.get("zinf") if isinstance(state_dict, dict) else None
+        problem = ""
+        if not isinstance(meta, dict) or "checkpoint" not in meta:
+            problem = "load_state_dict: not a zinf.torch.ZeroOptimizer state_dict"
+        elif meta["checkpoint"] is None and meta.get("step", 0) != 0:
+            problem = ("load_state_dict: the state_dict names no checkpoint file (save_checkpoint "
+                       "was not called before state_dict)")
+        _zinf.agree("InvalidArgument", problem)
+        if meta["checkpoint"] is not None:
+            self.load_checkpoint(meta["checkpoint"])
+
+    # --- the end ------------------------------------------------------------------------------
+
+    def log_summary(self):
+        """Logs the timers (min/mean/max over ranks) and the swap bandwidth per node on rank 0.
+        Collective."""
+        self._open_engine().log_summary()
+
+    def close(self):
+        """Closes the engine (collective): removes the swap store unless zinf.keep_swap. The
+        optimizers still open at exit are closed then."""
+        if self._engine is not None:
+            self._engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

@@ -1,0 +1,67 @@
+"""A bad input must raise the same zinf exception on every rank, never hang or abort:
+`mpirun -np N python3 bad_input.py <case> <work dir>` (driven by expect_error.sh), for the cases
+shape (a parameter that changes shape), dtype (a float64 model), swap_dir (a missing nvme_path),
+config_key (a misspelt key), io_fault (ZINF_FAULT_INJECT fails a write on one rank) and
+client_state (a client state that is not JSON). Each rank writes "rank R: raised <class>: <msg>"
+to <work dir>/rank<R>.txt and lets the exception end the program."""
+
+import os
+import sys
+
+import torch
+
+import common
+import zinf.torch
+
+
+def train(model, opt, steps):
+    for step in range(1, steps + 1):
+        x, y = common.batch(step)
+        common.loss_fn(model, common.shard(x, opt.rank, opt.world_size),
+                       common.shard(y, opt.rank, opt.world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def main():
+    case, work = sys.argv[1], sys.argv[2]
+    swap = os.path.join(work, "swap")
+    os.makedirs(swap, exist_ok=True)
+    cfg = common.config(swap)
+    model = common.make_model(hidden=256)  # ~80k parameters: several sub-groups to swap
+    rank = zinf.init()["rank"]
+    try:
+        if case == "shape":
+            opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
+            train(model, opt, 2)
+            model[2].weight.data = torch.zeros(128, 256)
+            opt.step()
+        elif case == "dtype":
+            zinf.torch.ZeroOptimizer(model.double().named_parameters(), config=cfg)
+        elif case == "swap_dir":
+            cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = os.path.join(work, "no")
+            zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
+        elif case == "config_key":
+            cfg["zero_optimization"]["sub_group_sise"] = 1000
+            zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
+        elif case == "io_fault":
+            opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
+            train(model, opt, 3)
+        elif case == "client_state":
+            opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
+            train(model, opt, 1)
+            opt.save_checkpoint(os.path.join(work, "ckpt"), client_state={"t": torch.zeros(1)})
+        else:
+            raise SystemExit(f"unknown case {case}")
+    except zinf.ZinfError as e:
+        # Also to a file: mpirun may drop a rank's last output when it ends the job.
+        line = f"rank {rank}: raised {type(e).__name__}: {e}"
+        with open(os.path.join(work, f"rank{rank}.txt"), "w") as f:
+            f.write(line + "\n")
+        print(line, flush=True)
+        raise
+    print(f"rank {rank}: nothing raised", flush=True)
+
+
+if __name__ == "__main__":
+    main()
