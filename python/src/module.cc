@@ -81,25 +81,37 @@ const comm::Communicator& World() {
 }
 
 // A float32, C-contiguous, writable buffer of exactly `numel` elements; `what` names it.
-std::span<float> FloatSpan(const py::buffer& buffer, std::int64_t numel, const std::string& what) {
+// (buffer.request raises a Python error for a read-only or non-buffer object.)
+Result<std::span<float>> FloatSpan(const py::buffer& buffer, std::int64_t numel,
+                                   const std::string& what) {
   py::buffer_info info = buffer.request(/*writable=*/true);
   if (info.itemsize != sizeof(float) || info.format != py::format_descriptor<float>::format()) {
-    Raise(InvalidArgumentError(
-        fmt::format("{}: must hold float32 elements, not format '{}' of {} bytes", what,
-                    info.format, info.itemsize)));
+    return InvalidArgumentError(
+        fmt::format("{}: must hold float32 elements, not format '{}' of "
+                    "{} bytes",
+                    what, info.format, info.itemsize));
   }
   if (info.size != numel) {
-    Raise(InvalidArgumentError(
-        fmt::format("{}: holds {} elements, its shape needs {}", what, info.size, numel)));
+    return InvalidArgumentError(
+        fmt::format("{}: holds {} elements, its shape needs {}", what, info.size, numel));
   }
   py::ssize_t expected = info.itemsize;
   for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
     if (info.shape[d] > 1 && info.strides[d] != expected) {
-      Raise(InvalidArgumentError(fmt::format("{}: is not contiguous", what)));
+      return InvalidArgumentError(fmt::format("{}: is not contiguous", what));
     }
     expected *= info.shape[d];
   }
-  return {static_cast<float*>(info.ptr), static_cast<std::size_t>(numel)};
+  return std::span<float>(static_cast<float*>(info.ptr), static_cast<std::size_t>(numel));
+}
+
+// Element count of `shape`; -1 for a negative dimension or a count beyond int64.
+std::int64_t NumelOf(const std::vector<std::int64_t>& shape) {
+  std::int64_t numel = 1;
+  for (std::int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(numel, d, &numel)) return -1;
+  }
+  return numel;
 }
 
 py::dict StepInfoDict(const engine::StepInfo& info) {
@@ -141,34 +153,43 @@ class EngineHandle {
     }
     // Bad parameters are agreed on before Create, so that every rank raises.
     std::vector<engine::Param> list;
-    Status local = OkStatus();
-    try {
-      for (const py::handle& item : params) {
-        auto t = item.cast<py::tuple>();
-        engine::Param p;
-        p.name = t[0].cast<std::string>();
-        p.shape = t[1].cast<std::vector<std::int64_t>>();
-        std::int64_t numel = 1;
-        for (std::int64_t d : p.shape) numel *= d > 0 ? d : 0;
-        p.weights = FloatSpan(t[2].cast<py::buffer>(), numel, "parameter " + p.name + " weights");
-        p.grads = FloatSpan(t[3].cast<py::buffer>(), numel, "parameter " + p.name + " grads");
-        buffers_.push_back(py::reinterpret_borrow<py::object>(t[2]));
-        buffers_.push_back(py::reinterpret_borrow<py::object>(t[3]));
-        list.push_back(std::move(p));
+    const Status local = [&]() -> Status {
+      try {
+        for (const py::handle& item : params) {
+          auto t = item.cast<py::tuple>();
+          engine::Param p;
+          p.name = t[0].cast<std::string>();
+          p.shape = t[1].cast<std::vector<std::int64_t>>();
+          const std::int64_t numel = NumelOf(p.shape);
+          if (numel < 0) {
+            return InvalidArgumentError(fmt::format(
+                "parameter {}: a dimension is negative or the element count overflows", p.name));
+          }
+          ZINF_ASSIGN_OR_RETURN(p.weights, FloatSpan(t[2].cast<py::buffer>(), numel,
+                                                     "parameter " + p.name + " weights"));
+          ZINF_ASSIGN_OR_RETURN(
+              p.grads, FloatSpan(t[3].cast<py::buffer>(), numel, "parameter " + p.name + " grads"));
+          buffers_.push_back(py::reinterpret_borrow<py::object>(t[2]));
+          buffers_.push_back(py::reinterpret_borrow<py::object>(t[3]));
+          list.push_back(std::move(p));
+        }
+      } catch (py::error_already_set& e) {
+        return InvalidArgumentError(fmt::format("parameters: {}", e.what()));
+      } catch (const std::exception& e) {  // pybind11's cast_error, type_error, ...
+        return InvalidArgumentError(
+            fmt::format("parameters: expected (name, shape, weights, grads) tuples: {}", e.what()));
       }
-    } catch (py::error_already_set& e) {
-      local = InvalidArgumentError(e.what());
-    } catch (const py::cast_error& e) {
-      local = InvalidArgumentError(
-          fmt::format("parameters: expected (name, shape, weights, grads) tuples: {}", e.what()));
-    }
+      return OkStatus();
+    }();
     Check(world.AgreeOnStatus(local));
 
     engine::EngineOptions opts;
-    if (options.contains("metrics_path"))
+    if (options.contains("metrics_path")) {
       opts.metrics_path = options["metrics_path"].cast<std::string>();
-    if (options.contains("total_steps"))
+    }
+    if (options.contains("total_steps")) {
       opts.total_steps = options["total_steps"].cast<std::int64_t>();
+    }
     if (options.contains("progress")) opts.progress = options["progress"].cast<bool>();
     if (options.contains("stop_signals")) opts.stop_signals = options["stop_signals"].cast<bool>();
     if (options.contains("create_nvme_paths")) {
