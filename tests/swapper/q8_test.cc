@@ -1,0 +1,207 @@
+// The q8 codec (swapper/q8.h) against references written here independently: the maps decoded
+// bit pattern by bit pattern from the paper's tree layout, and the nearest code by brute force.
+#include "zinf/swapper/q8.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "testing/status_matchers.h"
+
+namespace zinf::swapper::q8 {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::StatusIs;
+
+// Decodes every 8-bit pattern: (sign,) zeros, the indicator bit, fraction bits; the patterns
+// without an indicator are 0 and 1.
+std::vector<float> ReferenceMap(MapKind kind) {
+  const bool is_signed = kind == MapKind::kSigned;
+  const int bits = is_signed ? 7 : 8;
+  std::vector<float> out;
+  for (int b = 0; b < 256; ++b) {
+    const bool negative = is_signed && (b & 0x80) != 0;
+    const int r = is_signed ? (b & 0x7f) : b;
+    const int specials = is_signed ? 0 : 1;  // unsigned: 0 and 1 are the patterns 0 and 1
+    if (r <= specials) {
+      out.push_back(r == 0 && !negative ? 0.0f : 1.0f);
+      continue;
+    }
+    int top = bits - 1;
+    while ((r >> top) == 0) --top;
+    const int zeros = bits - 1 - top;
+    const int fraction_bits = top;  // below the indicator
+    const int k = r & ((1 << fraction_bits) - 1);
+    const double fraction = 0.1 + (k + 0.5) * 0.9 / (1 << fraction_bits);
+    const double value = fraction / std::pow(10.0, zeros);
+    out.push_back(static_cast<float>(negative ? -value : value));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::uint8_t BruteForceNearest(MapKind kind, float normalized) {
+  const auto& values = MapValues(kind);
+  int best = 0;
+  for (int c = 1; c < 256; ++c) {
+    if (std::fabs(static_cast<double>(normalized) - values[c]) <
+        std::fabs(static_cast<double>(normalized) - values[best])) {
+      best = c;
+    }
+  }
+  return static_cast<std::uint8_t>(best);
+}
+
+class MapTest : public ::testing::TestWithParam<MapKind> {};
+
+TEST_P(MapTest, EqualsTheTreeLayoutAndIsStrictlyAscending) {
+  const MapKind kind = GetParam();
+  const auto& values = MapValues(kind);
+  const std::vector<float> ref = ReferenceMap(kind);
+  for (int c = 0; c < 256; ++c) {
+    EXPECT_NEAR(values[c], ref[c], std::fabs(ref[c]) * 2e-7) << "code " << c;
+    if (c > 0) {
+      EXPECT_LT(values[c - 1], values[c]) << "code " << c;
+    }
+  }
+  EXPECT_EQ(values[255], 1.0f);
+  EXPECT_EQ(values[ZeroCode(kind)], 0.0f);
+  if (kind == MapKind::kSigned) {
+    EXPECT_EQ(ZeroCode(kind), 127);
+    EXPECT_LT(values[0], -0.99f);
+    // Symmetric: every negative value is the negation of a positive one.
+    for (int c = 0; c < 127; ++c) EXPECT_EQ(values[c], -values[254 - c]) << "code " << c;
+  } else {
+    EXPECT_EQ(ZeroCode(kind), 0);
+  }
+  // Seven decades: the smallest magnitude is about 1e-7.
+  EXPECT_LT(std::fabs(values[ZeroCode(kind) + 1]), 1e-6f);
+}
+
+TEST_P(MapTest, NearestCodeIsTheBruteForceNearestTiesDown) {
+  const MapKind kind = GetParam();
+  const auto& values = MapValues(kind);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> uniform(kind == MapKind::kSigned ? -1.0f : 0.0f, 1.0f);
+  std::vector<float> probes;
+  for (int i = 0; i < 20000; ++i) probes.push_back(uniform(rng));
+  for (int i = 0; i < 2000; ++i) probes.push_back(uniform(rng) * 1e-5f);  // the small decades
+  for (int c = 0; c + 1 < 256; ++c) {
+    // Exactly between two values (when a float can be) and the floats around it.
+    const float mid = static_cast<float>((static_cast<double>(values[c]) + values[c + 1]) / 2);
+    for (float p : {mid, std::nextafter(mid, -2.0f), std::nextafter(mid, 2.0f), values[c]}) {
+      probes.push_back(p);
+    }
+  }
+  for (float p : probes) {
+    if (kind == MapKind::kUnsigned && p < 0) continue;
+    ASSERT_EQ(NearestCode(kind, p), BruteForceNearest(kind, p)) << "x/scale = " << p;
+  }
+  EXPECT_EQ(NearestCode(kind, 1.0f), 255);
+  EXPECT_EQ(NearestCode(kind, 0.0f), ZeroCode(kind));
+  if (kind == MapKind::kUnsigned) {
+    EXPECT_EQ(NearestCode(kind, -0.5f), 0);
+  }
+}
+
+TEST_P(MapTest, RoundTripErrorIsAtMostHalfTheLocalGap) {
+  const MapKind kind = GetParam();
+  const auto& values = MapValues(kind);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(3 * kBlockNumel + 123);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    // Magnitudes over many decades, as Adam's moments have.
+    const float v = normal(rng) * std::pow(10.0f, -static_cast<float>(i % 9));
+    x[i] = kind == MapKind::kSigned ? v : std::fabs(v);
+  }
+  std::vector<std::uint8_t> codes(x.size());
+  std::vector<float> scales(NumBlocks(x.size()));
+  ZINF_ASSERT_OK(Quantize(kind, x, codes, scales));
+  std::vector<float> back(x.size());
+  ZINF_ASSERT_OK(Dequantize(kind, codes, scales, back));
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const float scale = scales[i / kBlockNumel];
+    const float n = x[i] / scale;
+    const int c = codes[i];
+    // x/scale lies between the neighbours of its code's value, nearer to that value.
+    const float lo = c > 0 ? values[c - 1] : values[0];
+    const float hi = c < 255 ? values[c + 1] : values[255];
+    EXPECT_LE(std::fabs(n - values[c]), std::max(values[c] - lo, hi - values[c]) / 2 + 1e-7f) << i;
+    EXPECT_EQ(back[i], values[c] * scale) << i;
+  }
+  // Each block's largest element is its scale; a positive one comes back exactly.
+  for (std::size_t b = 0; b < scales.size(); ++b) {
+    const auto first = x.begin() + static_cast<std::ptrdiff_t>(b * kBlockNumel);
+    const auto last =
+        first + static_cast<std::ptrdiff_t>(std::min(kBlockNumel, x.size() - b * kBlockNumel));
+    const auto top =
+        std::max_element(first, last, [](float a, float c) { return std::fabs(a) < std::fabs(c); });
+    EXPECT_EQ(scales[b], std::fabs(*top));
+    if (*top > 0) {
+      EXPECT_EQ(back[static_cast<std::size_t>(top - x.begin())], *top);
+    }
+  }
+}
+
+TEST_P(MapTest, ZeroAndConstantBlocks) {
+  const MapKind kind = GetParam();
+  std::vector<float> zeros(kBlockNumel, 0.0f);
+  std::vector<std::uint8_t> codes(kBlockNumel, 99);
+  EXPECT_EQ(QuantizeBlock(kind, zeros, codes), 0.0f);
+  EXPECT_THAT(codes, ::testing::Each(ZeroCode(kind)));
+  std::vector<float> back(kBlockNumel, 5.0f);
+  DequantizeBlock(kind, codes, 0.0f, back);
+  EXPECT_THAT(back, ::testing::Each(0.0f));
+
+  // A constant block (also of a denormal) is exact: every element is the scale.
+  for (float c : {0.25f, 3e-41f, std::numeric_limits<float>::max()}) {
+    std::vector<float> constant(100, c);
+    std::vector<std::uint8_t> cc(100);
+    EXPECT_EQ(QuantizeBlock(kind, constant, cc), c);
+    std::vector<float> out(100);
+    DequantizeBlock(kind, cc, c, out);
+    EXPECT_THAT(out, ::testing::Each(c));
+  }
+}
+
+TEST_P(MapTest, NonFiniteStateIsRefusedNotEncoded) {
+  const MapKind kind = GetParam();
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    std::vector<float> x(kBlockNumel + 10, 0.5f);
+    x[kBlockNumel + 3] = bad;
+    std::vector<std::uint8_t> codes(x.size());
+    std::vector<float> scales(2);
+    EXPECT_THAT(Quantize(kind, x, codes, scales),
+                StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("element 2051")));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Maps, MapTest, ::testing::Values(MapKind::kSigned, MapKind::kUnsigned),
+                         [](const ::testing::TestParamInfo<MapKind>& p) {
+                           return p.param == MapKind::kSigned ? "Signed" : "Unsigned";
+                         });
+
+TEST(Q8, SizesAreChecked) {
+  std::vector<float> x(kBlockNumel + 1);
+  std::vector<std::uint8_t> codes(x.size());
+  std::vector<float> one_scale(1), two_scales(2);
+  EXPECT_THAT(Quantize(MapKind::kSigned, x, codes, one_scale),
+              StatusIs(ErrorCode::kInvalidArgument));
+  EXPECT_THAT(Dequantize(MapKind::kSigned, codes, one_scale, x),
+              StatusIs(ErrorCode::kInvalidArgument));
+  ZINF_EXPECT_OK(Quantize(MapKind::kSigned, x, codes, two_scales));
+  EXPECT_EQ(NumBlocks(0), 0u);
+  EXPECT_EQ(NumBlocks(kBlockNumel), 1u);
+}
+
+}  // namespace
+}  // namespace zinf::swapper::q8
