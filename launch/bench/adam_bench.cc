@@ -1,9 +1,12 @@
 // zinf-bench adam: throughput of the fused CPU Adam against this machine's STREAM triad.
 //
-//   zinf-bench adam --numel 64M --threads 2 [--steps 10] [--simd auto|scalar|avx2|avx512] [--json]
+//   zinf-bench adam --numel 64M --threads 2 [--steps 10] [--simd auto|scalar|avx2|avx512]
+//                   [--state-format fp32|q8] [--json]
 //
 // Adam bytes: 28 per element (reads param, grad, exp_avg, exp_avg_sq = 16; writes param,
-// exp_avg, exp_avg_sq = 12). Triad a[i] = b[i] + s * c[i] with STREAM's counting (24 bytes per
+// exp_avg, exp_avg_sq = 12); q8 (CpuAdam::StepQ8, 8-bit moments): 16 per element (reads param,
+// grad = 8 and two codes; writes param and two codes; the per-block scales, 8 bytes per 2048
+// elements, are not counted). Triad a[i] = b[i] + s * c[i] with STREAM's counting (24 bytes per
 // element, write-allocate not counted), arrays of max(128 MiB, 4 x L3) each, the same thread
 // count, best of several runs. roofline_fraction = adam gb_per_s / triad_gb_per_s. Both report
 // the best repetition; page faults are taken before timing (every array is written once).
@@ -31,6 +34,7 @@
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
 #include "zinf/swapper/cpu_adam.h"
+#include "zinf/swapper/q8.h"
 
 namespace zinf::bench {
 namespace {
@@ -42,6 +46,7 @@ struct AdamFlags {
   int threads = 0;
   int steps = 10;
   std::string simd = "auto";
+  std::string state_format = "fp32";
   bool json = false;
   int triad_mib = 0;  // 0: max(128 MiB, 4 x L3)
   int triad_reps = 6;
@@ -147,6 +152,11 @@ int RunAdam(const AdamFlags& flags) {
   if (flags.steps < 1 || flags.triad_reps < 1 || flags.triad_mib < 0) {
     return fail("--steps and --triad-reps must be >= 1, --triad-mib >= 0", 2);
   }
+  if (flags.state_format != "fp32" && flags.state_format != "q8") {
+    return fail("--state-format: expected fp32 or q8, got '" + flags.state_format + "'", 2);
+  }
+  const bool q8 = flags.state_format == "q8";
+  const double bytes_per_element = q8 ? 16.0 : 28.0;
   const std::size_t n = static_cast<std::size_t>(*numel_or);
 
   Result<swapper::CpuAdam> adam_or =
@@ -155,27 +165,46 @@ int RunAdam(const AdamFlags& flags) {
   swapper::CpuAdam& adam = *adam_or;
   const int threads = adam.threads();
 
+  // q8: the moments' codes live in the first quarter of the exp_avg/exp_avg_sq arrays.
+  const std::size_t blocks = swapper::q8::NumBlocks(n);
   HugeArray<float> param = AllocHuge<float>(n), grad = AllocHuge<float>(n),
-                   exp_avg = AllocHuge<float>(n), exp_avg_sq = AllocHuge<float>(n);
-  if (!param || !grad || !exp_avg || !exp_avg_sq) {
+                   exp_avg = AllocHuge<float>(q8 ? n / 4 + 1 : n),
+                   exp_avg_sq = AllocHuge<float>(q8 ? n / 4 + 1 : n),
+                   scales = AllocHuge<float>(2 * blocks + 1);
+  if (!param || !grad || !exp_avg || !exp_avg_sq || !scales) {
     return fail("cannot allocate " + FormatBytes(16 * n) + " of optimizer state");
   }
   ParallelSlices(n, threads, [&](std::size_t lo, std::size_t hi) {
     for (std::size_t i = lo; i < hi; ++i) {
       param[i] = 0.01f * static_cast<float>(static_cast<int>(i % 2001) - 1000);
       grad[i] = 1e-4f * static_cast<float>(static_cast<int>(i % 977) - 488);
-      exp_avg[i] = 0.0f;
-      exp_avg_sq[i] = 0.0f;
+    }
+    if (!q8) {
+      std::fill(exp_avg.get() + lo, exp_avg.get() + hi, 0.0f);
+      std::fill(exp_avg_sq.get() + lo, exp_avg_sq.get() + hi, 0.0f);
     }
   });
   const std::span<float> p(param.get(), n), m(exp_avg.get(), n), v(exp_avg_sq.get(), n);
   const std::span<const float> g(grad.get(), n);
+  const swapper::Q8Moment qm = {{reinterpret_cast<std::uint8_t*>(exp_avg.get()), n},
+                                {scales.get(), blocks}};
+  const swapper::Q8Moment qv = {{reinterpret_cast<std::uint8_t*>(exp_avg_sq.get()), n},
+                                {scales.get() + blocks, blocks}};
+  if (q8) {
+    using swapper::q8::MapKind;
+    std::fill(qm.codes.begin(), qm.codes.end(), swapper::q8::ZeroCode(MapKind::kSigned));
+    std::fill(qv.codes.begin(), qv.codes.end(), swapper::q8::ZeroCode(MapKind::kUnsigned));
+    std::fill(scales.get(), scales.get() + 2 * blocks, 0.0f);
+  }
+  auto step_once = [&](int step) {
+    return q8 ? adam.StepQ8(step, p, g, qm, qv) : adam.Step(step, p, g, m, v);
+  };
   // Step 1 is a warm-up (page faults, thread wake-up).
-  if (Status s = adam.Step(1, p, g, m, v); !s) return fail(s.error().ToString());
+  if (Status s = step_once(1); !s) return fail(s.error().ToString());
   double best = 1e300, total = 0;
   for (int step = 2; step < 2 + flags.steps; ++step) {
     const auto start = Clock::now();
-    if (Status s = adam.Step(step, p, g, m, v); !s) return fail(s.error().ToString());
+    if (Status s = step_once(step); !s) return fail(s.error().ToString());
     const double sec = std::chrono::duration<double>(Clock::now() - start).count();
     best = std::min(best, sec);
     total += sec;
@@ -184,6 +213,7 @@ int RunAdam(const AdamFlags& flags) {
   grad.reset();
   exp_avg.reset();
   exp_avg_sq.reset();
+  scales.reset();
 
   std::size_t triad_bytes = std::max<std::size_t>(128 * kMiB, 4 * L3Bytes());
   if (flags.triad_mib > 0) triad_bytes = static_cast<std::size_t>(flags.triad_mib) * kMiB;
@@ -193,12 +223,14 @@ int RunAdam(const AdamFlags& flags) {
                 "); try --triad-mib");
 
   const double elements_per_s = static_cast<double>(n) / best;
-  const double gb_per_s = 28.0 * elements_per_s / 1e9;
+  const double gb_per_s = bytes_per_element * elements_per_s / 1e9;
   nlohmann::json out = {
       {"bench", "adam"},
       {"numel", n},
       {"threads", threads},
       {"simd", std::string(swapper::SimdPathName(adam.simd_path()))},
+      {"state_format", flags.state_format},
+      {"bytes_per_element", bytes_per_element},
       {"steps", flags.steps},
       {"seconds", best},
       {"seconds_mean", total / flags.steps},
@@ -212,14 +244,14 @@ int RunAdam(const AdamFlags& flags) {
     std::printf("%s\n", out.dump().c_str());
   } else {
     std::printf(
-        "adam: numel %zu (%s of state), %d threads, simd %s: best step %.4f s (mean %.4f s), "
-        "%.3g elements/s, %.2f GB/s (28 B/element)\n"
+        "adam: numel %zu, state %s, %d threads, simd %s: best step %.4f s (mean %.4f s), "
+        "%.3g elements/s, %.2f GB/s (%.0f B/element)\n"
         "triad: 3 x %s, %d threads: %.2f GB/s (24 B/element)\n"
         "roofline fraction: %.2f\n",
-        n, FormatBytes(16 * n).c_str(), threads,
+        n, flags.state_format.c_str(), threads,
         std::string(swapper::SimdPathName(adam.simd_path())).c_str(), best, total / flags.steps,
-        elements_per_s, gb_per_s, FormatBytes(triad.array_bytes).c_str(), threads, triad.gb_per_s,
-        gb_per_s / triad.gb_per_s);
+        elements_per_s, gb_per_s, bytes_per_element, FormatBytes(triad.array_bytes).c_str(),
+        threads, triad.gb_per_s, gb_per_s / triad.gb_per_s);
   }
   return 0;
 }
@@ -235,6 +267,9 @@ const bool kRegistered = RegisterBenchCommand(
       app.add_option("--steps", flags->steps, "timed steps (after one warm-up)")
           ->capture_default_str();
       app.add_option("--simd", flags->simd, "auto, scalar, avx2 or avx512")->capture_default_str();
+      app.add_option("--state-format", flags->state_format,
+                     "fp32 or q8 (8-bit block-quantized moments, CpuAdam::StepQ8)")
+          ->capture_default_str();
       app.add_flag("--json", flags->json, "print one JSON object");
       app.add_option("--triad-mib", flags->triad_mib, "MiB per triad array, 0 = max(128, 4 x L3)")
           ->capture_default_str();

@@ -1,10 +1,13 @@
 #include "zinf/swapper/cpu_adam.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cctype>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -20,6 +23,7 @@
 #include "zinf/core/check.h"
 #include "zinf/core/env.h"
 #include "zinf/core/log.h"
+#include "zinf/swapper/q8.h"
 
 namespace zinf::swapper {
 namespace {
@@ -232,30 +236,20 @@ CpuAdam::CpuAdam(CpuAdam&&) noexcept = default;
 CpuAdam& CpuAdam::operator=(CpuAdam&&) noexcept = default;
 CpuAdam::~CpuAdam() = default;
 
-Status CpuAdam::Step(std::int64_t step, std::span<float> param, std::span<const float> grad,
-                     std::span<float> exp_avg, std::span<float> exp_avg_sq,
-                     const StepExtras& extras) {
+Status CpuAdam::Prepare(std::int64_t step, std::size_t n, std::size_t grad_size,
+                        const StepExtras& extras, AdamScalars* scalars) const {
   if (pool_ == nullptr) return FailedPreconditionError("adam step on a moved-from CpuAdam");
   if (step < 1) {
     return InvalidArgumentError(
         fmt::format("adam step must be >= 1 (counted from 1), got {}", step));
   }
-  const std::size_t n = param.size();
-  auto check_size = [n](std::string_view name, std::size_t size) -> Status {
-    if (size == n) return OkStatus();
+  if (grad_size != n) {
     return InvalidArgumentError(
-        fmt::format("adam {} has {} elements, param has {}", name, size, n));
-  };
-  ZINF_RETURN_IF_ERROR(check_size("grad", grad.size()));
-  ZINF_RETURN_IF_ERROR(check_size("exp_avg", exp_avg.size()));
-  ZINF_RETURN_IF_ERROR(check_size("exp_avg_sq", exp_avg_sq.size()));
-  if (options_.amsgrad) {
-    ZINF_RETURN_IF_ERROR(check_size("max_exp_avg_sq (amsgrad)", extras.max_exp_avg_sq.size()));
-  } else if (!extras.max_exp_avg_sq.empty()) {
-    return InvalidArgumentError("adam max_exp_avg_sq given but amsgrad is off");
+        fmt::format("adam grad has {} elements, param has {}", grad_size, n));
   }
-  if (!extras.bf16_param.empty()) {
-    ZINF_RETURN_IF_ERROR(check_size("bf16_param", extras.bf16_param.size()));
+  if (!extras.bf16_param.empty() && extras.bf16_param.size() != n) {
+    return InvalidArgumentError(
+        fmt::format("adam bf16_param has {} elements, param has {}", extras.bf16_param.size(), n));
   }
   if (!(extras.grad_scale >= 0.0f) || !std::isfinite(extras.grad_scale)) {
     return InvalidArgumentError(
@@ -266,12 +260,11 @@ Status CpuAdam::Step(std::int64_t step, std::span<float> param, std::span<const 
     return InvalidArgumentError(
         fmt::format("adam lr override must be finite and >= 0, got {}", lr));
   }
-
   // The per-step scalars, in double as torch's Python code computes them.
   const double bc1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step));
   const bool decay = options_.weight_decay != 0.0;
-  const AdamScalars scalars = {
+  *scalars = {
       .beta1 = static_cast<float>(options_.beta1),
       .one_minus_beta1 = static_cast<float>(1.0 - options_.beta1),
       .beta2 = static_cast<float>(options_.beta2),
@@ -286,6 +279,27 @@ Status CpuAdam::Step(std::int64_t step, std::span<float> param, std::span<const 
       .use_l2 = decay && !options_.adamw,
       .use_param_decay = decay && options_.adamw,
   };
+  return OkStatus();
+}
+
+Status CpuAdam::Step(std::int64_t step, std::span<float> param, std::span<const float> grad,
+                     std::span<float> exp_avg, std::span<float> exp_avg_sq,
+                     const StepExtras& extras) {
+  const std::size_t n = param.size();
+  auto check_size = [n](std::string_view name, std::size_t size) -> Status {
+    if (size == n) return OkStatus();
+    return InvalidArgumentError(
+        fmt::format("adam {} has {} elements, param has {}", name, size, n));
+  };
+  AdamScalars scalars{};
+  ZINF_RETURN_IF_ERROR(Prepare(step, n, grad.size(), extras, &scalars));
+  ZINF_RETURN_IF_ERROR(check_size("exp_avg", exp_avg.size()));
+  ZINF_RETURN_IF_ERROR(check_size("exp_avg_sq", exp_avg_sq.size()));
+  if (options_.amsgrad) {
+    ZINF_RETURN_IF_ERROR(check_size("max_exp_avg_sq (amsgrad)", extras.max_exp_avg_sq.size()));
+  } else if (!extras.max_exp_avg_sq.empty()) {
+    return InvalidArgumentError("adam max_exp_avg_sq given but amsgrad is off");
+  }
   const AdamArrays arrays = {
       .param = param.data(),
       .grad = grad.data(),
@@ -300,6 +314,71 @@ Status CpuAdam::Step(std::int64_t step, std::span<float> param, std::span<const 
     const std::size_t begin = c * kChunkNumel;
     kernel(scalars, arrays, begin, std::min(n, begin + kChunkNumel));
   });
+  return OkStatus();
+}
+
+Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<const float> grad,
+                       Q8Moment exp_avg, Q8Moment exp_avg_sq, const StepExtras& extras) {
+  const std::size_t n = param.size();
+  AdamScalars scalars{};
+  ZINF_RETURN_IF_ERROR(Prepare(step, n, grad.size(), extras, &scalars));
+  if (options_.amsgrad || !extras.max_exp_avg_sq.empty()) {
+    return InvalidArgumentError("adam: amsgrad is not supported with the q8 state format");
+  }
+  for (const auto& [name, m] : {std::pair{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}}) {
+    if (m.codes.size() != n || m.scales.size() != q8::NumBlocks(n)) {
+      return InvalidArgumentError(
+          fmt::format("adam q8 {} has {} codes and {} scales; param has {} elements ({} blocks)",
+                      name, m.codes.size(), m.scales.size(), n, q8::NumBlocks(n)));
+    }
+  }
+  static_assert(kChunkNumel % q8::kBlockNumel == 0, "chunks hold whole blocks");
+  const StepKernel kernel = StepKernelFor(path_);
+  std::atomic<std::size_t> bad{std::numeric_limits<std::size_t>::max()};
+  const std::size_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
+  pool_->Run(chunks, [&](std::size_t c) {
+    std::array<float, q8::kBlockNumel> m;
+    std::array<float, q8::kBlockNumel> v;
+    const std::size_t chunk_end = std::min(n, (c + 1) * kChunkNumel);
+    for (std::size_t begin = c * kChunkNumel; begin < chunk_end; begin += q8::kBlockNumel) {
+      const std::size_t len = std::min(q8::kBlockNumel, n - begin);
+      const std::size_t b = begin / q8::kBlockNumel;
+      const std::span<float> mb(m.data(), len), vb(v.data(), len);
+      q8::DequantizeBlock(q8::MapKind::kSigned, exp_avg.codes.subspan(begin, len),
+                          exp_avg.scales[b], mb);
+      q8::DequantizeBlock(q8::MapKind::kUnsigned, exp_avg_sq.codes.subspan(begin, len),
+                          exp_avg_sq.scales[b], vb);
+      const AdamArrays arrays = {
+          .param = param.data() + begin,
+          .grad = grad.data() + begin,
+          .exp_avg = m.data(),
+          .exp_avg_sq = v.data(),
+          .max_exp_avg_sq = nullptr,
+          .bf16 = extras.bf16_param.empty() ? nullptr : extras.bf16_param.data() + begin,
+      };
+      kernel(scalars, arrays, 0, len);
+      exp_avg.scales[b] =
+          q8::QuantizeBlock(q8::MapKind::kSigned, mb, exp_avg.codes.subspan(begin, len));
+      exp_avg_sq.scales[b] =
+          q8::QuantizeBlock(q8::MapKind::kUnsigned, vb, exp_avg_sq.codes.subspan(begin, len));
+      if (exp_avg.scales[b] < 0 || exp_avg_sq.scales[b] < 0) {
+        std::size_t first = begin;
+        while (first < begin + len && std::isfinite(m[first - begin]) &&
+               std::isfinite(v[first - begin])) {
+          ++first;
+        }
+        std::size_t seen = bad.load();
+        while (first < seen && !bad.compare_exchange_weak(seen, first)) {
+        }
+      }
+    }
+  });
+  if (bad.load() != std::numeric_limits<std::size_t>::max()) {
+    return FailedPreconditionError(fmt::format(
+        "adam q8: the moments of element {} are not finite (exp_avg or exp_avg_sq overflowed); "
+        "the state cannot be encoded",
+        bad.load()));
+  }
   return OkStatus();
 }
 

@@ -2,6 +2,7 @@
 #include "zinf/swapper/q8.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <vector>
 
@@ -12,13 +13,27 @@ namespace {
 
 constexpr int kDecades = 7;  // E = 0..6: values in [1e-7, 1)
 
+// The guess table of NearestCode covers magnitudes [kGuessLow, 1] in slots of one binade's
+// 1/32 (a float's exponent and top 5 mantissa bits), which hold at most a few codes each.
+constexpr int kGuessShift = 18;
+constexpr float kGuessLow = 1e-8f;
+const std::uint32_t kGuessFirst = std::bit_cast<std::uint32_t>(kGuessLow) >> kGuessShift;
+const std::uint32_t kGuessLast = std::bit_cast<std::uint32_t>(1.0f) >> kGuessShift;
+
 // A map and its decision thresholds: thresholds[c] is the midpoint (exact in double) of values
-// c and c + 1; x goes to the number of thresholds below it.
+// c and c + 1; x goes to the number of thresholds below it. guess[slot]: that number for the
+// smallest magnitude of the slot.
 struct Map {
   std::array<float, 256> values;
   std::array<double, 255> thresholds;
+  std::vector<std::uint8_t> guess;
   std::uint8_t zero_code;
 };
+
+std::uint8_t CountBelow(const Map& map, double x) {
+  return static_cast<std::uint8_t>(
+      std::lower_bound(map.thresholds.begin(), map.thresholds.end(), x) - map.thresholds.begin());
+}
 
 Map Build(MapKind kind) {
   const int fraction_bits_e0 = kind == MapKind::kSigned ? 6 : 7;
@@ -45,6 +60,9 @@ Map Build(MapKind kind) {
   }
   map.zero_code = static_cast<std::uint8_t>(std::find(map.values.begin(), map.values.end(), 0.0f) -
                                             map.values.begin());
+  for (std::uint32_t slot = kGuessFirst; slot <= kGuessLast; ++slot) {
+    map.guess.push_back(CountBelow(map, std::bit_cast<float>(slot << kGuessShift)));
+  }
   return map;
 }
 
@@ -62,10 +80,22 @@ std::uint8_t ZeroCode(MapKind kind) { return GetMap(kind).zero_code; }
 
 std::uint8_t NearestCode(MapKind kind, float normalized) {
   const Map& map = GetMap(kind);
+  // The answer is the number of thresholds strictly below x (ties go to the smaller code).
+  // Start from the slot of |x| (mirrored for a negative x: the signed map is symmetric), then
+  // walk to the exact answer; the walk alone decides, the start only saves steps.
+  const float magnitude = std::fabs(normalized);
+  int c = map.zero_code;
+  if (magnitude >= kGuessLow) {
+    const std::uint32_t slot =
+        std::min(std::bit_cast<std::uint32_t>(magnitude) >> kGuessShift, kGuessLast);
+    c = map.guess[slot - kGuessFirst];
+    if (normalized < 0) c = 2 * map.zero_code - c;
+    c = std::clamp(c, 0, 255);
+  }
   const double x = normalized;
-  // The number of thresholds strictly below x: ties go to the smaller code.
-  return static_cast<std::uint8_t>(
-      std::lower_bound(map.thresholds.begin(), map.thresholds.end(), x) - map.thresholds.begin());
+  while (c < 255 && map.thresholds[static_cast<std::size_t>(c)] < x) ++c;
+  while (c > 0 && map.thresholds[static_cast<std::size_t>(c) - 1] >= x) --c;
+  return static_cast<std::uint8_t>(c);
 }
 
 float QuantizeBlock(MapKind kind, std::span<const float> x, std::span<std::uint8_t> codes) {

@@ -3,16 +3,20 @@
 #include "zinf/swapper/q8.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "testing/status_matchers.h"
+#include "zinf/swapper/cpu_adam.h"
 
 namespace zinf::swapper::q8 {
 namespace {
@@ -92,7 +96,11 @@ TEST_P(MapTest, NearestCodeIsTheBruteForceNearestTiesDown) {
   std::uniform_real_distribution<float> uniform(kind == MapKind::kSigned ? -1.0f : 0.0f, 1.0f);
   std::vector<float> probes;
   for (int i = 0; i < 20000; ++i) probes.push_back(uniform(rng));
-  for (int i = 0; i < 2000; ++i) probes.push_back(uniform(rng) * 1e-5f);  // the small decades
+  std::uniform_real_distribution<float> exponent(-9.0f, 0.0f);  // every decade, and below
+  for (int i = 0; i < 20000; ++i) {
+    const float magnitude = std::pow(10.0f, exponent(rng));
+    probes.push_back(i % 2 == 0 ? magnitude : -magnitude);
+  }
   for (int c = 0; c + 1 < 256; ++c) {
     // Exactly between two values (when a float can be) and the floats around it.
     const float mid = static_cast<float>((static_cast<double>(values[c]) + values[c + 1]) / 2);
@@ -201,6 +209,142 @@ TEST(Q8, SizesAreChecked) {
   ZINF_EXPECT_OK(Quantize(MapKind::kSigned, x, codes, two_scales));
   EXPECT_EQ(NumBlocks(0), 0u);
   EXPECT_EQ(NumBlocks(kBlockNumel), 1u);
+}
+
+// ---- CpuAdam::StepQ8 against a reference written here: decode, torch's Adam/AdamW per element
+// in the documented order (cpu_adam.h), encode with the brute-force nearest code.
+
+struct RefState {
+  std::vector<float> param, grad;
+  std::vector<std::uint8_t> m_codes, v_codes;
+  std::vector<float> m_scales, v_scales;
+  std::vector<std::uint16_t> bf16;
+};
+
+void RefEncode(MapKind kind, const std::vector<float>& x, std::size_t begin, std::size_t len,
+               std::vector<std::uint8_t>& codes, float& scale) {
+  scale = 0;
+  for (std::size_t i = 0; i < len; ++i) scale = std::max(scale, std::fabs(x[i]));
+  for (std::size_t i = 0; i < len; ++i) {
+    codes[begin + i] = scale == 0 ? ZeroCode(kind) : BruteForceNearest(kind, x[i] / scale);
+  }
+}
+
+void RefStepQ8(RefState& s, std::int64_t step, double lr, double beta1, double beta2, double eps,
+               double wd, bool adamw, float grad_scale) {
+  const auto& ms = MapValues(MapKind::kSigned);
+  const auto& vs = MapValues(MapKind::kUnsigned);
+  const float b1 = static_cast<float>(beta1), b2 = static_cast<float>(beta2);
+  const float omb1 = static_cast<float>(1.0 - beta1), omb2 = static_cast<float>(1.0 - beta2);
+  const float step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, step)));
+  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
+  const float feps = static_cast<float>(eps), fwd = static_cast<float>(wd);
+  const float decay = static_cast<float>(1.0 - lr * wd);
+  const std::size_t n = s.param.size();
+  for (std::size_t begin = 0; begin < n; begin += kBlockNumel) {
+    const std::size_t len = std::min(kBlockNumel, n - begin);
+    const std::size_t b = begin / kBlockNumel;
+    std::vector<float> m(len), v(len);
+    for (std::size_t i = 0; i < len; ++i) {
+      const std::size_t e = begin + i;
+      float mi = ms[s.m_codes[e]] * s.m_scales[b];
+      float vi = vs[s.v_codes[e]] * s.v_scales[b];
+      float g = s.grad[e];
+      if (grad_scale != 1.0f) g = g * grad_scale;
+      float p = s.param[e];
+      if (wd != 0 && !adamw) g = g + fwd * p;
+      if (wd != 0 && adamw) p = p * decay;
+      mi = b1 * mi + omb1 * g;
+      vi = b2 * vi + (omb2 * g) * g;
+      const float denom = std::sqrt(vi) / bc2_sqrt + feps;
+      p = p - (step_size * mi) / denom;
+      s.param[e] = p;
+      s.bf16[e] = FloatBitsToBf16(std::bit_cast<std::uint32_t>(p));
+      m[i] = mi;
+      v[i] = vi;
+    }
+    RefEncode(MapKind::kSigned, m, begin, len, s.m_codes, s.m_scales[b]);
+    RefEncode(MapKind::kUnsigned, v, begin, len, s.v_codes, s.v_scales[b]);
+  }
+}
+
+class StepQ8Test : public ::testing::TestWithParam<SimdPath> {};
+
+// Three steps over two chunks (the second short, with a short last block), AdamW on 1 and 3
+// threads and Adam (L2) on 3, with grad_scale and an lr override: bit for bit the reference.
+TEST_P(StepQ8Test, MatchesTheReferenceBitForBit) {
+  const SimdPath path = GetParam();
+  if (!SimdPathSupported(path)) GTEST_SKIP() << "this CPU lacks " << SimdPathName(path);
+  const std::size_t n = CpuAdam::kChunkNumel + 2 * kBlockNumel + 77;
+  for (bool adamw : {true, false}) {
+    for (int threads : {1, 3}) {
+      if (!adamw && threads == 1) continue;
+      SCOPED_TRACE(::testing::Message() << "adamw=" << adamw << " threads=" << threads);
+      std::mt19937 rng(3);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      RefState ref;
+      ref.param.resize(n);
+      for (float& p : ref.param) p = normal(rng);
+      ref.m_codes.assign(n, ZeroCode(MapKind::kSigned));
+      ref.v_codes.assign(n, ZeroCode(MapKind::kUnsigned));
+      ref.m_scales.assign(NumBlocks(n), 0.0f);
+      ref.v_scales.assign(NumBlocks(n), 0.0f);
+      ref.bf16.assign(n, 0);
+      RefState got = ref;
+      ZINF_ASSERT_OK_AND_ASSIGN(CpuAdam adam, CpuAdam::Create({.lr = 1e-2,
+                                                               .beta1 = 0.9,
+                                                               .beta2 = 0.99,
+                                                               .eps = 1e-8,
+                                                               .weight_decay = 0.01,
+                                                               .adamw = adamw,
+                                                               .threads = threads,
+                                                               .simd = path}));
+      for (std::int64_t step = 1; step <= 3; ++step) {
+        ref.grad.resize(n);
+        for (std::size_t i = 0; i < n; ++i) {
+          // Magnitudes over several decades, some blocks all zero.
+          const bool zero_block = (i / kBlockNumel) % 7 == 3;
+          ref.grad[i] = zero_block ? 0.0f : normal(rng) * std::pow(10.0f, -float(i % 5));
+        }
+        got.grad = ref.grad;
+        const float grad_scale = step == 2 ? 0.5f : 1.0f;
+        const double lr = step == 3 ? 3e-3 : 1e-2;
+        RefStepQ8(ref, step, lr, 0.9, 0.99, 1e-8, 0.01, adamw, grad_scale);
+        ZINF_ASSERT_OK(adam.StepQ8(step, got.param, got.grad, {got.m_codes, got.m_scales},
+                                   {got.v_codes, got.v_scales},
+                                   {.grad_scale = grad_scale, .bf16_param = got.bf16, .lr = lr}));
+        ASSERT_EQ(got.m_scales, ref.m_scales) << "step " << step;
+        ASSERT_EQ(got.v_scales, ref.v_scales) << "step " << step;
+        ASSERT_EQ(got.m_codes, ref.m_codes) << "step " << step;
+        ASSERT_EQ(got.v_codes, ref.v_codes) << "step " << step;
+        ASSERT_EQ(0, std::memcmp(got.param.data(), ref.param.data(), n * sizeof(float)))
+            << "step " << step;
+        ASSERT_EQ(got.bf16, ref.bf16) << "step " << step;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, StepQ8Test,
+                         ::testing::Values(SimdPath::kScalar, SimdPath::kAvx2, SimdPath::kAvx512),
+                         [](const ::testing::TestParamInfo<SimdPath>& p) {
+                           return std::string(SimdPathName(p.param));
+                         });
+
+TEST(StepQ8, BadArgumentsAndNonFiniteMoments) {
+  ZINF_ASSERT_OK_AND_ASSIGN(CpuAdam adam, CpuAdam::Create({.threads = 1}));
+  std::vector<float> param(10, 1.0f), grad(10, 0.1f), scales(1), short_scales;
+  std::vector<std::uint8_t> m(10), v(10);
+  EXPECT_THAT(adam.StepQ8(1, param, grad, {m, short_scales}, {v, scales}),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("exp_avg has 10 codes and 0")));
+  ZINF_ASSERT_OK_AND_ASSIGN(CpuAdam ams, CpuAdam::Create({.amsgrad = true, .threads = 1}));
+  std::vector<float> scales2(1);
+  EXPECT_THAT(ams.StepQ8(1, param, grad, {m, scales}, {v, scales2}),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("amsgrad")));
+  // A gradient whose square overflows: exp_avg_sq becomes infinite and is not encoded.
+  grad[4] = 3e30f;
+  EXPECT_THAT(adam.StepQ8(1, param, grad, {m, scales}, {v, scales2}),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("element 4")));
 }
 
 }  // namespace

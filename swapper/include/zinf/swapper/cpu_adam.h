@@ -104,8 +104,16 @@ constexpr std::uint16_t FloatBitsToBf16(std::uint32_t bits) {
   return static_cast<std::uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// One 8-bit quantized Adam moment (q8.h): a code per element and an fp32 scale per block of
+// q8::kBlockNumel elements.
+struct Q8Moment {
+  std::span<std::uint8_t> codes;
+  std::span<float> scales;
+};
+
 namespace internal {
 class AdamThreadPool;
+struct AdamScalars;
 }  // namespace internal
 
 class CpuAdam {
@@ -133,6 +141,15 @@ class CpuAdam {
   Status Step(std::int64_t step, std::span<float> param, std::span<const float> grad,
               std::span<float> exp_avg, std::span<float> exp_avg_sq, const StepExtras& extras = {});
 
+  // Step() over the q8 state format: block by block, exp_avg (signed map) and exp_avg_sq
+  // (unsigned map) are decoded into fp32, stepped by the same kernel as Step() (so the same
+  // bits on every path and thread count), and encoded again (q8.h). `codes` have the param's
+  // size, `scales` q8::NumBlocks of it. Errors: those of Step(); InvalidArgument with amsgrad
+  // (no quantized max_exp_avg_sq); FailedPrecondition when a moment becomes non-finite, naming
+  // the element (param and the moments are then partly updated: the caller must not keep them).
+  Status StepQ8(std::int64_t step, std::span<float> param, std::span<const float> grad,
+                Q8Moment exp_avg, Q8Moment exp_avg_sq, const StepExtras& extras = {});
+
   // SquaredL2Norm() above on this optimizer's path and threads (same bits as the free function).
   double SquaredL2Norm(std::span<const float> x);
 
@@ -143,6 +160,10 @@ class CpuAdam {
  private:
   CpuAdam(const AdamOptions& options, SimdPath path, int threads,
           std::unique_ptr<internal::AdamThreadPool> pool);
+  // The checks common to Step and StepQ8 (param size n, the grad's size, extras) and the
+  // step's scalars.
+  Status Prepare(std::int64_t step, std::size_t n, std::size_t grad_size, const StepExtras& extras,
+                 internal::AdamScalars* scalars) const;
 
   AdamOptions options_;
   SimdPath path_;
