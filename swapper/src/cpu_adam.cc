@@ -20,6 +20,7 @@
 
 #include "cpu_adam_kernels.h"
 #include "cpu_adam_thread_pool.h"
+#include "q8_kernels.h"
 #include "zinf/core/check.h"
 #include "zinf/core/env.h"
 #include "zinf/core/log.h"
@@ -47,6 +48,25 @@ StepKernel StepKernelFor(SimdPath path) {
       break;
   }
   return internal::AdamStepScalar;
+}
+
+// The q8 block kernels of `path` (q8_kernels.h).
+struct Q8Kernels {
+  float (*quantize)(const q8::internal::Tables&, const float*, std::size_t, std::uint8_t*);
+  void (*dequantize)(const q8::internal::Tables&, const std::uint8_t*, float, std::size_t, float*);
+};
+
+Q8Kernels Q8KernelsFor(SimdPath path) {
+  switch (path) {
+    case SimdPath::kAvx512:
+      return {q8::internal::QuantizeBlockAvx512, q8::internal::DequantizeBlockAvx512};
+    case SimdPath::kAvx2:
+      return {q8::internal::QuantizeBlockAvx2, q8::internal::DequantizeBlockAvx2};
+    case SimdPath::kScalar:
+    case SimdPath::kAuto:
+      break;
+  }
+  return {q8::internal::QuantizeBlockScalar, q8::internal::DequantizeBlockScalar};
 }
 
 NormKernel NormKernelFor(SimdPath path) {
@@ -334,6 +354,9 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
   }
   static_assert(kChunkNumel % q8::kBlockNumel == 0, "chunks hold whole blocks");
   const StepKernel kernel = StepKernelFor(path_);
+  const Q8Kernels codec = Q8KernelsFor(path_);
+  const q8::internal::Tables& signed_map = q8::internal::TablesFor(q8::MapKind::kSigned);
+  const q8::internal::Tables& unsigned_map = q8::internal::TablesFor(q8::MapKind::kUnsigned);
   std::atomic<std::size_t> bad{std::numeric_limits<std::size_t>::max()};
   const std::size_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
   pool_->Run(chunks, [&](std::size_t c) {
@@ -343,11 +366,9 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
     for (std::size_t begin = c * kChunkNumel; begin < chunk_end; begin += q8::kBlockNumel) {
       const std::size_t len = std::min(q8::kBlockNumel, n - begin);
       const std::size_t b = begin / q8::kBlockNumel;
-      const std::span<float> mb(m.data(), len), vb(v.data(), len);
-      q8::DequantizeBlock(q8::MapKind::kSigned, exp_avg.codes.subspan(begin, len),
-                          exp_avg.scales[b], mb);
-      q8::DequantizeBlock(q8::MapKind::kUnsigned, exp_avg_sq.codes.subspan(begin, len),
-                          exp_avg_sq.scales[b], vb);
+      codec.dequantize(signed_map, exp_avg.codes.data() + begin, exp_avg.scales[b], len, m.data());
+      codec.dequantize(unsigned_map, exp_avg_sq.codes.data() + begin, exp_avg_sq.scales[b], len,
+                       v.data());
       const AdamArrays arrays = {
           .param = param.data() + begin,
           .grad = grad.data() + begin,
@@ -357,10 +378,9 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
           .bf16 = extras.bf16_param.empty() ? nullptr : extras.bf16_param.data() + begin,
       };
       kernel(scalars, arrays, 0, len);
-      exp_avg.scales[b] =
-          q8::QuantizeBlock(q8::MapKind::kSigned, mb, exp_avg.codes.subspan(begin, len));
+      exp_avg.scales[b] = codec.quantize(signed_map, m.data(), len, exp_avg.codes.data() + begin);
       exp_avg_sq.scales[b] =
-          q8::QuantizeBlock(q8::MapKind::kUnsigned, vb, exp_avg_sq.codes.subspan(begin, len));
+          codec.quantize(unsigned_map, v.data(), len, exp_avg_sq.codes.data() + begin);
       if (exp_avg.scales[b] < 0 || exp_avg_sq.scales[b] < 0) {
         std::size_t first = begin;
         while (first < begin + len && std::isfinite(m[first - begin]) &&

@@ -1,41 +1,27 @@
-// The q8 codec (q8.h): the dynamic maps, nearest-code search and block (de)quantization.
+// The q8 codec (q8.h): the dynamic maps and their tables (q8_kernels.h), the scalar block
+// kernels and the tensor functions.
 #include "zinf/swapper/q8.h"
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include <fmt/format.h>
 
+#include "q8_kernels.h"
+#include "zinf/core/check.h"
+
 namespace zinf::swapper::q8 {
+namespace internal {
 namespace {
 
 constexpr int kDecades = 7;  // E = 0..6: values in [1e-7, 1)
+constexpr float kSlotLow = 1e-8f;  // magnitudes below have no threshold near them
 
-// The guess table of NearestCode covers magnitudes [kGuessLow, 1] in slots of one binade's
-// 1/32 (a float's exponent and top 5 mantissa bits), which hold at most a few codes each.
-constexpr int kGuessShift = 18;
-constexpr float kGuessLow = 1e-8f;
-const std::uint32_t kGuessFirst = std::bit_cast<std::uint32_t>(kGuessLow) >> kGuessShift;
-const std::uint32_t kGuessLast = std::bit_cast<std::uint32_t>(1.0f) >> kGuessShift;
-
-// A map and its decision thresholds: thresholds[c] is the midpoint (exact in double) of values
-// c and c + 1; x goes to the number of thresholds below it. guess[slot]: that number for the
-// smallest magnitude of the slot.
-struct Map {
-  std::array<float, 256> values;
-  std::array<double, 255> thresholds;
-  std::vector<std::uint8_t> guess;
-  std::uint8_t zero_code;
-};
-
-std::uint8_t CountBelow(const Map& map, double x) {
-  return static_cast<std::uint8_t>(
-      std::lower_bound(map.thresholds.begin(), map.thresholds.end(), x) - map.thresholds.begin());
-}
-
-Map Build(MapKind kind) {
+// The map's values, ascending, as the paper's dynamic tree describes them (q8.h).
+std::array<float, 256> BuildValues(MapKind kind) {
   const int fraction_bits_e0 = kind == MapKind::kSigned ? 6 : 7;
   std::vector<double> v = {0.0, 1.0};
   for (int e = 0; e < kDecades; ++e) {
@@ -50,72 +36,100 @@ Map Build(MapKind kind) {
       if (kind == MapKind::kSigned) v.push_back(-value);
     }
   }
-  Map map{};
-  std::vector<float> f(v.begin(), v.end());
-  std::sort(f.begin(), f.end());
-  std::copy(f.begin(), f.end(), map.values.begin());
-  for (std::size_t c = 0; c + 1 < map.values.size(); ++c) {
-    map.thresholds[c] =
-        (static_cast<double>(map.values[c]) + static_cast<double>(map.values[c + 1])) / 2;
-  }
-  map.zero_code = static_cast<std::uint8_t>(std::find(map.values.begin(), map.values.end(), 0.0f) -
-                                            map.values.begin());
-  for (std::uint32_t slot = kGuessFirst; slot <= kGuessLast; ++slot) {
-    map.guess.push_back(CountBelow(map, std::bit_cast<float>(slot << kGuessShift)));
-  }
-  return map;
+  ZINF_CHECK(v.size() == 256, "q8 map has {} values", v.size());
+  std::array<float, 256> values;
+  std::transform(v.begin(), v.end(), values.begin(),
+                 [](double d) { return static_cast<float>(d); });
+  std::sort(values.begin(), values.end());
+  return values;
 }
 
-const Map& GetMap(MapKind kind) {
-  static const Map kSignedMap = Build(MapKind::kSigned);
-  static const Map kUnsignedMap = Build(MapKind::kUnsigned);
-  return kind == MapKind::kSigned ? kSignedMap : kUnsignedMap;
+Tables Build(MapKind kind) {
+  Tables t{};
+  t.values = BuildValues(kind);
+  std::array<double, 255> thresholds;
+  for (std::size_t c = 0; c < thresholds.size(); ++c) {
+    thresholds[c] = (static_cast<double>(t.values[c]) + t.values[c + 1]) / 2;  // exact
+  }
+  // The exact answer, for building the tables only.
+  auto count = [&](double x) {
+    return static_cast<std::int32_t>(std::lower_bound(thresholds.begin(), thresholds.end(), x) -
+                                     thresholds.begin());
+  };
+  t.zero_code = static_cast<std::uint8_t>(std::find(t.values.begin(), t.values.end(), 0.0f) -
+                                          t.values.begin());
+  t.first_slot = std::bit_cast<std::uint32_t>(kSlotLow) >> kSlotShift;
+  t.last_slot = std::bit_cast<std::uint32_t>(1.0f) >> kSlotShift;
+  const float below_first = std::nextafter(std::bit_cast<float>(t.first_slot << kSlotShift), 0.0f);
+  t.tiny_start = count(-below_first);
+  int walk = count(below_first) - t.tiny_start;
+  for (std::uint32_t slot = t.first_slot; slot <= t.last_slot; ++slot) {
+    const float low = std::bit_cast<float>(slot << kSlotShift);
+    const float high = slot == t.last_slot
+                           ? std::numeric_limits<float>::max()
+                           : std::nextafter(std::bit_cast<float>((slot + 1) << kSlotShift), 0.0f);
+    t.start_pos.push_back(count(low));
+    t.start_neg.push_back(count(-high));
+    walk = std::max({walk, count(high) - count(low), count(-low) - count(-high)});
+  }
+  t.walk = walk;
+  for (double th : thresholds) {
+    const float hi = static_cast<float>(th);
+    const float lo = static_cast<float>(th - hi);
+    ZINF_CHECK(static_cast<double>(hi) + lo == th, "q8 threshold {} is not hi + lo", th);
+    t.t_hi.push_back(hi);
+    t.t_lo.push_back(lo);
+  }
+  for (int j = 0; j < walk; ++j) {
+    t.t_hi.push_back(std::numeric_limits<float>::infinity());
+    t.t_lo.push_back(0.0f);
+  }
+  return t;
 }
 
 }  // namespace
 
-const std::array<float, 256>& MapValues(MapKind kind) { return GetMap(kind).values; }
+const Tables& TablesFor(MapKind kind) {
+  static const Tables kSigned = Build(MapKind::kSigned);
+  static const Tables kUnsigned = Build(MapKind::kUnsigned);
+  return kind == MapKind::kSigned ? kSigned : kUnsigned;
+}
 
-std::uint8_t ZeroCode(MapKind kind) { return GetMap(kind).zero_code; }
+float QuantizeBlockScalar(const Tables& t, const float* x, std::size_t n, std::uint8_t* codes) {
+  float scale = 0.0f;
+  if (!AbsMaxTail(x, 0, n, &scale)) return -1.0f;
+  if (scale == 0.0f) {
+    std::fill(codes, codes + n, t.zero_code);
+    return 0.0f;
+  }
+  CodesTail(t, x, 0, n, scale, codes);
+  return scale;
+}
+
+void DequantizeBlockScalar(const Tables& t, const std::uint8_t* codes, float scale, std::size_t n,
+                           float* out) {
+  for (std::size_t i = 0; i < n; ++i) out[i] = t.values[codes[i]] * scale;
+}
+
+}  // namespace internal
+
+const std::array<float, 256>& MapValues(MapKind kind) { return internal::TablesFor(kind).values; }
+
+std::uint8_t ZeroCode(MapKind kind) { return internal::TablesFor(kind).zero_code; }
 
 std::uint8_t NearestCode(MapKind kind, float normalized) {
-  const Map& map = GetMap(kind);
-  // The answer is the number of thresholds strictly below x (ties go to the smaller code).
-  // Start from the slot of |x| (mirrored for a negative x: the signed map is symmetric), then
-  // walk to the exact answer; the walk alone decides, the start only saves steps.
-  const float magnitude = std::fabs(normalized);
-  int c = map.zero_code;
-  if (magnitude >= kGuessLow) {
-    const std::uint32_t slot =
-        std::min(std::bit_cast<std::uint32_t>(magnitude) >> kGuessShift, kGuessLast);
-    c = map.guess[slot - kGuessFirst];
-    if (normalized < 0) c = 2 * map.zero_code - c;
-    c = std::clamp(c, 0, 255);
-  }
-  const double x = normalized;
-  while (c < 255 && map.thresholds[static_cast<std::size_t>(c)] < x) ++c;
-  while (c > 0 && map.thresholds[static_cast<std::size_t>(c) - 1] >= x) --c;
-  return static_cast<std::uint8_t>(c);
+  return internal::CodeOf(internal::TablesFor(kind), normalized,
+                          std::bit_cast<std::uint32_t>(normalized) & 0x7fffffffu);
 }
 
 float QuantizeBlock(MapKind kind, std::span<const float> x, std::span<std::uint8_t> codes) {
-  float scale = 0.0f;
-  for (float value : x) {
-    if (!std::isfinite(value)) return -1.0f;
-    scale = std::max(scale, std::fabs(value));
-  }
-  if (scale == 0.0f) {
-    std::fill(codes.begin(), codes.begin() + static_cast<std::ptrdiff_t>(x.size()), ZeroCode(kind));
-    return 0.0f;
-  }
-  for (std::size_t i = 0; i < x.size(); ++i) codes[i] = NearestCode(kind, x[i] / scale);
-  return scale;
+  return internal::QuantizeBlockScalar(internal::TablesFor(kind), x.data(), x.size(), codes.data());
 }
 
 void DequantizeBlock(MapKind kind, std::span<const std::uint8_t> codes, float scale,
                      std::span<float> out) {
-  const std::array<float, 256>& values = MapValues(kind);
-  for (std::size_t i = 0; i < codes.size(); ++i) out[i] = values[codes[i]] * scale;
+  internal::DequantizeBlockScalar(internal::TablesFor(kind), codes.data(), scale, codes.size(),
+                                  out.data());
 }
 
 Status Quantize(MapKind kind, std::span<const float> x, std::span<std::uint8_t> codes,

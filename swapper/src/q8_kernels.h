@@ -1,0 +1,89 @@
+// Private: the tables behind the q8 codec (q8.h) and its per-path block kernels.
+//
+// Nearest code, exactly and without doubles: code(n) is the number of thresholds t_c (the
+// midpoints of adjacent values, exact in double) below n. Each t_c is stored as two floats,
+// t = hi + lo exactly, so that n > t <=> n > hi || (n == hi && lo < 0) for a float n. The
+// magnitude |n| falls into a slot (its float bits >> kSlotShift: exponent and top mantissa
+// bits); start[sign][slot] is code() of the slot's lowest n, and at most `walk` thresholds
+// lie within a slot, so code(n) = start + the number of the `walk` thresholds from there that
+// are below n (the arrays are padded with +inf). Every path computes exactly this, so all give
+// the same codes.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "zinf/swapper/q8.h"
+
+namespace zinf::swapper::q8::internal {
+
+inline constexpr int kSlotShift = 16;  // a binade in 128 slots
+
+struct Tables {
+  std::array<float, 256> values;
+  std::vector<float> t_hi, t_lo;        // 255 thresholds + `walk` of +inf / 0
+  std::uint32_t first_slot, last_slot;  // slots of magnitudes below first_slot: `tiny`
+  std::vector<std::int32_t> start_pos;  // per slot - first_slot, n >= 0
+  std::vector<std::int32_t> start_neg;  // per slot - first_slot, n < 0
+  std::int32_t tiny_start;              // |n| below the first slot
+  int walk;
+  std::uint8_t zero_code;
+};
+
+const Tables& TablesFor(MapKind kind);
+
+// The block kernels: codes[0, n) and the returned scale (-1 for a non-finite element), as
+// q8::QuantizeBlock; out[0, n) as q8::DequantizeBlock. n <= kBlockNumel.
+float QuantizeBlockScalar(const Tables& t, const float* x, std::size_t n, std::uint8_t* codes);
+float QuantizeBlockAvx2(const Tables& t, const float* x, std::size_t n, std::uint8_t* codes);
+float QuantizeBlockAvx512(const Tables& t, const float* x, std::size_t n, std::uint8_t* codes);
+void DequantizeBlockScalar(const Tables& t, const std::uint8_t* codes, float scale, std::size_t n,
+                           float* out);
+void DequantizeBlockAvx2(const Tables& t, const std::uint8_t* codes, float scale, std::size_t n,
+                         float* out);
+void DequantizeBlockAvx512(const Tables& t, const std::uint8_t* codes, float scale, std::size_t n,
+                           float* out);
+
+// The scalar code of one normalized value (the definition the vector kernels follow).
+inline std::uint8_t CodeOf(const Tables& t, float n, std::uint32_t magnitude_bits) {
+  std::int32_t c;
+  const std::uint32_t slot = magnitude_bits >> kSlotShift;
+  if (slot < t.first_slot) {
+    c = t.tiny_start;
+  } else {
+    const std::uint32_t s = (slot > t.last_slot ? t.last_slot : slot) - t.first_slot;
+    c = n < 0 ? t.start_neg[s] : t.start_pos[s];
+  }
+  std::int32_t count = c;
+  for (int j = 0; j < t.walk; ++j) {
+    const float hi = t.t_hi[static_cast<std::size_t>(c + j)];
+    const float lo = t.t_lo[static_cast<std::size_t>(c + j)];
+    count += (n > hi || (n == hi && lo < 0)) ? 1 : 0;
+  }
+  return static_cast<std::uint8_t>(count);
+}
+
+// Shared by the kernels: folds |x[i]| for i in [begin, n) into *scale; false at a non-finite x.
+inline bool AbsMaxTail(const float* x, std::size_t begin, std::size_t n, float* scale) {
+  for (std::size_t i = begin; i < n; ++i) {
+    if (!std::isfinite(x[i])) return false;
+    *scale = std::max(*scale, std::fabs(x[i]));
+  }
+  return true;
+}
+
+// The codes of x[i] / scale for i in [begin, n), one at a time.
+inline void CodesTail(const Tables& t, const float* x, std::size_t begin, std::size_t n,
+                      float scale, std::uint8_t* codes) {
+  for (std::size_t i = begin; i < n; ++i) {
+    const float v = x[i] / scale;
+    codes[i] = CodeOf(t, v, std::bit_cast<std::uint32_t>(v) & 0x7fffffffu);
+  }
+}
+
+}  // namespace zinf::swapper::q8::internal
