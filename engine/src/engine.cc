@@ -422,10 +422,17 @@ Status ZeroEngine::Restore(const std::string& path) {
 }
 
 // This rank's committed fp32 weights from the swap store into its part of the parameters'
-// weights, through the all-gather's send buffer.
+// weights, through the all-gather's send buffer or, when that is small, a 1 MiB one (so that a
+// tiny allgather_bucket_size does not mean one read per element).
 Status ZeroEngine::ReadPartition() {
   State& s = *state_;
-  const std::span<float> buffer(s.gather_send);
+  constexpr std::uint64_t kMinPieceNumel = std::uint64_t{1} << 18;
+  std::vector<float> own;
+  std::span<float> buffer(s.gather_send);
+  if (buffer.size() < kMinPieceNumel && s.partition_numel > buffer.size()) {
+    own.resize(std::min(kMinPieceNumel, s.partition_numel));
+    buffer = own;
+  }
   for (std::size_t i = 0; i < s.swapper->num_sub_groups(); ++i) {
     const partition::SubGroup& sg = s.swapper->swap_info(i).sub_group;
     for (std::uint64_t at = 0; at < sg.numel; at += buffer.size()) {

@@ -257,7 +257,7 @@ TEST_P(EngineMatchesReference, ForSeveralSteps) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, EngineMatchesReference,
     ::testing::Values(
-        Case{.name = "AdamW"}, Case{.name = "AccumulateCalls", .gas = 3, .gather = 1},
+        Case{.name = "AdamW"}, Case{.name = "AccumulateCalls", .gas = 3, .gather = 64},
         Case{.name = "AccumulateInBuffers", .gas = 3, .accumulate_calls = false},
         Case{.name = "SwapGradients", .gas = 2, .swap_gradients = true},
         // The all-gather in rounds (allgather_bucket_size over all ranks) that cut parameters
