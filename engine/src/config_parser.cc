@@ -428,6 +428,14 @@ class Parser {
   std::set<std::string, std::less<>> given_;  // every key (and section) the file sets
 };
 
+// The collective part of LoadConfig*: every rank's parse result agreed on, then the same config.
+Result<Config> AgreeOnConfig(const comm::Communicator& world, Result<Config> config) {
+  ZINF_RETURN_IF_ERROR(
+      world.AgreeOnStatus(config.has_value() ? OkStatus() : Status(config.error())));
+  ZINF_RETURN_IF_ERROR(CheckSameConfigOnAllRanks(world, *config));
+  return config;
+}
+
 }  // namespace
 
 Result<Config> ParseConfig(std::string_view json_text, const ConfigContext& ctx,
@@ -454,11 +462,13 @@ ConfigContext ContextOf(const comm::Communicator& world) {
 
 Result<Config> LoadConfig(const comm::Communicator& world, const std::string& path,
                           std::span<const AppKey> app_keys) {
-  Result<Config> config = LoadConfigFile(path, ContextOf(world), app_keys);
-  ZINF_RETURN_IF_ERROR(
-      world.AgreeOnStatus(config.has_value() ? OkStatus() : Status(config.error())));
-  ZINF_RETURN_IF_ERROR(CheckSameConfigOnAllRanks(world, *config));
-  return config;
+  return AgreeOnConfig(world, LoadConfigFile(path, ContextOf(world), app_keys));
+}
+
+Result<Config> LoadConfigText(const comm::Communicator& world, std::string_view json_text,
+                              std::string_view source, std::span<const AppKey> app_keys) {
+  return AgreeOnConfig(world, Annotate(ParseConfig(json_text, ContextOf(world), app_keys),
+                                       fmt::format("config {}: ", source)));
 }
 
 }  // namespace zinf::engine

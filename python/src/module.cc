@@ -141,16 +141,9 @@ class EngineHandle {
   EngineHandle(const std::string& config, bool config_is_text, const py::list& params,
                const py::dict& options) {
     const comm::Communicator& world = World();
-    engine::Config cfg;
-    if (config_is_text) {
-      Result<engine::Config> parsed = engine::ParseConfig(config, engine::ContextOf(world));
-      Check(world.AgreeOnStatus(
-          parsed ? OkStatus() : Status(Error(parsed.error()).WithContext("config (dict): "))));
-      cfg = std::move(*parsed);
-      Check(engine::CheckSameConfigOnAllRanks(world, cfg));
-    } else {
-      cfg = Value(engine::LoadConfig(world, config));
-    }
+    const engine::Config cfg =
+        Value(config_is_text ? engine::LoadConfigText(world, config, "(dict)")
+                             : engine::LoadConfig(world, config));
     // Bad parameters are agreed on before Create, so that every rank raises.
     std::vector<engine::Param> list;
     const Status local = [&]() -> Status {

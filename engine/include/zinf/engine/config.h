@@ -252,6 +252,12 @@ Result<Config> LoadConfigFile(const std::string& path, const ConfigContext& ctx,
 Result<Config> LoadConfig(const comm::Communicator& world, const std::string& path,
                           std::span<const AppKey> app_keys = {});
 
+// LoadConfig for config text the program holds (e.g. a Python dict as JSON): parses
+// `json_text` on every rank, error messages prefixed with "config <source>: ", then the same
+// agreement and same-config check.
+Result<Config> LoadConfigText(const comm::Communicator& world, std::string_view json_text,
+                              std::string_view source, std::span<const AppKey> app_keys = {});
+
 // The ConfigContext of this process in `world`.
 ConfigContext ContextOf(const comm::Communicator& world);
 
