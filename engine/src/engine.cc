@@ -32,6 +32,7 @@
 #include "zinf/engine/config_options.h"
 #include "zinf/engine/lr_schedule.h"
 #include "zinf/partition/plan.h"
+#include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/fs.h"
 #include "zinf/swapper/checkpoint.h"
 #include "zinf/swapper/gradient_swapper.h"
@@ -104,7 +105,9 @@ struct ZeroEngine::State {
   std::uint64_t total_numel = 0;
   std::uint64_t partition_numel = 0;
   std::vector<float> partition_grad;  // this rank's reduced gradient (in-memory accumulation)
-  StagingBuffer staging;  // with a gradient swapper: its reduced gradient on its way to NVMe
+  // With a gradient swapper: its reduced gradient on its way to NVMe (pages allocated as written
+  // and released per sub-group, GradientBuckets::Target).
+  storage::AlignedBuffer staging;
   // One all-gather round: this rank's piece and every rank's (rank order).
   std::vector<float> gather_send, gather_recv;
   comm::Timers timers;
@@ -303,7 +306,9 @@ Status ZeroEngine::Build(std::vector<Param> params) {
   if (s.swapper->gradient_swapper() == nullptr) {
     s.partition_grad.assign(s.partition_numel, 0.0f);
   } else {
-    ZINF_ASSIGN_OR_RETURN(s.staging, StagingBuffer::Create(s.partition_numel));
+    ZINF_ASSIGN_OR_RETURN(
+        s.staging, storage::AlignedBuffer::Allocate(s.partition_numel * sizeof(float),
+                                                    {.register_cuda = false, .zero = false}));
   }
   ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(CreateBuckets()));
 
@@ -472,7 +477,7 @@ Status ZeroEngine::CreateBuckets() {
   GradientBuckets::Target target;
   target.gradients = s.swapper->gradient_swapper();
   if (target.gradients != nullptr) {
-    target.staging = s.staging.span();
+    target.staging = s.staging.as<float>().first(s.partition_numel);
   } else {
     target.accumulated = s.partition_grad;
   }

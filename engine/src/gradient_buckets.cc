@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -13,6 +12,19 @@
 #include <fmt/format.h>
 
 namespace zinf::engine {
+namespace {
+
+// Gives the whole pages inside `range` back to the kernel; they read as zero afterwards. Best
+// effort: a failure only keeps the pages.
+void ReleasePages(std::span<const float> range) {
+  static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<std::uintptr_t>(range.data());
+  const std::uintptr_t first = (begin + page - 1) / page * page;
+  const std::uintptr_t last = (begin + range.size_bytes()) / page * page;
+  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
+}  // namespace
 
 Result<std::unique_ptr<GradientBuckets>> GradientBuckets::Create(
     const partition::PartitionPlan& plan, int rank, std::vector<std::span<float>> grads,
@@ -279,45 +291,7 @@ void GradientBuckets::SwapOut(std::size_t s) {
   const std::span<const float> grad =
       std::span<const float>(target_.staging).subspan(sg.partition_offset, sg.numel);
   RecordLocal(target_.gradients->SwapOut(micro_batch_, s, grad));  // copies what it keeps
-  StagingBuffer::Release(grad);
-}
-
-Result<StagingBuffer> StagingBuffer::Create(std::uint64_t numel) {
-  StagingBuffer buffer;
-  if (numel == 0) return buffer;
-  void* p = ::mmap(nullptr, numel * sizeof(float), PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) {
-    return ErrnoError(errno, fmt::format("gradient staging of {} elements", numel));
-  }
-  buffer.data_ = static_cast<float*>(p);
-  buffer.numel_ = numel;
-  return buffer;
-}
-
-StagingBuffer::StagingBuffer(StagingBuffer&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), numel_(std::exchange(other.numel_, 0)) {}
-
-StagingBuffer& StagingBuffer::operator=(StagingBuffer&& other) noexcept {
-  if (this != &other) {
-    if (data_ != nullptr) ::munmap(data_, numel_ * sizeof(float));
-    data_ = std::exchange(other.data_, nullptr);
-    numel_ = std::exchange(other.numel_, 0);
-  }
-  return *this;
-}
-
-StagingBuffer::~StagingBuffer() {
-  if (data_ != nullptr) ::munmap(data_, numel_ * sizeof(float));
-}
-
-void StagingBuffer::Release(std::span<const float> range) {
-  static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const auto begin = reinterpret_cast<std::uintptr_t>(range.data());
-  const std::uintptr_t first = (begin + page - 1) / page * page;
-  const std::uintptr_t last = (begin + range.size_bytes()) / page * page;
-  // Best effort: a failure only keeps the pages.
-  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+  ReleasePages(grad);
 }
 
 }  // namespace zinf::engine

@@ -46,33 +46,13 @@
 
 namespace zinf::engine {
 
-// Anonymous memory whose pages can be given back to the kernel (Release): the staging of the
-// reduced gradient on its way to the gradient swapper, which then costs host memory only for
-// the sub-groups in flight, not for the partition.
-class StagingBuffer {
- public:
-  StagingBuffer() = default;
-  // Reserves `numel` floats (zero; pages are allocated when first written). Errors:
-  // ResourceExhausted (mmap failed).
-  static Result<StagingBuffer> Create(std::uint64_t numel);
-  StagingBuffer(StagingBuffer&& other) noexcept;
-  StagingBuffer& operator=(StagingBuffer&& other) noexcept;
-  ~StagingBuffer();
-
-  std::span<float> span() const { return {data_, numel_}; }
-  // Gives the whole pages inside `range` (a part of span()) back; they read as zero afterwards.
-  static void Release(std::span<const float> range);
-
- private:
-  float* data_ = nullptr;
-  std::uint64_t numel_ = 0;
-};
-
 class GradientBuckets {
  public:
   // Where this rank's reduced gradient goes: `accumulated` (partition-sized) without a gradient
-  // swapper; else `staging` (a StagingBuffer's partition-sized span: each sub-group's pages are
-  // released once it is handed to `gradients`) and `gradients`.
+  // swapper; else `staging` (partition-sized, in memory of its own, e.g. a storage::AlignedBuffer
+  // allocated without zeroing: each sub-group's whole pages are given back to the kernel once
+  // it is handed to `gradients`, so the staging costs host memory only for the sub-groups in
+  // flight) and `gradients`.
   struct Target {
     std::span<float> accumulated;
     std::span<float> staging;
