@@ -26,6 +26,7 @@
 #include "zinf/comm/collective_backend.h"
 #include "zinf/comm/mpi_session.h"
 #include "zinf/comm/timers.h"
+#include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/core/process_stats.h"
 #include "zinf/core/units.h"
@@ -751,6 +752,13 @@ Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& use
         "engine: SaveCheckpoint without a directory (set zinf.checkpoint.dir)");
   } else if (!user_state.is_null() && !user_state.is_object()) {
     check = InvalidArgumentError("engine: the user state of a checkpoint must be a JSON object");
+  } else if (Result<Json> readable = ParseJson(Json{{kUserStateKey, user_state}}.dump());
+             !readable) {
+    // A restore reads it back within ParseJson's bounds (RestoreCheckpoint): a state beyond
+    // them would make a checkpoint that cannot be restored.
+    check = InvalidArgumentError(
+        fmt::format("engine: the user state of a checkpoint is not restorable: {}",
+                    readable.error().message()));
   }
   ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(check));
   swapper::CheckpointSaveOptions options;

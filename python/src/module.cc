@@ -27,6 +27,7 @@
 #include <nlohmann/json.hpp>
 
 #include "zinf/comm/mpi_session.h"
+#include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/core/status.h"
 #include "zinf/engine/config.h"
@@ -232,12 +233,14 @@ class EngineHandle {
 
   // `user_state`: JSON text of an object (or "null").
   py::dict SaveCheckpoint(const std::string& user_state, const std::string& dir) {
-    Json state = Json::parse(user_state, nullptr, /*allow_exceptions=*/false);
-    Status local =
-        state.is_discarded()
-            ? Status(InvalidArgumentError("save_checkpoint: client_state is not valid JSON"))
-            : OkStatus();
-    Check(Open().world().AgreeOnStatus(local));
+    // Bounded (depth, size, duplicate keys), as everything from outside the process.
+    Result<Json> parsed = ParseJson(user_state);
+    Check(Open().world().AgreeOnStatus(
+        parsed ? OkStatus()
+               : Status(InvalidArgumentError(
+                     fmt::format("save_checkpoint: client_state is not valid JSON: {}",
+                                 parsed.error().message())))));
+    const Json state = parsed ? std::move(*parsed) : Json();
     Result<engine::SavedCheckpointInfo> saved = [&] {
       py::gil_scoped_release release;
       return Open().SaveCheckpoint(state, dir);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -401,6 +402,31 @@ TEST_F(EngineErrors, GradientReadyMisuse) {
   ZINF_ASSERT_OK(engine->Close());
   EXPECT_THAT(engine->GradientReady(0),
               StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("after Close")));
+}
+
+// A user state the restore could not read back (ParseJson's 64 levels, counting the engine's
+// wrapper) is refused at save time; the checkpoint directory stays empty.
+TEST_F(EngineErrors, UserStateARestoreCouldNotRead) {
+  Model model = MakeModel();
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, Create(model));
+  ZINF_ASSERT_OK(RunStep(*engine, model, Case{.name = "gas2", .gas = 2}, 1));
+  auto nested = [](int depth) {
+    nlohmann::json state = nlohmann::json::object();
+    for (int i = 1; i < depth; ++i) state = nlohmann::json{{"k", state}};
+    return state;
+  };
+  EXPECT_THAT(engine->SaveCheckpoint(nested(64)),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("user state of a checkpoint is not restorable")));
+  EXPECT_FALSE(std::filesystem::exists(dir_.Join("ckpt") + "/latest"));
+  ZINF_ASSERT_OK_AND_ASSIGN(SavedCheckpointInfo saved, engine->SaveCheckpoint(nested(63)));
+  ZINF_ASSERT_OK(engine->Close());
+  EngineOptions resume = options_;
+  resume.load = saved.path;
+  ZINF_ASSERT_OK_AND_ASSIGN(auto again,
+                            ZeroEngine::Create(World(), config_, model.Params(), resume));
+  EXPECT_EQ(again->user_state(), nested(63));
+  ZINF_ASSERT_OK(again->Close());
 }
 
 TEST_F(EngineErrors, BufferSizeAndAccumulateCalls) {

@@ -1,8 +1,9 @@
 """A bad input must raise the same zinf exception on every rank, never hang or abort:
 `mpirun -np N python3 bad_input.py <case> <work dir>` (driven by expect_error.sh), for the cases
 shape (a parameter that changes shape), dtype (a float64 model), swap_dir (a missing nvme_path),
-config_key (a misspelt key), io_fault (ZINF_FAULT_INJECT fails a write on one rank) and
-client_state (a client state that is not JSON). Each rank writes "rank R: raised <class>: <msg>"
+config_key (a misspelt key), io_fault (ZINF_FAULT_INJECT fails a write on one rank),
+client_state (a client state that is not JSON) and client_state_deep (JSON nested deeper than a
+checkpoint restore reads). Each rank writes "rank R: raised <class>: <msg>"
 to <work dir>/rank<R>.txt and lets the exception end the program."""
 
 import os
@@ -51,6 +52,13 @@ def main():
             opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
             train(model, opt, 1)
             opt.save_checkpoint(os.path.join(work, "ckpt"), client_state={"t": torch.zeros(1)})
+        elif case == "client_state_deep":  # JSON, but deeper than a restore reads back
+            opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
+            train(model, opt, 1)
+            deep = {}
+            for _ in range(100):
+                deep = {"k": deep}
+            opt.save_checkpoint(os.path.join(work, "ckpt"), client_state=deep)
         else:
             raise SystemExit(f"unknown case {case}")
     except zinf.ZinfError as e:

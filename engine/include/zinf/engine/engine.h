@@ -188,7 +188,8 @@ class ZeroEngine {
 
   // Collective. Saves checkpoint step() into `dir` (empty: zinf.checkpoint.dir) with keep_last
   // from the config; `user_state` (a JSON object, or null) is stored and given back by
-  // user_state() after a restore. Errors: InvalidArgument (no directory, state not an object),
+  // user_state() after a restore. Errors: InvalidArgument (no directory, state not an object,
+  // or beyond what a restore reads back: 64 levels with the engine's wrapper, 64 MiB),
   // ResourceExhausted (no space), I/O errors; `latest` and older checkpoints stay as they were.
   // Also in the middle of a micro-batch: it first waits (without MPI) for the gradient
   // reductions the engine's thread has in flight.
