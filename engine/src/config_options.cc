@@ -49,6 +49,7 @@ swapper::SwapperOptions ToSwapperOptions(const Config& config, int world_rank,
   options.store.verify_swap = config.zinf.verify_swap;
   options.aio = ToAioOptions(config);
   options.engine = config.zinf.io_engine;
+  options.state_format = config.zinf.optimizer_state;
   options.sub_group_size = config.zero_optimization.sub_group_size;
   options.pinned_budget_bytes = config.zinf.pinned_budget_bytes;
   options.buffer_count = static_cast<std::uint64_t>(offload.buffer_count);

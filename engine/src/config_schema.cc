@@ -60,6 +60,8 @@ constexpr std::array<std::string_view, 3> kDeviceNames = {"none", "cpu", "nvme"}
 constexpr std::array<std::string_view, 3> kTagValidationNames = {"Ignore", "Warn", "Fail"};
 // Indexed by storage::EngineKind (kAuto, kUring, kPosix).
 constexpr std::array<std::string_view, 3> kEngineNames = {"auto", "uring", "posix"};
+// Indexed by swapper::StateFormat (kFp32, kQ8).
+constexpr std::array<std::string_view, 2> kStateFormatNames = {"fp32", "q8"};
 
 const std::vector<KeySpec>& EngineSchema() {
   using T = Config;
@@ -339,6 +341,12 @@ const std::vector<KeySpec>& EngineSchema() {
        .description = "auto (io_uring if it works, else POSIX), uring or posix; ZINF_IO_ENGINE "
                       "overrides",
        .choices = kEngineNames},
+      {.path = "zinf.optimizer_state",
+       .field = Leaf<&T::zinf, &ZC::optimizer_state>(),
+       .description = "The swapped Adam state: fp32 (weights and both moments, 12 bytes per "
+                      "element), or q8 (fp32 weights, both moments as 8-bit block-wise quantized "
+                      "codes: about 6 bytes per element, half the swap I/O of a step)",
+       .choices = kStateFormatNames},
       {.path = "zinf.verify_swap",
        .field = Leaf<&T::zinf, &ZC::verify_swap>(),
        .description = "Checksum every swapped stripe unit on write, check it on read"},

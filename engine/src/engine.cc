@@ -671,6 +671,9 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   info.swap_write_bytes = bytes[1];
   info.optimizer_swap_read_bytes = bytes[2];
   info.optimizer_swap_write_bytes = bytes[3];
+  const double numel = static_cast<double>(std::max<std::uint64_t>(s.total_numel, 1));
+  info.read_bytes_per_element = static_cast<double>(bytes[2]) / numel;
+  info.write_bytes_per_element = static_cast<double>(bytes[3]) / numel;
   ZINF_RETURN_IF_ERROR(Report(info));
   s.last_step_end = MonotonicSeconds();
   s.io_mark = store.io_counters();
@@ -711,9 +714,10 @@ Status ZeroEngine::Report(const StepInfo& info) {
   if (print) {
     ZINF_LOG_INFO(
         "step {}{} loss {:.6f} lr {:.2e} time {:.3f} s swap read {:.2f} GB/s write "
-        "{:.2f} GB/s{}",
+        "{:.2f} GB/s ({:.2f} + {:.2f} B/element){}",
         info.step, total, info.loss, info.lr, info.step_seconds,
         gbps(info.optimizer_swap_read_bytes), gbps(info.optimizer_swap_write_bytes),
+        info.read_bytes_per_element, info.write_bytes_per_element,
         info.clipped ? fmt::format(" (clipped, norm {:.3g})", info.grad_norm) : "");
   }
   if (config_.wall_clock_breakdown && print) {
@@ -731,6 +735,8 @@ Status ZeroEngine::Report(const StepInfo& info) {
                    {"swap_write_bytes", info.swap_write_bytes},
                    {"optimizer_swap_read_bytes", info.optimizer_swap_read_bytes},
                    {"optimizer_swap_write_bytes", info.optimizer_swap_write_bytes},
+                   {"read_bytes_per_element", info.read_bytes_per_element},
+                   {"write_bytes_per_element", info.write_bytes_per_element},
                    {"peak_rss_bytes", info.peak_rss_bytes},
                    {"world_size", world_.size()}};
     if (info.stop_requested) record["stop_requested"] = true;

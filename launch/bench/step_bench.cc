@@ -1,7 +1,8 @@
-// zinf-bench step: timed optimizer steps of one rank whose Adam state (fp32, exp_avg,
-// exp_avg_sq: --state-bytes in total) lives on disk, through the synchronous and/or the
-// pipelined swapper, next to the time the I/O engine alone needs to move the same bytes.
-// One JSON line per mode on stdout with --json.
+// zinf-bench step: timed optimizer steps of one rank whose Adam state lives on disk, through the
+// synchronous and/or the pipelined swapper, next to the time the I/O engine alone needs to move
+// the same bytes. --state-bytes sets the parameter count (that many bytes of fp32 state: 12 per
+// element); --state-format fp32,q8 runs both formats on the same parameters, alternating, for
+// --rounds rounds. One JSON line per mode, format and round on stdout with --json.
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,7 +31,7 @@ namespace zinf::bench {
 namespace {
 
 using swapper::OptimizerSwapper;
-using swapper::StateTensor;
+using swapper::StateFormat;
 
 struct StepFlags {
   std::string state_bytes = "4G";
@@ -48,6 +49,8 @@ struct StepFlags {
   int queue_depth = 16;
   int intra_op_parallelism = 1;
   std::string stripe_unit = "1M";
+  std::vector<std::string> state_formats = {"fp32"};
+  int rounds = 1;
 };
 
 // The engine alone: reads every state tensor of every sub-group, then writes them back, with
@@ -64,10 +67,9 @@ Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::Eng
   };
   std::vector<Item> items;
   for (std::size_t i = 0; i < swapper.num_sub_groups(); ++i) {
-    for (int t = 0; t < 3; ++t) {
-      items.push_back({OptimizerSwapper::SlotTensorName(swapper.slot_of(i),
-                                                        static_cast<StateTensor>(t)),
-                       swapper.swap_info(i).io_size_bytes});
+    for (std::size_t t = 0; t < swapper.num_slot_tensors(); ++t) {
+      items.push_back(
+          {swapper.SlotTensorName(swapper.slot_of(i), t), swapper.SlotTensorIoBytes(i, t)});
     }
   }
   double seconds[2] = {0, 0};
@@ -96,7 +98,7 @@ Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::Eng
 }
 
 Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags& flags,
-                               bool pipelined) {
+                               bool pipelined, StateFormat format) {
   ZINF_ASSIGN_OR_RETURN(std::uint64_t state_bytes, ParseBytes(flags.state_bytes));
   ZINF_ASSIGN_OR_RETURN(std::uint64_t sub_group_numel, ParseBytes(flags.sub_group_size));
   ZINF_ASSIGN_OR_RETURN(storage::EngineKind kind, storage::ParseEngineKind(flags.engine));
@@ -104,7 +106,9 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
   const std::uint64_t numel = plan.layout().total_numel();
   swapper::SwapperOptions options;
   options.store.paths = {flags.path};
-  options.store.job_id = fmt::format("bench-step-{}-{}", getpid(), pipelined ? "pipe" : "sync");
+  options.store.job_id = fmt::format("bench-step-{}-{}-{}", getpid(), pipelined ? "pipe" : "sync",
+                                     swapper::StateFormatName(format));
+  options.state_format = format;
   ZINF_ASSIGN_OR_RETURN(options.store.stripe_unit_bytes, ParseBytes(flags.stripe_unit));
   ZINF_ASSIGN_OR_RETURN(options.aio.block_size, ParseBytes(flags.block_size));
   options.aio.queue_depth = flags.queue_depth;
@@ -144,6 +148,8 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
   nlohmann::json out = {
       {"bench", "step"},
       {"mode", std::string(swapper->mode_name())},
+      {"state_format", std::string(swapper::StateFormatName(format))},
+      {"bytes_per_element", swapper->StateIoBytesPerElement()},
       {"state_bytes", numel * kStateBytesPerElement},
       {"numel", numel},
       {"sub_group_numel", swapper->sub_groups().max_sub_group_numel()},
@@ -161,9 +167,8 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
       {"initialize_seconds", init_seconds},
       {"adam_seconds_per_step", swapper->timers().Elapsed("optimizer_step") / flags.steps},
       {"peak_rss_bytes", peak_rss},
-      {"peak_rss_minus_pool_bytes",
-       static_cast<std::int64_t>(peak_rss) -
-           static_cast<std::int64_t>(swapper->pool().total_bytes())},
+      {"peak_rss_minus_pool_bytes", static_cast<std::int64_t>(peak_rss) -
+                                        static_cast<std::int64_t>(swapper->pool().total_bytes())},
       {"direct", swapper->store().direct()},
   };
   ZINF_RETURN_IF_ERROR(swapper->Close());
@@ -180,29 +185,41 @@ int RunStep(const StepFlags& flags) {
   std::vector<bool> modes;
   if (flags.sync || !flags.pipeline) modes.push_back(false);
   if (flags.pipeline || !flags.sync) modes.push_back(true);
+  std::vector<StateFormat> formats;
+  for (const std::string& name : flags.state_formats) {
+    formats.push_back(name == "q8" ? StateFormat::kQ8 : StateFormat::kFp32);
+  }
   int rc = 0;
-  for (bool pipelined : modes) {
-    Result<nlohmann::json> result = RunMode(session->world(), flags, pipelined);
-    if (!result) {
-      std::fprintf(stderr, "zinf-bench step (%s): %s\n", pipelined ? "pipelined" : "sync",
-                   result.error().ToString().c_str());
-      rc = 1;
-      continue;
+  for (int round = 1; round <= flags.rounds; ++round) {
+    for (bool pipelined : modes) {
+      for (StateFormat format : formats) {
+        Result<nlohmann::json> result = RunMode(session->world(), flags, pipelined, format);
+        if (!result) {
+          std::fprintf(stderr, "zinf-bench step (%s, %s): %s\n", pipelined ? "pipelined" : "sync",
+                       std::string(swapper::StateFormatName(format)).c_str(),
+                       result.error().ToString().c_str());
+          rc = 1;
+          continue;
+        }
+        (*result)["round"] = round;
+        if (flags.json) {
+          std::printf("%s\n", result->dump().c_str());
+        } else {
+          std::printf(
+              "%s %s: %.3f s/step (I/O alone %.3f s: %.2fx), %s read + written per step (%.2f "
+              "bytes per element each way), peak RSS %s (pool %s)\n",
+              (*result)["mode"].get<std::string>().c_str(),
+              (*result)["state_format"].get<std::string>().c_str(),
+              (*result)["seconds_per_step"].get<double>(),
+              (*result)["io_only_seconds"].get<double>(), (*result)["step_over_io"].get<double>(),
+              FormatBytes((*result)["read_bytes"].get<std::uint64_t>()).c_str(),
+              (*result)["bytes_per_element"].get<double>(),
+              FormatBytes((*result)["peak_rss_bytes"].get<std::uint64_t>()).c_str(),
+              FormatBytes((*result)["pool_bytes"].get<std::uint64_t>()).c_str());
+        }
+        std::fflush(stdout);
+      }
     }
-    if (flags.json) {
-      std::printf("%s\n", result->dump().c_str());
-    } else {
-      std::printf("%s: %.3f s/step (I/O alone %.3f s: %.2fx), %s read + written per step, peak "
-                  "RSS %s (pool %s)\n",
-                  (*result)["mode"].get<std::string>().c_str(),
-                  (*result)["seconds_per_step"].get<double>(),
-                  (*result)["io_only_seconds"].get<double>(),
-                  (*result)["step_over_io"].get<double>(),
-                  FormatBytes((*result)["read_bytes"].get<std::uint64_t>()).c_str(),
-                  FormatBytes((*result)["peak_rss_bytes"].get<std::uint64_t>()).c_str(),
-                  FormatBytes((*result)["pool_bytes"].get<std::uint64_t>()).c_str());
-    }
-    std::fflush(stdout);
   }
   Status finalized = session->Finalize();
   if (!finalized) rc = 1;
@@ -215,13 +232,21 @@ const bool kRegistered = RegisterBenchCommand(
       auto flags = std::make_shared<StepFlags>();
       app.add_option("--path", flags->path, "swap directory (node-local NVMe)")->required();
       app.add_option("--state-bytes", flags->state_bytes,
-                     "bytes of fp32 + exp_avg + exp_avg_sq in total, e.g. 4G")
+                     "the parameter count, as bytes of fp32 state (12 per element), e.g. 4G")
           ->capture_default_str();
+      app.add_option("--state-format", flags->state_formats,
+                     "fp32, q8, or both (fp32,q8: alternating on the same parameters)")
+          ->delimiter(',')
+          ->capture_default_str()
+          ->check(CLI::IsMember({"fp32", "q8"}));
+      app.add_option("--rounds", flags->rounds, "repeat the modes and formats this many times")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 1000));
       app.add_option("--sub-group-size", flags->sub_group_size,
                      "elements per sub-group, e.g. 32M (binary multiples)")
           ->capture_default_str();
       app.add_option("--budget", flags->budget,
-                     "zinf.pinned_budget_bytes (default: 4 buffers sync, 12 pipelined)");
+                     "zinf.pinned_budget_bytes (default: 4 buffers sync, 12 pipelined; q8: 3, 9)");
       app.add_flag("--pipeline", flags->pipeline, "run the pipelined swapper");
       app.add_flag("--sync", flags->sync, "run the synchronous swapper (neither flag: both)");
       app.add_flag("--json", flags->json, "one JSON object per mode on stdout");

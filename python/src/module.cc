@@ -127,6 +127,8 @@ py::dict StepInfoDict(const engine::StepInfo& info) {
   d["swap_read_bytes"] = info.swap_read_bytes;
   d["swap_write_bytes"] = info.swap_write_bytes;
   d["optimizer_swap_read_bytes"] = info.optimizer_swap_read_bytes;
+  d["read_bytes_per_element"] = info.read_bytes_per_element;
+  d["write_bytes_per_element"] = info.write_bytes_per_element;
   d["optimizer_swap_write_bytes"] = info.optimizer_swap_write_bytes;
   d["peak_rss_bytes"] = info.peak_rss_bytes;
   d["stop_requested"] = info.stop_requested;

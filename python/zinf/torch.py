@@ -39,13 +39,16 @@ class StepInfo:
 
     step (1-based), lr, loss (mean over ranks; NaN when no loss was passed), grad_norm (before
     clipping), clipped, step_seconds and optimizer_seconds (slowest rank), swap_read_bytes and
-    swap_write_bytes (all ranks, since the previous step), peak_rss_bytes (largest rank),
+    swap_write_bytes (all ranks, since the previous step), read_bytes_per_element and
+    write_bytes_per_element (the optimizer step's swap bytes per parameter element: about 12 with
+    zinf.optimizer_state fp32, about 6 with q8), peak_rss_bytes (largest rank),
     stop_requested (a stop signal arrived on some rank) and stop_signal (this rank's, 0 if none).
     """
 
     __slots__ = ("step", "lr", "loss", "grad_norm", "clipped", "step_seconds",
                  "optimizer_seconds", "swap_read_bytes", "swap_write_bytes",
-                 "optimizer_swap_read_bytes", "optimizer_swap_write_bytes", "peak_rss_bytes",
+                 "optimizer_swap_read_bytes", "optimizer_swap_write_bytes",
+                 "read_bytes_per_element", "write_bytes_per_element", "peak_rss_bytes",
                  "stop_requested", "stop_signal")
 
     def __init__(self, fields):

@@ -154,8 +154,45 @@ std::string_view GradientAccumulationName(GradientAccumulation mode) {
   return "?";
 }
 
-std::string OptimizerSwapper::SlotTensorName(std::size_t slot, StateTensor which) {
-  return fmt::format("slot{}/{}", slot, StateTensorName(which));
+Q8MomentsLayout Q8MomentsLayout::For(std::uint64_t numel) {
+  Q8MomentsLayout layout;
+  layout.numel = numel;
+  layout.num_blocks = q8::NumBlocks(numel);
+  layout.scales_offset = AlignUp(2 * numel, 64);
+  layout.bytes = layout.scales_offset + 2 * layout.num_blocks * sizeof(float);
+  return layout;
+}
+
+Q8Moments ViewQ8Moments(std::span<std::byte> buffer, const Q8MomentsLayout& layout) {
+  ZINF_CHECK(buffer.size() >= layout.bytes, "q8 moments buffer of {} bytes, {} needed",
+             buffer.size(), layout.bytes);
+  auto* codes = reinterpret_cast<std::uint8_t*>(buffer.data());
+  auto* scales = reinterpret_cast<float*>(buffer.data() + layout.scales_offset);
+  return Q8Moments{
+      .exp_avg = {.codes = {codes, layout.numel}, .scales = {scales, layout.num_blocks}},
+      .exp_avg_sq = {.codes = {codes + layout.numel, layout.numel},
+                     .scales = {scales + layout.num_blocks, layout.num_blocks}}};
+}
+
+std::size_t OptimizerSwapper::BuffersPerSubGroup(StateFormat format) {
+  return format == StateFormat::kQ8 ? 3 : 4;
+}
+
+std::size_t OptimizerSwapper::num_slot_tensors() const {
+  return options_.state_format == StateFormat::kQ8 ? 2 : kNumStateTensors;
+}
+
+std::string OptimizerSwapper::SlotTensorName(std::size_t slot, std::size_t tensor) const {
+  if (options_.state_format == StateFormat::kQ8 && tensor == 1) {
+    return fmt::format("slot{}/moments", slot);
+  }
+  return fmt::format("slot{}/{}", slot, StateTensorName(static_cast<StateTensor>(tensor)));
+}
+
+std::uint64_t OptimizerSwapper::SlotTensorIoBytes(std::size_t sub_group, std::size_t tensor) const {
+  const SubGroupSwapInfo& info = infos_.at(sub_group);
+  return options_.state_format == StateFormat::kQ8 && tensor == 1 ? info.moments_io_bytes
+                                                                  : info.io_size_bytes;
 }
 
 OptimizerSwapper::OptimizerSwapper(std::string_view mode_name, Parts&& parts)
@@ -197,8 +234,16 @@ Status OptimizerSwapper::Close() {
 
 std::uint64_t OptimizerSwapper::StateIoBytesPerStep() const {
   std::uint64_t bytes = 0;
-  for (const SubGroupSwapInfo& info : infos_) bytes += info.io_size_bytes * kNumStateTensors;
+  for (std::size_t i = 0; i < infos_.size(); ++i) {
+    for (std::size_t t = 0; t < num_slot_tensors(); ++t) bytes += SlotTensorIoBytes(i, t);
+  }
   return bytes;
+}
+
+double OptimizerSwapper::StateIoBytesPerElement() const {
+  std::uint64_t numel = 0;
+  for (const SubGroupSwapInfo& info : infos_) numel += info.sub_group.numel;
+  return numel == 0 ? 0.0 : static_cast<double>(StateIoBytesPerStep()) / static_cast<double>(numel);
 }
 
 // ---- IoBatch ----
@@ -238,59 +283,69 @@ Status OptimizerSwapper::IoBatch::Wait(storage::IoEngine& engine) {
 
 Status OptimizerSwapper::SubmitStateReads(std::size_t sub_group, const PoolLease& lease,
                                           storage::IoEngine& engine, IoBatch* batch) {
-  const SubGroupSwapInfo& info = infos_[sub_group];
   const std::size_t slot = slot_of_[sub_group];
-  for (StateTensor which : kStateTensors) {
-    const std::string name = SlotTensorName(slot, which);
+  for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
+    const std::string name = SlotTensorName(slot, t);
+    const std::uint64_t bytes = SlotTensorIoBytes(sub_group, t);
     ZINF_ASSIGN_OR_RETURN(
         std::vector<std::uint64_t> ids,
-        Annotate(store_->SubmitReadRange(
-                     name, 0, info.io_size_bytes,
-                     lease.bytes(static_cast<std::size_t>(which)).first(info.io_size_bytes),
-                     engine),
-                 fmt::format("{} ({}): ", StateTensorName(which), name)));
-    batch->Add(ids, fmt::format("{} ({})", StateTensorName(which), name));
+        Annotate(store_->SubmitReadRange(name, 0, bytes, lease.bytes(t).first(bytes), engine),
+                 fmt::format("{}: ", name)));
+    batch->Add(ids, name);
   }
   return OkStatus();
 }
 
 Status OptimizerSwapper::VerifyStateReads(std::size_t sub_group, const PoolLease& lease) const {
   if (!options_.store.verify_swap) return OkStatus();
-  const SubGroupSwapInfo& info = infos_[sub_group];
-  for (StateTensor which : kStateTensors) {
-    const std::string name = SlotTensorName(slot_of_[sub_group], which);
+  for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
+    const std::string name = SlotTensorName(slot_of_[sub_group], t);
     ZINF_RETURN_IF_ERROR(Annotate(
-        store_->VerifyRead(name,
-                           ConstBytes(lease.bytes(static_cast<std::size_t>(which))
-                                          .first(info.io_size_bytes))),
-        fmt::format("{} ({}): ", StateTensorName(which), name)));
+        store_->VerifyRead(name, ConstBytes(lease.bytes(t).first(SlotTensorIoBytes(sub_group, t)))),
+        fmt::format("{}: ", name)));
   }
   return OkStatus();
 }
 
 Result<std::size_t> OptimizerSwapper::SubmitStateWrites(std::size_t sub_group,
                                                         const PoolLease& lease,
-                                                        storage::IoEngine& engine,
-                                                        IoBatch* batch) {
+                                                        storage::IoEngine& engine, IoBatch* batch,
+                                                        std::span<const std::size_t> buffers) {
   ZINF_CHECK(!spare_slots_.empty(), "no spare slot for sub-group {}", sub_group);
+  ZINF_CHECK(buffers.empty() || buffers.size() == num_slot_tensors(), "{} buffers for {} tensors",
+             buffers.size(), num_slot_tensors());
   const std::size_t slot = spare_slots_.back();
   spare_slots_.pop_back();
-  const SubGroupSwapInfo& info = infos_[sub_group];
-  for (StateTensor which : kStateTensors) {
-    const std::string name = SlotTensorName(slot, which);
+  for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
+    const std::string name = SlotTensorName(slot, t);
+    const std::uint64_t bytes = SlotTensorIoBytes(sub_group, t);
+    const std::size_t buffer = buffers.empty() ? t : buffers[t];
     Result<std::vector<std::uint64_t>> ids = store_->SubmitWriteRange(
-        name, 0, info.io_size_bytes,
-        ConstBytes(lease.bytes(static_cast<std::size_t>(which)).first(info.io_size_bytes)),
-        engine);
+        name, 0, bytes, ConstBytes(lease.bytes(buffer).first(bytes)), engine);
     if (!ids) {
       // The caller drains `batch`; the slot is spare again whatever happened to the others.
       Abandon(slot);
-      return std::move(ids).error().WithContext(
-          fmt::format("{} ({}): ", StateTensorName(which), name));
+      return std::move(ids).error().WithContext(fmt::format("{}: ", name));
     }
-    batch->Add(*ids, fmt::format("{} ({})", StateTensorName(which), name));
+    batch->Add(*ids, name);
   }
   return slot;
+}
+
+Status OptimizerSwapper::WriteAndCommit(std::size_t sub_group, std::int64_t step,
+                                        const PoolLease& lease,
+                                        std::span<const std::size_t> buffers,
+                                        const std::string& context) {
+  IoBatch batch;
+  Result<std::size_t> slot = SubmitStateWrites(sub_group, lease, write_engine(), &batch, buffers);
+  Status written = batch.Wait(write_engine());
+  if (!slot) return std::move(slot).error().WithContext(context);
+  if (!written) {
+    Abandon(*slot);
+    return std::move(written).error().WithContext(context);
+  }
+  Commit(sub_group, *slot, step);
+  return OkStatus();
 }
 
 void OptimizerSwapper::Commit(std::size_t sub_group, std::size_t slot, std::int64_t step) {
@@ -305,12 +360,19 @@ Status OptimizerSwapper::Compute(std::int64_t step, std::size_t sub_group, const
                                  const StepOptions& options) {
   comm::ScopedTimer timer(timers_, "optimizer_step");
   const std::size_t numel = infos_[sub_group].sub_group.numel;
-  std::span<float> grad = lease.floats(3).first(numel);
-  ZINF_RETURN_IF_ERROR(Annotate(
-      adam_.Step(step, lease.floats(0).first(numel), grad, lease.floats(1).first(numel),
-                 lease.floats(2).first(numel),
-                 StepExtras{.grad_scale = options.grad_scale, .lr = options.lr}),
-      "adam: "));
+  std::span<float> grad = lease.floats(gradient_buffer()).first(numel);
+  const StepExtras extras{.grad_scale = options.grad_scale, .lr = options.lr};
+  if (options_.state_format == StateFormat::kQ8) {
+    const Q8Moments moments = ViewQ8Moments(lease.bytes(1), Q8MomentsLayout::For(numel));
+    ZINF_RETURN_IF_ERROR(Annotate(adam_.StepQ8(step, lease.floats(0).first(numel), grad,
+                                               moments.exp_avg, moments.exp_avg_sq, extras),
+                                  "adam (q8): "));
+  } else {
+    ZINF_RETURN_IF_ERROR(
+        Annotate(adam_.Step(step, lease.floats(0).first(numel), grad, lease.floats(1).first(numel),
+                            lease.floats(2).first(numel), extras),
+                 "adam: "));
+  }
   if (options_.bf16_params) {
     // The gradient is consumed: its buffer takes the bf16 weights for the sink.
     auto* bf16 = reinterpret_cast<std::uint16_t*>(grad.data());
@@ -331,7 +393,7 @@ Status OptimizerSwapper::Sink(std::size_t sub_group, const PoolLease& lease,
   const std::size_t numel = info.sub_group.numel;
   std::span<const std::uint16_t> bf16;
   if (options_.bf16_params) {
-    bf16 = {reinterpret_cast<const std::uint16_t*>(lease.floats(3).data()), numel};
+    bf16 = {reinterpret_cast<const std::uint16_t*>(lease.floats(gradient_buffer()).data()), numel};
   }
   return Annotate(sink(info.sub_group, lease.floats(0).first(numel), bf16), "param sink: ");
 }
@@ -377,6 +439,8 @@ Status OptimizerSwapper::Initialize(const InitialWeights& initial_fp32) {
     if (gradient_swapper_) ZINF_RETURN_IF_ERROR(gradient_swapper_->Flush());
     ZINF_ASSIGN_OR_RETURN(PoolLease lease,
                           pool_->Allocate(sub_groups_.max_sub_group_numel(), 2));
+    // Buffer 1 holds the zero state of the moments: fp32 zeros, or q8 codes of zero with scale 0
+    // (re-laid out per sub-group size).
     std::span<float> zeros = lease.floats(1);
     std::fill(zeros.begin(), zeros.end(), 0.0f);
     for (std::size_t i = 0; i < infos_.size(); ++i) {
@@ -390,25 +454,23 @@ Status OptimizerSwapper::Initialize(const InitialWeights& initial_fp32) {
                                       fmt::format("sub-group {}: initial weights: ", i)));
       }
       ZeroPadding(info.sub_group, values);
-      IoBatch batch;
-      Status submitted = OkStatus();
-      for (StateTensor which : kStateTensors) {
-        const std::string name = SlotTensorName(slot_of_[i], which);
-        std::span<std::byte> source =
-            which == StateTensor::kFp32 ? lease.bytes(0) : lease.bytes(1);
-        Result<std::vector<std::uint64_t>> ids = store_->SubmitWriteRange(
-            name, 0, info.io_size_bytes, ConstBytes(source.first(info.io_size_bytes)),
-            write_engine());
-        if (!ids) {
-          submitted = std::move(ids).error().WithContext(fmt::format("{}: ", name));
-          break;
-        }
-        batch.Add(*ids, name);
+      std::vector<std::size_t> buffers(num_slot_tensors(), 1);
+      buffers[0] = 0;
+      if (options_.state_format == StateFormat::kQ8) {
+        std::fill(zeros.begin(), zeros.end(), 0.0f);
+        const Q8Moments moments =
+            ViewQ8Moments(lease.bytes(1), Q8MomentsLayout::For(info.sub_group.numel));
+        std::ranges::fill(moments.exp_avg.codes, q8::ZeroCode(q8::MapKind::kSigned));
+        std::ranges::fill(moments.exp_avg_sq.codes, q8::ZeroCode(q8::MapKind::kUnsigned));
       }
+      IoBatch batch;
+      Result<std::size_t> slot = SubmitStateWrites(i, lease, write_engine(), &batch, buffers);
       Status written = batch.Wait(write_engine());
-      ZINF_RETURN_IF_ERROR(Annotate(submitted, fmt::format("sub-group {}: initialize: ", i)));
+      ZINF_RETURN_IF_ERROR(Annotate(slot.has_value() ? OkStatus() : Status(slot.error()),
+                                    fmt::format("sub-group {}: initialize: ", i)));
+      if (!written) Abandon(*slot);
       ZINF_RETURN_IF_ERROR(Annotate(written, fmt::format("sub-group {}: initialize: ", i)));
-      last_step_[i] = 0;
+      Commit(i, *slot, 0);
     }
     return OkStatus();
   };
@@ -428,13 +490,30 @@ Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
         offset_elems + out.size(), sub_group, info.sub_group.numel));
   }
   if (out.empty()) return OkStatus();
+  if (options_.state_format == StateFormat::kQ8 && which != StateTensor::kFp32) {
+    return ReadQ8Moments(sub_group, [&](const Q8Moments& moments) -> Status {
+      const bool signed_map = which == StateTensor::kExpAvg;
+      const Q8Moment& m = signed_map ? moments.exp_avg : moments.exp_avg_sq;
+      const q8::MapKind kind = signed_map ? q8::MapKind::kSigned : q8::MapKind::kUnsigned;
+      std::uint64_t done = 0;
+      while (done < out.size()) {
+        const std::uint64_t at = offset_elems + done;
+        const std::uint64_t block = at / q8::kBlockNumel;
+        const std::uint64_t n =
+            std::min<std::uint64_t>(out.size() - done, (block + 1) * q8::kBlockNumel - at);
+        q8::DequantizeBlock(kind, m.codes.subspan(at, n), m.scales[block], out.subspan(done, n));
+        done += n;
+      }
+      return OkStatus();
+    });
+  }
   const std::uint64_t alignment = std::max<std::uint64_t>(store_->alignment(), 1);
   const std::uint64_t begin = AlignDown(offset_elems * sizeof(float), alignment);
   const std::uint64_t end =
       std::min(AlignUp((offset_elems + out.size()) * sizeof(float), alignment),
                info.io_size_bytes);
   ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(1, 1));
-  const std::string name = SlotTensorName(slot_of_[sub_group], which);
+  const std::string name = SlotTensorName(slot_of_[sub_group], static_cast<std::size_t>(which));
   std::span<std::byte> buffer = lease.bytes(0).first(end - begin);
   IoBatch batch;
   Result<std::vector<std::uint64_t>> ids =
@@ -450,6 +529,31 @@ Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
   return OkStatus();
 }
 
+Status OptimizerSwapper::ReadQ8Moments(std::size_t sub_group,
+                                       const std::function<Status(const Q8Moments&)>& use) {
+  if (options_.state_format != StateFormat::kQ8) {
+    return FailedPreconditionError("ReadQ8Moments: the optimizer state format is not q8");
+  }
+  if (sub_group >= infos_.size()) {
+    return InvalidArgumentError(
+        fmt::format("ReadQ8Moments: sub-group {} of {}", sub_group, infos_.size()));
+  }
+  const SubGroupSwapInfo& info = infos_[sub_group];
+  const std::string context = fmt::format("read q8 moments of sub-group {}: ", sub_group);
+  ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(1, 1));
+  const std::string name = SlotTensorName(slot_of_[sub_group], 1);
+  std::span<std::byte> buffer = lease.bytes(0).first(info.moments_io_bytes);
+  IoBatch batch;
+  Result<std::vector<std::uint64_t>> ids =
+      store_->SubmitReadRange(name, 0, buffer.size(), buffer, read_engine());
+  if (ids) batch.Add(*ids, name);
+  Status waited = batch.Wait(read_engine());
+  if (!ids) return std::move(ids).error().WithContext(context + name + ": ");
+  ZINF_RETURN_IF_ERROR(Annotate(waited, context));
+  ZINF_RETURN_IF_ERROR(Annotate(store_->VerifyRead(name, ConstBytes(buffer)), context));
+  return use(ViewQ8Moments(buffer, Q8MomentsLayout::For(info.sub_group.numel)));
+}
+
 Status OptimizerSwapper::WriteState(
     std::size_t sub_group, std::int64_t step,
     const std::function<Status(StateTensor, std::span<float>)>& fill) {
@@ -458,25 +562,63 @@ Status OptimizerSwapper::WriteState(
         fmt::format("WriteState: sub-group {} of {}", sub_group, infos_.size()));
   }
   const SubGroupSwapInfo& info = infos_[sub_group];
+  const std::size_t numel = info.sub_group.numel;
   const std::string context = fmt::format("write state of sub-group {}: ", sub_group);
-  ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(info.sub_group.numel, 3));
+  ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(numel, 3));
+  auto fill_one = [&](StateTensor which, std::span<float> values) -> Status {
+    std::fill(values.begin(), values.end(), 0.0f);
+    return Annotate(fill(which, values.first(numel)),
+                    context + std::string(StateTensorName(which)) + ": ");
+  };
+  if (options_.state_format == StateFormat::kQ8) {
+    // Buffer 0: fp32; buffer 1: one fp32 moment at a time, quantized into buffer 2.
+    std::span<float> fp32 = lease.floats(0).first(info.io_size_bytes / 4);
+    ZINF_RETURN_IF_ERROR(fill_one(StateTensor::kFp32, fp32));
+    std::span<std::byte> moments_bytes = lease.bytes(2).first(info.moments_io_bytes);
+    std::ranges::fill(moments_bytes, std::byte{0});
+    const Q8Moments moments = ViewQ8Moments(moments_bytes, Q8MomentsLayout::For(numel));
+    std::span<float> staging = lease.floats(1).first(numel);
+    for (StateTensor which : {StateTensor::kExpAvg, StateTensor::kExpAvgSq}) {
+      ZINF_RETURN_IF_ERROR(fill_one(which, staging));
+      const bool signed_map = which == StateTensor::kExpAvg;
+      const Q8Moment& m = signed_map ? moments.exp_avg : moments.exp_avg_sq;
+      ZINF_RETURN_IF_ERROR(
+          Annotate(q8::Quantize(signed_map ? q8::MapKind::kSigned : q8::MapKind::kUnsigned, staging,
+                                m.codes, m.scales),
+                   context + std::string(StateTensorName(which)) + ": "));
+    }
+    const std::size_t buffers[] = {0, 2};
+    return WriteAndCommit(sub_group, step, lease, buffers, context);
+  }
   for (StateTensor which : kStateTensors) {
-    std::span<float> values = lease.floats(static_cast<std::size_t>(which));
-    std::fill(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(info.io_size_bytes / 4),
-              0.0f);
-    ZINF_RETURN_IF_ERROR(Annotate(fill(which, values.first(info.sub_group.numel)),
-                                  context + std::string(StateTensorName(which)) + ": "));
+    const auto t = static_cast<std::size_t>(which);
+    ZINF_RETURN_IF_ERROR(fill_one(which, lease.floats(t).first(info.io_size_bytes / 4)));
   }
-  IoBatch batch;
-  Result<std::size_t> slot = SubmitStateWrites(sub_group, lease, write_engine(), &batch);
-  Status written = batch.Wait(write_engine());
-  if (!slot) return std::move(slot).error().WithContext(context);
-  if (!written) {
-    Abandon(*slot);
-    return std::move(written).error().WithContext(context);
+  return WriteAndCommit(sub_group, step, lease, {}, context);
+}
+
+Status OptimizerSwapper::WriteQ8State(std::size_t sub_group, std::int64_t step,
+                                      const std::function<Status(std::span<float>)>& fill_fp32,
+                                      const std::function<Status(const Q8Moments&)>& fill_moments) {
+  if (options_.state_format != StateFormat::kQ8) {
+    return FailedPreconditionError("WriteQ8State: the optimizer state format is not q8");
   }
-  Commit(sub_group, *slot, step);
-  return OkStatus();
+  if (sub_group >= infos_.size()) {
+    return InvalidArgumentError(
+        fmt::format("WriteQ8State: sub-group {} of {}", sub_group, infos_.size()));
+  }
+  const SubGroupSwapInfo& info = infos_[sub_group];
+  const std::string context = fmt::format("write q8 state of sub-group {}: ", sub_group);
+  ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(info.sub_group.numel, 2));
+  std::span<float> fp32 = lease.floats(0).first(info.io_size_bytes / 4);
+  std::ranges::fill(fp32, 0.0f);
+  ZINF_RETURN_IF_ERROR(Annotate(fill_fp32(fp32.first(info.sub_group.numel)), context + "fp32: "));
+  std::span<std::byte> moments_bytes = lease.bytes(1).first(info.moments_io_bytes);
+  std::ranges::fill(moments_bytes, std::byte{0});
+  ZINF_RETURN_IF_ERROR(Annotate(
+      fill_moments(ViewQ8Moments(moments_bytes, Q8MomentsLayout::For(info.sub_group.numel))),
+      context + "moments: "));
+  return WriteAndCommit(sub_group, step, lease, {}, context);
 }
 
 // ---- Create ----
@@ -511,7 +653,8 @@ Result<std::unique_ptr<BufferPool>> CreatePool(const SwapperOptions& options,
   const std::uint64_t buffer_bytes = AlignUp(max_numel * sizeof(float), buffer_alignment);
   // Pool: the mode decides the minimum number of buffers.
   const bool want_pipeline = options.pipeline_read || options.pipeline_write;
-  const std::uint64_t pipeline_buffers = PipelinedOptimizerSwapper::kMinBuffers;
+  const std::uint64_t pipeline_buffers =
+      PipelinedOptimizerSwapper::MinBuffers(options.state_format);
   std::uint64_t count = 0;
   if (options.pinned_budget_bytes > 0) {
     count = options.pinned_budget_bytes / buffer_bytes;
@@ -524,10 +667,12 @@ Result<std::unique_ptr<BufferPool>> CreatePool(const SwapperOptions& options,
         options.pinned_budget_bytes > 0 ? options.pinned_budget_bytes : count * buffer_bytes;
     return ResourceExhaustedError(fmt::format(
         "optimizer swapper: the pool budget {} ({} bytes) holds {} swap buffers of {} (the "
-        "largest sub-group, {} elements); a step needs at least {} ({} to pipeline): raise "
+        "largest sub-group, {} elements); a step with {} state needs at least {} ({} to pipeline): "
+        "raise "
         "zinf.pinned_budget_bytes to at least {} bytes ({}) or lower sub_group_size",
-        FormatBytes(budget), budget, count, FormatBytes(buffer_bytes), max_numel, min_buffers,
-        pipeline_buffers, min_buffers * buffer_bytes, FormatBytes(min_buffers * buffer_bytes)));
+        FormatBytes(budget), budget, count, FormatBytes(buffer_bytes), max_numel,
+        StateFormatName(options.state_format), min_buffers, pipeline_buffers,
+        min_buffers * buffer_bytes, FormatBytes(min_buffers * buffer_bytes)));
   }
   *pipelined = want_pipeline && count >= pipeline_buffers;
   if (want_pipeline && !*pipelined) {
@@ -573,7 +718,8 @@ GradientAccumulation ResolveAccumulation(const SwapperOptions& options,
 
 // Each sub-group's swap info; with gradients on disk, also its gradient split and "grad<i>".
 Result<std::vector<SubGroupSwapInfo>> MakeSwapInfos(const partition::SubGroupPlan& sub_groups,
-                                                    std::uint64_t alignment, bool gradients_on_disk,
+                                                    std::uint64_t alignment, StateFormat format,
+                                                    bool gradients_on_disk,
                                                     std::uint64_t min_swap_numel) {
   const std::uint64_t alignment_elems = std::max<std::uint64_t>(alignment / sizeof(float), 1);
   std::vector<SubGroupSwapInfo> infos;
@@ -581,6 +727,12 @@ Result<std::vector<SubGroupSwapInfo>> MakeSwapInfos(const partition::SubGroupPla
     SubGroupSwapInfo info;
     info.sub_group = sub_group;
     info.io_size_bytes = AlignUp(sub_group.numel * sizeof(float), alignment);
+    if (format == StateFormat::kQ8) {
+      info.moments_io_bytes = AlignUp(Q8MomentsLayout::For(sub_group.numel).bytes, alignment);
+      // A pool buffer holds one fp32 tensor of the sub-group: the moments must fit in it.
+      ZINF_CHECK(info.moments_io_bytes <= std::max<std::uint64_t>(info.io_size_bytes, 4096),
+                 "q8 moments of {} elements: {} bytes", sub_group.numel, info.moments_io_bytes);
+    }
     if (gradients_on_disk) {
       ZINF_ASSIGN_OR_RETURN(
           partition::GradientSwapSplit split,
@@ -594,13 +746,21 @@ Result<std::vector<SubGroupSwapInfo>> MakeSwapInfos(const partition::SubGroupPla
   return infos;
 }
 
-// The store's tensors: the three state tensors of every slot, then the swapped gradients.
-std::vector<storage::TensorSpec> StoreSpecs(std::size_t num_slots, std::uint64_t slot_bytes,
+// The store's tensors: the slot tensors of every slot (sized for the largest sub-group), then
+// the swapped gradients. Slot tensor names as OptimizerSwapper::SlotTensorName.
+std::vector<storage::TensorSpec> StoreSpecs(std::size_t num_slots, StateFormat format,
+                                            std::uint64_t max_numel, std::uint64_t alignment,
                                             const std::vector<SubGroupSwapInfo>& infos) {
   std::vector<storage::TensorSpec> specs;
+  const std::uint64_t fp32_bytes = AlignUp(max_numel * sizeof(float), alignment);
   for (std::size_t slot = 0; slot < num_slots; ++slot) {
-    for (StateTensor which : kStateTensors) {
-      specs.push_back({OptimizerSwapper::SlotTensorName(slot, which), slot_bytes});
+    specs.push_back({fmt::format("slot{}/fp32", slot), fp32_bytes});
+    if (format == StateFormat::kQ8) {
+      specs.push_back({fmt::format("slot{}/moments", slot),
+                       AlignUp(Q8MomentsLayout::For(max_numel).bytes, alignment)});
+    } else {
+      specs.push_back({fmt::format("slot{}/exp_avg", slot), fp32_bytes});
+      specs.push_back({fmt::format("slot{}/exp_avg_sq", slot), fp32_bytes});
     }
   }
   for (const SubGroupSwapInfo& info : infos) {
@@ -652,9 +812,11 @@ void LogSwapper(OptimizerSwapper& swapper, const std::string& engine_name, bool 
   for (const storage::TensorSpec& spec : specs) disk_bytes += spec.size_bytes;
   const BufferPool& pool = swapper.pool();
   ZINF_LOG_INFO(
-      "optimizer swapper: {} ({} engine{}), {} sub-groups of <= {} elements per rank; pool {} x "
-      "{} = {} (budget {}, pinned: {}); swap store {} per rank on {} ({} slots, alignment {})",
+      "optimizer swapper: {} ({} engine{}), {} state ({:.2f} bytes per element each way per "
+      "step), {} sub-groups of <= {} elements per rank; pool {} x {} = {} (budget {}, pinned: "
+      "{}); swap store {} per rank on {} ({} slots, alignment {})",
       swapper.mode_name(), engine_name, pipelined ? "s, read + write" : "",
+      StateFormatName(swapper.state_format()), swapper.StateIoBytesPerElement(),
       swapper.num_sub_groups(), swapper.sub_groups().max_sub_group_numel(), pool.buffer_count(),
       FormatBytes(pool.buffer_bytes()), FormatBytes(pool.total_bytes()),
       FormatBytes(pool.budget_bytes()), pool.pinned() ? "yes" : "no", FormatBytes(disk_bytes),
@@ -676,8 +838,9 @@ Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communica
   ZINF_ASSIGN_OR_RETURN(parts.store, storage::SwapStore::Open(parts.options.store));
   const std::uint64_t alignment = std::max<std::uint64_t>(parts.store->alignment(), 1);
   const std::uint64_t max_numel = sub_groups.max_sub_group_numel();
-  ZINF_ASSIGN_OR_RETURN(parts.pool, CreatePool(options, max_numel, alignment, kBuffersPerSubGroup,
-                                               &setup->pipelined));
+  ZINF_ASSIGN_OR_RETURN(parts.pool,
+                        CreatePool(options, max_numel, alignment,
+                                   BuffersPerSubGroup(options.state_format), &setup->pipelined));
   ZINF_ASSIGN_OR_RETURN(parts.read_engine, MakeEngine(options, EngineRole::kRead, *parts.pool));
   if (setup->pipelined) {
     ZINF_ASSIGN_OR_RETURN(parts.write_engine, MakeEngine(options, EngineRole::kWrite, *parts.pool));
@@ -689,13 +852,13 @@ Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communica
     ZINF_ASSIGN_OR_RETURN(setup->gradient_engine,
                           MakeEngine(options, EngineRole::kGradient, *parts.pool));
   }
-  ZINF_ASSIGN_OR_RETURN(
-      parts.infos, MakeSwapInfos(sub_groups, alignment, gradients_on_disk, options.min_swap_numel));
+  ZINF_ASSIGN_OR_RETURN(parts.infos, MakeSwapInfos(sub_groups, alignment, options.state_format,
+                                                   gradients_on_disk, options.min_swap_numel));
   parts.sub_groups.emplace(std::move(sub_groups));
   // One spare slot suffices in both modes: each engine has at most one sub-group in flight.
   parts.num_slots = parts.infos.size() + 1;
   setup->specs =
-      StoreSpecs(parts.num_slots, AlignUp(max_numel * sizeof(float), alignment), parts.infos);
+      StoreSpecs(parts.num_slots, options.state_format, max_numel, alignment, parts.infos);
   return OkStatus();
 }
 

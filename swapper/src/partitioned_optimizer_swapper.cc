@@ -23,7 +23,7 @@ Status PartitionedOptimizerSwapper::SwapIn(std::size_t sub_group, const Gradient
   if (gradient_swapper_) ZINF_RETURN_IF_ERROR(gradient_swapper_->Flush());
   const SubGroupSwapInfo& info = infos_[sub_group];
   ZINF_ASSIGN_OR_RETURN(PoolLease lease,
-                        pool_->Allocate(info.sub_group.numel, kBuffersPerSubGroup));
+                        pool_->Allocate(info.sub_group.numel, buffers_per_sub_group()));
   {
     comm::ScopedTimer swap_in(timers_, "swap_in_param");
     IoBatch batch;
@@ -43,7 +43,7 @@ Status PartitionedOptimizerSwapper::SwapIn(std::size_t sub_group, const Gradient
   }
   {
     comm::ScopedTimer gradient(timers_, "swap_in_gradient");
-    std::span<float> grad = lease.floats(3).first(info.sub_group.numel);
+    std::span<float> grad = lease.floats(gradient_buffer()).first(info.sub_group.numel);
     if (source) {
       ZINF_RETURN_IF_ERROR(Annotate(source(info.sub_group, grad), "gradient: "));
     } else {
@@ -71,16 +71,11 @@ Status PartitionedOptimizerSwapper::StepOne(std::int64_t step, std::size_t sub_g
   {
     comm::ScopedTimer swap_out(timers_, "swap_out_param");
     comm::ScopedTimer submit(timers_, "swap_submit_write");
-    IoBatch batch;
-    Result<std::size_t> slot = SubmitStateWrites(sub_group, it->second, write_engine(), &batch);
-    Status written = batch.Wait(write_engine());
-    if (!slot || !written) {
+    Status written = WriteAndCommit(sub_group, step, it->second, {}, "swap-out ");
+    if (!written) {
       Release(sub_group);
-      if (!slot) return std::move(slot).error().WithContext("swap-out ");
-      Abandon(*slot);
-      return std::move(written).error().WithContext("swap-out ");
+      return written;
     }
-    Commit(sub_group, *slot, step);
   }
   Status sunk = Sink(sub_group, it->second, sink);
   Release(sub_group);

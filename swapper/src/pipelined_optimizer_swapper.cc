@@ -31,7 +31,7 @@ Status PipelinedOptimizerSwapper::StepLocal(std::int64_t step, const GradientSou
   const std::uint64_t max_numel = sub_groups_.max_sub_group_numel();
   std::array<PoolLease, kSets> sets;
   for (PoolLease& set : sets) {
-    ZINF_ASSIGN_OR_RETURN(set, pool_->Allocate(max_numel, kBuffersPerSubGroup));
+    ZINF_ASSIGN_OR_RETURN(set, pool_->Allocate(max_numel, buffers_per_sub_group()));
   }
   // Set t % 3 serves todo[t]: computing at iteration t, reading at t - 1, writing until the
   // writes are waited for at iteration t + 1. Set (t + 1) % 3 was therefore last used for the
@@ -85,7 +85,7 @@ Status PipelinedOptimizerSwapper::StepLocal(std::int64_t step, const GradientSou
       if (read_ahead && t + 1 < todo.size()) ZINF_RETURN_IF_ERROR(submit_reads(t + 1));
       {
         comm::ScopedTimer gradient(timers_, "swap_in_gradient");
-        std::span<float> grad = set.floats(3).first(infos_[i].sub_group.numel);
+        std::span<float> grad = set.floats(gradient_buffer()).first(infos_[i].sub_group.numel);
         if (source) {
           ZINF_RETURN_IF_ERROR(
               Annotate(source(infos_[i].sub_group, grad), StepContext(step, i) + "gradient: "));

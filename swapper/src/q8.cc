@@ -13,6 +13,20 @@
 #include "q8_kernels.h"
 #include "zinf/core/check.h"
 
+namespace zinf::swapper {
+
+std::string_view StateFormatName(StateFormat format) {
+  switch (format) {
+    case StateFormat::kFp32:
+      return "fp32";
+    case StateFormat::kQ8:
+      return "q8";
+  }
+  return "?";
+}
+
+}  // namespace zinf::swapper
+
 namespace zinf::swapper::q8 {
 namespace internal {
 namespace {

@@ -1,6 +1,8 @@
 // Multi-rank tests of the optimizer swappers (run under mpirun with 1-4 ranks): swapped training
-// equals in-memory training bitwise, and an I/O error on one rank is the same error on every
-// rank, leaving each sub-group's state either before or after the failed step.
+// equals in-memory training bitwise, in both state formats (fp32, q8), and an I/O error on one
+// rank is the same error on every rank, leaving each sub-group's state either before or after
+// the failed step.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -16,6 +18,7 @@
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
 #include "zinf/core/check.h"
+#include "zinf/core/units.h"
 #include "zinf/partition/layout.h"
 #include "zinf/partition/plan.h"
 #include "zinf/storage/fault_injection.h"
@@ -24,6 +27,7 @@
 #include "zinf/swapper/gradient_swapper.h"
 #include "zinf/swapper/optimizer_swapper.h"
 #include "zinf/swapper/partitioned_optimizer_swapper.h"
+#include "zinf/swapper/q8.h"
 
 namespace zinf::swapper {
 namespace {
@@ -71,24 +75,34 @@ std::string GradModeName(GradMode mode) {
   return "?";
 }
 
+// The in-memory reference state of one rank's partition: fp32 weights and, in fp32 format, the
+// moments; in q8 format the moments' codes and scales per sub-group (blocks start at each
+// sub-group's first element, as in the swapper).
+struct RefState {
+  std::vector<float> fp32, exp_avg, exp_avg_sq;
+  std::vector<std::vector<std::uint8_t>> m_codes, v_codes;
+  std::vector<std::vector<float>> m_scales, v_scales;
+};
+
 // One rank's view: the reference (in-memory) state of its partition and the swapper.
 class Harness {
  public:
   Harness(const std::string& dir, std::uint64_t sub_group_size, bool pipelined, GradMode mode,
-          int micro_batches)
+          int micro_batches, StateFormat format = StateFormat::kFp32)
       : layout_(MakeLayout()), mode_(mode), micro_batches_(micro_batches) {
     const comm::Communicator& world = World();
     plan_ = std::make_unique<partition::PartitionPlan>(
         *partition::PartitionPlan::CreateFlat(layout_, world.size(), kPlanAlignment));
     const std::uint64_t n = plan_->partition_numel();
-    fp32_.assign(n, 0.0f);
-    exp_avg_.assign(n, 0.0f);
-    exp_avg_sq_.assign(n, 0.0f);
+    ref_.fp32.assign(n, 0.0f);
+    ref_.exp_avg.assign(n, 0.0f);
+    ref_.exp_avg_sq.assign(n, 0.0f);
     for (const partition::Fragment& f : plan_->RankFragments(world.rank())) {
       for (std::uint64_t k = 0; k < f.numel; ++k) {
-        fp32_[f.partition_offset + k] = InitialWeight(f.flat_offset + k);
+        ref_.fp32[f.partition_offset + k] = InitialWeight(f.flat_offset + k);
       }
     }
+    options_.state_format = format;
     options_.store.paths = {dir};
     options_.store.job_id = "swaptest";
     options_.store.stripe_unit_bytes = 64 << 10;
@@ -111,8 +125,15 @@ class Harness {
 
   Status Create() {
     ZINF_ASSIGN_OR_RETURN(swapper_, CreateOptimizerSwapper(World(), *plan_, options_));
+    for (std::size_t i = 0; i < swapper_->num_sub_groups(); ++i) {
+      const std::uint64_t numel = swapper_->swap_info(i).sub_group.numel;
+      ref_.m_codes.emplace_back(numel, q8::ZeroCode(q8::MapKind::kSigned));
+      ref_.v_codes.emplace_back(numel, q8::ZeroCode(q8::MapKind::kUnsigned));
+      ref_.m_scales.emplace_back(q8::NumBlocks(numel), 0.0f);
+      ref_.v_scales.emplace_back(q8::NumBlocks(numel), 0.0f);
+    }
     return swapper_->Initialize([this](std::uint64_t offset, std::span<float> out) {
-      std::memcpy(out.data(), fp32_.data() + offset, out.size() * sizeof(float));
+      std::memcpy(out.data(), ref_.fp32.data() + offset, out.size() * sizeof(float));
       return OkStatus();
     });
   }
@@ -168,35 +189,70 @@ class Harness {
         StepOptions{.lr = std::nullopt, .grad_scale = 0.5f});
   }
 
-  // The reference step: CpuAdam over the whole in-memory partition.
+  // The reference step: CpuAdam over the whole in-memory partition (fp32), or sub-group by
+  // sub-group with StepQ8 (q8: its blocks are per sub-group).
   void ReferenceStep(std::int64_t step) {
     auto adam = CpuAdam::Create(options_.adam);
     ZINF_CHECK(adam.has_value());
-    Status s = adam->Step(step, fp32_, summed_, exp_avg_, exp_avg_sq_, {.grad_scale = 0.5f});
-    ZINF_CHECK(s.has_value(), "{}", s.error().ToString());
+    if (options_.state_format == StateFormat::kFp32) {
+      Status s =
+          adam->Step(step, ref_.fp32, summed_, ref_.exp_avg, ref_.exp_avg_sq, {.grad_scale = 0.5f});
+      ZINF_CHECK(s.has_value(), "{}", s.error().ToString());
+      return;
+    }
+    for (std::size_t i = 0; i < swapper_->num_sub_groups(); ++i) {
+      const partition::SubGroup& sg = swapper_->swap_info(i).sub_group;
+      Status s = adam->StepQ8(step, std::span(ref_.fp32).subspan(sg.partition_offset, sg.numel),
+                              std::span(summed_).subspan(sg.partition_offset, sg.numel),
+                              {ref_.m_codes[i], ref_.m_scales[i]},
+                              {ref_.v_codes[i], ref_.v_scales[i]}, {.grad_scale = 0.5f});
+      ZINF_CHECK(s.has_value(), "{}", s.error().ToString());
+    }
   }
 
-  // Every committed state tensor equals `ref` (fp32, exp_avg, exp_avg_sq), bitwise, for the
+  // Every committed state tensor equals `ref` bitwise (q8: the codes and scales), for the
   // sub-groups selected by `which` (all when empty).
-  void ExpectStateEquals(const std::vector<float>* ref[3], const std::vector<bool>& which) {
+  void ExpectStateEquals(const RefState& ref, const std::vector<bool>& which) {
+    const bool q8 = options_.state_format == StateFormat::kQ8;
     for (std::size_t i = 0; i < swapper_->num_sub_groups(); ++i) {
       if (!which.empty() && !which[i]) continue;
       const partition::SubGroup& sg = swapper_->swap_info(i).sub_group;
-      for (int t = 0; t < 3; ++t) {
+      const std::vector<float>* tensors[3] = {&ref.fp32, &ref.exp_avg, &ref.exp_avg_sq};
+      for (int t = 0; t < (q8 ? 1 : 3); ++t) {
         std::vector<float> got(sg.numel);
         ZINF_ASSERT_OK(swapper_->ReadState(i, static_cast<StateTensor>(t), 0, got));
-        EXPECT_EQ(std::memcmp(got.data(), ref[t]->data() + sg.partition_offset, sg.numel * 4), 0)
+        EXPECT_EQ(std::memcmp(got.data(), tensors[t]->data() + sg.partition_offset, sg.numel * 4),
+                  0)
             << "rank " << World().rank() << " sub-group " << i << " tensor "
             << StateTensorName(static_cast<StateTensor>(t));
       }
+      if (!q8) continue;
+      ZINF_ASSERT_OK(swapper_->ReadQ8Moments(i, [&](const Q8Moments& m) {
+        EXPECT_TRUE(std::ranges::equal(m.exp_avg.codes, ref.m_codes[i])) << "sub-group " << i;
+        EXPECT_TRUE(std::ranges::equal(m.exp_avg_sq.codes, ref.v_codes[i])) << "sub-group " << i;
+        EXPECT_EQ(std::memcmp(m.exp_avg.scales.data(), ref.m_scales[i].data(),
+                              ref.m_scales[i].size() * 4),
+                  0);
+        EXPECT_EQ(std::memcmp(m.exp_avg_sq.scales.data(), ref.v_scales[i].data(),
+                              ref.v_scales[i].size() * 4),
+                  0);
+        return OkStatus();
+      }));
+      // ReadState dequantizes: any range, block boundaries included.
+      std::vector<float> want(sg.numel);
+      ZINF_ASSERT_OK(q8::Dequantize(q8::MapKind::kSigned, ref.m_codes[i], ref.m_scales[i], want));
+      const std::uint64_t offset = sg.numel / 3;
+      std::vector<float> got(sg.numel - offset);
+      ZINF_ASSERT_OK(swapper_->ReadState(i, StateTensor::kExpAvg, offset, got));
+      EXPECT_EQ(std::memcmp(got.data(), want.data() + offset, got.size() * 4), 0);
     }
   }
   void ExpectStateEqualsReference(const std::vector<bool>& which = {}) {
-    const std::vector<float>* ref[3] = {&fp32_, &exp_avg_, &exp_avg_sq_};
-    ExpectStateEquals(ref, which);
+    ExpectStateEquals(ref_, which);
   }
 
-  std::vector<float> fp32_, exp_avg_, exp_avg_sq_, summed_, working_;
+  RefState ref_;
+  std::vector<float> summed_, working_;
   std::vector<std::uint16_t> bf16_;
 
  private:
@@ -208,15 +264,15 @@ class Harness {
   std::unique_ptr<OptimizerSwapper> swapper_;
 };
 
-using Params = std::tuple<std::uint64_t, bool, GradMode>;
+using Params = std::tuple<std::uint64_t, bool, GradMode, StateFormat>;
 
 class SwappedTraining : public ::testing::TestWithParam<Params> {};
 
 TEST_P(SwappedTraining, EqualsInMemoryTrainingBitwise) {
-  const auto [sub_group_size, pipelined, mode] = GetParam();
+  const auto [sub_group_size, pipelined, mode, format] = GetParam();
   SharedScratchDir dir("swapper");
   const int micro_batches = mode == GradMode::kCopy ? 1 : (mode == GradMode::kInMemory ? 3 : 2);
-  Harness h(dir.path(), sub_group_size, pipelined, mode, micro_batches);
+  Harness h(dir.path(), sub_group_size, pipelined, mode, micro_batches, format);
   ZINF_ASSERT_OK(h.Create());
   EXPECT_EQ(h.swapper().mode_name(), pipelined ? "pipelined" : "partitioned");
   h.ExpectStateEqualsReference();
@@ -224,11 +280,11 @@ TEST_P(SwappedTraining, EqualsInMemoryTrainingBitwise) {
     ZINF_ASSERT_OK(h.Backward(step));
     ZINF_ASSERT_OK(h.SwappedStep(step));
     h.ReferenceStep(step);
-    ASSERT_EQ(std::memcmp(h.working_.data(), h.fp32_.data(), h.fp32_.size() * 4), 0)
+    ASSERT_EQ(std::memcmp(h.working_.data(), h.ref_.fp32.data(), h.ref_.fp32.size() * 4), 0)
         << "step " << step;
-    for (std::size_t k = 0; k < h.fp32_.size(); ++k) {
+    for (std::size_t k = 0; k < h.ref_.fp32.size(); ++k) {
       std::uint32_t bits;
-      std::memcpy(&bits, &h.fp32_[k], 4);
+      std::memcpy(&bits, &h.ref_.fp32[k], 4);
       ASSERT_EQ(h.bf16_[k], FloatBitsToBf16(bits)) << k;
     }
     for (std::size_t i = 0; i < h.swapper().num_sub_groups(); ++i) {
@@ -236,6 +292,15 @@ TEST_P(SwappedTraining, EqualsInMemoryTrainingBitwise) {
     }
   }
   h.ExpectStateEqualsReference();
+  if (format == StateFormat::kQ8) {
+    // The moments are quantized state, not zeros, and not all in the same block's code.
+    std::size_t nonzero = 0;
+    for (const auto& scales : h.ref_.v_scales) {
+      nonzero +=
+          static_cast<std::size_t>(std::ranges::count_if(scales, [](float x) { return x > 0; }));
+    }
+    EXPECT_GT(nonzero, 0u);
+  }
   if (mode == GradMode::kReadAddWrite) {
     // The layout has pieces large enough to be swapped, and small ones kept in memory.
     std::size_t swapped = 0;
@@ -250,16 +315,47 @@ TEST_P(SwappedTraining, EqualsInMemoryTrainingBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(
     SubGroupsModes, SwappedTraining,
-    ::testing::Combine(::testing::Values(std::uint64_t{2048}, std::uint64_t{3000},
-                                         std::uint64_t{1} << 20),
-                       ::testing::Bool(),
-                       ::testing::Values(GradMode::kCopy, GradMode::kInMemory,
-                                         GradMode::kReadAddWrite)),
+    ::testing::Combine(
+        ::testing::Values(std::uint64_t{2048}, std::uint64_t{3000}, std::uint64_t{1} << 20),
+        ::testing::Bool(),
+        ::testing::Values(GradMode::kCopy, GradMode::kInMemory, GradMode::kReadAddWrite),
+        ::testing::Values(StateFormat::kFp32, StateFormat::kQ8)),
     [](const ::testing::TestParamInfo<Params>& p) {
-      return fmt::format("SubGroup{}_{}_{}", std::get<0>(p.param),
+      return fmt::format("SubGroup{}_{}_{}_{}", std::get<0>(p.param),
                          std::get<1>(p.param) ? "Pipelined" : "Sync",
-                         GradModeName(std::get<2>(p.param)));
+                         GradModeName(std::get<2>(p.param)), StateFormatName(std::get<3>(p.param)));
     });
+
+TEST(OptimizerSwapper, Q8MovesHalfTheBytesAndBuysLargerSubGroups) {
+  SharedScratchDir dir("swapper");
+  // 3 buffers of 8 KiB: one short of an fp32 step, a q8 step's minimum.
+  for (StateFormat format : {StateFormat::kFp32, StateFormat::kQ8}) {
+    Harness h(dir.path(), 2048, false, GradMode::kCopy, 1, format);
+    h.options().pinned_budget_bytes = 3 * 8192;
+    h.options().store.job_id = fmt::format("bytes-{}", StateFormatName(format));
+    Status created = h.Create();
+    if (format == StateFormat::kFp32) {
+      EXPECT_THAT(created, StatusIs(ErrorCode::kResourceExhausted,
+                                    HasSubstr("a step with fp32 state needs at least 4")));
+      continue;
+    }
+    ZINF_ASSERT_OK(created);
+    OptimizerSwapper& swapper = h.swapper();
+    EXPECT_EQ(swapper.num_slot_tensors(), 2u);
+    EXPECT_EQ(swapper.SlotTensorName(3, 1), "slot3/moments");
+    // 2048 elements: 8 KiB of weights, 4 KiB of codes + 16 bytes of scales, aligned to 4 KiB.
+    const std::uint64_t alignment = std::max<std::uint64_t>(swapper.store().alignment(), 1);
+    EXPECT_EQ(swapper.SlotTensorIoBytes(0, 1), AlignUp(4096 + 16, alignment));
+    ZINF_ASSERT_OK(h.Backward(1));
+    ZINF_ASSERT_OK(h.SwappedStep(1));
+  }
+  // Large sub-groups: 6 bytes per element and a bit.
+  Harness big(dir.path(), std::uint64_t{1} << 20, true, GradMode::kCopy, 1, StateFormat::kQ8);
+  big.options().store.job_id = "bytes-big";
+  ZINF_ASSERT_OK(big.Create());
+  EXPECT_EQ(big.swapper().mode_name(), "pipelined");
+  EXPECT_EQ(big.swapper().pool().buffer_count(), 9u);
+}
 
 TEST(OptimizerSwapper, PoolTooSmallIsTheSameErrorOnEveryRank) {
   SharedScratchDir dir("swapper");
@@ -289,6 +385,7 @@ enum class FaultAt { kSwapIn, kSwapOut, kGradientWrite };
 struct FaultCase {
   FaultAt at;
   bool pipelined;
+  StateFormat format = StateFormat::kFp32;
 };
 
 class OneRankFails : public ::testing::TestWithParam<FaultCase> {};
@@ -300,9 +397,11 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
   SharedScratchDir dir("swapper");
   const GradMode mode =
       fault.at == FaultAt::kGradientWrite ? GradMode::kReadAddWrite : GradMode::kCopy;
-  Harness h(dir.path(), 2048, fault.pipelined, mode, mode == GradMode::kCopy ? 1 : 2);
-  // Initialize writes 3 blocks per sub-group (every tensor is one block here). Step 2's faults:
-  // a read of the 3rd sub-group, a write of the 2nd sub-group, the first gradient write.
+  Harness h(dir.path(), 2048, fault.pipelined, mode, mode == GradMode::kCopy ? 1 : 2, fault.format);
+  // Initialize writes k blocks per sub-group (every slot tensor is one block here; k = 3 for
+  // fp32, 2 for q8). Step 2's faults: a read of the 3rd sub-group, the second write of the 2nd
+  // sub-group, the first gradient write.
+  const std::size_t k = fault.format == StateFormat::kQ8 ? 2 : 3;
   std::size_t num_sub_groups = 0;
   {
     auto sub_groups = partition::SubGroupPlan::Create(h.plan(), world.rank(), 2048);
@@ -314,10 +413,10 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
   EngineRole role = EngineRole::kRead;
   switch (fault.at) {
     case FaultAt::kSwapIn:
-      spec = fmt::format("read:{}:eio", 3 * num_sub_groups + 7);
+      spec = fmt::format("read:{}:eio", k * num_sub_groups + 2 * k + 1);
       break;
     case FaultAt::kSwapOut:
-      spec = fmt::format("write:{}:eio", 3 * num_sub_groups * 2 + 5);
+      spec = fmt::format("write:{}:eio", k * num_sub_groups * 2 + k + 2);
       role = EngineRole::kWrite;
       break;
     case FaultAt::kGradientWrite:
@@ -351,7 +450,7 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
     ZINF_ASSERT_OK(h.SwappedStep(1));
     h.ReferenceStep(1);
   }
-  const std::vector<float> before[3] = {h.fp32_, h.exp_avg_, h.exp_avg_sq_};
+  const RefState before = h.ref_;
   const std::int64_t step = fault.at == FaultAt::kGradientWrite ? 1 : 2;
 
   Status backward = h.Backward(step);
@@ -377,18 +476,16 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
   }
   // Every rank: each sub-group holds either the state before the step or after it.
   h.ReferenceStep(step);
-  const std::vector<float>* after_ref[3] = {&h.fp32_, &h.exp_avg_, &h.exp_avg_sq_};
-  const std::vector<float>* before_ref[3] = {&before[0], &before[1], &before[2]};
   std::vector<bool> committed(h.swapper().num_sub_groups());
   std::size_t took = 0;
   for (std::size_t i = 0; i < committed.size(); ++i) {
     committed[i] = h.swapper().last_step(i) == step;
     took += committed[i] ? 1 : 0;
   }
-  h.ExpectStateEquals(after_ref, committed);
+  h.ExpectStateEquals(h.ref_, committed);
   std::vector<bool> not_committed(committed.size());
   for (std::size_t i = 0; i < committed.size(); ++i) not_committed[i] = !committed[i];
-  h.ExpectStateEquals(before_ref, not_committed);
+  h.ExpectStateEquals(before, not_committed);
   if (world.rank() == failing) {
     switch (fault.at) {
       case FaultAt::kSwapIn: EXPECT_EQ(took, 2u); break;
@@ -412,12 +509,17 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(FaultCase{FaultAt::kSwapIn, false}, FaultCase{FaultAt::kSwapIn, true},
                       FaultCase{FaultAt::kSwapOut, false}, FaultCase{FaultAt::kSwapOut, true},
                       FaultCase{FaultAt::kGradientWrite, false},
-                      FaultCase{FaultAt::kGradientWrite, true}),
+                      FaultCase{FaultAt::kGradientWrite, true},
+                      FaultCase{FaultAt::kSwapIn, true, StateFormat::kQ8},
+                      FaultCase{FaultAt::kSwapOut, false, StateFormat::kQ8},
+                      FaultCase{FaultAt::kSwapOut, true, StateFormat::kQ8},
+                      FaultCase{FaultAt::kGradientWrite, true, StateFormat::kQ8}),
     [](const ::testing::TestParamInfo<FaultCase>& p) {
       const char* at = p.param.at == FaultAt::kSwapIn    ? "SwapIn"
                        : p.param.at == FaultAt::kSwapOut ? "SwapOut"
                                                          : "GradientWrite";
-      return fmt::format("{}_{}", at, p.param.pipelined ? "Pipelined" : "Sync");
+      return fmt::format("{}_{}_{}", at, p.param.pipelined ? "Pipelined" : "Sync",
+                         StateFormatName(p.param.format));
     });
 
 }  // namespace

@@ -54,6 +54,7 @@
 #include "zinf/core/status.h"
 #include "zinf/partition/layout.h"
 #include "zinf/storage/io_engine.h"
+#include "zinf/swapper/q8.h"
 
 namespace zinf::engine {
 
@@ -174,6 +175,8 @@ struct ZinfConfig {
   // pool holds offload_optimizer.buffer_count buffers of the largest sub-group.
   std::uint64_t pinned_budget_bytes = 0;
   storage::EngineKind io_engine = storage::EngineKind::kAuto;  // ZINF_IO_ENGINE overrides it
+  // The swapped Adam state: "fp32", or "q8" (8-bit block-wise quantized moments, q8.h).
+  swapper::StateFormat optimizer_state = swapper::StateFormat::kFp32;
   bool verify_swap = false;     // checksum every swapped stripe unit, check it on read
   bool keep_swap = false;       // keep the swap store at exit
   bool swap_gradients = false;  // accumulate partition gradients through the gradient swapper

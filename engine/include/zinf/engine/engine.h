@@ -124,6 +124,10 @@ struct StepInfo {
   std::uint64_t swap_write_bytes = 0;
   std::uint64_t optimizer_swap_read_bytes = 0;  // the part inside the optimizer step
   std::uint64_t optimizer_swap_write_bytes = 0;
+  // optimizer_swap_{read,write}_bytes per parameter element (zinf.optimizer_state: about 12
+  // each for fp32, about 6 for q8; more when sub-groups are small against the I/O alignment).
+  double read_bytes_per_element = 0;
+  double write_bytes_per_element = 0;
   std::uint64_t peak_rss_bytes = 0;  // largest over the ranks
   bool stop_requested = false;       // a stop signal arrived on some rank
   int stop_signal = 0;               // which (this rank's; 0 if none here)

@@ -16,12 +16,14 @@
 // therefore stays bounded by the pool even when the partition gradient is on disk.
 //
 // Store layout and the consistency guarantee. The store holds num_sub_groups + 1 *slots*, each
-// with three tensors "slot<k>/fp32", "slot<k>/exp_avg", "slot<k>/exp_avg_sq" of the largest
-// sub-group's size, plus "grad<i>" per sub-group when gradients are swapped (read-add-write
-// mode). An in-memory table maps each sub-group to the slot holding its committed state; one slot
-// is spare. A stepped sub-group is written to the spare slot, and only after every one of its
-// three writes has completed successfully does the table flip (the sub-group's old slot becomes
-// the spare) and the ParamSink see the new weights. Hence, whatever I/O error happens during a
+// with the slot tensors of the state format (SwapperOptions::state_format) sized for the largest
+// sub-group: fp32: "slot<k>/fp32", "slot<k>/exp_avg", "slot<k>/exp_avg_sq"; q8: "slot<k>/fp32"
+// and "slot<k>/moments" (Q8MomentsLayout: both moments' codes and scales, one I/O), plus
+// "grad<i>" per sub-group when gradients are swapped (read-add-write mode). An in-memory table
+// maps each sub-group to the slot holding its committed state; one slot is spare. A stepped
+// sub-group is written to the spare slot, and only after every one of its slot tensor writes has
+// completed successfully does the table flip (the sub-group's old slot becomes the spare) and the
+// ParamSink see the new weights. Hence, whatever I/O error happens during a
 // Step (read, write, gradient read, or a failing callback):
 //   - every sub-group's committed state is intact: the step was applied to a sub-group either
 //     completely (its new state committed, last_step(i) == step, the sink called) or not at all
@@ -64,15 +66,34 @@
 #include "zinf/storage/swap_store.h"
 #include "zinf/swapper/buffer_pool.h"
 #include "zinf/swapper/cpu_adam.h"
+#include "zinf/swapper/q8.h"
 
 namespace zinf::swapper {
 
 class GradientSwapper;
 
-// The three swapped state tensors of a sub-group, in the order they are read and written.
+// The three state tensors of a sub-group, as fp32 values (whatever the format on disk).
 enum class StateTensor : int { kFp32 = 0, kExpAvg = 1, kExpAvgSq = 2 };
 inline constexpr std::size_t kNumStateTensors = 3;
 std::string_view StateTensorName(StateTensor which);  // "fp32", "exp_avg", "exp_avg_sq"
+
+// The q8 format's "moments" slot tensor of a sub-group of `numel` elements, which is also the
+// layout of its pool buffer: exp_avg codes [numel] at 0, exp_avg_sq codes [numel] at numel, then
+// at scales_offset (a multiple of 64) the fp32 scales of exp_avg [num_blocks] followed by those of
+// exp_avg_sq [num_blocks] (q8.h: blocks of q8::kBlockNumel from the sub-group's first element).
+struct Q8MomentsLayout {
+  std::uint64_t numel = 0;
+  std::uint64_t num_blocks = 0;
+  std::uint64_t scales_offset = 0;
+  std::uint64_t bytes = 0;  // unaligned size
+  static Q8MomentsLayout For(std::uint64_t numel);
+};
+// Both moments of a sub-group in q8, viewed in a moments buffer.
+struct Q8Moments {
+  Q8Moment exp_avg;
+  Q8Moment exp_avg_sq;
+};
+Q8Moments ViewQ8Moments(std::span<std::byte> buffer, const Q8MomentsLayout& layout);
 
 // Which engine an EngineWrapper is asked to wrap.
 enum class EngineRole { kRead, kWrite, kGradient };
@@ -118,6 +139,7 @@ struct SwapperOptions {
   bool pipeline_read = false;
   bool pipeline_write = false;
   AdamOptions adam;
+  StateFormat state_format = StateFormat::kFp32;  // zinf.optimizer_state
   bool bf16_params = false;  // also hand the ParamSink bf16 weights (round to nearest even)
   // Gradient swapper (created when swap_gradients).
   bool swap_gradients = false;
@@ -131,13 +153,13 @@ struct SwapperOptions {
 // Per sub-group swap information (DeepSpeed's SwapInfo).
 struct SubGroupSwapInfo {
   partition::SubGroup sub_group;
-  std::uint64_t io_size_bytes = 0;  // AlignUp(numel * 4, store alignment): one tensor's I/O
+  std::uint64_t io_size_bytes = 0;     // AlignUp(numel * 4, store alignment): one fp32 tensor's I/O
+  std::uint64_t moments_io_bytes = 0;  // q8: AlignUp(Q8MomentsLayout bytes, store alignment)
   // The split of the sub-group's gradient: swapped pieces live in "grad<i>" at their sub-group
   // offsets; unswapped remainders stay in host memory (only with the read-add-write mode).
   std::vector<partition::GradientPiece> swapped_gradients;
   std::vector<partition::GradientPiece> unswapped_gradients;
   std::string gradient_name;  // "grad<i>", empty when gradients are not swapped to disk
-  std::size_t num_tensors() const { return kNumStateTensors; }
   bool has_gradients() const { return !gradient_name.empty(); }
 };
 
@@ -172,12 +194,23 @@ class OptimizerSwapper {
   // free buffer), I/O errors.
   Status ReadState(std::size_t sub_group, StateTensor which, std::uint64_t offset_elems,
                    std::span<float> out);
+  // (q8: the moments are dequantized from the sub-group's whole moments tensor.)
   // Local. Writes a whole new state of a sub-group (e.g. restored from a checkpoint):
   // `fill(which, span)` fills each state tensor (sub-group numel elements), the state goes to the
   // spare slot and is committed with last_step() = `step` once written. On error the old state
-  // stays committed. Errors: the callback's, ResourceExhausted (3 buffers), I/O errors.
+  // stays committed. q8: the moments are quantized (FailedPrecondition for a non-finite value).
+  // Errors: the callback's, ResourceExhausted (3 buffers), I/O errors.
   Status WriteState(std::size_t sub_group, std::int64_t step,
                     const std::function<Status(StateTensor, std::span<float>)>& fill);
+
+  // q8 only (FailedPrecondition otherwise), local: the exact quantized state, for checkpoints.
+  // ReadQ8Moments reads a sub-group's committed moments into a pool buffer and calls `use` with
+  // them (the spans die after the call). WriteQ8State writes a whole new state like WriteState,
+  // `fill_fp32` filling the weights and `fill_moments` the codes and scales, as they are.
+  Status ReadQ8Moments(std::size_t sub_group, const std::function<Status(const Q8Moments&)>& use);
+  Status WriteQ8State(std::size_t sub_group, std::int64_t step,
+                      const std::function<Status(std::span<float>)>& fill_fp32,
+                      const std::function<Status(const Q8Moments&)>& fill_moments);
 
   // Collective: min/mean/max of the swap timers over ranks, logged by rank 0.
   Status LogTimers(std::string_view title = "optimizer swapper timers");
@@ -200,11 +233,17 @@ class OptimizerSwapper {
   GradientSwapper* gradient_swapper() { return gradient_swapper_.get(); }
   // The step last committed to a sub-group (0 after Initialize).
   std::int64_t last_step(std::size_t sub_group) const { return last_step_.at(sub_group); }
-  // Slot holding a sub-group's committed state, and the slot tensor names.
+  StateFormat state_format() const { return options_.state_format; }
+  // Slot holding a sub-group's committed state; its slot tensors (fp32: 3, q8: 2), their names
+  // ("slot<k>/fp32", ...) and their I/O sizes for a sub-group.
   std::size_t slot_of(std::size_t sub_group) const { return slot_of_.at(sub_group); }
-  static std::string SlotTensorName(std::size_t slot, StateTensor which);
-  // Bytes one step reads and writes (state tensors, I/O-aligned; gradients not included).
+  std::size_t num_slot_tensors() const;
+  std::string SlotTensorName(std::size_t slot, std::size_t tensor) const;
+  std::uint64_t SlotTensorIoBytes(std::size_t sub_group, std::size_t tensor) const;
+  // Bytes one step reads and writes (slot tensors, I/O-aligned; gradients not included), and
+  // those per element of the partition.
   std::uint64_t StateIoBytesPerStep() const;
+  double StateIoBytesPerElement() const;
 
  protected:
   struct Parts;  // what Create builds; see optimizer_swapper.cc
@@ -223,20 +262,30 @@ class OptimizerSwapper {
     std::vector<std::string> labels_;
   };
 
-  // Buffers per sub-group in flight: fp32, exp_avg, exp_avg_sq, gradient.
-  static constexpr std::size_t kBuffersPerSubGroup = 4;
+  // Buffers per sub-group in flight: one per slot tensor (lease buffer t holds slot tensor t),
+  // then the gradient: fp32: fp32, exp_avg, exp_avg_sq, gradient; q8: fp32, moments, gradient.
+  static constexpr std::size_t kMaxBuffersPerSubGroup = 4;
+  static std::size_t BuffersPerSubGroup(StateFormat format);
+  std::size_t buffers_per_sub_group() const { return BuffersPerSubGroup(options_.state_format); }
+  std::size_t gradient_buffer() const { return num_slot_tensors(); }
 
   Status SubmitStateReads(std::size_t sub_group, const PoolLease& lease,
                           storage::IoEngine& engine, IoBatch* batch);
   Status VerifyStateReads(std::size_t sub_group, const PoolLease& lease) const;
-  // Takes the spare slot and submits the three writes of the lease's buffers 0..2 to it.
+  // Takes the spare slot and submits the writes of the slot tensors to it, slot tensor t from
+  // the lease's buffer buffers[t] (by default buffer t).
   Result<std::size_t> SubmitStateWrites(std::size_t sub_group, const PoolLease& lease,
-                                        storage::IoEngine& engine, IoBatch* batch);
+                                        storage::IoEngine& engine, IoBatch* batch,
+                                        std::span<const std::size_t> buffers = {});
+  // Writes the slot tensors from the lease (as SubmitStateWrites) and commits them at `step`.
+  Status WriteAndCommit(std::size_t sub_group, std::int64_t step, const PoolLease& lease,
+                        std::span<const std::size_t> buffers, const std::string& context);
   // After the writes to `slot` completed: the sub-group's state is now in `slot`.
   void Commit(std::size_t sub_group, std::size_t slot, std::int64_t step);
   // After the writes to `slot` failed: `slot` is spare again.
   void Abandon(std::size_t slot);
-  // Gradient (buffer 3) -> Adam on buffers 0..2 (optionally bf16 into buffer 3 afterwards).
+  // Gradient (gradient_buffer()) -> Adam on the slot tensor buffers (optionally bf16 into the
+  // gradient buffer afterwards).
   Status Compute(std::int64_t step, std::size_t sub_group, const PoolLease& lease,
                  const StepOptions& options);
   Status Sink(std::size_t sub_group, const PoolLease& lease, const ParamSink& sink);
@@ -275,14 +324,16 @@ class OptimizerSwapper {
 };
 
 // Collective over `comm`. Builds the swapper for `options`: the PipelinedOptimizerSwapper when
-// pipeline_read or pipeline_write is set and the pool holds 3 x 4 buffers, else the synchronous
-// PartitionedOptimizerSwapper (with a WARN line when a pipeline was asked for but the budget is
-// too small). Steps: sub-group plan of this rank, store Open, pool, engines, collective
-// free-space preflight (bytes summed per file system over the ranks of each node), Reserve.
-// Logs (rank 0) the mode, sub-groups, pool size, engines and store. Errors (same on every rank):
-// InvalidArgument (options), ResourceExhausted (pool budget below 4 buffers, naming the minimum;
-// not enough disk space on a node, naming host, path, needed and available bytes), store and
-// engine errors.
+// pipeline_read or pipeline_write is set and the pool holds 3 sets of BuffersPerSubGroup buffers
+// (fp32: 3 x 4, q8: 3 x 3), else the synchronous PartitionedOptimizerSwapper (with a WARN line
+// when a pipeline was asked for but the budget is too small). Steps: sub-group plan of this rank,
+// store Open, pool, engines, collective free-space preflight (bytes summed per file system over the
+// ranks of each node), Reserve. Logs (rank 0) the mode, sub-groups, pool size, engines and store.
+// Errors (same on every rank): InvalidArgument (options), ResourceExhausted (pool budget below 4
+// buffers, q8: 3, naming the minimum; not enough disk space on a node, naming host, path, needed
+// and available bytes), store and engine errors. The pool's buffers hold one fp32 tensor of the
+// largest sub-group each, so a q8 sub-group needs 3 of them instead of 4: the same budget takes 4/3
+// larger sub-groups.
 Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
     const comm::Communicator& comm, const partition::PartitionPlan& plan,
     const SwapperOptions& options);

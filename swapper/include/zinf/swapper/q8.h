@@ -30,8 +30,20 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 
 #include "zinf/core/status.h"
+
+namespace zinf::swapper {
+
+// The format of the swapped Adam state (zinf.optimizer_state), for the whole run.
+//   kFp32: fp32 weights, exp_avg and exp_avg_sq (12 bytes per element each way per step);
+//   kQ8:   fp32 weights, exp_avg and exp_avg_sq as this codec's 8-bit codes plus one fp32 scale
+//          per block each (6 + 8 / kBlockNumel bytes per element).
+enum class StateFormat { kFp32 = 0, kQ8 = 1 };
+std::string_view StateFormatName(StateFormat format);  // "fp32", "q8"
+
+}  // namespace zinf::swapper
 
 namespace zinf::swapper::q8 {
 
