@@ -99,6 +99,9 @@ int Main(int argc, char** argv) {
                    "(zinf.checkpoint.every)");
     app.add_option("--keep-last", o.keep_last,
                    "keep only the newest K checkpoints; 0 keeps all (default)");
+    app.add_option("--optimizer-state", o.optimizer_state,
+                   "fp32 (default) or q8: the moments as 8-bit block-wise quantized codes, half "
+                   "the swap bytes per step (zinf.optimizer_state)");
     app.add_option("--resume", o.resume,
                    "latest (<checkpoint-dir>/latest; an error if none), auto (latest if any), or "
                    "a checkpoint file");

@@ -83,6 +83,7 @@ void ApplyOverrides(const ConfigOverrides& o, Json& root) {
   if (o.checkpoint_dir) Set(root, {"zinf", "checkpoint"}, "dir", *o.checkpoint_dir);
   if (o.checkpoint_every) Set(root, {"zinf", "checkpoint"}, "every", *o.checkpoint_every);
   if (o.keep_last) Set(root, {"zinf", "checkpoint"}, "keep_last", *o.keep_last);
+  if (o.optimizer_state) Set(root, {"zinf"}, "optimizer_state", *o.optimizer_state);
   if (o.resume) Set(root, {"zinf", "checkpoint"}, "load", *o.resume);
   if (o.model) Set(root, {"zinf", "model"}, "name", *o.model);
   if (o.data) Set(root, {"zinf", "data"}, "path", *o.data);

@@ -47,6 +47,7 @@ struct ConfigOverrides {
   std::optional<std::string> checkpoint_dir;          // zinf.checkpoint.dir
   std::optional<std::int64_t> checkpoint_every;       // zinf.checkpoint.every
   std::optional<std::int64_t> keep_last;              // zinf.checkpoint.keep_last
+  std::optional<std::string> optimizer_state;         // zinf.optimizer_state
   std::optional<std::string> resume;                  // zinf.checkpoint.load
   std::optional<std::string> model;                   // zinf.model.name
   // charlm: zinf.model.hidden / layers. synthetic: zinf.model.total_params = max(1, L) * H * H
