@@ -2,7 +2,7 @@
 //
 //   zinf-ckpt ls PATH                       PATH: a step-<N>.h5 file or a checkpoint directory
 //   zinf-ckpt verify PATH                   recomputes every chunk checksum
-//   zinf-ckpt export PATH --out FILE [--format h5|safetensors]
+//   zinf-ckpt export PATH --out FILE [--format h5|safetensors] [--moments]
 //
 // Exit status: 0 on success; 1 when the checkpoint is bad (verify: the first problem is
 // printed) or cannot be read; 2 on a usage error. Everything read from a file is treated as
@@ -117,9 +117,19 @@ int List(const std::string& path) {
   std::printf("  parameters %zu, total_numel %llu, sub_group_size %lld\n", layout.num_params(),
               static_cast<unsigned long long>(info->total_numel),
               static_cast<long long>(info->sub_group_size));
-  std::printf("  state 3 x %s (fp32, exp_avg, exp_avg_sq), file %s\n",
-              FormatBytes(info->total_numel * 4).c_str(),
-              FormatBytes(info->file_size_bytes).c_str());
+  if (info->state_format == zinf::swapper::StateFormat::kQ8) {
+    std::printf(
+        "  state q8: fp32 %s, exp_avg and exp_avg_sq as 8-bit codes 2 x %s, %llu blocks (%llu "
+        "segments) of scales; file %s\n",
+        FormatBytes(info->total_numel * 4).c_str(), FormatBytes(info->total_numel).c_str(),
+        static_cast<unsigned long long>(info->num_blocks),
+        static_cast<unsigned long long>(info->num_segments),
+        FormatBytes(info->file_size_bytes).c_str());
+  } else {
+    std::printf("  state fp32: 3 x %s (fp32, exp_avg, exp_avg_sq), file %s\n",
+                FormatBytes(info->total_numel * 4).c_str(),
+                FormatBytes(info->file_size_bytes).c_str());
+  }
   std::printf(
       "  checksums %s, %llu chunk(s) of %llu elements per state (not verified; run "
       "`zinf-ckpt verify`)\n",
@@ -148,11 +158,12 @@ int Verify(const std::string& path) {
   return 0;
 }
 
-int Export(const std::string& path, const std::string& out, const std::string& format) {
+int Export(const std::string& path, const std::string& out, const std::string& format,
+           bool moments) {
   const zinf::swapper::ExportFormat f = format == "safetensors"
                                             ? zinf::swapper::ExportFormat::kSafetensors
                                             : zinf::swapper::ExportFormat::kHdf5;
-  zinf::Status s = zinf::swapper::ExportCheckpoint(path, out, f, Progress("export"));
+  zinf::Status s = zinf::swapper::ExportCheckpoint(path, out, f, Progress("export"), moments);
   if (!s) return Fail(s.error());
   std::printf("wrote %s (%s)\n", Shown(out).c_str(), format.c_str());
   return 0;
@@ -164,6 +175,7 @@ int main(int argc, char** argv) {
   CLI::App app{"zinf-ckpt: list, verify and export zinf checkpoints (serial, no MPI needed)"};
   app.require_subcommand(1);
   std::string path, out, format = "h5";
+  bool moments = false;
   CLI::App* ls = app.add_subcommand("ls", "step, world size, parameters, sizes, checksums");
   ls->add_option("PATH", path, "a step-<N>.h5 file or a checkpoint directory")->required();
   CLI::App* verify = app.add_subcommand(
@@ -181,6 +193,9 @@ int main(int argc, char** argv) {
   exp->add_option("--out", out, "output file")->required();
   exp->add_option("--format", format, "h5 or safetensors")
       ->check(CLI::IsMember({"h5", "safetensors"}));
+  exp->add_flag("--moments", moments,
+                "also Adam's moments as fp32 tensors exp_avg/<name> and exp_avg_sq/<name> (a q8 "
+                "checkpoint's decoded)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -190,7 +205,7 @@ int main(int argc, char** argv) {
   try {
     if (*ls) return List(path);
     if (*verify) return Verify(path);
-    return Export(path, out, format);
+    return Export(path, out, format, moments);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinf-ckpt: internal error: %s\n", Shown(e.what()).c_str());
   }

@@ -51,6 +51,8 @@ std::string_view H5DataTypeName(H5DataType type) {
       return "uint64";
     case H5DataType::kInt64:
       return "int64";
+    case H5DataType::kUInt8:
+      return "uint8";
   }
   return "unknown";
 }
@@ -79,6 +81,8 @@ template <>
 constexpr H5DataType kTypeOf<std::uint64_t> = H5DataType::kUInt64;
 template <>
 constexpr H5DataType kTypeOf<std::int64_t> = H5DataType::kInt64;
+template <>
+constexpr H5DataType kTypeOf<std::uint8_t> = H5DataType::kUInt8;
 
 // The predefined type ids are globals that H5open() initializes, so these are functions.
 hid_t FileType(H5DataType type) {
@@ -89,6 +93,8 @@ hid_t FileType(H5DataType type) {
       return H5T_STD_U64LE;
     case H5DataType::kInt64:
       return H5T_STD_I64LE;
+    case H5DataType::kUInt8:
+      return H5T_STD_U8LE;
   }
   return H5I_INVALID_HID;
 }
@@ -101,11 +107,24 @@ hid_t MemType(H5DataType type) {
       return H5T_NATIVE_UINT64;
     case H5DataType::kInt64:
       return H5T_NATIVE_INT64;
+    case H5DataType::kUInt8:
+      return H5T_NATIVE_UINT8;
   }
   return H5I_INVALID_HID;
 }
 
-std::uint64_t ElementSizeBytes(H5DataType type) { return type == H5DataType::kFloat32 ? 4 : 8; }
+std::uint64_t ElementSizeBytes(H5DataType type) {
+  switch (type) {
+    case H5DataType::kFloat32:
+      return 4;
+    case H5DataType::kUInt8:
+      return 1;
+    case H5DataType::kUInt64:
+    case H5DataType::kInt64:
+      return 8;
+  }
+  return 8;
+}
 
 // "/a/b" for "a/b" or "/a/b"; "/" only where the root is allowed (attribute carriers).
 Result<std::string> NormalizeName(std::string_view name, bool allow_root) {
@@ -275,7 +294,8 @@ Result<DatasetInfo> GetDatasetInfo(hid_t dataset, const std::string& name,
   ZINF_ASSIGN_OR_RETURN(DatatypeHandle dtype,
                         Check<DatatypeHandle>(H5Dget_type(dataset), ErrorCode::kInternal,
                                               fmt::format("{}: H5Dget_type {}", file_path, name)));
-  for (H5DataType candidate : {H5DataType::kFloat32, H5DataType::kUInt64, H5DataType::kInt64}) {
+  for (H5DataType candidate :
+       {H5DataType::kFloat32, H5DataType::kUInt64, H5DataType::kInt64, H5DataType::kUInt8}) {
     const htri_t equal = H5Tequal(dtype.get(), FileType(candidate));
     if (equal < 0) {
       return StackError(ErrorCode::kInternal, fmt::format("{}: H5Tequal {}", file_path, name));
@@ -286,7 +306,7 @@ Result<DatasetInfo> GetDatasetInfo(hid_t dataset, const std::string& name,
     }
   }
   return InvalidArgumentError(fmt::format(
-      "{}: dataset {} has an element type other than float32/uint64/int64 (little-endian)",
+      "{}: dataset {} has an element type other than float32/uint64/int64/uint8 (little-endian)",
       file_path, name));
 }
 
@@ -687,6 +707,14 @@ Status H5File::WriteSlab(std::string_view dataset, std::uint64_t offset,
   return TransferSlab(dataset, offset, data);
 }
 Status H5File::ReadSlab(std::string_view dataset, std::uint64_t offset, std::span<float> data) {
+  return TransferSlab(dataset, offset, data);
+}
+Status H5File::WriteSlab(std::string_view dataset, std::uint64_t offset,
+                         std::span<const std::uint8_t> data) {
+  return TransferSlab(dataset, offset, data);
+}
+Status H5File::ReadSlab(std::string_view dataset, std::uint64_t offset,
+                        std::span<std::uint8_t> data) {
   return TransferSlab(dataset, offset, data);
 }
 Status H5File::ReadSlab(std::string_view dataset, std::uint64_t offset,

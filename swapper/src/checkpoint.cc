@@ -44,12 +44,14 @@
 namespace zinf::swapper {
 namespace {
 
-using checkpoint_internal::ChecksumDataset;
+using checkpoint_internal::kQ8Checksums;
+using checkpoint_internal::kQ8Datasets;
 using checkpoint_internal::kStates;
 using checkpoint_internal::NumChunks;
 using checkpoint_internal::ProgressReporter;
-using checkpoint_internal::StateDataset;
-using checkpoint_internal::VerifiedChunkReader;
+using checkpoint_internal::StateDatasets;
+using checkpoint_internal::StateDatasetSpec;
+using checkpoint_internal::StateReader;
 using storage::H5DataType;
 using storage::H5File;
 
@@ -148,6 +150,52 @@ std::vector<Run> RunsOf(const OptimizerSwapper& swapper, std::uint64_t max_numel
   return runs;
 }
 
+// q8: this rank's quantization blocks as flat segments (checkpoint.h). Blocks are numbered
+// locally in sub-group order, those holding only padding left out; a block's segments are
+// consecutive, in flat order, adjacent pieces merged.
+struct LocalSegment {
+  std::size_t sub_group = 0;
+  std::uint64_t sub_group_block = 0;  // block index within the sub-group
+  std::uint64_t block = 0;            // local block number
+  std::uint64_t sub_group_offset = 0;
+  std::uint64_t flat_start = 0;
+  std::uint64_t numel = 0;
+};
+
+std::vector<LocalSegment> LocalQ8Segments(const OptimizerSwapper& swapper) {
+  std::vector<LocalSegment> segments;
+  std::uint64_t next_block = 0;
+  for (std::size_t i = 0; i < swapper.num_sub_groups(); ++i) {
+    const partition::SubGroup& sg = swapper.swap_info(i).sub_group;
+    std::size_t f = 0;
+    for (std::uint64_t b = 0; b < q8::NumBlocks(sg.numel); ++b) {
+      const std::uint64_t begin = b * q8::kBlockNumel;
+      const std::uint64_t end = std::min<std::uint64_t>(begin + q8::kBlockNumel, sg.numel);
+      bool any = false;
+      for (; f < sg.fragments.size(); ++f) {
+        const partition::SubGroupFragment& frag = sg.fragments[f];
+        if (frag.sub_group_offset >= end) break;
+        const std::uint64_t lo = std::max(begin, frag.sub_group_offset);
+        const std::uint64_t hi = std::min(end, frag.sub_group_offset + frag.numel);
+        if (lo < hi) {
+          const std::uint64_t flat = frag.flat_offset + (lo - frag.sub_group_offset);
+          LocalSegment* last = segments.empty() ? nullptr : &segments.back();
+          if (any && last->sub_group_offset + last->numel == lo &&
+              last->flat_start + last->numel == flat) {
+            last->numel += hi - lo;
+          } else {
+            segments.push_back(LocalSegment{i, b, next_block, lo, flat, hi - lo});
+          }
+          any = true;
+        }
+        if (frag.sub_group_offset + frag.numel > end) break;  // continues in the next block
+      }
+      if (any) ++next_block;
+    }
+  }
+  return segments;
+}
+
 Result<std::int64_t> AgreeMax(const comm::Communicator& comm, std::int64_t value) {
   std::int64_t v = value;
   ZINF_RETURN_IF_ERROR(comm.AllreduceInPlace<std::int64_t>(std::span(&v, 1), comm::ReduceOp::kMax));
@@ -163,18 +211,19 @@ class ChunkHasher {
         digests_(NumChunks(total_numel, chunk_numel), 0),
         have_(digests_.size(), 0) {}
 
-  void Feed(std::uint64_t flat, std::span<const float> data) {
+  // `data`: elements from `flat` on, `element_bytes` each.
+  void Feed(std::uint64_t flat, std::span<const std::byte> data, std::uint64_t element_bytes) {
     while (!data.empty()) {
       const std::uint64_t k = flat / chunk_;
       const std::uint64_t begin = k * chunk_;
       const std::uint64_t end = std::min(begin + chunk_, total_);
-      const std::uint64_t n = std::min<std::uint64_t>(data.size(), end - flat);
+      const std::uint64_t n = std::min<std::uint64_t>(data.size() / element_bytes, end - flat);
       if (k != current_ || flat != next_) {
         current_ = k;
         valid_ = flat == begin;
         builder_.Reset();
       }
-      if (valid_) builder_.Update(std::as_bytes(data.first(n)));
+      if (valid_) builder_.Update(data.first(n * element_bytes));
       next_ = flat + n;
       if (valid_ && next_ == end) {
         digests_[k] = builder_.Digest();
@@ -182,7 +231,7 @@ class ChunkHasher {
         valid_ = false;
       }
       flat += n;
-      data = data.subspan(n);
+      data = data.subspan(n * element_bytes);
     }
   }
 
@@ -235,7 +284,9 @@ struct Header {
 // collective flush or close, a rank whose metadata write failed (ENOSPC) leaves HDF5 before its
 // barrier and the other ranks wait in it forever.
 Status WriteStructure(const std::string& path, const OptimizerSwapper& swapper, std::int64_t step,
-                      int world_size, std::uint64_t chunk, const Header& header) {
+                      int world_size, std::uint64_t chunk, std::uint64_t num_segments,
+                      std::uint64_t num_blocks, const Header& header) {
+  const StateFormat format = swapper.state_format();
   const partition::ParamLayout& layout = swapper.plan().layout();
   const std::uint64_t total = layout.total_numel();
   const std::uint64_t num_chunks = NumChunks(total, chunk);
@@ -244,7 +295,12 @@ Status WriteStructure(const std::string& path, const OptimizerSwapper& swapper, 
                         H5File::CreateSerial(path, storage::H5CreateMode::kFailIfExists));
   const Status written = [&]() -> Status {
     ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "format", kCheckpointFormat));
-    ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "format_version", kCheckpointFormatVersion));
+    ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute(
+        "/", "format_version",
+        format == StateFormat::kQ8 ? kCheckpointFormatVersionQ8 : kCheckpointFormatVersion));
+    if (format == StateFormat::kQ8) {
+      ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "optimizer_state", "q8"));
+    }
     ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "step", step));
     ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "world_size", world_size));
     ZINF_RETURN_IF_ERROR(
@@ -275,12 +331,39 @@ Status WriteStructure(const std::string& path, const OptimizerSwapper& swapper, 
         file.WriteSlab("/layout/numel", 0, std::span<const std::uint64_t>(numels)));
     ZINF_RETURN_IF_ERROR(file.CreateGroup("/trainer"));
     ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/trainer", "state", header.trainer));
-    for (StateTensor which : kStates) {
-      ZINF_RETURN_IF_ERROR(file.CreateDataset1D(StateDataset(which), total, std::min(chunk, total),
-                                                H5DataType::kFloat32));
-      ZINF_RETURN_IF_ERROR(file.CreateDataset1D(ChecksumDataset(which), num_chunks,
+    for (const StateDatasetSpec& spec : StateDatasets(format)) {
+      ZINF_RETURN_IF_ERROR(
+          file.CreateDataset1D(spec.name, total, std::min(chunk, total), spec.type));
+      ZINF_RETURN_IF_ERROR(file.CreateDataset1D(spec.checksum, num_chunks,
                                                 std::min<std::uint64_t>(num_chunks, 1 << 16),
                                                 H5DataType::kUInt64));
+    }
+    if (format == StateFormat::kQ8) {
+      // The block table and scales are written by the ranks; the maps (and their checksums,
+      // entries 0 and 1 of /checksum/q8) here.
+      ZINF_RETURN_IF_ERROR(file.CreateGroup(checkpoint_internal::kQ8Group));
+      ZINF_RETURN_IF_ERROR(
+          file.WriteInt64Attribute(checkpoint_internal::kQ8Group, "block_numel", q8::kBlockNumel));
+      const std::uint64_t sizes[] = {256,          256,        num_segments, num_segments,
+                                     num_segments, num_blocks, num_blocks};
+      const H5DataType types[] = {H5DataType::kFloat32, H5DataType::kFloat32, H5DataType::kUInt64,
+                                  H5DataType::kUInt64,  H5DataType::kUInt64,  H5DataType::kFloat32,
+                                  H5DataType::kFloat32};
+      for (std::size_t d = 0; d < kQ8Datasets.size(); ++d) {
+        ZINF_RETURN_IF_ERROR(file.CreateDataset1D(
+            kQ8Datasets[d], sizes[d], std::min<std::uint64_t>(sizes[d], 1 << 20), types[d]));
+      }
+      ZINF_RETURN_IF_ERROR(file.CreateDataset1D(kQ8Checksums, kQ8Datasets.size(),
+                                                kQ8Datasets.size(), H5DataType::kUInt64));
+      std::array<std::uint64_t, 2> map_sums{};
+      for (std::size_t m = 0; m < 2; ++m) {
+        const std::array<float, 256>& map =
+            q8::MapValues(m == 0 ? q8::MapKind::kSigned : q8::MapKind::kUnsigned);
+        ZINF_RETURN_IF_ERROR(file.WriteSlab(kQ8Datasets[m], 0, std::span<const float>(map)));
+        map_sums[m] = storage::Checksum64(std::as_bytes(std::span(map)));
+      }
+      ZINF_RETURN_IF_ERROR(
+          file.WriteSlab(kQ8Checksums, 0, std::span<const std::uint64_t>(map_sums)));
     }
     ZINF_RETURN_IF_ERROR(
         file.WriteStringAttribute("/checksum", "algorithm", storage::kChecksumAlgorithm));
@@ -329,11 +412,12 @@ Result<Staging> LeaseStaging(OptimizerSwapper& swapper) {
   return staging;
 }
 
-// One slab of the state: one state tensor of one run (`mine` false: a rank with fewer runs
-// than max_runs writes an empty slab, as the collective write needs every rank).
+// One slab of the state: one state dataset (index into kStates) of one run (`mine` false: a
+// rank with fewer runs than max_runs writes an empty slab, as the collective write needs every
+// rank).
 struct Item {
   Run run;
-  StateTensor which;
+  std::size_t which;
   bool mine;
 };
 
@@ -342,44 +426,65 @@ std::vector<Item> ItemsOf(const Staging& staging) {
   std::vector<Item> items;
   for (std::int64_t k = 0; k < staging.max_runs; ++k) {
     const bool mine = k < static_cast<std::int64_t>(staging.runs.size());
-    for (StateTensor which : kStates) {
+    for (std::size_t which = 0; which < kNumStateTensors; ++which) {
       items.push_back(Item{mine ? staging.runs[static_cast<std::size_t>(k)] : Run{}, which, mine});
     }
   }
   return items;
 }
 
-// Reads an item of this rank from the swap store into `out` and hashes it.
-Status ReadItem(OptimizerSwapper& swapper, const Item& item, std::span<float> out,
-                ChunkHasher& hasher) {
+// q8: each sub-group's scales, kept as its moments are read for the codes (exp_avg, exp_avg_sq).
+using SubGroupScales = std::array<std::vector<std::vector<float>>, 2>;
+
+// Reads an item of this rank from the swap store into `out` and hashes it. q8 moments: the
+// item's codes, and the sub-group's scales into `scales`.
+Status ReadItem(OptimizerSwapper& swapper, const Item& item, std::span<std::byte> out,
+                ChunkHasher& hasher, SubGroupScales& scales) {
   comm::Timers& timers = swapper.timers();
+  const bool codes = swapper.state_format() == StateFormat::kQ8 && item.which > 0;
   {
     ScopedTimer t(timers, "ckpt_save_read_state");
-    ZINF_RETURN_IF_ERROR(
-        swapper.ReadState(item.run.sub_group, item.which, item.run.sub_group_offset, out));
+    if (codes) {
+      ZINF_RETURN_IF_ERROR(swapper.ReadQ8Moments(item.run.sub_group, [&](const Q8Moments& m) {
+        const Q8Moment& moment = item.which == 1 ? m.exp_avg : m.exp_avg_sq;
+        std::memcpy(out.data(), moment.codes.data() + item.run.sub_group_offset, item.run.numel);
+        std::vector<float>& kept = scales[item.which - 1][item.run.sub_group];
+        kept.assign(moment.scales.begin(), moment.scales.end());
+        return OkStatus();
+      }));
+    } else {
+      std::span<float> values(reinterpret_cast<float*>(out.data()), item.run.numel);
+      ZINF_RETURN_IF_ERROR(swapper.ReadState(item.run.sub_group, kStates[item.which],
+                                             item.run.sub_group_offset, values));
+    }
   }
   ScopedTimer t(timers, "ckpt_save_checksum");
-  hasher.Feed(item.run.flat_offset, out);
+  hasher.Feed(item.run.flat_offset, out, codes ? 1 : sizeof(float));
   return OkStatus();
 }
 
 // Collective: writes every item's slab, each after agreeing on its read and on the write-behind;
 // with two staging buffers the next item is read on a helper thread meanwhile.
 Status WriteItems(OptimizerSwapper& swapper, H5File& file, const Staging& staging,
-                  std::vector<ChunkHasher>& hashers, WriteBehind& write_behind,
-                  ProgressReporter* progress) {
+                  std::vector<ChunkHasher>& hashers, SubGroupScales& scales,
+                  WriteBehind& write_behind, ProgressReporter* progress) {
   const comm::Communicator& comm = swapper.comm();
   comm::Timers& timers = swapper.timers();
+  const std::array<StateDatasetSpec, kNumStateTensors>& specs =
+      StateDatasets(swapper.state_format());
+  std::uint64_t bytes_per_element = 0;
+  for (const StateDatasetSpec& spec : specs) bytes_per_element += spec.element_bytes;
   const std::uint64_t total = swapper.plan().layout().total_numel();
   const std::vector<Item> items = ItemsOf(staging);
   auto buffer_of = [&](std::size_t i) {
-    return staging.lease.floats(i % staging.depth).first(items[i].run.numel);
+    return staging.lease.bytes(i % staging.depth)
+        .first(items[i].run.numel * specs[items[i].which].element_bytes);
   };
   // Reads and hashes item i (the hashers see the items in order: one read at a time).
   auto read_item = [&](std::size_t i) -> Status {
     const Item& item = items[i];
     if (!item.mine) return OkStatus();
-    return ReadItem(swapper, item, buffer_of(i), hashers[static_cast<std::size_t>(item.which)]);
+    return ReadItem(swapper, item, buffer_of(i), hashers[item.which], scales);
   };
   std::future<Status> pending;  // the read of item i + 1; joined on every return
   for (std::size_t i = 0; i < items.size(); ++i) {
@@ -403,20 +508,31 @@ Status WriteItems(OptimizerSwapper& swapper, H5File& file, const Staging& stagin
       ScopedTimer t(timers, "ckpt_save_agree");
       ZINF_RETURN_IF_ERROR(comm.AgreeOnStatus(
           Annotate(local, fmt::format("checkpoint: sub-group {} {}: ", item.run.sub_group,
-                                      StateTensorName(item.which)))));
+                                      StateTensorName(kStates[item.which])))));
     }
-    std::span<const float> data;
+    std::span<const std::byte> data;
     if (item.mine) data = buffer_of(i);
     {
       ScopedTimer t(timers, "ckpt_save_write_slab");
-      ZINF_RETURN_IF_ERROR(file.WriteSlab(StateDataset(item.which), item.run.flat_offset, data));
+      const StateDatasetSpec& spec = specs[item.which];
+      if (spec.type == H5DataType::kUInt8) {
+        ZINF_RETURN_IF_ERROR(
+            file.WriteSlab(spec.name, item.run.flat_offset,
+                           std::span<const std::uint8_t>(
+                               reinterpret_cast<const std::uint8_t*>(data.data()), data.size())));
+      } else {
+        ZINF_RETURN_IF_ERROR(
+            file.WriteSlab(spec.name, item.run.flat_offset,
+                           std::span<const float>(reinterpret_cast<const float*>(data.data()),
+                                                  data.size() / sizeof(float))));
+      }
     }
     write_behind.Start();
-    if (item.which == kStates.back()) {
+    if (item.which == kNumStateTensors - 1) {
       const double runs_done = static_cast<double>(i / kNumStateTensors + 1);
-      progress->Update(static_cast<std::uint64_t>(
-          runs_done / static_cast<double>(staging.max_runs) *
-          static_cast<double>(kNumStateTensors * total * sizeof(float))));
+      progress->Update(
+          static_cast<std::uint64_t>(runs_done / static_cast<double>(staging.max_runs) *
+                                     static_cast<double>(bytes_per_element * total)));
     }
   }
   return OkStatus();
@@ -433,37 +549,45 @@ Status FlushState(const comm::Communicator& comm, H5File& file, WriteBehind& wri
   return SyncAndAgree(comm, file.path());
 }
 
-// Collective: reads flat elements [begin, end) of `which` back in `pieces` reads of at most
-// piece.size() elements (empty ones past `end`) and returns their digest.
-Result<std::uint64_t> HashReadBack(H5File& file, StateTensor which, std::uint64_t begin,
+// Collective: reads flat elements [begin, end) of dataset `spec` back in `pieces` reads of at
+// most piece_numel elements (empty ones past `end`) through `piece` and returns their digest.
+Result<std::uint64_t> HashReadBack(H5File& file, const StateDatasetSpec& spec, std::uint64_t begin,
                                    std::uint64_t end, std::uint64_t pieces,
-                                   std::span<float> piece) {
-  const std::uint64_t piece_numel = piece.size();
+                                   std::uint64_t piece_numel, std::span<std::byte> piece) {
   storage::ChecksumBuilder builder;
   for (std::uint64_t p = 0; p < pieces; ++p) {
     const std::uint64_t from = std::min(begin + p * piece_numel, end);
     const std::uint64_t to = std::min(from + piece_numel, end);
-    std::span<float> out = piece.first(to - from);
-    ZINF_RETURN_IF_ERROR(file.ReadSlab(StateDataset(which), from, out));
-    builder.Update(std::as_bytes(out));
+    if (spec.type == H5DataType::kUInt8) {
+      std::span<std::uint8_t> out(reinterpret_cast<std::uint8_t*>(piece.data()), to - from);
+      ZINF_RETURN_IF_ERROR(file.ReadSlab(spec.name, from, out));
+      builder.Update(std::as_bytes(out));
+    } else {
+      std::span<float> out(reinterpret_cast<float*>(piece.data()), to - from);
+      ZINF_RETURN_IF_ERROR(file.ReadSlab(spec.name, from, out));
+      builder.Update(std::as_bytes(out));
+    }
   }
   return builder.Digest();
 }
 
 // Collective: hashes the chunks no rank hashed completely (orphan j is read back by rank
 // j % size) and writes each state's checksum table (rank 0's digests).
-Status WriteChecksums(const comm::Communicator& comm, H5File& file, std::span<float> staging,
-                      std::vector<ChunkHasher>& hashers, std::uint64_t total, std::uint64_t chunk) {
+Status WriteChecksums(const comm::Communicator& comm, H5File& file, StateFormat format,
+                      std::span<std::byte> staging, std::vector<ChunkHasher>& hashers,
+                      std::uint64_t total, std::uint64_t chunk) {
   // Orphan chunks: read back by rank (j % size), in pieces of the (agreed) staging size.
-  std::int64_t piece = static_cast<std::int64_t>(std::min<std::uint64_t>(staging.size(), chunk));
+  std::int64_t piece =
+      static_cast<std::int64_t>(std::min<std::uint64_t>(staging.size() / sizeof(float), chunk));
   ZINF_RETURN_IF_ERROR(
       comm.AllreduceInPlace<std::int64_t>(std::span(&piece, 1), comm::ReduceOp::kMin));
   const std::uint64_t piece_numel = static_cast<std::uint64_t>(piece);
   const std::uint64_t pieces_per_chunk = (std::min(chunk, total) + piece_numel - 1) / piece_numel;
   const std::uint64_t num_chunks = NumChunks(total, chunk);
   const std::uint64_t size = static_cast<std::uint64_t>(comm.size());
-  for (StateTensor which : kStates) {
-    ChunkHasher& hasher = hashers[static_cast<std::size_t>(which)];
+  for (std::size_t which = 0; which < kNumStateTensors; ++which) {
+    const StateDatasetSpec& spec = StateDatasets(format)[which];
+    ChunkHasher& hasher = hashers[which];
     ZINF_RETURN_IF_ERROR(
         comm.AllreduceInPlace<std::uint64_t>(std::span(hasher.have()), comm::ReduceOp::kMax));
     std::vector<std::uint64_t> orphans;
@@ -479,7 +603,7 @@ Status WriteChecksums(const comm::Communicator& comm, H5File& file, std::span<fl
       const std::uint64_t end = mine ? std::min(begin + chunk, total) : begin;
       ZINF_ASSIGN_OR_RETURN(
           const std::uint64_t digest,
-          HashReadBack(file, which, begin, end, pieces_per_chunk, staging.first(piece_numel)));
+          HashReadBack(file, spec, begin, end, pieces_per_chunk, piece_numel, staging));
       if (mine) hasher.digests()[c] = digest;
     }
     // Exactly one rank contributes each chunk's digest.
@@ -487,14 +611,102 @@ Status WriteChecksums(const comm::Communicator& comm, H5File& file, std::span<fl
         comm.AllreduceInPlace<std::uint64_t>(std::span(hasher.digests()), comm::ReduceOp::kSum));
     std::span<const std::uint64_t> sums;
     if (comm.rank() == 0) sums = hasher.digests();
-    ZINF_RETURN_IF_ERROR(file.WriteSlab(ChecksumDataset(which), 0, sums));
+    ZINF_RETURN_IF_ERROR(file.WriteSlab(spec.checksum, 0, sums));
   }
   return OkStatus();
 }
 
+// q8: where this rank's segments and blocks go in the file's tables (ranks in order), and the
+// totals (agreed).
+struct Q8Placement {
+  std::vector<LocalSegment> segments;
+  std::uint64_t local_blocks = 0;
+  std::uint64_t first_segment = 0;
+  std::uint64_t first_block = 0;
+  std::uint64_t num_segments = 0;
+  std::uint64_t num_blocks = 0;
+};
+
+// Collective (every format; empty for fp32).
+Result<Q8Placement> PlaceQ8Tables(const OptimizerSwapper& swapper) {
+  Q8Placement p;
+  if (swapper.state_format() == StateFormat::kQ8) p.segments = LocalQ8Segments(swapper);
+  p.local_blocks = p.segments.empty() ? 0 : p.segments.back().block + 1;
+  const comm::Communicator& comm = swapper.comm();
+  std::vector<std::uint64_t> all(2 * static_cast<std::size_t>(comm.size()));
+  const std::uint64_t mine[2] = {p.segments.size(), p.local_blocks};
+  ZINF_RETURN_IF_ERROR(comm.Allgather<std::uint64_t>(std::span<const std::uint64_t>(mine), all));
+  for (int r = 0; r < comm.size(); ++r) {
+    const auto k = 2 * static_cast<std::size_t>(r);
+    if (r < comm.rank()) {
+      p.first_segment += all[k];
+      p.first_block += all[k + 1];
+    }
+    p.num_segments += all[k];
+    p.num_blocks += all[k + 1];
+  }
+  return p;
+}
+
+// Collective (q8): each rank's segments and its blocks' scales at its place in the tables.
+Status WriteQ8Tables(H5File& file, const Q8Placement& p, const SubGroupScales& scales) {
+  std::vector<std::uint64_t> start, numel, block;
+  std::array<std::vector<float>, 2> block_scales;
+  Status local = OkStatus();
+  for (const LocalSegment& seg : p.segments) {
+    start.push_back(seg.flat_start);
+    numel.push_back(seg.numel);
+    block.push_back(p.first_block + seg.block);
+    if (seg.block < block_scales[0].size()) continue;  // a later segment of the same block
+    for (std::size_t m = 0; m < 2; ++m) {
+      const std::vector<float>& kept = scales[m][seg.sub_group];
+      if (seg.sub_group_block >= kept.size()) {
+        local = InternalError(fmt::format("checkpoint: no scales of sub-group {}", seg.sub_group));
+        block_scales[m].push_back(0.0f);
+      } else {
+        block_scales[m].push_back(kept[seg.sub_group_block]);
+      }
+    }
+  }
+  ZINF_RETURN_IF_ERROR(local);
+  using checkpoint_internal::Q8Dataset;
+  ZINF_RETURN_IF_ERROR(file.WriteSlab(kQ8Datasets[Q8Dataset::kSegmentStart], p.first_segment,
+                                      std::span<const std::uint64_t>(start)));
+  ZINF_RETURN_IF_ERROR(file.WriteSlab(kQ8Datasets[Q8Dataset::kSegmentNumel], p.first_segment,
+                                      std::span<const std::uint64_t>(numel)));
+  ZINF_RETURN_IF_ERROR(file.WriteSlab(kQ8Datasets[Q8Dataset::kSegmentBlock], p.first_segment,
+                                      std::span<const std::uint64_t>(block)));
+  ZINF_RETURN_IF_ERROR(file.WriteSlab(kQ8Datasets[Q8Dataset::kExpAvgScales], p.first_block,
+                                      std::span<const float>(block_scales[0])));
+  return file.WriteSlab(kQ8Datasets[Q8Dataset::kExpAvgSqScales], p.first_block,
+                        std::span<const float>(block_scales[1]));
+}
+
+// Collective (q8), after the tables are flushed: rank 0 reads them back whole (the others read
+// nothing) and writes their checksums (entries 2.. of /checksum/q8).
+Status WriteQ8Checksums(const comm::Communicator& comm, H5File& file, const Q8Placement& p) {
+  const bool root = comm.rank() == 0;
+  std::vector<std::uint64_t> sums;
+  using checkpoint_internal::Q8Dataset;
+  for (Q8Dataset d :
+       {Q8Dataset::kSegmentStart, Q8Dataset::kSegmentNumel, Q8Dataset::kSegmentBlock}) {
+    std::vector<std::uint64_t> values(root ? p.num_segments : 0);
+    ZINF_RETURN_IF_ERROR(file.ReadSlab(kQ8Datasets[d], 0, std::span(values)));
+    sums.push_back(storage::Checksum64(std::as_bytes(std::span(values))));
+  }
+  for (Q8Dataset d : {Q8Dataset::kExpAvgScales, Q8Dataset::kExpAvgSqScales}) {
+    std::vector<float> values(root ? p.num_blocks : 0);
+    ZINF_RETURN_IF_ERROR(file.ReadSlab(kQ8Datasets[d], 0, std::span(values)));
+    sums.push_back(storage::Checksum64(std::as_bytes(std::span(values))));
+  }
+  if (!root) sums.clear();
+  return file.WriteSlab(kQ8Checksums, Q8Dataset::kSegmentStart,
+                        std::span<const std::uint64_t>(sums));
+}
+
 // Collective: the state (and then the checksums) of every rank into the open file.
 Status WriteContents(OptimizerSwapper& swapper, H5File& file, const CheckpointSaveOptions& options,
-                     ProgressReporter* progress) {
+                     const Q8Placement& placement, ProgressReporter* progress) {
   const comm::Communicator& comm = swapper.comm();
   const std::uint64_t total = swapper.plan().layout().total_numel();
   const std::uint64_t chunk = options.chunk_numel;
@@ -510,13 +722,24 @@ Status WriteContents(OptimizerSwapper& swapper, H5File& file, const CheckpointSa
   ZINF_ASSIGN_OR_RETURN(Staging staging, LeaseStaging(swapper));
   std::vector<ChunkHasher> hashers;
   for (std::size_t t = 0; t < kNumStateTensors; ++t) hashers.emplace_back(total, chunk);
+  SubGroupScales scales;
+  for (std::vector<std::vector<float>>& per_sub_group : scales) {
+    per_sub_group.resize(swapper.num_sub_groups());
+  }
   WriteBehind write_behind(file.path());
   ZINF_RETURN_IF_ERROR(comm.AgreeOnStatus(write_behind.Opened()));
-  ZINF_RETURN_IF_ERROR(WriteItems(swapper, file, staging, hashers, write_behind, progress));
+  ZINF_RETURN_IF_ERROR(WriteItems(swapper, file, staging, hashers, scales, write_behind, progress));
+  const bool q8 = swapper.state_format() == StateFormat::kQ8;
+  if (q8) ZINF_RETURN_IF_ERROR(WriteQ8Tables(file, placement, scales));
   ZINF_RETURN_IF_ERROR(FlushState(comm, file, write_behind, timers));
   ScopedTimer orphan_timer(timers, "ckpt_save_orphans_and_checksums");
-  ZINF_RETURN_IF_ERROR(WriteChecksums(comm, file, staging.lease.floats(0).first(staging.numel),
+  ZINF_RETURN_IF_ERROR(WriteChecksums(comm, file, swapper.state_format(),
+                                      staging.lease.bytes(0).first(staging.numel * sizeof(float)),
                                       hashers, total, chunk));
+  if (q8) {
+    ZINF_RETURN_IF_ERROR(SyncAndAgree(comm, file.path()));  // the tables, before reading back
+    ZINF_RETURN_IF_ERROR(WriteQ8Checksums(comm, file, placement));
+  }
   staging.lease.Release();
   return OkStatus();
 }
@@ -534,14 +757,27 @@ Header MakeHeader(const OptimizerSwapper& swapper, const CheckpointSaveOptions& 
 
 // An upper estimate of a checkpoint file's size: the state, the checksum tables, the layout,
 // the JSON attributes, and generous room for HDF5's object headers and chunk indexes.
-std::uint64_t EstimateFileBytes(const partition::ParamLayout& layout, std::uint64_t chunk_numel,
-                                const Header& header) {
+std::uint64_t EstimateFileBytes(const partition::ParamLayout& layout, StateFormat format,
+                                std::uint64_t chunk_numel, std::uint64_t num_segments,
+                                std::uint64_t num_blocks, const Header& header) {
   const std::uint64_t total = layout.total_numel();
   const std::uint64_t chunks = NumChunks(total, chunk_numel);
   const std::uint64_t json = header.optimizer.size() + header.config.size() +
                              header.trainer.size() + layout.ToJsonString().size();
-  return kNumStateTensors * total * sizeof(float) + kNumStateTensors * chunks * (8 + 512) +
-         16 * layout.num_params() + 2 * json + (1ull << 20);
+  std::uint64_t state = 0;
+  for (const StateDatasetSpec& spec : StateDatasets(format)) state += spec.element_bytes * total;
+  const std::uint64_t q8_tables = 24 * num_segments + 8 * num_blocks + (64ull << 10);
+  return state + kNumStateTensors * chunks * (8 + 512) + 16 * layout.num_params() + 2 * json +
+         (format == StateFormat::kQ8 ? q8_tables : 0) + (1ull << 20);
+}
+
+// The bytes of state a checkpoint of `swapper` holds.
+std::uint64_t StateBytes(const OptimizerSwapper& swapper) {
+  std::uint64_t per_element = 0;
+  for (const StateDatasetSpec& spec : StateDatasets(swapper.state_format())) {
+    per_element += spec.element_bytes;
+  }
+  return per_element * swapper.plan().layout().total_numel();
 }
 
 // Rank 0's side of the file: the checkpoint directory (opened once, so that every name below is
@@ -720,7 +956,20 @@ class PartialFile {
 
 std::uint64_t EstimateCheckpointBytes(const OptimizerSwapper& swapper,
                                       const CheckpointSaveOptions& options) {
-  return EstimateFileBytes(swapper.plan().layout(), std::max<std::uint64_t>(options.chunk_numel, 1),
+  // An upper bound on the q8 tables without the collective count: every sub-group's blocks, a
+  // segment per block and fragment.
+  std::uint64_t segments = 0;
+  std::uint64_t blocks = 0;
+  if (swapper.state_format() == StateFormat::kQ8) {
+    const std::uint64_t ranks = static_cast<std::uint64_t>(swapper.comm().size());
+    for (std::size_t i = 0; i < swapper.num_sub_groups(); ++i) {
+      const partition::SubGroup& sg = swapper.swap_info(i).sub_group;
+      blocks += ranks * q8::NumBlocks(sg.numel);
+      segments += ranks * (q8::NumBlocks(sg.numel) + sg.fragments.size());
+    }
+  }
+  return EstimateFileBytes(swapper.plan().layout(), swapper.state_format(),
+                           std::max<std::uint64_t>(options.chunk_numel, 1), segments, blocks,
                            MakeHeader(swapper, options));
 }
 
@@ -751,6 +1000,9 @@ Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t s
   const std::string partial_path = options.dir + "/" + partial_name;
   const std::string context = fmt::format("checkpoint save step {}: ", step);
   comm::Timers& timers = swapper.timers();
+  // q8: every rank's blocks, counted before rank 0 writes the tables' structure.
+  Result<Q8Placement> placement = PlaceQ8Tables(swapper);
+  if (!placement) return std::move(placement).error().WithContext(context);
   // Rank 0 checks the space, clears the partial file's name and writes the file's structure.
   std::optional<PartialFile> partial;
   if (root && check) {
@@ -758,11 +1010,13 @@ Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t s
     check = [&]() -> Status {
       const Header header = MakeHeader(swapper, options);
       const std::uint64_t estimate =
-          EstimateFileBytes(swapper.plan().layout(), options.chunk_numel, header);
+          EstimateFileBytes(swapper.plan().layout(), swapper.state_format(), options.chunk_numel,
+                            placement->num_segments, placement->num_blocks, header);
       ZINF_ASSIGN_OR_RETURN(partial,
                             PartialFile::Prepare(options.dir, partial_name, estimate, step));
-      ZINF_RETURN_IF_ERROR(
-          WriteStructure(partial_path, swapper, step, comm.size(), options.chunk_numel, header));
+      ZINF_RETURN_IF_ERROR(WriteStructure(partial_path, swapper, step, comm.size(),
+                                          options.chunk_numel, placement->num_segments,
+                                          placement->num_blocks, header));
       return partial->Reserve(estimate);
     }();
   }
@@ -773,8 +1027,7 @@ Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t s
   };
   if (Status agreed = comm.AgreeOnStatus(check); !agreed) return fail(std::move(agreed).error());
 
-  const std::uint64_t state_bytes =
-      kNumStateTensors * swapper.plan().layout().total_numel() * sizeof(float);
+  const std::uint64_t state_bytes = StateBytes(swapper);
   ProgressReporter progress(fmt::format("checkpoint save step {}", step), state_bytes,
                             root && options.progress, options.progress_interval_s);
   Result<H5File> opened = H5File::OpenCollective(comm, partial_path, /*read_only=*/false);
@@ -782,7 +1035,7 @@ Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t s
   H5File file = std::move(*opened);
   // WriteContents' errors are agreed already. The collective close below is safe after them:
   // the file holds no unwritten HDF5 metadata (see WriteStructure).
-  Status written = WriteContents(swapper, file, options, &progress);
+  Status written = WriteContents(swapper, file, options, *placement, &progress);
   timers.Start("ckpt_save_close");
   Status closed = file.Close();
   timers.Stop("ckpt_save_close");
@@ -862,7 +1115,8 @@ struct RestoreSource {
 
   std::optional<H5File> file;
   std::optional<CheckpointInfo> info;
-  std::vector<VerifiedChunkReader> readers;  // one per state tensor
+  std::optional<checkpoint_internal::Q8Tables> tables;  // q8 files
+  std::vector<StateReader> readers;                     // one per state tensor
 };
 
 // Local: opens this rank's read-only handle, validates the header against the swapper, and
@@ -881,49 +1135,143 @@ Status OpenForRestore(const OptimizerSwapper& swapper, const std::string& file_p
   if (options.check_optimizer) {
     ZINF_RETURN_IF_ERROR(CheckOptimizer(info.optimizer, swapper.options().adam));
   }
-  for (StateTensor which : kStates) {
+  if (info.state_format == StateFormat::kQ8) {
+    ZINF_ASSIGN_OR_RETURN(source->tables, checkpoint_internal::ReadQ8Tables(*source->file, info));
+  }
+  for (std::size_t t = 0; t < kNumStateTensors; ++t) {
     ZINF_ASSIGN_OR_RETURN(
-        std::vector<std::uint64_t> sums,
-        checkpoint_internal::ReadChecksums(*source->file, which, info.num_chunks));
-    source->readers.emplace_back(&*source->file, which, info.total_numel, info.chunk_numel,
-                                 std::move(sums));
+        StateReader reader,
+        StateReader::Open(&*source->file, info, t, source->tables ? &*source->tables : nullptr));
+    source->readers.push_back(std::move(reader));
   }
   return OkStatus();
 }
 
+// q8 file into a q8 swapper: for each local block of sub-group `i` (LocalQ8Segments), the file's
+// block with exactly its segments; nullopt if some block of the sub-group has none (other world
+// size or sub_group_size), or the file's maps are not this build's.
+std::optional<std::vector<std::uint64_t>> MatchingFileBlocks(
+    const checkpoint_internal::Q8Tables& tables, std::span<const LocalSegment> segments) {
+  if (tables.maps[0] != q8::MapValues(q8::MapKind::kSigned) ||
+      tables.maps[1] != q8::MapValues(q8::MapKind::kUnsigned)) {
+    return std::nullopt;
+  }
+  std::vector<std::uint64_t> file_block;  // by local block, from the first local block
+  std::size_t k = 0;
+  while (k < segments.size()) {
+    std::size_t end = k;
+    while (end < segments.size() && segments[end].block == segments[k].block) ++end;
+    const checkpoint_internal::Q8Segment& first =
+        tables.segments[tables.SegmentOf(segments[k].flat_start)];
+    for (std::size_t j = k; j < end; ++j) {
+      const checkpoint_internal::Q8Segment& f =
+          tables.segments[tables.SegmentOf(segments[j].flat_start)];
+      if (f.start != segments[j].flat_start || f.numel != segments[j].numel ||
+          f.block != first.block) {
+        return std::nullopt;
+      }
+    }
+    if (tables.block_segments[first.block] != end - k) return std::nullopt;
+    file_block.push_back(first.block);
+    k = end;
+  }
+  return file_block;
+}
+
 // Local: verifies every chunk this rank's runs touch, state tensor by state tensor.
-Status VerifyRuns(std::vector<VerifiedChunkReader>& readers, const std::vector<Run>& runs,
+Status VerifyRuns(std::vector<StateReader>& readers, const std::vector<Run>& runs,
                   ProgressReporter& progress, std::uint64_t* done) {
-  for (StateTensor which : kStates) {
+  for (StateReader& reader : readers) {
     for (const Run& r : runs) {
-      ZINF_RETURN_IF_ERROR(readers[static_cast<std::size_t>(which)].Verify(r.flat_offset, r.numel));
-      *done += r.numel * sizeof(float);
+      ZINF_RETURN_IF_ERROR(reader.Verify(r.flat_offset, r.numel));
+      *done += r.numel * reader.element_bytes();
       progress.Update(*done);
     }
   }
   return OkStatus();
 }
 
+// Local: sub-group `i`'s q8 state copied exactly from a q8 file whose blocks are its blocks
+// (`segments`: the sub-group's, `file_blocks`: MatchingFileBlocks).
+Status WriteExactQ8(OptimizerSwapper& swapper, RestoreSource& source, std::size_t i,
+                    std::span<const Run> runs, std::span<const LocalSegment> segments,
+                    const std::vector<std::uint64_t>& file_blocks, std::int64_t step,
+                    ProgressReporter& progress, std::uint64_t* done) {
+  const checkpoint_internal::Q8Tables& tables = *source.tables;
+  return swapper.WriteQ8State(
+      i, step,
+      [&](std::span<float> fp32) -> Status {
+        for (const Run& run : runs) {
+          ZINF_RETURN_IF_ERROR(source.readers[0].Read(
+              run.flat_offset, fp32.subspan(run.sub_group_offset, run.numel)));
+          *done += run.numel * sizeof(float);
+        }
+        progress.Update(*done);
+        return OkStatus();
+      },
+      [&](const Q8Moments& m) -> Status {
+        std::ranges::fill(m.exp_avg.codes, q8::ZeroCode(q8::MapKind::kSigned));
+        std::ranges::fill(m.exp_avg_sq.codes, q8::ZeroCode(q8::MapKind::kUnsigned));
+        std::ranges::fill(m.exp_avg.scales, 0.0f);
+        std::ranges::fill(m.exp_avg_sq.scales, 0.0f);
+        const std::uint64_t first_block = segments.empty() ? 0 : segments.front().block;
+        for (const LocalSegment& seg : segments) {
+          const std::uint64_t file_block = file_blocks[seg.block - first_block];
+          const Q8Moment* moments[2] = {&m.exp_avg, &m.exp_avg_sq};
+          for (std::size_t t = 0; t < 2; ++t) {
+            ZINF_RETURN_IF_ERROR(source.readers[1 + t].ReadCodes(
+                seg.flat_start, moments[t]->codes.subspan(seg.sub_group_offset, seg.numel)));
+            moments[t]->scales[seg.sub_group_block] = tables.scales[t][file_block];
+          }
+          *done += 2 * seg.numel;
+        }
+        progress.Update(*done);
+        return OkStatus();
+      });
+}
+
 // Local: writes each sub-group's state, read from the checkpoint run by run, to the swap store
 // (committed as `step`).
-Status WriteRuns(OptimizerSwapper& swapper, std::vector<VerifiedChunkReader>& readers,
-                 const std::vector<Run>& runs, std::int64_t step, ProgressReporter& progress,
-                 std::uint64_t* done) {
+// q8 file into a q8 swapper: a sub-group whose blocks are the file's is copied exactly
+// (WriteExactQ8); any other is decoded and quantized again (WriteState).
+Status WriteRuns(OptimizerSwapper& swapper, RestoreSource& source, const std::vector<Run>& runs,
+                 std::int64_t step, ProgressReporter& progress, std::uint64_t* done,
+                 std::size_t* exact_sub_groups) {
   comm::Timers& timers = swapper.timers();
+  const bool q8_to_q8 = source.tables && swapper.state_format() == StateFormat::kQ8;
+  const std::vector<LocalSegment> segments =
+      q8_to_q8 ? LocalQ8Segments(swapper) : std::vector<LocalSegment>();
   Status local = OkStatus();
   std::size_t next_run = 0;
+  std::size_t next_segment = 0;
   for (std::size_t i = 0; i < swapper.num_sub_groups() && local; ++i) {
     const std::size_t first = next_run;
     while (next_run < runs.size() && runs[next_run].sub_group == i) ++next_run;
     const std::size_t last = next_run;
+    const std::size_t first_segment = next_segment;
+    while (next_segment < segments.size() && segments[next_segment].sub_group == i) {
+      ++next_segment;
+    }
+    const std::span<const LocalSegment> mine =
+        std::span(segments).subspan(first_segment, next_segment - first_segment);
     ScopedTimer write_timer(timers, "ckpt_restore_write_state");
+    if (q8_to_q8) {
+      if (std::optional<std::vector<std::uint64_t>> file_blocks =
+              MatchingFileBlocks(*source.tables, mine)) {
+        ScopedTimer read_timer(timers, "ckpt_restore_read_in_write_state");
+        local = WriteExactQ8(swapper, source, i, std::span(runs).subspan(first, last - first), mine,
+                             *file_blocks, step, progress, done);
+        ++*exact_sub_groups;
+        continue;
+      }
+    }
     local = swapper.WriteState(i, step, [&](StateTensor which, std::span<float> out) -> Status {
       ScopedTimer read_timer(timers, "ckpt_restore_read_in_write_state");
       for (std::size_t r = first; r < last; ++r) {
         const Run& run = runs[r];
-        ZINF_RETURN_IF_ERROR(readers[static_cast<std::size_t>(which)].Read(
+        ZINF_RETURN_IF_ERROR(source.readers[static_cast<std::size_t>(which)].Read(
             run.flat_offset, out.subspan(run.sub_group_offset, run.numel)));
-        *done += run.numel * sizeof(float);
+        *done += run.numel * source.readers[static_cast<std::size_t>(which)].element_bytes();
       }
       progress.Update(*done);
       return OkStatus();
@@ -965,7 +1313,9 @@ Result<RestoredCheckpoint> RestoreCheckpoint(OptimizerSwapper& swapper, const st
 
   const std::vector<Run> runs = RunsOf(swapper, UINT64_MAX);
   std::uint64_t my_bytes = 0;
-  for (const Run& r : runs) my_bytes += kNumStateTensors * r.numel * sizeof(float);
+  for (const Run& r : runs) {
+    for (const StateReader& reader : source.readers) my_bytes += r.numel * reader.element_bytes();
+  }
   const int passes = options.verify_before_write ? 2 : 1;
   ProgressReporter progress(fmt::format("checkpoint restore step {}", source.info->step),
                             my_bytes * static_cast<std::uint64_t>(passes),
@@ -976,10 +1326,20 @@ Result<RestoredCheckpoint> RestoreCheckpoint(OptimizerSwapper& swapper, const st
     ZINF_RETURN_IF_ERROR(
         Annotate(comm.AgreeOnStatus(VerifyRuns(source.readers, runs, progress, &done)), context));
   }
-  Status local = WriteRuns(swapper, source.readers, runs, source.info->step, progress, &done);
+  std::size_t exact = 0;
+  Status local = WriteRuns(swapper, source, runs, source.info->step, progress, &done, &exact);
   if (local) local = source.file->Close();
   ZINF_RETURN_IF_ERROR(Annotate(comm.AgreeOnStatus(local), context));
   progress.Finish();
+  if (source.info->state_format != swapper.state_format() ||
+      (swapper.state_format() == StateFormat::kQ8 && exact < swapper.num_sub_groups())) {
+    ZINF_LOG_INFO(
+        "checkpoint restore: {} state into {} state ({} of {} sub-groups of rank {} copied "
+        "exactly{})",
+        StateFormatName(source.info->state_format), StateFormatName(swapper.state_format()), exact,
+        swapper.num_sub_groups(), comm.rank(),
+        swapper.state_format() == StateFormat::kQ8 ? ", the others quantized again" : "");
+  }
   return Restored(file_path, *source.info, start);
 }
 

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <charconv>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint_internal.h"
+#include "zinf/core/check.h"
 #include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
@@ -118,7 +120,9 @@ Status CheckDataset(H5File& file, const std::string& name, std::uint64_t numel, 
                                      ds.chunk_numel, max_chunk_numel));
   }
   std::uint64_t bytes = 0;
-  if (!CheckedMul(numel, type == H5DataType::kFloat32 ? 4 : 8, &bytes)) {
+  const std::uint64_t element_bytes =
+      type == H5DataType::kFloat32 ? 4 : (type == H5DataType::kUInt8 ? 1 : 8);
+  if (!CheckedMul(numel, element_bytes, &bytes)) {
     return DataLossError(
         fmt::format("dataset {} of {} elements is larger than 2^64 bytes", name, numel));
   }
@@ -136,11 +140,20 @@ Status CheckDataset(H5File& file, const std::string& name, std::uint64_t numel, 
 
 }  // namespace
 
-std::string StateDataset(StateTensor which) {
-  return fmt::format("/state/{}", StateTensorName(which));
-}
-std::string ChecksumDataset(StateTensor which) {
-  return fmt::format("/checksum/{}", StateTensorName(which));
+const std::array<StateDatasetSpec, kNumStateTensors>& StateDatasets(StateFormat format) {
+  auto spec = [](std::string_view name, H5DataType type) {
+    return StateDatasetSpec{.name = fmt::format("/state/{}", name),
+                            .checksum = fmt::format("/checksum/{}", name),
+                            .type = type,
+                            .element_bytes = type == H5DataType::kFloat32 ? 4u : 1u};
+  };
+  static const std::array<StateDatasetSpec, kNumStateTensors> fp32 = {
+      spec("fp32", H5DataType::kFloat32), spec("exp_avg", H5DataType::kFloat32),
+      spec("exp_avg_sq", H5DataType::kFloat32)};
+  static const std::array<StateDatasetSpec, kNumStateTensors> q8 = {
+      spec("fp32", H5DataType::kFloat32), spec("exp_avg_codes", H5DataType::kUInt8),
+      spec("exp_avg_sq_codes", H5DataType::kUInt8)};
+  return format == StateFormat::kQ8 ? q8 : fp32;
 }
 
 Result<CheckpointInfo> ReadInfo(H5File& file, const std::string& path) {
@@ -155,10 +168,20 @@ Result<CheckpointInfo> ReadInfo(H5File& file, const std::string& path) {
                                                EscapeForTerminal(format.substr(0, 64))));
   }
   ZINF_ASSIGN_OR_RETURN(info.format_version, IntAttr(file, "/", "format_version"));
-  if (info.format_version != kCheckpointFormatVersion) {
-    return FailedPreconditionError(
-        fmt::format("{}: unsupported format_version {} (this build reads format_version {})", path,
-                    info.format_version, kCheckpointFormatVersion));
+  if (info.format_version != kCheckpointFormatVersion &&
+      info.format_version != kCheckpointFormatVersionQ8) {
+    return FailedPreconditionError(fmt::format(
+        "{}: unsupported format_version {} (this build reads format_version {} and {})", path,
+        info.format_version, kCheckpointFormatVersion, kCheckpointFormatVersionQ8));
+  }
+  if (info.format_version == kCheckpointFormatVersionQ8) {
+    ZINF_ASSIGN_OR_RETURN(std::string state, StringAttr(file, "/", "optimizer_state"));
+    if (state != "q8") {
+      return DataLossError(fmt::format("{}: format_version {} with optimizer_state '{}', not 'q8'",
+                                       path, info.format_version,
+                                       EscapeForTerminal(state.substr(0, 64))));
+    }
+    info.state_format = StateFormat::kQ8;
   }
   // Every number is range-checked before it sizes a buffer, a loop or a resumed step counter.
   ZINF_ASSIGN_OR_RETURN(info.step, IntAttrIn(file, "step", 0, kMaxCheckpointStep, path));
@@ -219,11 +242,41 @@ Result<CheckpointInfo> ReadInfo(H5File& file, const std::string& path) {
   }
   info.layout = std::move(*layout);
 
-  for (StateTensor which : kStates) {
-    ZINF_RETURN_IF_ERROR(CheckDataset(file, StateDataset(which), info.total_numel,
-                                      H5DataType::kFloat32, kMaxCheckpointChunkNumel,
-                                      info.file_size_bytes));
-    ZINF_RETURN_IF_ERROR(CheckDataset(file, ChecksumDataset(which), info.num_chunks,
+  for (const StateDatasetSpec& spec : StateDatasets(info.state_format)) {
+    ZINF_RETURN_IF_ERROR(CheckDataset(file, spec.name, info.total_numel, spec.type,
+                                      kMaxCheckpointChunkNumel, info.file_size_bytes));
+    ZINF_RETURN_IF_ERROR(CheckDataset(file, spec.checksum, info.num_chunks, H5DataType::kUInt64,
+                                      kMaxCheckpointChunkNumel, info.file_size_bytes));
+  }
+  if (info.state_format == StateFormat::kQ8) {
+    // At least one block per kBlockNumel elements, at most one segment per element and at
+    // least one per block.
+    for (Q8Dataset d : {kSegmentStart, kExpAvgScales}) {
+      Result<bool> has = file.HasDataset(kQ8Datasets[d]);
+      if (!has) return std::move(has).error();
+      if (!*has) {
+        return DataLossError(
+            fmt::format("checkpoint is incomplete: missing dataset {}", kQ8Datasets[d]));
+      }
+    }
+    ZINF_ASSIGN_OR_RETURN(info.num_segments, file.DatasetNumel(kQ8Datasets[kSegmentStart]));
+    ZINF_ASSIGN_OR_RETURN(info.num_blocks, file.DatasetNumel(kQ8Datasets[kExpAvgScales]));
+    if (info.num_blocks < q8::NumBlocks(info.total_numel) || info.num_segments < info.num_blocks ||
+        info.num_segments > info.total_numel) {
+      return DataLossError(fmt::format("{}: {} segments in {} blocks for {} elements", path,
+                                       info.num_segments, info.num_blocks, info.total_numel));
+    }
+    const std::uint64_t s = info.num_segments;
+    const std::uint64_t b = info.num_blocks;
+    const std::uint64_t sizes[] = {256, 256, s, s, s, b, b};
+    const H5DataType types[] = {H5DataType::kFloat32, H5DataType::kFloat32, H5DataType::kUInt64,
+                                H5DataType::kUInt64,  H5DataType::kUInt64,  H5DataType::kFloat32,
+                                H5DataType::kFloat32};
+    for (std::size_t d = 0; d < kQ8Datasets.size(); ++d) {
+      ZINF_RETURN_IF_ERROR(CheckDataset(file, std::string(kQ8Datasets[d]), sizes[d], types[d],
+                                        kMaxCheckpointChunkNumel, info.file_size_bytes));
+    }
+    ZINF_RETURN_IF_ERROR(CheckDataset(file, std::string(kQ8Checksums), kQ8Datasets.size(),
                                       H5DataType::kUInt64, kMaxCheckpointChunkNumel,
                                       info.file_size_bytes));
   }
@@ -237,30 +290,31 @@ Result<CheckpointInfo> ReadInfo(H5File& file, const std::string& path) {
   return info;
 }
 
-Result<std::vector<std::uint64_t>> ReadChecksums(H5File& file, StateTensor which,
+Result<std::vector<std::uint64_t>> ReadChecksums(H5File& file, const std::string& dataset,
                                                  std::uint64_t num_chunks) {
   std::vector<std::uint64_t> sums(num_chunks);
-  ZINF_RETURN_IF_ERROR(Annotate(file.ReadSlab(ChecksumDataset(which), 0, std::span(sums)),
-                                "reading " + ChecksumDataset(which) + ": "));
+  ZINF_RETURN_IF_ERROR(
+      Annotate(file.ReadSlab(dataset, 0, std::span(sums)), "reading " + dataset + ": "));
   return sums;
 }
 
-VerifiedChunkReader::VerifiedChunkReader(H5File* file, StateTensor which, std::uint64_t total_numel,
-                                         std::uint64_t chunk_numel,
-                                         std::vector<std::uint64_t> checksums)
+template <typename T>
+VerifiedChunkReader<T>::VerifiedChunkReader(H5File* file, std::string dataset,
+                                            std::uint64_t total_numel, std::uint64_t chunk_numel,
+                                            std::vector<std::uint64_t> checksums)
     : file_(file),
-      which_(which),
-      dataset_(StateDataset(which)),
+      dataset_(std::move(dataset)),
       total_numel_(total_numel),
       chunk_numel_(chunk_numel),
       checksums_(std::move(checksums)),
       buffer_(std::min(chunk_numel, total_numel)) {}
 
-Result<std::span<const float>> VerifiedChunkReader::Chunk(std::uint64_t k) {
+template <typename T>
+Result<std::span<const T>> VerifiedChunkReader<T>::Chunk(std::uint64_t k) {
   const std::uint64_t begin = k * chunk_numel_;
   const std::uint64_t end = std::min(begin + chunk_numel_, total_numel_);
-  std::span<float> data(buffer_.data(), end - begin);
-  if (cached_ == k) return std::span<const float>(data);
+  std::span<T> data(buffer_.data(), end - begin);
+  if (cached_ == k) return std::span<const T>(data);
   cached_ = UINT64_MAX;
   ZINF_RETURN_IF_ERROR(
       Annotate(file_->ReadSlab(dataset_, begin, data),
@@ -269,10 +323,11 @@ Result<std::span<const float>> VerifiedChunkReader::Chunk(std::uint64_t k) {
       std::as_bytes(data), checksums_.at(k),
       fmt::format("dataset {} chunk {} elements [{}, {})", dataset_, k, begin, end)));
   cached_ = k;
-  return std::span<const float>(data);
+  return std::span<const T>(data);
 }
 
-Status VerifiedChunkReader::Read(std::uint64_t flat_offset, std::span<float> out) {
+template <typename T>
+Status VerifiedChunkReader<T>::Read(std::uint64_t flat_offset, std::span<T> out) {
   while (!out.empty()) {
     const std::uint64_t k = flat_offset / chunk_numel_;
     const std::uint64_t begin = k * chunk_numel_;
@@ -280,7 +335,7 @@ Status VerifiedChunkReader::Read(std::uint64_t flat_offset, std::span<float> out
     if (flat_offset == begin && out.size() >= end - begin && cached_ != k) {
       // A whole chunk: read and verify it in place, saving the copy through buffer_. On a
       // mismatch `out` holds unverified data, but the error tells the caller not to use it.
-      std::span<float> data = out.first(end - begin);
+      std::span<T> data = out.first(end - begin);
       ZINF_RETURN_IF_ERROR(Annotate(
           file_->ReadSlab(dataset_, begin, data),
           fmt::format("reading {} chunk {} elements [{}, {}): ", dataset_, k, begin, end)));
@@ -291,17 +346,18 @@ Status VerifiedChunkReader::Read(std::uint64_t flat_offset, std::span<float> out
       flat_offset = end;
       continue;
     }
-    ZINF_ASSIGN_OR_RETURN(std::span<const float> chunk, Chunk(k));
+    ZINF_ASSIGN_OR_RETURN(std::span<const T> chunk, Chunk(k));
     const std::uint64_t in_chunk = flat_offset - k * chunk_numel_;
     const std::uint64_t n = std::min<std::uint64_t>(out.size(), chunk.size() - in_chunk);
-    std::memcpy(out.data(), chunk.data() + in_chunk, n * sizeof(float));
+    std::memcpy(out.data(), chunk.data() + in_chunk, n * sizeof(T));
     out = out.subspan(n);
     flat_offset += n;
   }
   return OkStatus();
 }
 
-Status VerifiedChunkReader::Verify(std::uint64_t flat_offset, std::uint64_t numel) {
+template <typename T>
+Status VerifiedChunkReader<T>::Verify(std::uint64_t flat_offset, std::uint64_t numel) {
   if (numel == 0) return OkStatus();
   const std::uint64_t first = flat_offset / chunk_numel_;
   const std::uint64_t last = (flat_offset + numel - 1) / chunk_numel_;
@@ -309,6 +365,140 @@ Status VerifiedChunkReader::Verify(std::uint64_t flat_offset, std::uint64_t nume
     ZINF_RETURN_IF_ERROR(Chunk(k));
   }
   return OkStatus();
+}
+
+template class VerifiedChunkReader<float>;
+template class VerifiedChunkReader<std::uint8_t>;
+
+std::size_t Q8Tables::SegmentOf(std::uint64_t flat) const {
+  const auto it =
+      std::upper_bound(segments.begin(), segments.end(), flat,
+                       [](std::uint64_t f, const Q8Segment& seg) { return f < seg.start; });
+  return static_cast<std::size_t>(it - segments.begin()) - 1;  // segments[0].start == 0
+}
+
+Result<Q8Tables> ReadQ8Tables(H5File& file, const CheckpointInfo& info) {
+  Q8Tables t;
+  std::vector<std::uint64_t> sums(kQ8Datasets.size());
+  ZINF_RETURN_IF_ERROR(Annotate(file.ReadSlab(kQ8Checksums, 0, std::span(sums)),
+                                fmt::format("reading {}: ", kQ8Checksums)));
+  auto read = [&](Q8Dataset d, auto out) -> Status {
+    ZINF_RETURN_IF_ERROR(Annotate(file.ReadSlab(kQ8Datasets[d], 0, out),
+                                  fmt::format("reading {}: ", kQ8Datasets[d])));
+    return storage::VerifyChecksum(std::as_bytes(out), sums[d],
+                                   fmt::format("dataset {}", kQ8Datasets[d]));
+  };
+  for (Q8Dataset d : {kMapSigned, kMapUnsigned}) {
+    std::array<float, 256>& map = t.maps[d == kMapSigned ? 0 : 1];
+    ZINF_RETURN_IF_ERROR(read(d, std::span(map)));
+    for (std::size_t c = 0; c < 256; ++c) {
+      if (!(map[c] >= -1.0f && map[c] <= 1.0f) || (c > 0 && !(map[c] > map[c - 1]))) {
+        return DataLossError(fmt::format("{}: {} is not ascending in [-1, 1] at code {}", info.path,
+                                         kQ8Datasets[d], c));
+      }
+    }
+  }
+  const std::uint64_t n = info.num_segments;
+  std::vector<std::uint64_t> start(n), numel(n), block(n);
+  ZINF_RETURN_IF_ERROR(read(kSegmentStart, std::span(start)));
+  ZINF_RETURN_IF_ERROR(read(kSegmentNumel, std::span(numel)));
+  ZINF_RETURN_IF_ERROR(read(kSegmentBlock, std::span(block)));
+  t.segments.resize(n);
+  t.block_segments.assign(info.num_blocks, 0);
+  std::vector<std::uint64_t> block_numel(info.num_blocks, 0);
+  for (std::uint64_t j = 0; j < n; ++j) {
+    if (block[j] >= info.num_blocks || numel[j] == 0 || numel[j] > q8::kBlockNumel ||
+        start[j] >= info.total_numel || numel[j] > info.total_numel - start[j]) {
+      return DataLossError(fmt::format(
+          "{}: q8 segment {} (start {}, {} elements, block {}) is outside {} elements or {} "
+          "blocks",
+          info.path, j, start[j], numel[j], block[j], info.total_numel, info.num_blocks));
+    }
+    block_numel[block[j]] += numel[j];
+    ++t.block_segments[block[j]];
+    t.segments[j] = Q8Segment{start[j], numel[j], block[j]};
+  }
+  for (std::uint64_t k = 0; k < info.num_blocks; ++k) {
+    if (block_numel[k] == 0 || block_numel[k] > q8::kBlockNumel) {
+      return DataLossError(fmt::format("{}: q8 block {} holds {} elements (1 to {} allowed)",
+                                       info.path, k, block_numel[k], q8::kBlockNumel));
+    }
+  }
+  std::sort(t.segments.begin(), t.segments.end(),
+            [](const Q8Segment& a, const Q8Segment& b) { return a.start < b.start; });
+  std::uint64_t next = 0;
+  for (const Q8Segment& seg : t.segments) {
+    if (seg.start != next) {
+      return DataLossError(fmt::format(
+          "{}: the q8 segments do not tile the flat vector: element {} is {}", info.path,
+          std::min(seg.start, next), seg.start > next ? "in no segment" : "in two segments"));
+    }
+    next = seg.start + seg.numel;
+  }
+  if (next != info.total_numel) {
+    return DataLossError(fmt::format("{}: the q8 segments end at element {} of {}", info.path, next,
+                                     info.total_numel));
+  }
+  for (std::size_t m = 0; m < 2; ++m) {
+    const Q8Dataset d = m == 0 ? kExpAvgScales : kExpAvgSqScales;
+    t.scales[m].resize(info.num_blocks);
+    ZINF_RETURN_IF_ERROR(read(d, std::span(t.scales[m])));
+    for (std::uint64_t k = 0; k < info.num_blocks; ++k) {
+      if (!(t.scales[m][k] >= 0.0f) || !std::isfinite(t.scales[m][k])) {
+        return DataLossError(fmt::format("{}: {} block {} has scale {}", info.path, kQ8Datasets[d],
+                                         k, t.scales[m][k]));
+      }
+    }
+  }
+  return t;
+}
+
+Result<StateReader> StateReader::Open(H5File* file, const CheckpointInfo& info, std::size_t index,
+                                      const Q8Tables* tables) {
+  const StateDatasetSpec& spec = StateDatasets(info.state_format).at(index);
+  ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> sums,
+                        ReadChecksums(*file, spec.checksum, info.num_chunks));
+  StateReader reader;
+  if (spec.type == H5DataType::kUInt8) {
+    ZINF_CHECK(tables != nullptr, "q8 state reader without tables");
+    reader.codes_.emplace(file, spec.name, info.total_numel, info.chunk_numel, std::move(sums));
+    reader.tables_ = tables;
+    reader.moment_ = index - 1;
+  } else {
+    reader.values_.emplace(file, spec.name, info.total_numel, info.chunk_numel, std::move(sums));
+  }
+  return reader;
+}
+
+Status StateReader::Read(std::uint64_t flat_offset, std::span<float> out) {
+  if (values_) return values_->Read(flat_offset, out);
+  // Decode in pieces through the scratch buffer (at most 1 Mi codes at a time).
+  constexpr std::uint64_t kPiece = 1u << 20;
+  const std::array<float, 256>& map = tables_->maps[moment_];
+  const std::vector<float>& scales = tables_->scales[moment_];
+  while (!out.empty()) {
+    const std::uint64_t n = std::min<std::uint64_t>(out.size(), kPiece);
+    scratch_.resize(n);
+    ZINF_RETURN_IF_ERROR(codes_->Read(flat_offset, std::span(scratch_)));
+    std::size_t seg = tables_->SegmentOf(flat_offset);
+    for (std::uint64_t i = 0; i < n; ++i) {
+      const Q8Segment* s = &tables_->segments[seg];
+      if (flat_offset + i >= s->start + s->numel) s = &tables_->segments[++seg];
+      out[i] = map[scratch_[i]] * scales[s->block];
+    }
+    out = out.subspan(n);
+    flat_offset += n;
+  }
+  return OkStatus();
+}
+
+Status StateReader::Verify(std::uint64_t flat_offset, std::uint64_t numel) {
+  return values_ ? values_->Verify(flat_offset, numel) : codes_->Verify(flat_offset, numel);
+}
+
+Status StateReader::ReadCodes(std::uint64_t flat_offset, std::span<std::uint8_t> out) {
+  ZINF_CHECK(codes_.has_value(), "ReadCodes on an fp32 state");
+  return codes_->Read(flat_offset, out);
 }
 
 ProgressReporter::ProgressReporter(std::string label, std::uint64_t total_bytes, bool enabled,
@@ -368,6 +558,9 @@ void ProgressReporter::Finish() {
 
 using checkpoint_internal::kStates;
 using checkpoint_internal::ReadChecksums;
+using checkpoint_internal::StateDatasets;
+using checkpoint_internal::StateDatasetSpec;
+using checkpoint_internal::StateReader;
 using checkpoint_internal::VerifiedChunkReader;
 
 std::string CheckpointFileName(std::int64_t step) { return fmt::format("step-{}.h5", step); }
@@ -471,16 +664,31 @@ Status VerifyCheckpoint(const std::string& path, const CheckpointProgressFn& pro
   ZINF_ASSIGN_OR_RETURN(storage::H5File file,
                         storage::H5File::OpenSerial(file_path, /*read_only=*/true));
   ZINF_ASSIGN_OR_RETURN(CheckpointInfo info, checkpoint_internal::ReadInfo(file, file_path));
-  const std::uint64_t total_bytes = kNumStateTensors * info.total_numel * sizeof(float);
+  std::uint64_t total_bytes = 0;
+  for (const StateDatasetSpec& spec : StateDatasets(info.state_format)) {
+    total_bytes += info.total_numel * spec.element_bytes;
+  }
   std::uint64_t done = 0;
-  for (StateTensor which : kStates) {
+  if (info.state_format == StateFormat::kQ8) {
+    ZINF_RETURN_IF_ERROR(checkpoint_internal::ReadQ8Tables(file, info));
+  }
+  for (const StateDatasetSpec& spec : StateDatasets(info.state_format)) {
     ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> sums,
-                          ReadChecksums(file, which, info.num_chunks));
-    VerifiedChunkReader reader(&file, which, info.total_numel, info.chunk_numel, std::move(sums));
-    for (std::uint64_t k = 0; k < info.num_chunks; ++k) {
-      ZINF_ASSIGN_OR_RETURN(std::span<const float> chunk, reader.Chunk(k));
-      done += chunk.size() * sizeof(float);
-      if (progress) progress(done, total_bytes);
+                          ReadChecksums(file, spec.checksum, info.num_chunks));
+    auto verify_all = [&](auto reader) -> Status {
+      for (std::uint64_t k = 0; k < info.num_chunks; ++k) {
+        ZINF_ASSIGN_OR_RETURN(auto chunk, reader.Chunk(k));
+        done += chunk.size_bytes();
+        if (progress) progress(done, total_bytes);
+      }
+      return OkStatus();
+    };
+    if (spec.type == storage::H5DataType::kUInt8) {
+      ZINF_RETURN_IF_ERROR(verify_all(VerifiedChunkReader<std::uint8_t>(
+          &file, spec.name, info.total_numel, info.chunk_numel, std::move(sums))));
+    } else {
+      ZINF_RETURN_IF_ERROR(verify_all(VerifiedChunkReader<float>(
+          &file, spec.name, info.total_numel, info.chunk_numel, std::move(sums))));
     }
   }
   return file.Close();
@@ -525,29 +733,41 @@ Status CheckExportTarget(const std::string& input, const std::string& out_path) 
 }  // namespace
 
 Status ExportCheckpoint(const std::string& path, const std::string& out_path, ExportFormat format,
-                        const CheckpointProgressFn& progress) {
+                        const CheckpointProgressFn& progress, bool moments) {
   static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
   ZINF_ASSIGN_OR_RETURN(std::string file_path, ResolveCheckpointPath(path));
   ZINF_RETURN_IF_ERROR(CheckExportTarget(file_path, out_path));
   ZINF_ASSIGN_OR_RETURN(storage::H5File file,
                         storage::H5File::OpenSerial(file_path, /*read_only=*/true));
   ZINF_ASSIGN_OR_RETURN(CheckpointInfo info, checkpoint_internal::ReadInfo(file, file_path));
-  ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> sums,
-                        ReadChecksums(file, StateTensor::kFp32, info.num_chunks));
-  VerifiedChunkReader reader(&file, StateTensor::kFp32, info.total_numel, info.chunk_numel,
-                             std::move(sums));
+  std::optional<checkpoint_internal::Q8Tables> tables;
+  if (moments && info.state_format == StateFormat::kQ8) {
+    ZINF_ASSIGN_OR_RETURN(tables, checkpoint_internal::ReadQ8Tables(file, info));
+  }
+  // The tensors written: the weights, then (with `moments`) exp_avg and exp_avg_sq, each as one
+  // tensor per parameter named "<state>/<parameter>".
+  const std::size_t num_states = moments ? kNumStateTensors : 1;
+  std::vector<StateReader> readers;
+  for (std::size_t t = 0; t < num_states; ++t) {
+    ZINF_ASSIGN_OR_RETURN(StateReader reader,
+                          StateReader::Open(&file, info, t, tables ? &*tables : nullptr));
+    readers.push_back(std::move(reader));
+  }
+  auto tensor_name = [&](std::size_t t, const partition::ParamInfo& p) {
+    return t == 0 ? p.name : fmt::format("{}/{}", StateTensorName(kStates[t]), p.name);
+  };
   const partition::ParamLayout& layout = *info.layout;
-  const std::uint64_t total_bytes = info.total_numel * sizeof(float);
+  const std::uint64_t total_bytes = num_states * info.total_numel * sizeof(float);
   const std::uint64_t piece_numel = std::min(info.chunk_numel, info.total_numel);
   std::vector<float> piece(piece_numel);
   std::uint64_t done = 0;
 
-  // Streams parameter `p` piece by piece into `sink(offset_in_param, values)`.
-  auto stream = [&](const partition::ParamInfo& p, const auto& sink) -> Status {
+  // Streams state t of parameter `p` piece by piece into `sink(offset_in_param, values)`.
+  auto stream = [&](std::size_t t, const partition::ParamInfo& p, const auto& sink) -> Status {
     for (std::uint64_t off = 0; off < p.numel; off += piece_numel) {
       const std::uint64_t n = std::min(piece_numel, p.numel - off);
       std::span<float> values(piece.data(), n);
-      ZINF_RETURN_IF_ERROR(reader.Read(p.flat_offset + off, values));
+      ZINF_RETURN_IF_ERROR(readers[t].Read(p.flat_offset + off, values));
       ZINF_RETURN_IF_ERROR(sink(off, std::span<const float>(values)));
       done += n * sizeof(float);
       if (progress) progress(done, total_bytes);
@@ -560,7 +780,8 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
   // first: HDF5 (1.10) cannot close a file cleanly after a write failed for lack of space.
   ZINF_ASSIGN_OR_RETURN(const storage::DirAndName out_parts, storage::SplitPath(out_path));
   const std::uint64_t estimate =
-      info.total_numel * sizeof(float) + layout.num_params() * (8u << 10) + (1u << 20);
+      num_states * (info.total_numel * sizeof(float) + layout.num_params() * (8u << 10)) +
+      (1u << 20);
   ZINF_ASSIGN_OR_RETURN(const std::uint64_t available, storage::AvailableBytes(out_parts.dir));
   if (available < estimate) {
     return ResourceExhaustedError(fmt::format("export needs about {} in {}, which has {} available",
@@ -581,14 +802,17 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
     ZINF_RETURN_IF_ERROR(out.CloseDescriptor());
     ZINF_RETURN_IF_ERROR(h5.WriteStringAttribute("/", "source", file_path));
     ZINF_RETURN_IF_ERROR(h5.WriteInt64Attribute("/", "step", info.step));
-    for (const partition::ParamInfo& p : layout.params()) {
-      ZINF_RETURN_IF_ERROR(h5.CreateDataset1D(p.name, p.numel, std::min(p.numel, piece_numel),
-                                              storage::H5DataType::kFloat32));
-      ZINF_RETURN_IF_ERROR(
-          h5.WriteStringAttribute(p.name, "shape", partition::FormatShape(p.shape)));
-      ZINF_RETURN_IF_ERROR(stream(p, [&](std::uint64_t off, std::span<const float> values) {
-        return h5.WriteSlab(p.name, off, values);
-      }));
+    for (std::size_t t = 0; t < num_states; ++t) {
+      for (const partition::ParamInfo& p : layout.params()) {
+        const std::string name = tensor_name(t, p);
+        ZINF_RETURN_IF_ERROR(h5.CreateDataset1D(name, p.numel, std::min(p.numel, piece_numel),
+                                                storage::H5DataType::kFloat32));
+        ZINF_RETURN_IF_ERROR(
+            h5.WriteStringAttribute(name, "shape", partition::FormatShape(p.shape)));
+        ZINF_RETURN_IF_ERROR(stream(t, p, [&](std::uint64_t off, std::span<const float> values) {
+          return h5.WriteSlab(name, off, values);
+        }));
+      }
     }
     ZINF_RETURN_IF_ERROR(h5.Close());
   } else {
@@ -596,11 +820,13 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
     header["__metadata__"] = {
         {"format", "pt"}, {"source", file_path}, {"step", std::to_string(info.step)}};
     std::uint64_t offset = 0;
-    for (const partition::ParamInfo& p : layout.params()) {
-      header[p.name] = {{"dtype", "F32"},
-                        {"shape", p.shape},
-                        {"data_offsets", {offset, offset + p.numel * sizeof(float)}}};
-      offset += p.numel * sizeof(float);
+    for (std::size_t t = 0; t < num_states; ++t) {
+      for (const partition::ParamInfo& p : layout.params()) {
+        header[tensor_name(t, p)] = {{"dtype", "F32"},
+                                     {"shape", p.shape},
+                                     {"data_offsets", {offset, offset + p.numel * sizeof(float)}}};
+        offset += p.numel * sizeof(float);
+      }
     }
     std::string text = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     text.append((8 - text.size() % 8) % 8, ' ');
@@ -608,10 +834,12 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
     ZINF_RETURN_IF_ERROR(out.Reserve(8 + header_size + offset, /*keep_size=*/true));
     ZINF_RETURN_IF_ERROR(out.Write(std::as_bytes(std::span(&header_size, 1))));
     ZINF_RETURN_IF_ERROR(out.Write(std::as_bytes(std::span(text.data(), text.size()))));
-    for (const partition::ParamInfo& p : layout.params()) {
-      ZINF_RETURN_IF_ERROR(stream(p, [&](std::uint64_t, std::span<const float> values) {
-        return out.Write(std::as_bytes(values));
-      }));
+    for (std::size_t t = 0; t < num_states; ++t) {
+      for (const partition::ParamInfo& p : layout.params()) {
+        ZINF_RETURN_IF_ERROR(stream(t, p, [&](std::uint64_t, std::span<const float> values) {
+          return out.Write(std::as_bytes(values));
+        }));
+      }
     }
   }
   ZINF_RETURN_IF_ERROR(file.Close());

@@ -5,6 +5,7 @@
 #include <sys/statvfs.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include <cstdint>
 #include <cstdio>
@@ -27,6 +28,7 @@
 #include "testing/test_env.h"
 #include "zinf/storage/hdf5.h"
 #include "zinf/swapper/checkpoint.h"
+#include "zinf/swapper/q8.h"
 
 namespace zinf::swapper {
 namespace {
@@ -171,6 +173,155 @@ Status FlipBit(const std::string& path, const std::string& dataset, std::uint64_
   return f.Close();
 }
 
+// ---- q8 state ----
+
+// The q8 tests' state: StateValue, with exp_avg_sq made non-negative (it is a second moment).
+float Q8Value(StateTensor which, std::int64_t step, std::uint64_t flat) {
+  const float v = StateValue(which, step, flat);
+  return which == StateTensor::kExpAvgSq ? std::fabs(v) : v;
+}
+
+// Largest gap between neighbouring values of a map: a quantization is off by at most half of it
+// times the block's scale, and every scale here is at most 1 (|Q8Value| <= 1).
+float LargestGap(q8::MapKind kind) {
+  const std::array<float, 256>& map = q8::MapValues(kind);
+  float gap = 0;
+  for (std::size_t c = 1; c < map.size(); ++c) gap = std::max(gap, map[c] - map[c - 1]);
+  return gap;
+}
+
+// Local: weights bitwise, moments within `quantizations` times half the largest gap of Q8Value.
+Status CheckQ8Near(OptimizerSwapper& swapper, std::int64_t step, int quantizations) {
+  for (std::size_t i = 0; i < swapper.num_sub_groups(); ++i) {
+    const partition::SubGroup& sg = swapper.swap_info(i).sub_group;
+    std::vector<float> got(sg.numel);
+    for (StateTensor which : {StateTensor::kFp32, StateTensor::kExpAvg, StateTensor::kExpAvgSq}) {
+      ZINF_RETURN_IF_ERROR(swapper.ReadState(i, which, 0, got));
+      const float tolerance =
+          which == StateTensor::kFp32
+              ? 0.0f
+              : quantizations * 0.5f *
+                    LargestGap(which == StateTensor::kExpAvg ? q8::MapKind::kSigned
+                                                             : q8::MapKind::kUnsigned);
+      for (const partition::SubGroupFragment& f : sg.fragments) {
+        for (std::uint64_t k = 0; k < f.numel; ++k) {
+          const float want = Q8Value(which, step, f.flat_offset + k);
+          if (!(std::fabs(got[f.sub_group_offset + k] - want) <= tolerance)) {
+            return DataLossError(fmt::format("sub-group {} {} flat {}: got {}, want {} +- {}", i,
+                                             StateTensorName(which), f.flat_offset + k,
+                                             got[f.sub_group_offset + k], want, tolerance));
+          }
+        }
+      }
+    }
+  }
+  return OkStatus();
+}
+
+// Every sub-group's exact q8 moments (codes, then scales, as bytes).
+Result<std::vector<std::vector<std::uint8_t>>> ExactMoments(OptimizerSwapper& swapper) {
+  std::vector<std::vector<std::uint8_t>> all;
+  for (std::size_t i = 0; i < swapper.num_sub_groups(); ++i) {
+    ZINF_RETURN_IF_ERROR(swapper.ReadQ8Moments(i, [&](const Q8Moments& m) {
+      std::vector<std::uint8_t> bytes;
+      for (const Q8Moment* moment : {&m.exp_avg, &m.exp_avg_sq}) {
+        bytes.insert(bytes.end(), moment->codes.begin(), moment->codes.end());
+        const auto* scales = reinterpret_cast<const std::uint8_t*>(moment->scales.data());
+        bytes.insert(bytes.end(), scales, scales + moment->scales.size_bytes());
+      }
+      all.push_back(std::move(bytes));
+      return OkStatus();
+    }));
+  }
+  return all;
+}
+
+// A q8 checkpoint restores exactly (bitwise codes and scales) on the same world size and
+// sub-group size; into other sub-groups, per-parameter plans, an fp32 run, and from an fp32
+// checkpoint within the stated tolerance; a damaged block table is caught.
+TEST(CheckpointQ8, ExactOnTheSameBlocksWithinToleranceElsewhere) {
+  SharedScratchDir dir("ckpt");
+  const std::string q8_ckpt = dir.Join("q8");
+  const std::string fp32_ckpt = dir.Join("fp32");
+  std::vector<std::vector<std::uint8_t>> saved;
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(TestSwapper t,
+                              MakeSwapper(World(), {.store_dir = dir.path(),
+                                                    .job_id = "q8save",
+                                                    .world_size = World().size(),
+                                                    .state_format = StateFormat::kQ8}));
+    OptimizerSwapper& s = *t.swapper;
+    ZINF_ASSERT_OK(World().AgreeOnStatus(FillState(s, 7, Q8Value)));
+    ZINF_ASSERT_OK(World().AgreeOnStatus(CheckQ8Near(s, 7, 1)));
+    ZINF_ASSERT_OK_AND_ASSIGN(saved, ExactMoments(s));
+    ZINF_ASSERT_OK_AND_ASSIGN(SavedCheckpoint ck, SaveCheckpoint(s, 7, SaveOptions(q8_ckpt)));
+    // 4 bytes of weights and 2 of codes per element.
+    EXPECT_EQ(ck.state_bytes, 6 * t.plan->layout().total_numel());
+    ZINF_ASSERT_OK(World().AgreeOnStatus(FillState(s, 8, Q8Value)));
+    ZINF_ASSERT_OK(RestoreCheckpoint(s, q8_ckpt, RestoreOptions()));
+    ZINF_ASSERT_OK_AND_ASSIGN(std::vector<std::vector<std::uint8_t>> restored, ExactMoments(s));
+    EXPECT_EQ(restored, saved) << "same blocks: the quantized state comes back bit for bit";
+    ZINF_EXPECT_OK(World().AgreeOnStatus(CheckQ8Near(s, 7, 1)));
+    ZINF_ASSERT_OK(s.Close());
+  }
+  if (World().rank() == 0) {
+    ZINF_EXPECT_OK(VerifyCheckpoint(q8_ckpt));
+    ZINF_ASSERT_OK_AND_ASSIGN(CheckpointInfo info, ReadCheckpointInfo(q8_ckpt));
+    EXPECT_EQ(info.state_format, StateFormat::kQ8);
+    EXPECT_EQ(info.format_version, kCheckpointFormatVersionQ8);
+    EXPECT_GE(info.num_blocks, q8::NumBlocks(info.total_numel));
+  }
+  // Other blocks (sub-group size, per-parameter plan), fp32 runs, fp32 checkpoints.
+  struct Case {
+    const char* name;
+    bool per_param;
+    std::uint64_t sub_group_size;
+    StateFormat format;
+    int quantizations;  // of the moments on the way
+  };
+  for (const Case& c : {Case{"q8 sub-groups of 1500", false, 1500, StateFormat::kQ8, 2},
+                        Case{"q8 per-parameter", true, 1024, StateFormat::kQ8, 2},
+                        Case{"fp32 run", false, 2000, StateFormat::kFp32, 1}}) {
+    SCOPED_TRACE(c.name);
+    ZINF_ASSERT_OK_AND_ASSIGN(
+        TestSwapper t, MakeSwapper(World(), {.store_dir = dir.path(),
+                                             .job_id = fmt::format("q8r{}", c.sub_group_size),
+                                             .world_size = World().size(),
+                                             .per_param = c.per_param,
+                                             .sub_group_size = c.sub_group_size,
+                                             .state_format = c.format}));
+    ZINF_ASSERT_OK(RestoreCheckpoint(*t.swapper, q8_ckpt, RestoreOptions()));
+    ZINF_EXPECT_OK(World().AgreeOnStatus(CheckQ8Near(*t.swapper, 7, c.quantizations)));
+    if (c.format == StateFormat::kFp32) {
+      // An fp32 checkpoint of the decoded state, into a q8 run: one more quantization.
+      ZINF_ASSERT_OK(SaveCheckpoint(*t.swapper, 7, SaveOptions(fp32_ckpt)));
+    }
+    ZINF_ASSERT_OK(t.swapper->Close());
+  }
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(TestSwapper t,
+                              MakeSwapper(World(), {.store_dir = dir.path(),
+                                                    .job_id = "q8fromfp32",
+                                                    .world_size = World().size(),
+                                                    .sub_group_size = 1500,
+                                                    .state_format = StateFormat::kQ8}));
+    ZINF_ASSERT_OK(RestoreCheckpoint(*t.swapper, fp32_ckpt, RestoreOptions()));
+    ZINF_EXPECT_OK(World().AgreeOnStatus(CheckQ8Near(*t.swapper, 7, 2)));
+    // A damaged scale table: verify and restore name it, the store keeps its state.
+    ZINF_ASSERT_OK(World().Barrier());
+    if (World().rank() == 0) {
+      ZINF_ASSERT_OK(FlipBit(q8_ckpt + "/step-7.h5", "/q8/exp_avg_scales", 1));
+      EXPECT_THAT(VerifyCheckpoint(q8_ckpt),
+                  StatusIs(ErrorCode::kDataLoss, HasSubstr("/q8/exp_avg_scales")));
+    }
+    ZINF_ASSERT_OK(World().Barrier());
+    EXPECT_THAT(RestoreCheckpoint(*t.swapper, q8_ckpt, RestoreOptions()),
+                StatusIs(ErrorCode::kDataLoss, HasSubstr("/q8/exp_avg_scales")));
+    ZINF_EXPECT_OK(World().AgreeOnStatus(CheckQ8Near(*t.swapper, 7, 2)));
+    ZINF_ASSERT_OK(t.swapper->Close());
+  }
+}
+
 class CheckpointErrors : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -240,12 +391,12 @@ TEST_F(CheckpointErrors, WrongFormatVersionIsFailedPrecondition) {
     std::filesystem::copy_file(file_, copy);
     auto f = storage::H5File::OpenSerial(copy, false);
     ZINF_ASSERT_OK(f);
-    ZINF_ASSERT_OK(f->WriteInt64Attribute("/", "format_version", 2));
+    ZINF_ASSERT_OK(f->WriteInt64Attribute("/", "format_version", 3));
     ZINF_ASSERT_OK(f->Close());
   }
   ZINF_ASSERT_OK(World().Barrier());
   ExpectRestoreFails(copy, ErrorCode::kFailedPrecondition,
-                     HasSubstr("unsupported format_version 2"));
+                     HasSubstr("unsupported format_version 3"));
 }
 
 TEST_F(CheckpointErrors, MissingDatasetIsDataLoss) {

@@ -55,6 +55,7 @@ struct SwapperSetup {
   bool adamw = true;
   bool other_layout = false;
   std::uint64_t extra_numel = 0;  // appends a parameter "extra" of this numel
+  StateFormat state_format = StateFormat::kFp32;
 };
 
 struct TestSwapper {
@@ -75,6 +76,7 @@ inline Result<TestSwapper> MakeSwapper(const comm::Communicator& comm, const Swa
   options.store.job_id = s.job_id;
   options.store.stripe_unit_bytes = 64 << 10;
   options.sub_group_size = s.sub_group_size;
+  options.state_format = s.state_format;
   options.adam = AdamOptions{.lr = 1e-2, .weight_decay = 0.01, .adamw = s.adamw, .threads = 1};
   ZINF_ASSIGN_OR_RETURN(t.swapper, CreateOptimizerSwapper(comm, *t.plan, options));
   ZINF_RETURN_IF_ERROR(t.swapper->Initialize([](std::uint64_t, std::span<float> out) {
@@ -84,15 +86,17 @@ inline Result<TestSwapper> MakeSwapper(const comm::Communicator& comm, const Swa
   return t;
 }
 
-// Local: every sub-group's state = StateValue(tensor, step, flat) (padding 0).
-inline Status FillState(OptimizerSwapper& swapper, std::int64_t step) {
+// Local: every sub-group's state = value(tensor, step, flat) (padding 0).
+using StateValueFn = float (*)(StateTensor, std::int64_t, std::uint64_t);
+inline Status FillState(OptimizerSwapper& swapper, std::int64_t step,
+                        StateValueFn value = StateValue) {
   for (std::size_t i = 0; i < swapper.num_sub_groups(); ++i) {
     const partition::SubGroup& sg = swapper.swap_info(i).sub_group;
     ZINF_RETURN_IF_ERROR(
         swapper.WriteState(i, step, [&](StateTensor which, std::span<float> out) -> Status {
           for (const partition::SubGroupFragment& f : sg.fragments) {
             for (std::uint64_t k = 0; k < f.numel; ++k) {
-              out[f.sub_group_offset + k] = StateValue(which, step, f.flat_offset + k);
+              out[f.sub_group_offset + k] = value(which, step, f.flat_offset + k);
             }
           }
           return OkStatus();

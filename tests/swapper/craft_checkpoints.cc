@@ -577,8 +577,8 @@ void AddCases(Corpus& c) {
   c.Spec1("total_numel_0", 1, "attribute 'total_numel' is 0", [](Spec& s) { s.total_numel = 0; });
   c.Spec1("total_numel_disagrees", 1, "/layout holds 3500 elements, total_numel says 3499",
           [](Spec& s) { s.total_numel = 3499; });
-  c.Spec1("format_version_2", 1, "unsupported format_version 2",
-          [](Spec& s) { s.format_version = 2; });
+  c.Spec1("format_version_3", 1, "unsupported format_version 3",
+          [](Spec& s) { s.format_version = 3; });
   c.Spec1("format_other", 1, "is not a zinf checkpoint (format 'hdf5')",
           [](Spec& s) { s.format = "hdf5"; });
 

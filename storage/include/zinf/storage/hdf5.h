@@ -58,8 +58,8 @@ class Communicator;
 namespace zinf::storage {
 
 // Element types of datasets. Stored little-endian (IEEE f32 LE, U64 LE, I64 LE).
-enum class H5DataType { kFloat32, kUInt64, kInt64 };
-std::string_view H5DataTypeName(H5DataType type);  // "float32", "uint64", "int64"
+enum class H5DataType { kFloat32, kUInt64, kInt64, kUInt8 };
+std::string_view H5DataTypeName(H5DataType type);  // "float32", "uint64", "int64", "uint8"
 
 // How MPI-IO carried out the last WriteSlab/ReadSlab on this rank (H5Pget_mpio_actual_io_mode).
 enum class H5TransferMode {
@@ -145,6 +145,9 @@ class H5File {
   Status WriteSlab(std::string_view dataset, std::uint64_t offset,
                    std::span<const std::int64_t> data);
   Status ReadSlab(std::string_view dataset, std::uint64_t offset, std::span<float> data);
+  Status WriteSlab(std::string_view dataset, std::uint64_t offset,
+                   std::span<const std::uint8_t> data);
+  Status ReadSlab(std::string_view dataset, std::uint64_t offset, std::span<std::uint8_t> data);
   Status ReadSlab(std::string_view dataset, std::uint64_t offset, std::span<std::uint64_t> data);
   Status ReadSlab(std::string_view dataset, std::uint64_t offset, std::span<std::int64_t> data);
 

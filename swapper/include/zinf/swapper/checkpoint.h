@@ -8,7 +8,8 @@
 //   ...
 //   ZINF_ASSIGN_OR_RETURN(RestoredCheckpoint restored, RestoreCheckpoint(*swapper, "/ckpt"));
 //
-// File format (format "zinf", format_version 1). Any HDF5 reader (h5py, h5dump) sees:
+// File format (format "zinf"; format_version 1 for fp32 state, 2 for q8 state, as the swapper's
+// SwapperOptions::state_format). Any HDF5 reader (h5py, h5dump) sees:
 //   /                attributes: format = "zinf", format_version (int64), step, world_size,
 //                    total_numel, sub_group_size, chunk_numel (int64), optimizer (JSON string:
 //                    {"type", "params"}), config (JSON string), created (ISO-8601 UTC string)
@@ -21,6 +22,26 @@
 //                    uint64 [ceil(total_numel / chunk_numel)]: entry k is XXH3-64 (seed 0) of the
 //                    little-endian bytes of elements [k * chunk_numel, min((k + 1) * chunk_numel,
 //                    total_numel)); group attributes `algorithm` = "xxh3-64", `chunk_numel`
+// A q8 file (format_version 2, root attribute optimizer_state = "q8") holds the quantized state
+// exactly, instead of /state/exp_avg and /state/exp_avg_sq:
+//   /state/exp_avg_codes, /state/exp_avg_sq_codes
+//                    uint8 [total_numel], chunked and checksummed (/checksum/<name>) as above
+//   /q8/segment_start, /q8/segment_numel, /q8/segment_block
+//                    uint64 [num_segments]: the quantization blocks as they were on the saving
+//                    ranks (q8::kBlockNumel elements of a sub-group from its first element) as
+//                    flat ranges: segment j is flat elements [segment_start[j], segment_start[j]
+//                    + segment_numel[j]) of block segment_block[j]; the segments tile the flat
+//                    vector (one per block for flat ZeRO-1/2 plans, more where a block holds
+//                    pieces of several parameters)
+//   /q8/exp_avg_scales, /q8/exp_avg_sq_scales   float32 [num_blocks]: each block's scale
+//   /q8/map_signed, /q8/map_unsigned            float32 [256]: the code maps (q8.h)
+//   /checksum/q8     uint64 [7]: XXH3-64 of each of those seven datasets' bytes, in the order
+//                    map_signed, map_unsigned, segment_start, segment_numel, segment_block,
+//                    exp_avg_scales, exp_avg_sq_scales
+// so that exp_avg[e] = map_signed[exp_avg_codes[e]] * exp_avg_scales[block(e)]; in NumPy,
+// o = argsort(segment_start); block = repeat(segment_block[o], segment_numel[o]);
+// exp_avg = map_signed[exp_avg_codes] * exp_avg_scales[block], exp_avg_sq likewise with
+// map_unsigned. `zinf-ckpt export --moments` writes them as fp32.
 //   /trainer         attribute `state`: the caller's JSON (step counters, data position, RNG
 //                    state, learning-rate schedule); "{}" when none was given
 // Gradients are not saved.
@@ -88,7 +109,8 @@
 namespace zinf::swapper {
 
 inline constexpr std::string_view kCheckpointFormat = "zinf";
-inline constexpr std::int64_t kCheckpointFormatVersion = 1;
+inline constexpr std::int64_t kCheckpointFormatVersion = 1;    // fp32 state
+inline constexpr std::int64_t kCheckpointFormatVersionQ8 = 2;  // q8 state
 // 1 Mi elements (4 MiB) per HDF5 chunk and per checksum.
 inline constexpr std::uint64_t kDefaultCheckpointChunkNumel = 1ull << 20;
 // Bounds of what a checkpoint may say, checked on save and on every read (a file is hostile
@@ -121,7 +143,7 @@ struct CheckpointSaveOptions {
 
 struct SavedCheckpoint {
   std::string path;                  // the committed <dir>/step-<N>.h5
-  std::uint64_t state_bytes = 0;     // bytes of state written (3 x 4 x total_numel)
+  std::uint64_t state_bytes = 0;     // bytes of state written (fp32: 12 per element, q8: 6)
   double seconds = 0;                // wall time of the whole save, commit included
   std::vector<std::string> removed;  // stale .partial files and checkpoints deleted by keep_last
 };
@@ -164,8 +186,13 @@ struct RestoredCheckpoint {
 // directory whose `latest` names one, or that `latest` file) into `swapper`, whatever world size it
 // was saved on: each rank reads the flat ranges its own plan owns, verifying the checksum of every
 // chunk it reads (whole chunks), and writes each sub-group's state with WriteState (last_step = the
-// file's step; padding 0). Every rank reads through its own read-only (serial) HDF5 handle. Returns
-// the same Status on every rank. Errors, all before the store is written (see verify_before_write):
+// file's step; padding 0). State formats: a q8 file into a q8 swapper whose sub-group's blocks are
+// the file's blocks (same world size and sub_group_size) is copied exactly (WriteQ8State: the
+// resumed run is bitwise the uninterrupted one); other q8 sub-groups are decoded and quantized
+// again in the new blocks (each element within one quantization step of its decoded value, q8.h);
+// a q8 file into an fp32 swapper is decoded, an fp32 file into a q8 swapper is quantized. Every
+// rank reads through its own read-only (serial) HDF5 handle. Returns the same Status on every rank.
+// Errors, all before the store is written (see verify_before_write):
 //   NotFound: no file, no `latest` in the directory, or `latest` names a missing file;
 //   DataLoss: not an HDF5 file or truncated, a missing attribute or dataset or one of the wrong
 //             size/type ("missing dataset /state/exp_avg"), a checksum mismatch naming the
@@ -193,6 +220,9 @@ struct CheckpointInfo {
   std::int64_t sub_group_size = 0;
   std::uint64_t chunk_numel = 0;
   std::uint64_t num_chunks = 0;  // per state dataset
+  StateFormat state_format = StateFormat::kFp32;
+  std::uint64_t num_segments = 0;  // q8: entries of /q8/segment_*
+  std::uint64_t num_blocks = 0;    // q8: entries of /q8/*_scales
   std::string created;
   std::string checksum_algorithm;
   nlohmann::json optimizer, config, trainer;
@@ -216,7 +246,9 @@ Status VerifyCheckpoint(const std::string& path, const CheckpointProgressFn& pro
 enum class ExportFormat { kHdf5, kSafetensors };
 
 // Writes the consolidated fp32 master weights (/state/fp32), one tensor per parameter with its
-// shape, to `out_path` (replaced if it exists), streaming chunk by chunk (checksums verified):
+// shape, to `out_path` (replaced if it exists), streaming chunk by chunk (checksums verified);
+// with `moments` also Adam's moments as fp32 (a q8 file's decoded), as tensors named
+// "exp_avg/<name>" and "exp_avg_sq/<name>" after the weights:
 //   kHdf5:        one 1-D float32 dataset per parameter, named by the parameter name (a '/' in
 //                 the name makes groups), with a string attribute `shape` ("[4, 8]"); root
 //                 attributes step and source.
@@ -226,6 +258,6 @@ enum class ExportFormat { kHdf5, kSafetensors };
 // Errors: those of ReadCheckpointInfo and VerifyCheckpoint (DataLoss on a bad chunk), and I/O
 // errors writing out_path.
 Status ExportCheckpoint(const std::string& path, const std::string& out_path, ExportFormat format,
-                        const CheckpointProgressFn& progress = {});
+                        const CheckpointProgressFn& progress = {}, bool moments = false);
 
 }  // namespace zinf::swapper
