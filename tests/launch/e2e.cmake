@@ -14,22 +14,34 @@
 #                       every rank fails alike in < 60 s, latest intact (root; skips otherwise)
 # Seconds on the 2-core CI machine, one at a time: about 3-8, 10-13, 5-8, 62 and 35-42 (all five
 # at once: 18, 22, 19, 63 and 29-45).
+# The *_q8 variants run the same script with every run at --optimizer-state q8
+# (ZINF_E2E_OPTIMIZER_STATE): loss, bitwise resume (weights and moments), resume on other ranks,
+# injected faults.
 if(TARGET zinf-train AND TARGET zinf-ckpt)
   foreach(spec "loss_falls 2 120" "resume_bitwise 2 120" "resume_other_ranks 3 150"
                "bad_configs 2 180" "fault_injection 3 180" "killed_rank 2 150"
-               "full_disk 3 240")
+               "full_disk 3 240" "loss_falls 2 120 q8" "resume_bitwise 2 120 q8"
+               "resume_other_ranks 3 150 q8" "fault_injection 3 180 q8")
     separate_arguments(spec UNIX_COMMAND "${spec}")
     list(GET spec 0 name)
     list(GET spec 1 ranks)
     list(GET spec 2 timeout)
-    add_test(NAME launch_e2e_${name}
-             COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/e2e/${name}.sh $<TARGET_FILE:zinf-train>
+    set(test_name launch_e2e_${name})
+    set(state "")
+    list(LENGTH spec fields)
+    if(fields GREATER 3)
+      list(GET spec 3 state)
+      set(test_name launch_e2e_${name}_${state})
+    endif()
+    add_test(NAME ${test_name}
+             COMMAND ${CMAKE_COMMAND} -E env ZINF_E2E_OPTIMIZER_STATE=${state}
+                     bash ${CMAKE_CURRENT_LIST_DIR}/e2e/${name}.sh $<TARGET_FILE:zinf-train>
                      $<TARGET_FILE:zinf-ckpt> ${MPIEXEC_EXECUTABLE})
     set(labels "e2e")
     if(ranks GREATER 1)
       set(labels "e2e;mpi")
     endif()
-    set_tests_properties(launch_e2e_${name} PROPERTIES TIMEOUT ${timeout} LABELS "${labels}"
+    set_tests_properties(${test_name} PROPERTIES TIMEOUT ${timeout} LABELS "${labels}"
                          PROCESSORS ${ranks} SKIP_RETURN_CODE 77)
   endforeach()
 endif()

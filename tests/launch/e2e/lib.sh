@@ -26,6 +26,7 @@ e2e_init() {
   trap 'cd /; rm -rf "$work"' EXIT
   cd "$work" || exit 1
   echo "scratch directory $work"
+  echo "optimizer state: ${ZINF_E2E_OPTIMIZER_STATE:-fp32 (the default)}"
 }
 
 # fail MESSAGE: one FAIL line, then the tail of every log of this test, then exit 1.
@@ -43,10 +44,14 @@ check() {  # check MESSAGE: prints what is being checked
 }
 
 # train NP TIMEOUT_S ARGS...: zinf-train on NP ranks under mpirun, killed after TIMEOUT_S.
+# ZINF_E2E_OPTIMIZER_STATE (fp32, q8): every run with that --optimizer-state (the q8 variants).
 train() {
   local np=$1 limit=$2
   shift 2
-  timeout --kill-after=10 "$limit" "$mpiexec" "${mpiexec_flags[@]}" -np "$np" "$zinf_train" "$@"
+  local state=()
+  [[ -n ${ZINF_E2E_OPTIMIZER_STATE:-} ]] && state=(--optimizer-state "$ZINF_E2E_OPTIMIZER_STATE")
+  timeout --kill-after=10 "$limit" "$mpiexec" "${mpiexec_flags[@]}" -np "$np" "$zinf_train" \
+    "${state[@]}" "$@"
 }
 
 # metric, metric_after, metrics_problem, median, parse_size (launch/lib/metrics.sh).

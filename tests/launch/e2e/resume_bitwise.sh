@@ -5,7 +5,7 @@
 # Checks: both runs exit 0; B's metrics hold steps 1..20 once each; losses, lr and grad_norm of
 # steps 11..20 (and the losses of 1..10) are the same JSON text in A and B; B's directory has
 # step-10.h5 and step-20.h5 and `latest` names step-20.h5; both step-20.h5 verify with zinf-ckpt;
-# their safetensors exports (the consolidated fp32 weights) are byte-identical.
+# their safetensors exports (the consolidated fp32 weights and both moments) are byte-identical.
 #
 #   resume_bitwise.sh ZINF_TRAIN ZINF_CKPT MPIEXEC
 # shellcheck source=lib.sh
@@ -66,15 +66,15 @@ done
 # The export's header records the path it was given ("source"), so both are exported from inside
 # their run's directory under the same relative path: then the files are equal byte for byte
 # exactly when the weights are.
-check "the consolidated fp32 weights (zinf-ckpt export --format safetensors) are byte-identical"
+check "the weights and moments (zinf-ckpt export --format safetensors --moments) are byte-identical"
 for run in a b; do
   (cd "$work/$run" && timeout 60 "$zinf_ckpt" export ckpt/step-20.h5 --out weights.safetensors \
-    --format safetensors) > "$work/export-$run.log" 2>&1 ||
+    --format safetensors --moments) > "$work/export-$run.log" 2>&1 ||
     fail "zinf-ckpt export in $run exited with $?"
   [[ -s $work/$run/weights.safetensors ]] || fail "export of $run is empty"
 done
 cmp "$work/a/weights.safetensors" "$work/b/weights.safetensors" ||
-  fail "the weights after 20 steps differ between the uninterrupted and the resumed run"
+  fail "the weights or moments after 20 steps differ between the uninterrupted and the resumed run"
 
 echo "PASS: steps 11..20 after a resume match the uninterrupted run bitwise (losses, and" \
-  "weights: $(stat -c %s "$work/a/weights.safetensors") bytes)"
+  "weights and moments: $(stat -c %s "$work/a/weights.safetensors") bytes)"
