@@ -82,8 +82,8 @@ Tables Build(MapKind kind) {
     const float high = slot == t.last_slot
                            ? std::numeric_limits<float>::max()
                            : std::nextafter(std::bit_cast<float>((slot + 1) << kSlotShift), 0.0f);
-    t.start_pos.push_back(count(low));
-    t.start_neg.push_back(count(-high));
+    t.start.push_back(count(low));
+    t.start.push_back(count(-high));
     walk = std::max({walk, count(high) - count(low), count(-low) - count(-high)});
   }
   t.walk = walk;

@@ -42,8 +42,7 @@ ZINF_AVX2_TARGET float QuantizeBlockAvx2(const Tables& t, const float* x, std::s
   const __m256i last = _mm256_set1_epi32(static_cast<int>(t.last_slot));
   const __m256i tiny = _mm256_set1_epi32(t.tiny_start);
   const __m256 zero = _mm256_setzero_ps();
-  const int* start_pos = t.start_pos.data();
-  const int* start_neg = t.start_neg.data();
+  const int* start = t.start.data();
   for (i = 0; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), vscale);
     const __m256i bits = _mm256_castps_si256(v);
@@ -51,18 +50,19 @@ ZINF_AVX2_TARGET float QuantizeBlockAvx2(const Tables& t, const float* x, std::s
     const __m256i is_tiny = _mm256_cmpgt_epi32(first, slot);
     const __m256i s = _mm256_max_epi32(_mm256_sub_epi32(_mm256_min_epi32(slot, last), first),
                                        _mm256_setzero_si256());
-    const __m256i pos = _mm256_i32gather_epi32(start_pos, s, 4);
-    const __m256i neg = _mm256_i32gather_epi32(start_neg, s, 4);
-    __m256i c = _mm256_blendv_epi8(pos, neg, _mm256_srai_epi32(bits, 31));
+    const __m256i at_start = _mm256_add_epi32(_mm256_slli_epi32(s, 1), _mm256_srli_epi32(bits, 31));
+    __m256i c = _mm256_i32gather_epi32(start, at_start, 4);
     c = _mm256_blendv_epi8(c, tiny, is_tiny);
     __m256i count = c;
     for (int j = 0; j < t.walk; ++j) {
       const __m256i at = _mm256_add_epi32(c, _mm256_set1_epi32(j));
       const __m256 hi = _mm256_i32gather_ps(t.t_hi.data(), at, 4);
-      const __m256 lo = _mm256_i32gather_ps(t.t_lo.data(), at, 4);
-      const __m256 above = _mm256_or_ps(
-          _mm256_cmp_ps(v, hi, _CMP_GT_OQ),
-          _mm256_and_ps(_mm256_cmp_ps(v, hi, _CMP_EQ_OQ), _mm256_cmp_ps(lo, zero, _CMP_LT_OQ)));
+      __m256 above = _mm256_cmp_ps(v, hi, _CMP_GT_OQ);
+      const __m256 equal = _mm256_cmp_ps(v, hi, _CMP_EQ_OQ);
+      if (!_mm256_testz_ps(equal, equal)) {  // exactly on a threshold's float part: its low part
+        const __m256 lo = _mm256_mask_i32gather_ps(zero, t.t_lo.data(), at, equal, 4);
+        above = _mm256_or_ps(above, _mm256_and_ps(equal, _mm256_cmp_ps(lo, zero, _CMP_LT_OQ)));
+      }
       count = _mm256_sub_epi32(count, _mm256_castps_si256(above));  // true lanes are -1
     }
     const __m128i words =

@@ -45,20 +45,21 @@ ZINF_AVX512_TARGET float QuantizeBlockAvx512(const Tables& t, const float* x, st
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i slot = _mm512_srli_epi32(_mm512_and_si512(bits, abs_mask), kSlotShift);
     const __mmask16 is_tiny = _mm512_cmplt_epi32_mask(slot, first);
-    const __mmask16 negative = _mm512_movepi32_mask(bits);
     const __m512i s = _mm512_max_epi32(_mm512_sub_epi32(_mm512_min_epi32(slot, last), first),
                                        _mm512_setzero_si512());
-    __m512i c = _mm512_i32gather_epi32(s, t.start_pos.data(), 4);
-    c = _mm512_mask_i32gather_epi32(c, negative, s, t.start_neg.data(), 4);
+    const __m512i at_start = _mm512_add_epi32(_mm512_slli_epi32(s, 1), _mm512_srli_epi32(bits, 31));
+    __m512i c = _mm512_i32gather_epi32(at_start, t.start.data(), 4);
     c = _mm512_mask_mov_epi32(c, is_tiny, tiny);
     __m512i count = c;
     for (int j = 0; j < t.walk; ++j) {
       const __m512i at = _mm512_add_epi32(c, _mm512_set1_epi32(j));
       const __m512 hi = _mm512_i32gather_ps(at, t.t_hi.data(), 4);
-      const __m512 lo = _mm512_i32gather_ps(at, t.t_lo.data(), 4);
-      const __mmask16 above =
-          _mm512_cmp_ps_mask(v, hi, _CMP_GT_OQ) |
-          (_mm512_cmp_ps_mask(v, hi, _CMP_EQ_OQ) & _mm512_cmp_ps_mask(lo, zero, _CMP_LT_OQ));
+      __mmask16 above = _mm512_cmp_ps_mask(v, hi, _CMP_GT_OQ);
+      const __mmask16 equal = _mm512_cmp_ps_mask(v, hi, _CMP_EQ_OQ);
+      if (equal != 0) {  // exactly on a threshold's float part: its low part decides
+        const __m512 lo = _mm512_mask_i32gather_ps(zero, equal, at, t.t_lo.data(), 4);
+        above |= equal & _mm512_cmp_ps_mask(lo, zero, _CMP_LT_OQ);
+      }
       count = _mm512_mask_add_epi32(count, above, count, one);
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtusepi32_epi8(count));

@@ -4,7 +4,8 @@
 // midpoints of adjacent values, exact in double) below n. Each t_c is stored as two floats,
 // t = hi + lo exactly, so that n > t <=> n > hi || (n == hi && lo < 0) for a float n. The
 // magnitude |n| falls into a slot (its float bits >> kSlotShift: exponent and top mantissa
-// bits); start[sign][slot] is code() of the slot's lowest n, and at most `walk` thresholds
+// bits); start[2 * slot + sign] is code() of the slot's lowest n (one gather in the vector
+// kernels, which read t_lo only for lanes equal to t_hi, rare), and at most `walk` thresholds
 // lie within a slot, so code(n) = start + the number of the `walk` thresholds from there that
 // are below n (the arrays are padded with +inf). Every path computes exactly this, so all give
 // the same codes.
@@ -28,8 +29,7 @@ struct Tables {
   std::array<float, 256> values;
   std::vector<float> t_hi, t_lo;        // 255 thresholds + `walk` of +inf / 0
   std::uint32_t first_slot, last_slot;  // slots of magnitudes below first_slot: `tiny`
-  std::vector<std::int32_t> start_pos;  // per slot - first_slot, n >= 0
-  std::vector<std::int32_t> start_neg;  // per slot - first_slot, n < 0
+  std::vector<std::int32_t> start;      // 2 * (slot - first_slot) + (n < 0)
   std::int32_t tiny_start;              // |n| below the first slot
   int walk;
   std::uint8_t zero_code;
@@ -57,7 +57,7 @@ inline std::uint8_t CodeOf(const Tables& t, float n, std::uint32_t magnitude_bit
     c = t.tiny_start;
   } else {
     const std::uint32_t s = (slot > t.last_slot ? t.last_slot : slot) - t.first_slot;
-    c = n < 0 ? t.start_neg[s] : t.start_pos[s];
+    c = t.start[2 * s + (n < 0 ? 1 : 0)];
   }
   std::int32_t count = c;
   for (int j = 0; j < t.walk; ++j) {
