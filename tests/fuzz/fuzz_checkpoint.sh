@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fuzzes the checkpoint reader for SECONDS with SEED: the crafted-checkpoint generator writes a
 # valid checkpoint (and its hostile variants) into a scratch directory, and zinf_fuzz mutates the
-# valid one (and the variant with control characters) byte-wise and through the HDF5 API.
+# valid ones (fp32 and q8 state, and the variant with control characters) byte-wise and through
+# the HDF5 API.
 #
 #   fuzz_checkpoint.sh CRAFT_CHECKPOINTS ZINF_FUZZ SECONDS SEED
 set -u
@@ -11,7 +12,7 @@ work=$(mktemp -d "${ZINF_TEST_TMPDIR:-${TMPDIR:-/tmp}}/zinf-fuzz-ckpt-XXXXXX") |
 trap 'rm -rf "$work"' EXIT
 "$craft" "$work/seeds" > "$work/craft.log" 2>&1 ||
   { echo "FAIL: the generator failed: $(tail -3 "$work/craft.log")" >&2; exit 1; }
-seeds=(--seed-file "$work/seeds/good.h5")
+seeds=(--seed-file "$work/seeds/good.h5" --seed-file "$work/seeds/good_q8.h5")
 for extra in "$work"/seeds/*created*.h5; do
   [[ -f $extra ]] && seeds+=(--seed-file "$extra")
 done

@@ -294,10 +294,22 @@ const std::vector<std::string> kObjects = {"/state/fp32",
                                            "/layout",
                                            "/trainer",
                                            "/state",
-                                           "/checksum"};
+                                           "/checksum",
+                                           "/state/exp_avg_codes",
+                                           "/state/exp_avg_sq_codes",
+                                           "/checksum/exp_avg_codes",
+                                           "/checksum/exp_avg_sq_codes",
+                                           "/q8/map_signed",
+                                           "/q8/segment_start",
+                                           "/q8/segment_numel",
+                                           "/q8/segment_block",
+                                           "/q8/exp_avg_scales",
+                                           "/checksum/q8",
+                                           "/q8"};
 const std::vector<std::string> kIntAttributes = {"format_version", "step",           "world_size",
                                                  "total_numel",    "sub_group_size", "chunk_numel"};
-const std::vector<std::string> kStringAttributes = {"format", "optimizer", "config", "created"};
+const std::vector<std::string> kStringAttributes = {"format", "optimizer", "config", "created",
+                                                    "optimizer_state"};
 
 // One API-level mutation of `path` (opened read-write with the raw HDF5 API). Failures are fine:
 // the mutation simply does not happen.

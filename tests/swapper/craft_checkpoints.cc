@@ -2,6 +2,8 @@
 // tests/swapper/crafted_checkpoints.sh. Writes
 //   OUT_DIR/good.h5     a small valid checkpoint, written the way SaveCheckpoint writes one
 //                       (WriteStructure's attributes and datasets, the state, XXH3-64 checksums);
+//   OUT_DIR/good_q8.h5  the same in the q8 state format (codes, the /q8 tables), and q8_*.h5
+//                       variants with one defect of the codes or the tables each;
 //   OUT_DIR/<name>.h5   one file per variant: the good file with one defect;
 //   OUT_DIR/cases.tsv   name <TAB> exit status of `zinf-ckpt verify` <TAB> a substring its
 //                       output must contain (the defect named), one line per file above.
@@ -35,6 +37,7 @@
 #include "zinf/storage/checksum.h"
 #include "zinf/storage/hdf5.h"
 #include "zinf/swapper/checkpoint.h"
+#include "zinf/swapper/q8.h"
 
 namespace {
 
@@ -166,6 +169,100 @@ Status WriteSpec(const std::string& path, const Spec& spec) {
   ZINF_RETURN_IF_ERROR(
       file.WriteStringAttribute("/checksum", "algorithm", zinf::storage::kChecksumAlgorithm));
   ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/checksum", "chunk_numel", spec.chunk_numel));
+  return file.Close();
+}
+
+// ---- q8 files ----
+
+// The q8 part of a file: the good Spec's weights with codes and tables (checkpoint.h). Blocks:
+// [0, 2048) as one segment, [2048, 3500) as two segments [2048, 2500) and [2500, 3500).
+struct Q8Spec {
+  std::array<std::vector<std::uint8_t>, 2> codes;
+  std::array<std::vector<std::uint64_t>, 2> code_checksums;
+  std::vector<std::uint64_t> segment_start{0, 2048, 2500};
+  std::vector<std::uint64_t> segment_numel{2048, 452, 1000};
+  std::vector<std::uint64_t> segment_block{0, 1, 1};
+  std::array<std::vector<float>, 2> scales{std::vector<float>{0.5f, 0.25f},
+                                           std::vector<float>{1e-6f, 2e-6f}};
+  std::array<std::vector<float>, 2> maps;
+  bool rechecksum_tables = true;
+  std::vector<std::uint64_t> table_checksums;  // used when !rechecksum_tables
+  std::string optimizer_state = "q8";
+};
+
+template <typename T>
+std::uint64_t SumOf(const std::vector<T>& v) {
+  return zinf::storage::Checksum64(std::as_bytes(std::span<const T>(v)));
+}
+
+std::vector<std::uint64_t> CodeChecksums(const std::vector<std::uint8_t>& codes,
+                                         std::uint64_t chunk) {
+  std::vector<std::uint64_t> sums;
+  for (std::uint64_t begin = 0; begin < codes.size(); begin += chunk) {
+    const std::uint64_t n = std::min<std::uint64_t>(chunk, codes.size() - begin);
+    sums.push_back(zinf::storage::Checksum64(
+        std::as_bytes(std::span<const std::uint8_t>(codes).subspan(begin, n))));
+  }
+  return sums;
+}
+
+Q8Spec GoodQ8(std::uint64_t total) {
+  Q8Spec q;
+  for (std::uint64_t i = 0; i < total; ++i) {
+    q.codes[0].push_back(static_cast<std::uint8_t>(i % 256));
+    q.codes[1].push_back(static_cast<std::uint8_t>(i % 200));
+  }
+  for (int m = 0; m < 2; ++m) q.code_checksums[m] = CodeChecksums(q.codes[m], kChunk);
+  const auto& s = zinf::swapper::q8::MapValues(zinf::swapper::q8::MapKind::kSigned);
+  const auto& u = zinf::swapper::q8::MapValues(zinf::swapper::q8::MapKind::kUnsigned);
+  q.maps = {std::vector<float>(s.begin(), s.end()), std::vector<float>(u.begin(), u.end())};
+  return q;
+}
+
+// The good Spec's header and weights as format_version 2, then the codes and the q8 tables.
+Status WriteQ8Spec(const std::string& path, Spec spec, const Q8Spec& q) {
+  spec.format_version = zinf::swapper::kCheckpointFormatVersionQ8;
+  spec.write_data = false;
+  ZINF_RETURN_IF_ERROR(WriteSpec(path, spec));
+  ZINF_ASSIGN_OR_RETURN(H5File file, H5File::OpenSerial(path, /*read_only=*/false));
+  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "optimizer_state", q.optimizer_state));
+  const std::uint64_t total = spec.state[0].size();
+  const std::uint64_t chunk = std::min<std::uint64_t>(spec.hdf5_chunk, total);
+  ZINF_RETURN_IF_ERROR(file.CreateDataset1D(StateName(0), total, chunk, H5DataType::kFloat32));
+  ZINF_RETURN_IF_ERROR(file.WriteSlab(StateName(0), 0, std::span<const float>(spec.state[0])));
+  auto write_u64 = [&](const std::string& name, const std::vector<std::uint64_t>& v) -> Status {
+    ZINF_RETURN_IF_ERROR(file.CreateDataset1D(name, v.size(), v.size(), H5DataType::kUInt64));
+    return file.WriteSlab(name, 0, std::span<const std::uint64_t>(v));
+  };
+  auto write_f32 = [&](const std::string& name, const std::vector<float>& v) -> Status {
+    ZINF_RETURN_IF_ERROR(file.CreateDataset1D(name, v.size(), v.size(), H5DataType::kFloat32));
+    return file.WriteSlab(name, 0, std::span<const float>(v));
+  };
+  ZINF_RETURN_IF_ERROR(write_u64(ChecksumName(0), spec.checksums[0]));
+  const char* moments[2] = {"exp_avg", "exp_avg_sq"};
+  for (int m = 0; m < 2; ++m) {
+    const std::string name = fmt::format("/state/{}_codes", moments[m]);
+    ZINF_RETURN_IF_ERROR(file.CreateDataset1D(name, total, chunk, H5DataType::kUInt8));
+    ZINF_RETURN_IF_ERROR(file.WriteSlab(name, 0, std::span<const std::uint8_t>(q.codes[m])));
+    ZINF_RETURN_IF_ERROR(
+        write_u64(fmt::format("/checksum/{}_codes", moments[m]), q.code_checksums[m]));
+  }
+  ZINF_RETURN_IF_ERROR(file.CreateGroup("/q8"));
+  ZINF_RETURN_IF_ERROR(write_f32("/q8/map_signed", q.maps[0]));
+  ZINF_RETURN_IF_ERROR(write_f32("/q8/map_unsigned", q.maps[1]));
+  ZINF_RETURN_IF_ERROR(write_u64("/q8/segment_start", q.segment_start));
+  ZINF_RETURN_IF_ERROR(write_u64("/q8/segment_numel", q.segment_numel));
+  ZINF_RETURN_IF_ERROR(write_u64("/q8/segment_block", q.segment_block));
+  ZINF_RETURN_IF_ERROR(write_f32("/q8/exp_avg_scales", q.scales[0]));
+  ZINF_RETURN_IF_ERROR(write_f32("/q8/exp_avg_sq_scales", q.scales[1]));
+  const std::vector<std::uint64_t> sums =
+      q.rechecksum_tables
+          ? std::vector<std::uint64_t>{SumOf(q.maps[0]),       SumOf(q.maps[1]),
+                                       SumOf(q.segment_start), SumOf(q.segment_numel),
+                                       SumOf(q.segment_block), SumOf(q.scales[0]),
+                                       SumOf(q.scales[1])}
+          : q.table_checksums;
+  ZINF_RETURN_IF_ERROR(write_u64("/checksum/q8", sums));
   return file.Close();
 }
 
@@ -461,6 +558,59 @@ void OneParam(Spec& s, std::uint64_t numel, const std::vector<std::int64_t>& sha
   s.write_data = false;
 }
 
+// The q8 file and its defects: the good Q8Spec with one change (checksums recomputed unless
+// the change is a stale checksum).
+void AddQ8Cases(Corpus& c, const std::string& ok) {
+  auto q8_case = [&c](std::string name, int rc, std::string expect,
+                      std::function<void(Q8Spec&)> change) {
+    c.Add(std::move(name), rc, std::move(expect), [&c, change](const std::string& path) {
+      Q8Spec q = GoodQ8(c.good().state[0].size());
+      change(q);
+      return WriteQ8Spec(path, c.good(), q);
+    });
+  };
+  q8_case("good_q8", 0, ok, [](Q8Spec&) {});
+  q8_case("q8_state_other", 1, "optimizer_state 'q4', not 'q8'",
+          [](Q8Spec& q) { q.optimizer_state = "q4"; });
+  q8_case("q8_code_flipped", 1, "checksum mismatch in dataset /state/exp_avg_sq_codes chunk 2",
+          [](Q8Spec& q) { q.codes[1][2500] ^= 4; });
+  q8_case("q8_scale_stale_checksum", 1, "checksum mismatch in dataset /q8/exp_avg_scales",
+          [](Q8Spec& q) {
+            q.table_checksums = {SumOf(q.maps[0]),       SumOf(q.maps[1]),
+                                 SumOf(q.segment_start), SumOf(q.segment_numel),
+                                 SumOf(q.segment_block), SumOf(q.scales[0]),
+                                 SumOf(q.scales[1])};
+            q.rechecksum_tables = false;
+            q.scales[0][1] = 0.75f;
+          });
+  q8_case("q8_scale_nan", 1, "block 1 has scale nan",
+          [](Q8Spec& q) { q.scales[1][1] = std::numeric_limits<float>::quiet_NaN(); });
+  q8_case("q8_scale_negative", 1, "block 0 has scale -0.5",
+          [](Q8Spec& q) { q.scales[0][0] = -0.5f; });
+  q8_case("q8_map_not_ascending", 1, "/q8/map_unsigned is not ascending",
+          [](Q8Spec& q) { std::swap(q.maps[1][10], q.maps[1][11]); });
+  q8_case("q8_map_out_of_range", 1, "/q8/map_signed is not ascending in [-1, 1] at code 255",
+          [](Q8Spec& q) { q.maps[0][255] = 2.0f; });
+  q8_case("q8_segment_gap", 1, "element 2448 is in no segment",
+          [](Q8Spec& q) { q.segment_numel[1] = 400; });
+  q8_case("q8_segment_overlap", 1, "in two segments", [](Q8Spec& q) { q.segment_start[2] = 2400; });
+  q8_case("q8_segments_short", 1, "the q8 segments end at element 3400 of 3500",
+          [](Q8Spec& q) { q.segment_numel[2] = 900; });
+  q8_case("q8_block_too_big", 1, "q8 block 0 holds 3500 elements", [](Q8Spec& q) {
+    q.segment_block = {0, 0, 0};
+    q.scales = {std::vector<float>{0.5f, 0.5f}, std::vector<float>{1e-6f, 1e-6f}};
+  });
+  q8_case("q8_block_out_of_range", 1, "block 2) is outside 3500 elements or 2 blocks",
+          [](Q8Spec& q) { q.segment_block[2] = 2; });
+  q8_case("q8_segment_past_end", 1, "is outside 3500 elements",
+          [](Q8Spec& q) { q.segment_start[2] = 3400; });
+  q8_case("q8_too_few_blocks", 1, "3 segments in 1 blocks for 3500 elements", [](Q8Spec& q) {
+    q.scales = {std::vector<float>{0.5f}, std::vector<float>{1e-6f}};
+  });
+  q8_case("q8_table_sizes_differ", 1, "/q8/segment_numel has 2 elements of uint64, expected 3",
+          [](Q8Spec& q) { q.segment_numel.pop_back(); });
+}
+
 void AddCases(Corpus& c) {
   const Spec& good = c.good();
   const std::uint64_t total = good.state[0].size();
@@ -468,6 +618,7 @@ void AddCases(Corpus& c) {
   const std::string ok = "OK (structure";
 
   c.Spec1("good", 0, ok, Unchanged);
+  AddQ8Cases(c, ok);
 
   // Sizes near 2^40 (and beyond) in a file of a few KB: refused before anything is allocated.
   c.RawFrom(

@@ -2,7 +2,7 @@
 # Hostile checkpoint files against the tools that read them. GENERATOR (swapper_craft_checkpoints)
 # writes a corpus: good.h5, one file per defect and cases.tsv (name, the exit status `zinf-ckpt
 # verify` must have, a substring of its output naming the defect). For every file, `zinf-ckpt
-# ls`, `zinf-ckpt verify` and `zinf-ckpt export --format safetensors` each run under a 20 s
+# ls`, `zinf-ckpt verify` and `zinf-ckpt export --format safetensors --moments` each run under a 20 s
 # timeout and must
 #   - exit 0 or 1: never a signal (crash, abort), never the timeout (hang);
 #   - print no byte that drives a terminal (ESC, other C0 controls but tab and newline, DEL, C1
@@ -108,7 +108,8 @@ check_path() {
 
   dest=$work/export/$label
   mkdir -p "$dest"
-  tool "$label: export" export "$path" --out "$dest/model.safetensors" --format safetensors
+  tool "$label: export" export "$path" --out "$dest/model.safetensors" --format safetensors \
+    --moments
   ((rc == want)) || bad "$label: export exited $rc, expected $want: $(tail -1 "$out" | cut -c1-400)"
   if ((rc == 1)); then
     contains "$label: export" "$text"
