@@ -4,6 +4,8 @@
 # peak RSS must stay within pool + 256 MiB.
 #
 #   launch/bench-step.sh [--path DIR] [--bin build/bin/zinf-bench] [--state 4G] [--memory-run]
+#                        [--state-format fp32|q8|fp32,q8] [--rounds N]
+# (fp32,q8 with --rounds 3: both state formats on the same parameters, alternating.)
 #
 # Writes JSON lines to stdout; logs and timer tables go to stderr. Needs free space for the state
 # plus one spare sub-group (and, for --memory-run, 1.5x RAM plus one sub-group: check df first).
@@ -14,6 +16,8 @@ bin=build/bin/zinf-bench
 state=4G
 sub_group=16M
 memory_run=0
+formats=fp32
+rounds=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --path) path=$2; shift 2 ;;
@@ -21,6 +25,8 @@ while [[ $# -gt 0 ]]; do
     --state) state=$2; shift 2 ;;
     --sub-group-size) sub_group=$2; shift 2 ;;
     --memory-run) memory_run=1; shift ;;
+    --state-format) formats=$2; shift 2 ;;
+    --rounds) rounds=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -28,7 +34,8 @@ mkdir -p "$path"
 
 # 1. Both modes on the same state size; the JSON has seconds_per_step, io_only_seconds and
 #    step_over_io (target: pipelined <= 1.10, and pipelined faster than sync).
-"$bin" step --path "$path" --state-bytes "$state" --sub-group-size "$sub_group" --steps 3 --json
+"$bin" step --path "$path" --state-bytes "$state" --sub-group-size "$sub_group" --steps 3 \
+  --state-format "$formats" --rounds "$rounds" --json
 
 if [[ $memory_run == 1 ]]; then
   # 2. State of 1.5x RAM, pipelined, one timed step: peak_rss_bytes vs pool_bytes.

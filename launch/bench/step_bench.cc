@@ -1,7 +1,9 @@
 // zinf-bench step: timed optimizer steps of one rank whose Adam state lives on disk, through the
-// synchronous and/or the pipelined swapper, next to the time the I/O engine alone needs to move
-// the same bytes. --state-bytes sets the parameter count (that many bytes of fp32 state: 12 per
-// element); --state-format fp32,q8 runs both formats on the same parameters, alternating, for
+// synchronous and/or the pipelined swapper, each timed step followed by the I/O engine alone
+// moving the same bytes (read and written back, group by group through the pool's buffers);
+// step_over_io is the median of the per-pair ratios. --state-bytes sets the parameter count (that
+// many bytes of fp32 state: 12 per element); --state-format fp32,q8 runs both formats on the same
+// parameters, alternating, for
 // --rounds rounds. One JSON line per mode, format and round on stdout with --json.
 #include <unistd.h>
 
@@ -53,14 +55,11 @@ struct StepFlags {
   int rounds = 1;
 };
 
-// The engine alone: reads every state tensor of every sub-group, then writes them back, with
-// all pool buffers in flight, through a fresh engine.
-Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::EngineKind kind,
-                                         const storage::AioOptions& aio, const std::string& dir) {
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<storage::IoEngine> engine,
-                        storage::CreateIoEngine(kind, aio, dir));
+// The engine alone: reads the slot tensors of every sub-group into all pool buffers and writes
+// the same bytes back, group by group, through `engine` (registered with the pool). The state is
+// unchanged, so the passes can alternate with the steps. Returns (read, write) seconds.
+Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::IoEngine& engine) {
   ZINF_ASSIGN_OR_RETURN(swapper::PoolLease lease, swapper.pool().AllocateAll(1));
-  ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(swapper.pool().AllBuffers()));
   struct Item {
     std::string name;
     std::uint64_t bytes;
@@ -73,28 +72,34 @@ Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::Eng
     }
   }
   double seconds[2] = {0, 0};
-  for (int phase = 0; phase < 2; ++phase) {
-    const double start = MonotonicSeconds();
-    for (std::size_t first = 0; first < items.size(); first += lease.size()) {
-      const std::size_t n = std::min(lease.size(), items.size() - first);
+  for (std::size_t first = 0; first < items.size(); first += lease.size()) {
+    const std::size_t n = std::min(lease.size(), items.size() - first);
+    for (int phase = 0; phase < 2; ++phase) {
+      const double start = MonotonicSeconds();
       for (std::size_t k = 0; k < n; ++k) {
         const Item& item = items[first + k];
         std::span<std::byte> buffer = lease.bytes(k).first(item.bytes);
         Result<std::vector<std::uint64_t>> ids =
-            phase == 0 ? swapper.store().SubmitReadRange(item.name, 0, item.bytes, buffer, *engine)
+            phase == 0 ? swapper.store().SubmitReadRange(item.name, 0, item.bytes, buffer, engine)
                        : swapper.store().SubmitWriteRange(
                              item.name, 0, item.bytes,
-                             std::span<const std::byte>(buffer.data(), buffer.size()), *engine);
+                             std::span<const std::byte>(buffer.data(), buffer.size()), engine);
         if (!ids) {
-          (void)engine->WaitAll();
+          (void)engine.WaitAll();
           return std::move(ids).error();
         }
       }
-      ZINF_RETURN_IF_ERROR(engine->WaitAll());
+      ZINF_RETURN_IF_ERROR(engine.WaitAll());
+      seconds[phase] += MonotonicSeconds() - start;
     }
-    seconds[phase] = MonotonicSeconds() - start;
   }
   return std::make_pair(seconds[0], seconds[1]);
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n == 0 ? 0.0 : (n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2);
 }
 
 Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags& flags,
@@ -135,15 +140,29 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
   };
   const swapper::ParamSink sink = [](const partition::SubGroup&, std::span<const float>,
                                      std::span<const std::uint16_t>) { return OkStatus(); };
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<storage::IoEngine> engine,
+                        storage::CreateIoEngine(kind, options.aio, flags.path));
+  ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(swapper->pool().AllBuffers()));
   std::int64_t step = 0;
   for (int w = 0; w < flags.warmup; ++w) ZINF_RETURN_IF_ERROR(swapper->Step(++step, source, sink));
   swapper->timers().Reset();
-  const double start = MonotonicSeconds();
-  for (int s = 0; s < flags.steps; ++s) ZINF_RETURN_IF_ERROR(swapper->Step(++step, source, sink));
-  const double seconds_per_step = (MonotonicSeconds() - start) / std::max(flags.steps, 1);
+  // Each timed step is followed by the engine alone moving the same bytes: the ratio of each
+  // pair compares the two under the same disk conditions (the disk drifts by 15-30%).
+  std::vector<double> step_seconds, io_seconds, read_seconds, write_seconds, ratios;
+  std::uint64_t peak_rss = 0;
+  for (int s = 0; s < flags.steps; ++s) {
+    const double start = MonotonicSeconds();
+    ZINF_RETURN_IF_ERROR(swapper->Step(++step, source, sink));
+    step_seconds.push_back(MonotonicSeconds() - start);
+    peak_rss = std::max(peak_rss, PeakRssBytes());  // before the I/O-only pass, same pool
+    ZINF_ASSIGN_OR_RETURN(auto io, IoOnly(*swapper, *engine));
+    read_seconds.push_back(io.first);
+    write_seconds.push_back(io.second);
+    io_seconds.push_back(io.first + io.second);
+    ratios.push_back(step_seconds.back() / io_seconds.back());
+  }
+  const double seconds_per_step = Median(step_seconds);
   ZINF_RETURN_IF_ERROR(swapper->LogTimers(fmt::format("step bench ({})", swapper->mode_name())));
-  const std::uint64_t peak_rss = PeakRssBytes();  // before the I/O-only pass, same pool
-  ZINF_ASSIGN_OR_RETURN(auto io, IoOnly(*swapper, kind, options.aio, flags.path));
   const std::uint64_t io_bytes = swapper->StateIoBytesPerStep();
   nlohmann::json out = {
       {"bench", "step"},
@@ -158,12 +177,14 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
       {"pool_buffers", swapper->pool().buffer_count()},
       {"steps", flags.steps},
       {"seconds_per_step", seconds_per_step},
+      {"step_seconds", step_seconds},
+      {"io_only_pass_seconds", io_seconds},
       {"read_bytes", io_bytes},
       {"write_bytes", io_bytes},
-      {"io_only_seconds", io.first + io.second},
-      {"io_only_read_seconds", io.first},
-      {"io_only_write_seconds", io.second},
-      {"step_over_io", seconds_per_step / (io.first + io.second)},
+      {"io_only_seconds", Median(io_seconds)},
+      {"io_only_read_seconds", Median(read_seconds)},
+      {"io_only_write_seconds", Median(write_seconds)},
+      {"step_over_io", Median(ratios)},
       {"initialize_seconds", init_seconds},
       {"adam_seconds_per_step", swapper->timers().Elapsed("optimizer_step") / flags.steps},
       {"peak_rss_bytes", peak_rss},
@@ -250,7 +271,10 @@ const bool kRegistered = RegisterBenchCommand(
       app.add_flag("--pipeline", flags->pipeline, "run the pipelined swapper");
       app.add_flag("--sync", flags->sync, "run the synchronous swapper (neither flag: both)");
       app.add_flag("--json", flags->json, "one JSON object per mode on stdout");
-      app.add_option("--steps", flags->steps, "timed steps")->capture_default_str();
+      app.add_option("--steps", flags->steps,
+                     "timed steps, each followed by an engine-alone pass over the same bytes")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 1000));
       app.add_option("--warmup", flags->warmup, "untimed steps first")->capture_default_str();
       app.add_option("--threads", flags->threads, "CPU Adam threads (0: all cores)")
           ->capture_default_str();
