@@ -1,10 +1,13 @@
 """Checkpoints of zinf.torch.ZeroOptimizer across world sizes (driven by checkpoint_test.sh).
 
   mpirun -np 2 python3 checkpoint.py save <dir>   5 steps, save with client state, 5 more
-  mpirun -np 3 python3 checkpoint.py load <dir>   load step 5 into other weights, 5 more steps
+  mpirun -np N python3 checkpoint.py load <dir>   load step 5 into other weights, 5 more steps
 
 The loaded weights must equal the saved ones exactly, the client state must come back, and the
-weights after the 5 steps on 3 ranks must equal those of the 2-rank run within 1e-5 relative."""
+weights after the 5 more steps must equal those of the 2-rank run: bitwise on 2 ranks, within
+1e-5 relative on other world sizes (fp32 state), or within 1e-3 (q8 state: the moments whose
+blocks moved are quantized once more, and the blocks differ from then on).
+ZINF_TEST_OPTIMIZER_STATE=q8 runs it with zinf.optimizer_state q8."""
 
 import os
 import sys
@@ -35,7 +38,8 @@ def weights(model):
 def main():
     mode, work = sys.argv[1], sys.argv[2]
     ckpt = os.path.join(work, "ckpt")
-    cfg = common.config(os.path.join(work, "swap"))
+    state = os.environ.get("ZINF_TEST_OPTIMIZER_STATE", "fp32")
+    cfg = common.config(os.path.join(work, "swap"), zinf={"optimizer_state": state})
     if mode == "save":
         model = common.make_model()
         opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg, progress=False,
@@ -69,9 +73,10 @@ def main():
         train(model, opt, 6, 10)
         ref = torch.load(os.path.join(work, "w10.pt"))
         worst = max(float((v - ref[k]).norm() / ref[k].norm()) for k, v in weights(model).items())
-        zinf.log(f"load: saved on 2 ranks, continued on {opt.world_size}: max relative error "
-                 f"{worst:.2e} after 5 more steps")
-        common.check(worst < 1e-5, f"continued weights differ: {worst:.3e}")
+        zinf.log(f"load ({state}): saved on 2 ranks, continued on {opt.world_size}: max relative "
+                 f"error {worst:.2e} after 5 more steps")
+        bound = 0.0 if opt.world_size == 2 else (1e-3 if state == "q8" else 1e-5)
+        common.check(worst <= bound, f"continued weights differ: {worst:.3e} > {bound}")
 
 
 if __name__ == "__main__":
