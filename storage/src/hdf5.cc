@@ -57,6 +57,19 @@ std::string_view H5DataTypeName(H5DataType type) {
   return "unknown";
 }
 
+std::uint64_t H5DataTypeBytes(H5DataType type) {
+  switch (type) {
+    case H5DataType::kFloat32:
+      return 4;
+    case H5DataType::kUInt8:
+      return 1;
+    case H5DataType::kUInt64:
+    case H5DataType::kInt64:
+      return 8;
+  }
+  return 8;
+}
+
 std::string_view H5TransferModeName(H5TransferMode mode) {
   switch (mode) {
     case H5TransferMode::kNotCollective:
@@ -111,19 +124,6 @@ hid_t MemType(H5DataType type) {
       return H5T_NATIVE_UINT8;
   }
   return H5I_INVALID_HID;
-}
-
-std::uint64_t ElementSizeBytes(H5DataType type) {
-  switch (type) {
-    case H5DataType::kFloat32:
-      return 4;
-    case H5DataType::kUInt8:
-      return 1;
-    case H5DataType::kUInt64:
-    case H5DataType::kInt64:
-      return 8;
-  }
-  return 8;
 }
 
 // "/a/b" for "a/b" or "/a/b"; "/" only where the root is allowed (attribute carriers).
@@ -483,7 +483,7 @@ Status H5File::CreateDataset1D(std::string_view name, std::uint64_t numel,
           fmt::format("create dataset {} in {}: chunk_numel must be >= 1", path, path_));
     }
     constexpr std::uint64_t kMaxChunkBytes = std::numeric_limits<std::uint32_t>::max();
-    if (chunk > kMaxChunkBytes / ElementSizeBytes(type)) {
+    if (chunk > kMaxChunkBytes / H5DataTypeBytes(type)) {
       return InvalidArgumentError(fmt::format(
           "create dataset {} in {}: chunk of {} {} elements is not below HDF5's 4 GiB limit", path,
           path_, chunk, H5DataTypeName(type)));

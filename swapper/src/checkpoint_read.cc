@@ -120,9 +120,7 @@ Status CheckDataset(H5File& file, const std::string& name, std::uint64_t numel, 
                                      ds.chunk_numel, max_chunk_numel));
   }
   std::uint64_t bytes = 0;
-  const std::uint64_t element_bytes =
-      type == H5DataType::kFloat32 ? 4 : (type == H5DataType::kUInt8 ? 1 : 8);
-  if (!CheckedMul(numel, element_bytes, &bytes)) {
+  if (!CheckedMul(numel, storage::H5DataTypeBytes(type), &bytes)) {
     return DataLossError(
         fmt::format("dataset {} of {} elements is larger than 2^64 bytes", name, numel));
   }
@@ -145,7 +143,7 @@ const std::array<StateDatasetSpec, kNumStateTensors>& StateDatasets(StateFormat 
     return StateDatasetSpec{.name = fmt::format("/state/{}", name),
                             .checksum = fmt::format("/checksum/{}", name),
                             .type = type,
-                            .element_bytes = type == H5DataType::kFloat32 ? 4u : 1u};
+                            .element_bytes = storage::H5DataTypeBytes(type)};
   };
   static const std::array<StateDatasetSpec, kNumStateTensors> fp32 = {
       spec("fp32", H5DataType::kFloat32), spec("exp_avg", H5DataType::kFloat32),

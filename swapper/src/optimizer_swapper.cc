@@ -457,20 +457,16 @@ Status OptimizerSwapper::Initialize(const InitialWeights& initial_fp32) {
       std::vector<std::size_t> buffers(num_slot_tensors(), 1);
       buffers[0] = 0;
       if (options_.state_format == StateFormat::kQ8) {
-        std::fill(zeros.begin(), zeros.end(), 0.0f);
+        // Only the bytes this sub-group's moments write: the codes of zero, scales 0.
+        std::span<std::byte> moments_bytes = lease.bytes(1).first(info.moments_io_bytes);
+        std::ranges::fill(moments_bytes, std::byte{0});
         const Q8Moments moments =
-            ViewQ8Moments(lease.bytes(1), Q8MomentsLayout::For(info.sub_group.numel));
+            ViewQ8Moments(moments_bytes, Q8MomentsLayout::For(info.sub_group.numel));
         std::ranges::fill(moments.exp_avg.codes, q8::ZeroCode(q8::MapKind::kSigned));
         std::ranges::fill(moments.exp_avg_sq.codes, q8::ZeroCode(q8::MapKind::kUnsigned));
       }
-      IoBatch batch;
-      Result<std::size_t> slot = SubmitStateWrites(i, lease, write_engine(), &batch, buffers);
-      Status written = batch.Wait(write_engine());
-      ZINF_RETURN_IF_ERROR(Annotate(slot.has_value() ? OkStatus() : Status(slot.error()),
-                                    fmt::format("sub-group {}: initialize: ", i)));
-      if (!written) Abandon(*slot);
-      ZINF_RETURN_IF_ERROR(Annotate(written, fmt::format("sub-group {}: initialize: ", i)));
-      Commit(i, *slot, 0);
+      ZINF_RETURN_IF_ERROR(
+          WriteAndCommit(i, 0, lease, buffers, fmt::format("sub-group {}: initialize: ", i)));
     }
     return OkStatus();
   };
@@ -513,20 +509,25 @@ Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
       std::min(AlignUp((offset_elems + out.size()) * sizeof(float), alignment),
                info.io_size_bytes);
   ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(1, 1));
-  const std::string name = SlotTensorName(slot_of_[sub_group], static_cast<std::size_t>(which));
   std::span<std::byte> buffer = lease.bytes(0).first(end - begin);
-  IoBatch batch;
-  Result<std::vector<std::uint64_t>> ids =
-      store_->SubmitReadRange(name, begin, end - begin, buffer, read_engine());
-  if (ids) batch.Add(*ids, name);
-  Status waited = batch.Wait(read_engine());
-  const std::string context = fmt::format("read state of sub-group {}: ", sub_group);
-  if (!ids) return std::move(ids).error().WithContext(context + name + ": ");
-  ZINF_RETURN_IF_ERROR(Annotate(waited, context));
-  ZINF_RETURN_IF_ERROR(Annotate(store_->VerifyRead(name, ConstBytes(buffer), begin), context));
+  ZINF_RETURN_IF_ERROR(
+      ReadSlotTensor(SlotTensorName(slot_of_[sub_group], static_cast<std::size_t>(which)), begin,
+                     buffer, fmt::format("read state of sub-group {}: ", sub_group)));
   std::memcpy(out.data(), buffer.data() + (offset_elems * sizeof(float) - begin),
               out.size() * sizeof(float));
   return OkStatus();
+}
+
+Status OptimizerSwapper::ReadSlotTensor(const std::string& name, std::uint64_t begin,
+                                        std::span<std::byte> buffer, const std::string& context) {
+  IoBatch batch;
+  Result<std::vector<std::uint64_t>> ids =
+      store_->SubmitReadRange(name, begin, buffer.size(), buffer, read_engine());
+  if (ids) batch.Add(*ids, name);
+  Status waited = batch.Wait(read_engine());
+  if (!ids) return std::move(ids).error().WithContext(context + name + ": ");
+  ZINF_RETURN_IF_ERROR(Annotate(waited, context));
+  return Annotate(store_->VerifyRead(name, ConstBytes(buffer), begin), context);
 }
 
 Status OptimizerSwapper::ReadQ8Moments(std::size_t sub_group,
@@ -539,18 +540,10 @@ Status OptimizerSwapper::ReadQ8Moments(std::size_t sub_group,
         fmt::format("ReadQ8Moments: sub-group {} of {}", sub_group, infos_.size()));
   }
   const SubGroupSwapInfo& info = infos_[sub_group];
-  const std::string context = fmt::format("read q8 moments of sub-group {}: ", sub_group);
   ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(1, 1));
-  const std::string name = SlotTensorName(slot_of_[sub_group], 1);
   std::span<std::byte> buffer = lease.bytes(0).first(info.moments_io_bytes);
-  IoBatch batch;
-  Result<std::vector<std::uint64_t>> ids =
-      store_->SubmitReadRange(name, 0, buffer.size(), buffer, read_engine());
-  if (ids) batch.Add(*ids, name);
-  Status waited = batch.Wait(read_engine());
-  if (!ids) return std::move(ids).error().WithContext(context + name + ": ");
-  ZINF_RETURN_IF_ERROR(Annotate(waited, context));
-  ZINF_RETURN_IF_ERROR(Annotate(store_->VerifyRead(name, ConstBytes(buffer)), context));
+  ZINF_RETURN_IF_ERROR(ReadSlotTensor(SlotTensorName(slot_of_[sub_group], 1), 0, buffer,
+                                      fmt::format("read q8 moments of sub-group {}: ", sub_group)));
   return use(ViewQ8Moments(buffer, Q8MomentsLayout::For(info.sub_group.numel)));
 }
 

@@ -60,6 +60,7 @@ namespace zinf::storage {
 // Element types of datasets. Stored little-endian (IEEE f32 LE, U64 LE, I64 LE).
 enum class H5DataType { kFloat32, kUInt64, kInt64, kUInt8 };
 std::string_view H5DataTypeName(H5DataType type);  // "float32", "uint64", "int64", "uint8"
+std::uint64_t H5DataTypeBytes(H5DataType type);    // 4, 8, 8, 1
 
 // How MPI-IO carried out the last WriteSlab/ReadSlab on this rank (H5Pget_mpio_actual_io_mode).
 enum class H5TransferMode {

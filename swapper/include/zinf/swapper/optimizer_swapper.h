@@ -277,6 +277,10 @@ class OptimizerSwapper {
   Result<std::size_t> SubmitStateWrites(std::size_t sub_group, const PoolLease& lease,
                                         storage::IoEngine& engine, IoBatch* batch,
                                         std::span<const std::size_t> buffers = {});
+  // Local: reads bytes [begin, begin + buffer.size()) of slot tensor `name` (I/O-aligned) into
+  // `buffer` on the read engine, waits and verifies (verify_swap); errors prefixed by `context`.
+  Status ReadSlotTensor(const std::string& name, std::uint64_t begin, std::span<std::byte> buffer,
+                        const std::string& context);
   // Writes the slot tensors from the lease (as SubmitStateWrites) and commits them at `step`.
   Status WriteAndCommit(std::size_t sub_group, std::int64_t step, const PoolLease& lease,
                         std::span<const std::size_t> buffers, const std::string& context);
