@@ -84,6 +84,8 @@ int Main(int argc, char** argv) {
     std::string config_path, metrics_path;
     std::optional<std::string> nvme_path;  // split on commas below
     bool help_config = false;
+    bool print_key_table = false;
+    bool check_config = false;
     // Each flag lands in its override; an unset optional leaves the config's value.
     zinf::train::ConfigOverrides o;
     app.add_option("--config", config_path, "DeepSpeed-style JSON config (see --help-config)");
@@ -116,6 +118,12 @@ int Main(int argc, char** argv) {
                    "/usr/share/common-licenses)");
     app.add_option("--seed", o.seed, "initialization and data seed (zinf.seed)");
     app.add_flag("--help-config", help_config, "print every config key and exit");
+    app.add_flag("--check-config", check_config,
+                 "load the config with the flags (collectively, as a run would), print the "
+                 "effective config and the keys ignored, and exit: 0 when it loads, 2 when not");
+    app.add_flag("--print-key-table", print_key_table,
+                 "print the table of every DeepSpeed key (implemented, ignored or refused) in "
+                 "Markdown, docs/deepspeed-keys.md, and exit");
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -128,9 +136,13 @@ int Main(int argc, char** argv) {
       (void)session->Finalize();
       return rc;
     }
-    if (help_config) {
-      if (world.rank() == 0)
-        std::fputs(zinf::engine::DescribeConfigKeys(zinf::train::TrainAppKeys()).c_str(), stdout);
+    if (help_config || print_key_table) {
+      if (world.rank() == 0) {
+        const std::string text = help_config
+                                     ? zinf::engine::DescribeConfigKeys(zinf::train::TrainAppKeys())
+                                     : zinf::engine::DeepSpeedKeyTable();
+        std::fputs(text.c_str(), stdout);
+      }
       (void)session->Finalize();
       return 0;
     }
@@ -140,6 +152,8 @@ int Main(int argc, char** argv) {
         zinf::train::BuildTrainConfig(world, config_path, o);
     if (!config) {
       rc = Fail(config.error());
+    } else if (check_config) {
+      zinf::engine::LogEffectiveConfig(*config);
     } else {
       zinf::engine::LogEffectiveConfig(*config);
       zinf::Result<zinf::train::TrainSummary> summary =

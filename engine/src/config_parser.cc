@@ -52,8 +52,15 @@ class Parser {
     ZINF_RETURN_IF_ERROR(CheckScheduler());
     ZINF_RETURN_IF_ERROR(CheckOffload());
     ZINF_RETURN_IF_ERROR(CheckZinf());
+    ZINF_RETURN_IF_ERROR(CheckPrecision());
     ZINF_RETURN_IF_ERROR(ResolveBatchSizes());
     config_.world_size = ctx_.world_size;
+    if (!config_.ignored_keys.empty()) {
+      std::sort(config_.ignored_keys.begin(), config_.ignored_keys.end());
+      std::vector<std::string_view> keys(config_.ignored_keys.begin(), config_.ignored_keys.end());
+      ZINF_LOG_INFO("config: ignored, no effect in zinf: {} (docs/deepspeed-keys.md says why)",
+                    JoinQuoted(keys, ""));
+    }
     return std::move(config_);
   }
 
@@ -65,11 +72,9 @@ class Parser {
       const std::string path = prefix.empty() ? key : prefix + "." + key;
       const KeySpec* spec = schema_.Find(path);
       if (spec == nullptr) return UnknownKey(prefix, key, path);
-      if (!spec->unsupported.empty()) {
-        const std::string why =
-            spec->description.empty() ? "" : fmt::format(" ({})", spec->description);
-        return InvalidArgumentError(
-            fmt::format("{}: {}{}; remove it", path, spec->unsupported, why));
+      if (spec->kind != KeyKind::kImplemented) {
+        ZINF_RETURN_IF_ERROR(NotImplemented(*spec, path, value));
+        continue;
       }
       given_.insert(path);
       if (std::holds_alternative<std::monostate>(spec->field)) {
@@ -80,6 +85,21 @@ class Parser {
       ZINF_RETURN_IF_ERROR(SetLeaf(*spec, path, value));
     }
     return OkStatus();
+  }
+
+  // A DeepSpeed key zinf does not implement: accepted with no effect (its value, whatever it is,
+  // is not read further), or refused with what zinf does instead.
+  Status NotImplemented(const KeySpec& spec, const std::string& path, const Json& value) {
+    if (spec.kind == KeyKind::kIgnored || (spec.harmless != nullptr && spec.harmless(value))) {
+      config_.ignored_keys.push_back(path);
+      return OkStatus();
+    }
+    if (spec.harmless != nullptr) {
+      return InvalidArgumentError(fmt::format("{}: {} is not supported: {} ({})", path,
+                                              Shown(value), spec.why, spec.description));
+    }
+    return InvalidArgumentError(
+        fmt::format("{}: not supported: {} ({})", path, spec.why, spec.description));
   }
 
   Status UnknownKey(const std::string& prefix, const std::string& key, const std::string& path) {
@@ -94,7 +114,21 @@ class Parser {
 
   Status SetLeaf(const KeySpec& spec, const std::string& path, const Json& value) {
     Config& c = config_;
+    if (value.is_string() && value.get_ref<const std::string&>() == "auto" &&
+        !std::holds_alternative<Accessor<std::string>>(spec.field) &&
+        !std::holds_alternative<PathListAccess>(spec.field) &&
+        std::find(spec.choices.begin(), spec.choices.end(), "auto") == spec.choices.end()) {
+      return InvalidArgumentError(fmt::format(
+          "{}: \"auto\" is a placeholder that the Hugging Face Trainer fills in before DeepSpeed "
+          "reads the config; give the value itself",
+          path));
+    }
     if (auto* f = std::get_if<Accessor<bool>>(&spec.field)) {
+      if (value.is_string() && (value == "true" || value == "false")) {
+        return InvalidArgumentError(
+            fmt::format("{}: expected a boolean, got the string \"{}\"; write {} without quotes",
+                        path, value.get<std::string>(), value.get<std::string>()));
+      }
       if (!value.is_boolean()) return TypeError(path, "a boolean", value);
       *(*f)(c) = value.get<bool>();
     } else if (auto* fi = std::get_if<Accessor<int>>(&spec.field)) {
@@ -264,6 +298,22 @@ class Parser {
             s.total_num_steps, warmup);
       }
     }
+    if (s.type == SchedulerType::kOneCycle) {
+      for (std::string_view key : {"cycle_min_lr", "cycle_max_lr"}) {
+        if (!Given(fmt::format("scheduler.params.{}", key))) {
+          return InvalidArgumentError(
+              fmt::format("scheduler.params.{}: required by scheduler OneCycle", key));
+        }
+      }
+      // DeepSpeed's default of the second half: the first.
+      if (!Given("scheduler.params.cycle_second_step_size")) {
+        s.cycle_second_step_size = s.cycle_first_step_size;
+      }
+      if (s.cycle_momentum && s.cycle_min_mom > s.cycle_max_mom) {
+        ZINF_LOG_WARN("config: scheduler.params.cycle_min_mom {} > cycle_max_mom {}",
+                      s.cycle_min_mom, s.cycle_max_mom);
+      }
+    }
     if (s.type == SchedulerType::kWarmupLR || s.type == SchedulerType::kWarmupDecayLR) {
       if (s.warmup_min_lr > s.warmup_max_lr) {
         ZINF_LOG_WARN(
@@ -358,6 +408,14 @@ class Parser {
           "zinf.checkpoint.load: \"{}\" resumes from <dir>/latest, but zinf.checkpoint.dir is "
           "not set",
           checkpoint.load));
+    }
+    return OkStatus();
+  }
+
+  Status CheckPrecision() {
+    if (config_.fp16.enabled && config_.bf16) {
+      return InvalidArgumentError(
+          "fp16.enabled: fp16 and bf16 are both enabled; enable at most one (as DeepSpeed)");
     }
     return OkStatus();
   }

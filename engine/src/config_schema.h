@@ -98,8 +98,20 @@ constexpr unsigned SchedulerBit(SchedulerType type) { return 1u << static_cast<i
 inline constexpr unsigned kWarmupLRBit = SchedulerBit(SchedulerType::kWarmupLR);
 inline constexpr unsigned kWarmupDecayLRBit = SchedulerBit(SchedulerType::kWarmupDecayLR);
 inline constexpr unsigned kWarmupCosineLRBit = SchedulerBit(SchedulerType::kWarmupCosineLR);
+inline constexpr unsigned kOneCycleBit = SchedulerBit(SchedulerType::kOneCycle);
+inline constexpr unsigned kLRRangeTestBit = SchedulerBit(SchedulerType::kLRRangeTest);
 inline constexpr unsigned kAllSchedulersBits =
+    kWarmupLRBit | kWarmupDecayLRBit | kWarmupCosineLRBit | kOneCycleBit | kLRRangeTestBit;
+inline constexpr unsigned kWarmupSchedulersBits =
     kWarmupLRBit | kWarmupDecayLRBit | kWarmupCosineLRBit;
+
+// How zinf treats a key: the three kinds of docs/deepspeed-keys.md (DeepSpeedKeyTable()).
+enum class KeyKind {
+  kImplemented,  // read into Config with DeepSpeed's semantics and default (or zinf's own key)
+  kIgnored,      // a DeepSpeed key accepted with no effect: any value, its content not read;
+                 // named in the one INFO line "ignored, no effect in zinf: ..."
+  kRefused,      // an error that says what zinf does instead
+};
 
 // One key of the schema.
 struct KeySpec {
@@ -112,12 +124,18 @@ struct KeySpec {
   std::string_view default_text = {};              // overrides the printed default
   std::string_view alias_of = {};                  // old name of this other key (a WARN)
   unsigned scheduler_types = 0;                    // nonzero: only for these scheduler types
-  std::string_view unsupported = {};               // a DeepSpeed key zinf rejects: why
+  KeyKind kind = KeyKind::kImplemented;
+  // kIgnored: why the key has no effect in zinf; kRefused: what zinf does instead (the error).
+  std::string_view why = {};
+  // kRefused: the values that are harmless, so accepted as kIgnored (e.g. "enabled": false),
+  // described for the table by harmless_text.
+  bool (*harmless)(const Json& value) = nullptr;
+  std::string_view harmless_text = {};
 };
 
 // Only the scheduler types a config may name ("none" is the absence of the block).
-inline constexpr std::array<std::string_view, 3> kSchedulerChoicesForError = {
-    "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"};
+inline constexpr std::array<std::string_view, 5> kSchedulerChoicesForError = {
+    "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"};
 
 // THE engine's schema: every key it knows, in the order EffectiveConfigJson prints them.
 const std::vector<KeySpec>& EngineSchema();
@@ -134,7 +152,7 @@ class SchemaView {
   std::span<const AppKey> app_keys() const { return app_keys_; }
   const KeySpec* Find(std::string_view path) const;
   // The keys a section may hold (for suggestions): its children that are neither old names nor
-  // rejected DeepSpeed keys.
+  // refused DeepSpeed keys.
   std::vector<std::string_view> ChildKeys(std::string_view section) const;
 
  private:

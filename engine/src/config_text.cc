@@ -17,6 +17,59 @@ namespace zinf::engine {
 
 using namespace config_internal;  // NOLINT(google-build-using-namespace): the schema's vocabulary
 
+namespace {
+
+// The default of an implemented key as --help and the key table print it.
+std::string DefaultText(const KeySpec& spec, const Json& canonical) {
+  if (!spec.default_text.empty()) return std::string(spec.default_text);
+  if (std::holds_alternative<std::monostate>(spec.field)) return {};
+  const Json* source = &canonical;
+  Json with_scheduler;
+  if (spec.scheduler_types != 0) {  // scheduler params print under the first type they belong to
+    Config config;
+    for (SchedulerType t :
+         {SchedulerType::kWarmupLR, SchedulerType::kWarmupDecayLR, SchedulerType::kWarmupCosineLR,
+          SchedulerType::kOneCycle, SchedulerType::kLRRangeTest}) {
+      if ((spec.scheduler_types & SchedulerBit(t)) != 0) {
+        config.scheduler.type = t;
+        break;
+      }
+    }
+    with_scheduler = CanonicalJson(config);
+    source = &with_scheduler;
+  }
+  const Json::json_pointer ptr = PointerOf(spec.path);
+  return source->contains(ptr) ? source->at(ptr).dump() : "none";
+}
+
+// "for WarmupLR, WarmupDecayLR" of a scheduler parameter; empty for other keys.
+std::string SchedulerTypesText(const KeySpec& spec) {
+  if (spec.scheduler_types == 0 || spec.path == "scheduler.type") return {};
+  std::vector<std::string_view> types;
+  for (SchedulerType t :
+       {SchedulerType::kWarmupLR, SchedulerType::kWarmupDecayLR, SchedulerType::kWarmupCosineLR,
+        SchedulerType::kOneCycle, SchedulerType::kLRRangeTest}) {
+    if ((spec.scheduler_types & SchedulerBit(t)) != 0) types.push_back(SchedulerTypeName(t));
+  }
+  return fmt::format("for {}", JoinQuoted(types, ""));
+}
+
+// "refused unless false" / "refused".
+std::string KindText(const KeySpec& spec) {
+  switch (spec.kind) {
+    case KeyKind::kImplemented:
+      return spec.path.starts_with("zinf") ? "zinf's own" : "implemented";
+    case KeyKind::kIgnored:
+      return "ignored";
+    case KeyKind::kRefused:
+      return spec.harmless != nullptr ? fmt::format("refused unless {}", spec.harmless_text)
+                                      : "refused";
+  }
+  return {};
+}
+
+}  // namespace
+
 std::string DescribeConfigKeys(std::span<const AppKey> app_keys) {
   const SchemaView schema(app_keys);
   Config defaults;
@@ -27,43 +80,87 @@ std::string DescribeConfigKeys(std::span<const AppKey> app_keys) {
   std::string out =
       "config keys (DeepSpeed names and defaults where DeepSpeed has the key; unknown keys are "
       "errors):\n";
-  std::string rejected;
+  std::string ignored;
+  std::string refused;
   for (const KeySpec& spec : schema.specs()) {
-    if (!spec.unsupported.empty()) {
-      rejected += fmt::format("  {}{}{}\n", spec.path, spec.description.empty() ? "" : ": ",
-                              spec.description);
+    if (spec.kind == KeyKind::kIgnored) {
+      ignored += fmt::format("  {}: {}\n", spec.path, spec.why);
+      continue;
+    }
+    if (spec.kind == KeyKind::kRefused) {
+      refused += fmt::format("  {} ({}): {}\n", spec.path, KindText(spec), spec.why);
       continue;
     }
     std::string line = fmt::format("{} ({}", spec.path, TypeText(spec));
     if (!std::holds_alternative<std::monostate>(spec.field)) {
-      std::string default_text(spec.default_text);
-      if (default_text.empty()) {
-        Config with_scheduler;  // scheduler params print under their own type
-        with_scheduler.scheduler.type = SchedulerType::kWarmupCosineLR;
-        if (spec.scheduler_types != 0 && (spec.scheduler_types & kWarmupCosineLRBit) == 0) {
-          with_scheduler.scheduler.type = SchedulerType::kWarmupLR;
-        }
-        const Json source = spec.scheduler_types != 0 ? CanonicalJson(with_scheduler) : canonical;
-        const Json::json_pointer ptr = PointerOf(spec.path);
-        default_text = source.contains(ptr) ? source.at(ptr).dump() : "none";
-      }
-      line += fmt::format(", default {}", default_text);
+      line += fmt::format(", default {}", DefaultText(spec, canonical));
       if (spec.range.min != -kInf || spec.range.max != kInf) {
         line += fmt::format(", range {}", FormatRange(spec.range, IsIntegerKind(spec.field)));
       }
       if (spec.multiple_of != 0) line += fmt::format(", a multiple of {}", spec.multiple_of);
-      if (spec.scheduler_types != 0 && spec.path != "scheduler.type") {
-        std::vector<std::string_view> types;
-        for (SchedulerType t : {SchedulerType::kWarmupLR, SchedulerType::kWarmupDecayLR,
-                                SchedulerType::kWarmupCosineLR}) {
-          if ((spec.scheduler_types & SchedulerBit(t)) != 0) types.push_back(SchedulerTypeName(t));
-        }
-        line += fmt::format(", for {}", JoinQuoted(types, ""));
+      if (const std::string types = SchedulerTypesText(spec); !types.empty()) {
+        line += ", " + types;
       }
     }
     out += line + ")\n    " + std::string(spec.description) + "\n";
   }
-  out += "DeepSpeed keys zinf rejects (remove them):\n" + rejected;
+  out += "DeepSpeed keys accepted with no effect in zinf (named in one INFO line):\n" + ignored;
+  out += "DeepSpeed keys zinf refuses (the error says what to do instead):\n" + refused;
+  return out;
+}
+
+std::string DeepSpeedKeyTable() {
+  const SchemaView schema({});
+  const Json canonical = CanonicalJson(Config{});
+  auto cell = [](std::string text) {  // a Markdown table cell: no '|'
+    std::string out;
+    for (char ch : text) out += ch == '|' ? std::string("\\|") : std::string(1, ch);
+    return out;
+  };
+  std::string out =
+      "<!-- Generated by `zinf-train --print-key-table` from engine/src/config_schema.cc; do not "
+      "edit by hand (the test docs.deepspeed_key_table fails when this file is not that "
+      "output). -->\n"
+      "# DeepSpeed config keys in zinf\n\n"
+      "Every key of a DeepSpeed config is one of three kinds in zinf:\n\n"
+      "- **implemented**: DeepSpeed's name, default and meaning (the deliberate differences are "
+      "in the last column);\n"
+      "- **ignored**: accepted with any value and no effect; the keys a config gives are named "
+      "in one INFO line at start, `config: ignored, no effect in zinf: ...`;\n"
+      "- **refused**: an error that says what zinf does instead. Many are refused only for "
+      "values that ask for something (\"refused unless false\": `false` is accepted as "
+      "ignored).\n\n"
+      "An ignored or refused section is taken as a whole: its content is not read. Keys not in "
+      "this table are errors that name the nearest valid key, and so is `\"auto\"` (the Hugging "
+      "Face Trainer's placeholder) as a value. zinf's own keys, under `zinf`, follow the "
+      "DeepSpeed ones.\n\n"
+      "| key | kind | type, default | what zinf does |\n"
+      "|---|---|---|---|\n";
+  for (const KeySpec& spec : schema.specs()) {
+    if (!spec.alias_of.empty()) {
+      out += fmt::format("| `{}` | implemented | old name of `{}` (a WARN line) | {} |\n",
+                         spec.path, spec.alias_of, cell(std::string(spec.description)));
+      continue;
+    }
+    std::string type;
+    std::string what(spec.description);
+    if (spec.kind == KeyKind::kImplemented) {
+      type = TypeText(spec);
+      if (!std::holds_alternative<std::monostate>(spec.field)) {
+        type += fmt::format(", {}", DefaultText(spec, canonical));
+        if (spec.range.min != -kInf || spec.range.max != kInf) {
+          type += fmt::format(", {}", FormatRange(spec.range, IsIntegerKind(spec.field)));
+        }
+        if (const std::string types = SchedulerTypesText(spec); !types.empty()) {
+          what += fmt::format(" ({})", types);
+        }
+      }
+    } else {
+      what = fmt::format("{}: {}", spec.description, spec.why);
+    }
+    out +=
+        fmt::format("| `{}` | {} | {} | {} |\n", spec.path, KindText(spec), cell(type), cell(what));
+  }
   return out;
 }
 

@@ -31,6 +31,7 @@
 #include "zinf/core/process_stats.h"
 #include "zinf/core/units.h"
 #include "zinf/engine/config_options.h"
+#include "zinf/engine/loss_scaler.h"
 #include "zinf/engine/lr_schedule.h"
 #include "zinf/partition/plan.h"
 #include "zinf/storage/aligned_buffer.h"
@@ -79,6 +80,17 @@ class StopSignals {
   std::array<struct sigaction, 4> old_{};
 };
 
+// What the working weights hold: fp32 values, or values rounded to bf16 / fp16.
+enum class Working { kFp32, kBf16, kFp16 };
+
+Working WorkingOf(const Config& config) {
+  if (config.bf16) return Working::kBf16;
+  return config.fp16.enabled ? Working::kFp16 : Working::kFp32;
+}
+
+// fp16 round-to-nearest-even, kept in fp32 (beyond the fp16 range: infinity).
+float RoundToFp16(float x) { return static_cast<float>(static_cast<_Float16>(x)); }
+
 // bf16 round-to-nearest-even, kept in fp32 (the value the bf16 working weights hold).
 float RoundToBf16(float x) {
   std::uint32_t bits;
@@ -103,6 +115,7 @@ struct ZeroEngine::State {
   std::unique_ptr<comm::CollectiveBackend> backend;
   std::unique_ptr<swapper::OptimizerSwapper> swapper;
   std::optional<StopSignals> stop_signals;
+  std::optional<LossScaler> scaler;  // fp16 (scale 1 without)
   std::uint64_t total_numel = 0;
   std::uint64_t partition_numel = 0;
   std::vector<float> partition_grad;  // this rank's reduced gradient (in-memory accumulation)
@@ -139,17 +152,23 @@ struct ZeroEngine::State {
   }
 
   // The reverse: rank `rank`'s partition elements [partition_offset, + in.size()) into the
-  // parameters' weights, rounded to bf16 values with `bf16`.
+  // parameters' weights, rounded to the working precision.
   void UnpackWeights(int rank, std::uint64_t partition_offset, std::span<const float> in,
-                     bool bf16) const {
+                     Working working) const {
     for (const partition::Fragment& f :
          plan->FragmentsInPartitionRange(rank, partition_offset, in.size())) {
       float* dst = params[f.param_index].weights.data() + f.param_offset;
       const float* src = in.data() + (f.partition_offset - partition_offset);
-      if (bf16) {
-        for (std::uint64_t k = 0; k < f.numel; ++k) dst[k] = RoundToBf16(src[k]);
-      } else {
-        std::copy_n(src, f.numel, dst);
+      switch (working) {
+        case Working::kBf16:
+          for (std::uint64_t k = 0; k < f.numel; ++k) dst[k] = RoundToBf16(src[k]);
+          break;
+        case Working::kFp16:
+          for (std::uint64_t k = 0; k < f.numel; ++k) dst[k] = RoundToFp16(src[k]);
+          break;
+        case Working::kFp32:
+          std::copy_n(src, f.numel, dst);
+          break;
       }
     }
   }
@@ -157,7 +176,9 @@ struct ZeroEngine::State {
 
 ZeroEngine::ZeroEngine(const comm::Communicator& world, const Config& config,
                        const EngineOptions& options)
-    : world_(world), config_(config), options_(options), state_(std::make_unique<State>()) {}
+    : world_(world), config_(config), options_(options), state_(std::make_unique<State>()) {
+  state_->scaler.emplace(config.fp16);
+}
 
 ZeroEngine::~ZeroEngine() {
   if (closed_) return;
@@ -168,8 +189,10 @@ ZeroEngine::~ZeroEngine() {
 const partition::ParamLayout& ZeroEngine::layout() const { return state_->plan->layout(); }
 
 double ZeroEngine::next_lr() const {
-  return LearningRate(config_.scheduler, config_.optimizer.lr, step_);
+  return LearningRate(config_.scheduler, config_.optimizer.lr, step_ - skipped_steps_);
 }
+
+double ZeroEngine::loss_scale() const { return state_->scaler->scale(); }
 
 namespace {
 
@@ -418,6 +441,22 @@ Status ZeroEngine::Restore(const std::string& path) {
   resumed_world_size_ = restored.world_size;
   step_ = restored.step;
   const Json& trainer = restored.trainer;
+  // fp16: the skipped steps and the loss scale go on where they were (older checkpoints and
+  // runs without fp16 have none: no step skipped, the config's first scale).
+  skipped_steps_ = 0;
+  if (trainer.is_object() && trainer.contains("skipped_steps")) {
+    const Json& skipped = trainer["skipped_steps"];
+    if (!skipped.is_number_integer() || skipped.get<std::int64_t>() < 0 ||
+        skipped.get<std::int64_t>() > step_) {
+      return DataLossError(fmt::format("checkpoint {}: bad skipped_steps {} (step {})",
+                                       restored.path, skipped.dump(), step_));
+    }
+    skipped_steps_ = skipped.get<std::int64_t>();
+  }
+  if (trainer.is_object() && trainer.contains("loss_scaler")) {
+    ZINF_RETURN_IF_ERROR(Annotate(s.scaler->Restore(trainer["loss_scaler"]),
+                                  fmt::format("checkpoint {}: ", restored.path)));
+  }
   // A checkpoint of this engine holds the user's JSON under "user"; one of an older zinf-train
   // holds the trainer's state itself.
   user_state_ =
@@ -445,7 +484,7 @@ Status ZeroEngine::ReadPartition() {
       const std::span<float> piece =
           buffer.first(std::min<std::uint64_t>(buffer.size(), sg.numel - at));
       ZINF_RETURN_IF_ERROR(s.swapper->ReadState(i, swapper::StateTensor::kFp32, at, piece));
-      s.UnpackWeights(world_.rank(), sg.partition_offset + at, piece, /*bf16=*/false);
+      s.UnpackWeights(world_.rank(), sg.partition_offset + at, piece, Working::kFp32);
     }
   }
   return OkStatus();
@@ -466,7 +505,8 @@ Status ZeroEngine::Gather() {
     s.PackWeights(world_.rank(), at, send);
     ZINF_RETURN_IF_ERROR(s.backend->Allgather(send, recv));
     for (int r = 0; r < world; ++r) {
-      s.UnpackWeights(r, at, recv.subspan(static_cast<std::uint64_t>(r) * n, n), config_.bf16);
+      s.UnpackWeights(r, at, recv.subspan(static_cast<std::uint64_t>(r) * n, n),
+                      WorkingOf(config_));
     }
   }
   return OkStatus();
@@ -592,15 +632,26 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(calls));
   ZINF_RETURN_IF_ERROR(handed);
   // 2: the global norm of the averaged gradient, the loss and the stop flag, in one allreduce.
+  // With fp16 the gradient is of the loss times the scale: the norm is divided by it, and a
+  // non-finite sum (an Inf or NaN anywhere, on any rank: the same sum everywhere) is an overflow.
+  LossScaler& scaler = *s.scaler;
+  const double scale = scaler.scale();
   const double average = 1.0 / (static_cast<double>(gas) * world_.size());
   ZINF_ASSIGN_OR_RETURN(const double squared, PartitionGradSquaredSum());
   const double my_loss = loss.value_or(std::numeric_limits<double>::quiet_NaN());
   std::array<double, 3> sums = {squared, my_loss, g_stop_signal.load() != 0 ? 1.0 : 0.0};
   ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<double>(sums, ReduceOp::kSum));
-  info.grad_norm = std::sqrt(sums[0]) * average;
+  info.grad_norm = std::sqrt(sums[0]) * average / scale;
   info.loss = sums[1] / world_.size();
   info.stop_requested = sums[2] > 0;
   info.stop_signal = g_stop_signal.load();
+  info.loss_scale = scale;
+  if (scaler.enabled() && !std::isfinite(sums[0])) {
+    // Skipped: no swap I/O, the weights and the schedule stay; the gradient was consumed.
+    ZINF_RETURN_IF_ERROR(scaler.Update(/*overflow=*/true));
+    return FinishStep(info, /*skipped=*/true, io_start, store.io_counters(), store.io_counters(),
+                      0.0);
+  }
   double clip = 1.0;
   if (config_.gradient_clipping > 0 && info.grad_norm > config_.gradient_clipping) {
     clip = config_.gradient_clipping / (info.grad_norm + 1e-6);
@@ -617,12 +668,17 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   if (!std::isfinite(info.grad_norm) || (loss && !std::isfinite(info.loss))) {
     return FailedPreconditionError(fmt::format(
         "step {}: the loss ({}) or the gradient norm ({}) is not finite; lower the learning rate "
-        "or set gradient_clipping",
-        step, info.loss, info.grad_norm));
+        "or set gradient_clipping{}",
+        step, info.loss, info.grad_norm,
+        config_.bf16 ? "" : " (fp16.enabled skips such steps and lowers the loss scale)"));
   }
   // 3: the swapped optimizer step; the sink writes this rank's new weights into the
-  // parameters (its own part of them), from where step 4 gathers them.
-  info.lr = LearningRate(config_.scheduler, config_.optimizer.lr, step - 1);
+  // parameters (its own part of them), from where step 4 gathers them. Skipped steps advance
+  // neither Adam's step count nor the schedule (DeepSpeed).
+  const std::int64_t applied = step - skipped_steps_;
+  info.lr = LearningRate(config_.scheduler, config_.optimizer.lr, applied - 1);
+  const std::array<double, 2> betas =
+      AdamBetas(config_.scheduler, config_.optimizer.betas, applied - 1);
   swapper::GradientSwapper* gradients = s.swapper->gradient_swapper();
   const swapper::GradientSource source =
       gradients != nullptr
@@ -634,27 +690,51 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   const swapper::ParamSink sink = [&s, rank = world_.rank()](const partition::SubGroup& sg,
                                                              std::span<const float> fp32,
                                                              std::span<const std::uint16_t>) {
-    s.UnpackWeights(rank, sg.partition_offset, fp32.first(sg.numel), /*bf16=*/false);
+    s.UnpackWeights(rank, sg.partition_offset, fp32.first(sg.numel), Working::kFp32);
     return OkStatus();
   };
   const double optimizer_start = MonotonicSeconds();
   const storage::SwapStore::IoCounters io_optimizer_start = store.io_counters();
   {
     comm::ScopedTimer timer(s.timers, "optimizer_step");
-    ZINF_RETURN_IF_ERROR(s.swapper->Step(
-        step, source, sink, {.lr = info.lr, .grad_scale = static_cast<float>(average * clip)}));
+    ZINF_RETURN_IF_ERROR(s.swapper->Step(step, source, sink,
+                                         {.lr = info.lr,
+                                          .grad_scale = static_cast<float>(average * clip / scale),
+                                          .betas = betas,
+                                          .adam_step = applied}));
   }
   const double optimizer_seconds = MonotonicSeconds() - optimizer_start;
   const storage::SwapStore::IoCounters io_optimizer_end = store.io_counters();
   s.swap_seconds += optimizer_seconds;
-  step_ = step;
+  // The scale for the next step (a clean step may double it).
+  ZINF_RETURN_IF_ERROR(scaler.Update(/*overflow=*/false));
   // 4: the updated partitions into every parameter's weights.
+  step_ = step;
   ZINF_RETURN_IF_ERROR(Gather());
+  return FinishStep(info, /*skipped=*/false, io_start, io_optimizer_start, io_optimizer_end,
+                    optimizer_seconds);
+}
+
+// The end of Step, applied or skipped: the per-step figures (peak RSS and the slowest rank's
+// times; swap bytes as the store counted them, summed over the ranks, over the whole step and
+// within the optimizer step), the report, and the marks for the next step.
+Result<StepInfo> ZeroEngine::FinishStep(StepInfo info, bool skipped,
+                                        const storage::SwapStore::IoCounters& io_start,
+                                        const storage::SwapStore::IoCounters& io_optimizer_start,
+                                        const storage::SwapStore::IoCounters& io_optimizer_end,
+                                        double optimizer_seconds) {
+  State& s = *state_;
+  const storage::SwapStore& store = s.swapper->store();
+  if (skipped) {
+    step_ = info.step;
+    ++skipped_steps_;
+    info.skipped = true;
+  }
+  info.skipped_steps = skipped_steps_;
+  info.next_loss_scale = s.scaler->scale();
   const double now = MonotonicSeconds();
   const double step_seconds = now - s.last_step_end;
   const storage::SwapStore::IoCounters io_end = store.io_counters();
-  // Per-step figures: peak RSS and the slowest rank's times; swap bytes, as the store counted
-  // them, summed over the ranks: over the whole step and within the optimizer step.
   std::array<double, 3> maxima = {static_cast<double>(PeakRssBytes()), step_seconds,
                                   optimizer_seconds};
   ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<double>(maxima, ReduceOp::kMax));
@@ -711,13 +791,20 @@ Status ZeroEngine::Report(const StepInfo& info) {
       std::fflush(stderr);
     }
   }
-  if (print) {
+  if (info.skipped && options_.progress) {
+    ZINF_LOG_INFO("step {}{}: fp16 overflow, step skipped (loss scale {:g} -> {:g}, {} skipped)",
+                  info.step, total, info.loss_scale, info.next_loss_scale, info.skipped_steps);
+  } else if (print) {
+    std::string fp16;
+    if (config_.fp16.enabled) {
+      fp16 = fmt::format(" loss scale {:g} skipped {}", info.loss_scale, info.skipped_steps);
+    }
     ZINF_LOG_INFO(
         "step {}{} loss {:.6f} lr {:.2e} time {:.3f} s swap read {:.2f} GB/s write "
-        "{:.2f} GB/s ({:.2f} + {:.2f} B/element){}",
+        "{:.2f} GB/s ({:.2f} + {:.2f} B/element){}{}",
         info.step, total, info.loss, info.lr, info.step_seconds,
         gbps(info.optimizer_swap_read_bytes), gbps(info.optimizer_swap_write_bytes),
-        info.read_bytes_per_element, info.write_bytes_per_element,
+        info.read_bytes_per_element, info.write_bytes_per_element, fp16,
         info.clipped ? fmt::format(" (clipped, norm {:.3g})", info.grad_norm) : "");
   }
   if (config_.wall_clock_breakdown && print) {
@@ -738,6 +825,9 @@ Status ZeroEngine::Report(const StepInfo& info) {
                    {"read_bytes_per_element", info.read_bytes_per_element},
                    {"write_bytes_per_element", info.write_bytes_per_element},
                    {"peak_rss_bytes", info.peak_rss_bytes},
+                   {"loss_scale", info.loss_scale},
+                   {"skipped", info.skipped},
+                   {"skipped_steps", info.skipped_steps},
                    {"world_size", world_.size()}};
     if (info.stop_requested) record["stop_requested"] = true;
     written = storage::WriteAll(s.metrics.get(), record.dump() + "\n",
@@ -773,14 +863,17 @@ Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& use
   const Json effective = Json::parse(EffectiveConfigJson(config_));
   options.optimizer = effective.at("optimizer");
   options.config = effective;
-  options.trainer = Json{{"step", step_},
-                         {"world_size", world_.size()},
-                         {"train_batch_size", config_.train_batch_size},
-                         {"train_micro_batch_size_per_gpu", config_.train_micro_batch_size_per_gpu},
-                         {"gradient_accumulation_steps", config_.gradient_accumulation_steps},
-                         {"lr", LearningRate(config_.scheduler, config_.optimizer.lr, step_ - 1)},
-                         {"scheduler_last_batch_iteration", step_ - 1},
-                         {kUserStateKey, user_state.is_null() ? Json::object() : user_state}};
+  options.trainer = Json{
+      {"step", step_},
+      {"world_size", world_.size()},
+      {"train_batch_size", config_.train_batch_size},
+      {"train_micro_batch_size_per_gpu", config_.train_micro_batch_size_per_gpu},
+      {"gradient_accumulation_steps", config_.gradient_accumulation_steps},
+      {"lr", LearningRate(config_.scheduler, config_.optimizer.lr, step_ - skipped_steps_ - 1)},
+      {"scheduler_last_batch_iteration", step_ - skipped_steps_ - 1},
+      {"skipped_steps", skipped_steps_},
+      {"loss_scaler", s.scaler->ToJson()},
+      {kUserStateKey, user_state.is_null() ? Json::object() : user_state}};
   options.progress = options_.progress;
   comm::ScopedTimer timer(s.timers, "checkpoint");
   ZINF_ASSIGN_OR_RETURN(swapper::SavedCheckpoint saved,

@@ -280,15 +280,25 @@ Status CpuAdam::Prepare(std::int64_t step, std::size_t n, std::size_t grad_size,
     return InvalidArgumentError(
         fmt::format("adam lr override must be finite and >= 0, got {}", lr));
   }
+  const std::array<double, 2> betas =
+      extras.betas.value_or(std::array<double, 2>{options_.beta1, options_.beta2});
+  for (std::size_t k = 0; k < 2; ++k) {
+    if (!(betas[k] >= 0.0 && betas[k] < 1.0)) {
+      return InvalidArgumentError(
+          fmt::format("adam beta{} override must be in [0, 1), got {}", k + 1, betas[k]));
+    }
+  }
+  const double beta1 = betas[0];
+  const double beta2 = betas[1];
   // The per-step scalars, in double as torch's Python code computes them.
-  const double bc1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step));
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
   const bool decay = options_.weight_decay != 0.0;
   *scalars = {
-      .beta1 = static_cast<float>(options_.beta1),
-      .one_minus_beta1 = static_cast<float>(1.0 - options_.beta1),
-      .beta2 = static_cast<float>(options_.beta2),
-      .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
+      .beta1 = static_cast<float>(beta1),
+      .one_minus_beta1 = static_cast<float>(1.0 - beta1),
+      .beta2 = static_cast<float>(beta2),
+      .one_minus_beta2 = static_cast<float>(1.0 - beta2),
       .step_size = static_cast<float>(lr / bc1),
       .bc2_sqrt = static_cast<float>(std::sqrt(bc2)),
       .eps = static_cast<float>(options_.eps),

@@ -361,16 +361,18 @@ Status OptimizerSwapper::Compute(std::int64_t step, std::size_t sub_group, const
   comm::ScopedTimer timer(timers_, "optimizer_step");
   const std::size_t numel = infos_[sub_group].sub_group.numel;
   std::span<float> grad = lease.floats(gradient_buffer()).first(numel);
-  const StepExtras extras{.grad_scale = options.grad_scale, .lr = options.lr};
+  const StepExtras extras{
+      .grad_scale = options.grad_scale, .lr = options.lr, .betas = options.betas};
+  const std::int64_t adam_step = options.adam_step > 0 ? options.adam_step : step;
   if (options_.state_format == StateFormat::kQ8) {
     const Q8Moments moments = ViewQ8Moments(lease.bytes(1), Q8MomentsLayout::For(numel));
-    ZINF_RETURN_IF_ERROR(Annotate(adam_.StepQ8(step, lease.floats(0).first(numel), grad,
+    ZINF_RETURN_IF_ERROR(Annotate(adam_.StepQ8(adam_step, lease.floats(0).first(numel), grad,
                                                moments.exp_avg, moments.exp_avg_sq, extras),
                                   "adam (q8): "));
   } else {
     ZINF_RETURN_IF_ERROR(
-        Annotate(adam_.Step(step, lease.floats(0).first(numel), grad, lease.floats(1).first(numel),
-                            lease.floats(2).first(numel), extras),
+        Annotate(adam_.Step(adam_step, lease.floats(0).first(numel), grad,
+                            lease.floats(1).first(numel), lease.floats(2).first(numel), extras),
                  "adam: "));
   }
   if (options_.bf16_params) {

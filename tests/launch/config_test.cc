@@ -70,7 +70,6 @@ TEST(TrainConfig, MinimalConfigGetsDeepSpeedDefaults) {
   EXPECT_FALSE(offload.pin_memory);
   EXPECT_FALSE(offload.pipeline_read);
   EXPECT_FALSE(offload.pipeline_write);
-  EXPECT_FALSE(offload.fast_init);
   EXPECT_EQ(c.aio.block_size, 1'048'576u);
   EXPECT_EQ(c.aio.queue_depth, 8);
   EXPECT_EQ(c.aio.intra_op_parallelism, 1);
@@ -116,7 +115,11 @@ TEST(TrainConfig, FullDeepSpeedConfigParses) {
               ::testing::ElementsAre("/local_nvme/2/a", "/local_nvme/2/b3"));
   EXPECT_EQ(c.aio.block_size, 262144u);
   EXPECT_EQ(c.aio.intra_op_parallelism, 2);
-  EXPECT_EQ(c.checkpoint.tag_validation, TagValidation::kFail);
+  // DeepSpeed's checkpoint block and fast_init have no effect in zinf: named, not read.
+  EXPECT_THAT(c.ignored_keys,
+              ::testing::ElementsAre("checkpoint.load_universal", "checkpoint.tag_validation",
+                                     "checkpoint.use_node_local_storage",
+                                     "zero_optimization.offload_optimizer.fast_init"));
   EXPECT_EQ(c.zinf.pinned_budget_bytes, 2 * kGiB);
   EXPECT_EQ(c.zinf.io_engine, storage::EngineKind::kPosix);
   EXPECT_TRUE(c.zinf.verify_swap);
@@ -324,7 +327,13 @@ TEST(TrainConfig, DescribeConfigKeysListsEveryKeyWithDefaultAndRange) {
   EXPECT_THAT(help, HasSubstr("a multiple of 512"));
   EXPECT_THAT(help, HasSubstr("optimizer.type (one of Adam, AdamW, default \"Adam\")"));
   EXPECT_THAT(help, HasSubstr("scheduler.params.cos_min_ratio (number, default 0.0001"));
-  EXPECT_THAT(help, HasSubstr("DeepSpeed keys zinf rejects"));
+  EXPECT_THAT(help, HasSubstr("fp16.initial_scale_power (integer, default 16, range [0, 64])"));
+  EXPECT_THAT(help, HasSubstr("scheduler.params.cycle_momentum (boolean, default true, for "
+                              "OneCycle)"));
+  EXPECT_THAT(help, HasSubstr("DeepSpeed keys accepted with no effect in zinf"));
+  EXPECT_THAT(help, HasSubstr("  zero_optimization.overlap_comm: a GPU stream overlap"));
+  EXPECT_THAT(help, HasSubstr("DeepSpeed keys zinf refuses"));
+  EXPECT_THAT(help, HasSubstr("  amp (refused unless enabled false or absent): zinf has no Apex"));
 }
 
 TEST(TrainConfig, MissingFileIsNotFound) {

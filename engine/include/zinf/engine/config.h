@@ -5,26 +5,33 @@
 //                         zinf::engine::LoadConfig(world, "ds.json"));   // collective
 //   LogEffectiveConfig(config);                                          // rank 0 prints it
 //
-// Keys. DeepSpeed's key names and defaults wherever DeepSpeed has the key: train_batch_size,
-// train_micro_batch_size_per_gpu, gradient_accumulation_steps, gradient_clipping, steps_per_print,
-// wall_clock_breakdown, bf16 {enabled}, optimizer {type, params {lr, betas, eps, weight_decay,
-// adam_w_mode, amsgrad}}, scheduler {type, params}, zero_optimization {stage, sub_group_size,
-// reduce_bucket_size, allgather_bucket_size, offload_optimizer {device, nvme_path, buffer_count,
-// pin_memory, pipeline_read, pipeline_write, fast_init}}, aio {block_size, queue_depth,
-// intra_op_parallelism (old name: thread_count), single_submit, overlap_events}, checkpoint
-// {tag_validation, load_universal, use_node_local_storage}. What DeepSpeed lacks lives in the
-// `zinf` section: pinned budget, io engine, verify_swap, keep_swap, swap_gradients, adam_threads,
-// job_id, checkpoint {dir, every, keep_last, load} (DeepSpeed's `checkpoint` block has no
-// directory/interval keys, so zinf's are under zinf.checkpoint). An application adds its own keys
-// (AppKey: zinf-train's model, data, seed and steps). The whole schema (path, type, default, range,
-// description) is one table in engine/src/config_schema.cc; DescribeConfigKeys() prints it.
+// Keys. Every key of DeepSpeed's documented config is one of three kinds, listed with its reason
+// in docs/deepspeed-keys.md (generated from the schema by DeepSpeedKeyTable(), so the two cannot
+// drift):
+//   - implemented, with DeepSpeed's name, default and semantics: the batch keys,
+//     gradient_clipping, steps_per_print, wall_clock_breakdown, fp16 (loss scaling), bf16,
+//     optimizer (Adam, AdamW), scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle,
+//     LRRangeTest), zero_optimization {stage, sub_group_size, reduce_bucket_size,
+//     allgather_bucket_size, offload_optimizer {device, nvme_path, buffer_count, pin_memory,
+//     pipeline_read, pipeline_write}}, aio;
+//   - accepted with no effect in zinf (GPU performance hints such as overlap_comm or
+//     stage3_prefetch_bucket_size, monitors, profilers): any value, named in one INFO line
+//     "ignored, no effect in zinf: ..." and kept in Config::ignored_keys;
+//   - refused with an error that says what zinf does instead (offload_param to nvme, amp,
+//     zero_quantized_weights, ...); many are refused only for values that ask for something
+//     (e.g. "amp": {"enabled": false} is accepted with no effect).
+// What DeepSpeed lacks lives in the `zinf` section: pinned budget, io engine, optimizer_state,
+// verify_swap, keep_swap, swap_gradients, adam_threads, job_id, checkpoint {dir, every,
+// keep_last, load}. An application adds its own keys (AppKey: zinf-train's model, data, seed and
+// steps). The whole schema (path, kind, type, default, range, description) is one table in
+// engine/src/config_schema.cc; DescribeConfigKeys() prints it for --help.
 //
 // Deliberate differences from DeepSpeed (each documented at its field):
 //   - zero_optimization.stage defaults to 1 (DeepSpeed: 0); zinf always partitions the optimizer
 //     state, so stage 0 is out of range.
 //   - optimizer.type accepts only Adam and AdamW (case-insensitive, printed canonically).
-//   - Unknown keys are errors, and well-known DeepSpeed keys zinf does not implement (fp16,
-//     offload_param, overlap_comm, ...) are errors that say so, instead of being ignored.
+//   - Unknown keys are errors (with the nearest valid key), and so is "auto", the Hugging Face
+//     Trainer's placeholder, where a value is needed.
 //
 // Strictness. Every error is InvalidArgument and starts with the key path:
 //   "zero_optimization.sub_grop_size: unknown key; did you mean 'sub_group_size'?"
@@ -67,18 +74,23 @@ struct ConfigContext {
 };
 
 enum class OptimizerType { kAdam, kAdamW };
-enum class SchedulerType { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
+enum class SchedulerType {
+  kNone,
+  kWarmupLR,
+  kWarmupDecayLR,
+  kWarmupCosineLR,
+  kOneCycle,
+  kLRRangeTest
+};
 enum class WarmupType { kLog, kLinear };
 enum class OffloadDevice { kNone, kCpu, kNvme };
-enum class TagValidation { kIgnore, kWarn, kFail };
 
 // DeepSpeed's names: "Adam", "AdamW"; "WarmupLR", ... ("none" for kNone); "log", "linear";
-// "none", "cpu", "nvme"; "Ignore", "Warn", "Fail".
+// "none", "cpu", "nvme".
 std::string_view OptimizerTypeName(OptimizerType type);
 std::string_view SchedulerTypeName(SchedulerType type);
 std::string_view WarmupTypeName(WarmupType type);
 std::string_view OffloadDeviceName(OffloadDevice device);
-std::string_view TagValidationName(TagValidation value);
 
 // optimizer {type, params {...}}. DeepSpeed's defaults.
 struct OptimizerConfig {
@@ -98,6 +110,14 @@ struct OptimizerConfig {
 //   WarmupDecayLR:  the WarmupLR params + total_num_steps (required)
 //   WarmupCosineLR: total_num_steps (required), warmup_min_ratio, warmup_num_steps,
 //                   cos_min_ratio, warmup_type
+//   OneCycle:       cycle_min_lr, cycle_max_lr (both required), decay_lr_rate,
+//                   cycle_first_step_size, cycle_second_step_size, decay_step_size,
+//                   cycle_momentum, cycle_min_mom, cycle_max_mom, decay_mom_rate (the stair
+//                   counts only at 0: zinf's cycle is continuous)
+//   LRRangeTest:    lr_range_test_min_lr, lr_range_test_step_size, lr_range_test_step_rate,
+//                   lr_range_test_staircase
+// Every type also takes last_batch_iteration, DeepSpeed's resume position: only its default -1
+// (zinf resumes a schedule from the checkpoint's step).
 struct SchedulerConfig {
   SchedulerType type = SchedulerType::kNone;
   double warmup_min_lr = 0.0;            // >= 0, absolute lr (WarmupLR, WarmupDecayLR)
@@ -107,6 +127,23 @@ struct SchedulerConfig {
   std::int64_t total_num_steps = 0;  // >= 1 where required; 0 = not given
   double warmup_min_ratio = 0.0;     // [0, 1], fraction of optimizer lr (WarmupCosineLR)
   double cos_min_ratio = 1e-4;       // [0, 1], fraction of optimizer lr (WarmupCosineLR)
+  // OneCycle (DeepSpeed's defaults; cycle_min_lr and cycle_max_lr are required).
+  double cycle_min_lr = 0.0;
+  double cycle_max_lr = 0.0;
+  double decay_lr_rate = 0.0;
+  double cycle_first_step_size = 2000;  // >= 1
+  double cycle_second_step_size = 0;    // 0: not given, = cycle_first_step_size
+  double decay_step_size = 0;           // 0: no decay after the cycle
+  bool cycle_momentum = true;           // beta1 cycles (and beta2 becomes 0.99)
+  double cycle_min_mom = 0.8;
+  double cycle_max_mom = 0.9;
+  double decay_mom_rate = 0.0;
+  // LRRangeTest.
+  double lr_range_test_min_lr = 1e-3;
+  double lr_range_test_step_size = 2000;  // > 0
+  double lr_range_test_step_rate = 1.0;
+  bool lr_range_test_staircase = false;
+  std::int64_t last_batch_iteration = -1;  // only -1
 };
 
 // zero_optimization.offload_optimizer. DeepSpeed's defaults.
@@ -124,7 +161,6 @@ struct OffloadOptimizerConfig {
   bool pin_memory = false;        // mlock the buffer pool
   bool pipeline_read = false;     // either pipeline flag selects the pipelined swapper
   bool pipeline_write = false;
-  bool fast_init = false;  // accepted for DeepSpeed compatibility; zinf's init is streamed anyway
 };
 
 // zero_optimization.
@@ -150,12 +186,18 @@ struct AioConfig {
   bool overlap_events = true;
 };
 
-// DeepSpeed's `checkpoint` block: accepted and recorded. zinf checkpoints are always universal
-// (restore on any world size) and collective, so only tag_validation has a meaning (trainer).
-struct DeepSpeedCheckpointConfig {
-  TagValidation tag_validation = TagValidation::kWarn;
-  bool load_universal = false;
-  bool use_node_local_storage = false;
+// fp16: DeepSpeed's fp16 mixed precision with loss scaling (loss_scaler.h). The working weights
+// are rounded to fp16 values while the master weights stay fp32 in the swap store; the loop
+// computes the gradient of its loss times ZeroEngine::loss_scale(); a step whose gradient holds
+// an Inf or NaN on any rank is skipped (no swap I/O) and the scale adjusted. DeepSpeed's defaults.
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0.0;                // > 0: that static scale; 0: dynamic
+  int initial_scale_power = 16;           // dynamic: the first scale is 2^this; [0, 64]
+  std::int64_t loss_scale_window = 1000;  // dynamic: clean steps before the scale doubles, >= 1
+  int hysteresis = 2;                     // dynamic: overflows before the scale halves, >= 1
+  bool consecutive_hysteresis = false;    // dynamic: a clean step refills the hysteresis
+  double min_loss_scale = 1.0;            // dynamic: the scale's floor, > 0
 };
 
 // zinf.checkpoint.
@@ -195,17 +237,20 @@ struct Config {
   std::int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
   bool bf16 = false;  // bf16.enabled: working weights in bf16 (SwapperOptions::bf16_params)
+  Fp16Config fp16;
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;
   ZeroConfig zero_optimization;
   AioConfig aio;
-  DeepSpeedCheckpointConfig checkpoint;
   ZinfConfig zinf;
   // The values of the application's own keys (AppKey), at their paths, defaults filled:
   // {"zinf": {"model": {"hidden": 256, ...}}}. Empty without application keys.
   nlohmann::ordered_json app;
   // The world size the batch arithmetic was checked against (ConfigContext). Not a key.
   int world_size = 1;
+  // The DeepSpeed keys the file gave that have no effect in zinf, sorted (the INFO line
+  // "ignored, no effect in zinf: ..."). Not a key, not part of ConfigHash.
+  std::vector<std::string> ignored_keys;
 };
 
 // A key an application adds to the schema for its own settings (zinf-train adds its model and
@@ -232,7 +277,8 @@ struct AppKey {
 //     batch: gas 1; all three must agree; neither train_batch_size nor the micro batch: error.
 //   - offload_optimizer.device "nvme" needs nvme_path; a WarmupDecayLR / WarmupCosineLR
 //     scheduler needs total_num_steps (WarmupCosineLR: more than max(2, warmup_num_steps)).
-// Logs a WARN line (every rank) for `aio.thread_count` and for questionable but valid values.
+// Logs a WARN line (every rank) for `aio.thread_count` and for questionable but valid values,
+// and one INFO line naming the keys accepted with no effect (Config::ignored_keys).
 // Errors: InvalidArgument whose message starts with the key path (see the top of the file).
 // `app_keys` must outlive the call.
 Result<Config> ParseConfig(std::string_view json_text, const ConfigContext& ctx,
@@ -267,6 +313,11 @@ ConfigContext ContextOf(const comm::Communicator& world);
 // Every key, one entry per key in schema order (the application's keys after the engine's):
 // path, type, default, range or choices and a description. For --help.
 std::string DescribeConfigKeys(std::span<const AppKey> app_keys = {});
+
+// docs/deepspeed-keys.md: every key of the engine's schema as a Markdown table (key, kind, type
+// and default, what zinf does), the DeepSpeed keys first. `zinf-train --print-key-table` prints
+// it, and a test checks that the docs file is this text.
+std::string DeepSpeedKeyTable();
 
 // The whole effective configuration as pretty JSON (2-space indent): every key of the schema
 // in schema order with its value (defaults filled, canonical spellings, nvme_path as written,

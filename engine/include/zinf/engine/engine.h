@@ -77,6 +77,7 @@
 #include "zinf/core/status.h"
 #include "zinf/engine/config.h"
 #include "zinf/partition/layout.h"
+#include "zinf/storage/swap_store.h"
 
 namespace zinf::engine {
 
@@ -115,7 +116,16 @@ struct StepInfo {
   double lr = 0;                 // its learning rate
   double loss = 0;               // the mean over ranks of the loss passed to Step (NaN if none)
   double grad_norm = 0;          // the global norm of the averaged gradient, before clipping
+                                 // (unscaled with fp16; Inf or NaN when the step overflowed)
   bool clipped = false;          // the gradient was scaled down to gradient_clipping
+  // fp16: the loss scale the step's gradient carried, and the one for the next step (1 and 1
+  // without fp16). A skipped step (an Inf or NaN in the gradient on some rank) did no swap I/O
+  // of the optimizer state and changed no weight; it counts as a step (StepInfo::step, step())
+  // but not for Adam's bias correction nor the learning-rate schedule (DeepSpeed).
+  double loss_scale = 1;
+  double next_loss_scale = 1;
+  bool skipped = false;
+  std::int64_t skipped_steps = 0;  // skipped steps so far, this one included
   double step_seconds = 0;       // since the previous Step returned (or Create), slowest rank
   double optimizer_seconds = 0;  // the swapped Adam step, slowest rank
   // Read and written by the swap stores since the previous Step returned, all ranks: the
@@ -184,9 +194,11 @@ class ZeroEngine {
   Status GradientReady(std::size_t index);
 
   // Collective. One optimizer step (see the top of the file); `loss` is this rank's loss, for
-  // the log, the metrics and StepInfo (optional). Errors, nothing stepped: FailedPrecondition
-  // for a non-finite loss or gradient norm, for a gradient that is zero on every rank (Step
-  // before any gradient was written), and for AccumulateGradients called a number of times
+  // the log, the metrics and StepInfo (optional). With fp16 a gradient holding an Inf or NaN on
+  // any rank skips the step (StepInfo::skipped) and adjusts the loss scale (LossScaler).
+  // Errors, nothing stepped: FailedPrecondition for a non-finite loss or gradient norm without
+  // fp16, for an fp16 overflow at fp16.min_loss_scale, for a gradient that is zero on every rank
+  // (Step before any gradient was written), and for AccumulateGradients called a number of times
   // other than 0 or gradient_accumulation_steps - 1; the swapper's errors.
   Result<StepInfo> Step(std::optional<double> loss = std::nullopt);
 
@@ -214,6 +226,12 @@ class ZeroEngine {
   std::int64_t step() const { return step_; }
   // The learning rate the next Step will use.
   double next_lr() const;
+  // fp16 (config fp16.enabled): the factor the loop multiplies its loss by before the backward
+  // pass, for the next Step (DeepSpeed's engine.backward does this); 1 without fp16. The
+  // gradients handed to the engine are of the scaled loss; the engine divides the scale out.
+  double loss_scale() const;
+  // Steps skipped for an fp16 overflow so far (a checkpoint keeps the count and the scale).
+  std::int64_t skipped_steps() const { return skipped_steps_; }
   // After a restore: the checkpoint read, its user JSON (null otherwise), the ranks it was saved
   // on.
   const std::string& resumed_from() const { return resumed_from_; }
@@ -238,6 +256,11 @@ class ZeroEngine {
   Status CreateBuckets();  // local
   Status HandGradient(int micro_batch);
   Result<double> PartitionGradSquaredSum();
+  Result<StepInfo> FinishStep(StepInfo info, bool skipped,
+                              const storage::SwapStore::IoCounters& io_start,
+                              const storage::SwapStore::IoCounters& io_optimizer_start,
+                              const storage::SwapStore::IoCounters& io_optimizer_end,
+                              double optimizer_seconds);
   Status Report(const StepInfo& info);
   Status LogPerNode();
 
@@ -246,6 +269,7 @@ class ZeroEngine {
   EngineOptions options_;
   std::unique_ptr<State> state_;
   std::int64_t step_ = 0;
+  std::int64_t skipped_steps_ = 0;
   std::string resumed_from_;
   nlohmann::json user_state_;
   int resumed_world_size_ = 0;

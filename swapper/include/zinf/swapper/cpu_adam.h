@@ -31,6 +31,7 @@
 // calls are serialized by an internal mutex. Distinct objects are independent.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -86,6 +87,9 @@ struct StepExtras {
   std::span<float> max_exp_avg_sq = {};      // amsgrad state: required (same size) iff amsgrad
   std::span<std::uint16_t> bf16_param = {};  // if non-empty (same size): bf16 bits of new param
   std::optional<double> lr = std::nullopt;   // overrides AdamOptions::lr for this step (schedules)
+  // Override AdamOptions::beta1 and beta2 for this step (OneCycle's momentum), each in [0, 1);
+  // the bias corrections use them too (1 - beta^step, as torch with a changed group beta).
+  std::optional<std::array<double, 2>> betas = std::nullopt;
 };
 
 // torch.nn.utils.clip_grad_norm_: max_norm / (global_norm + 1e-6), clamped to at most 1. Pass

@@ -47,6 +47,7 @@
 // CpuAdam, and a dup of `comm`. One thread at a time (the callbacks run on the calling thread).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -166,6 +167,11 @@ struct SubGroupSwapInfo {
 struct StepOptions {
   std::optional<double> lr;  // overrides AdamOptions::lr for this step
   float grad_scale = 1.0f;   // multiplies the gradient (clipping, loss-scale, averaging)
+  // Override AdamOptions' betas for this step (OneCycle's momentum).
+  std::optional<std::array<double, 2>> betas = std::nullopt;
+  // Adam's step count for the bias corrections when it differs from the swapper's step number
+  // (fp16 steps skipped on overflow advance the engine's step but not Adam's); 0: `step`.
+  std::int64_t adam_step = 0;
 };
 
 class OptimizerSwapper {
