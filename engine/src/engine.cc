@@ -189,7 +189,7 @@ ZeroEngine::~ZeroEngine() {
 const partition::ParamLayout& ZeroEngine::layout() const { return state_->plan->layout(); }
 
 double ZeroEngine::next_lr() const {
-  return LearningRate(config_.scheduler, config_.optimizer.lr, step_ - skipped_steps_);
+  return LearningRate(config_.scheduler, config_.optimizer.lr, step_ - skipped_steps_ - 1);
 }
 
 double ZeroEngine::loss_scale() const { return state_->scaler->scale(); }
@@ -675,10 +675,11 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   // 3: the swapped optimizer step; the sink writes this rank's new weights into the
   // parameters (its own part of them), from where step 4 gathers them. Skipped steps advance
   // neither Adam's step count nor the schedule (DeepSpeed).
+  // The k-th applied step runs at the scheduler's last_batch_iteration k - 2 (lr_schedule.h).
   const std::int64_t applied = step - skipped_steps_;
-  info.lr = LearningRate(config_.scheduler, config_.optimizer.lr, applied - 1);
+  info.lr = LearningRate(config_.scheduler, config_.optimizer.lr, applied - 2);
   const std::array<double, 2> betas =
-      AdamBetas(config_.scheduler, config_.optimizer.betas, applied - 1);
+      AdamBetas(config_.scheduler, config_.optimizer.betas, applied - 2);
   swapper::GradientSwapper* gradients = s.swapper->gradient_swapper();
   const swapper::GradientSource source =
       gradients != nullptr
@@ -792,12 +793,12 @@ Status ZeroEngine::Report(const StepInfo& info) {
     }
   }
   if (info.skipped && options_.progress) {
-    ZINF_LOG_INFO("step {}{}: fp16 overflow, step skipped (loss scale {:g} -> {:g}, {} skipped)",
+    ZINF_LOG_INFO("step {}{}: fp16 overflow, step skipped (loss scale {} -> {}, {} skipped)",
                   info.step, total, info.loss_scale, info.next_loss_scale, info.skipped_steps);
   } else if (print) {
     std::string fp16;
     if (config_.fp16.enabled) {
-      fp16 = fmt::format(" loss scale {:g} skipped {}", info.loss_scale, info.skipped_steps);
+      fp16 = fmt::format(" loss scale {} skipped {}", info.loss_scale, info.skipped_steps);
     }
     ZINF_LOG_INFO(
         "step {}{} loss {:.6f} lr {:.2e} time {:.3f} s swap read {:.2f} GB/s write "

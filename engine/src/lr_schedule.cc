@@ -10,27 +10,27 @@ namespace zinf::engine {
 
 namespace {
 
-// OneCycle's position: the phase factor f within the cycle, or the decay interval d after it.
+// OneCycle's position at last_batch_iteration `l`: the phase factor f within the cycle, or the
+// decay interval d after it.
 struct OneCyclePosition {
   bool in_cycle = true;
   double factor = 0;  // f, in the cycle
-  double decay = 0;   // d = (i - N) / decay_step_size after it; 0 without decay
+  double decay = 0;   // d = (l - N + 1) / decay_step_size after it; 0 without decay
 };
 
-OneCyclePosition OneCycleAt(const SchedulerConfig& s, double i) {
+OneCyclePosition OneCycleAt(const SchedulerConfig& s, double l) {
   const double first = s.cycle_first_step_size;
   const double total = first + s.cycle_second_step_size;
   OneCyclePosition at;
-  // DeepSpeed tests its last_batch_iteration, i - 1, against N.
-  if (i - 1.0 < total) {
+  if (l < total) {
     const double ratio = first / total;
-    const double cycle = std::floor(1.0 + i / total);
-    const double x = 1.0 + i / total - cycle;
+    const double b = l + 1.0;  // DeepSpeed's batch_iteration
+    const double x = 1.0 + b / total - std::floor(1.0 + b / total);
     at.factor = x <= ratio ? x / ratio : (x - 1.0) / (ratio - 1.0);
     return at;
   }
   at.in_cycle = false;
-  if (s.decay_step_size != 0) at.decay = (i - total) / s.decay_step_size;
+  if (s.decay_step_size != 0) at.decay = (l - total + 1.0) / s.decay_step_size;
   return at;
 }
 
@@ -38,12 +38,19 @@ OneCyclePosition OneCycleAt(const SchedulerConfig& s, double i) {
 
 double LearningRate(const SchedulerConfig& s, double base_lr, std::int64_t iteration) {
   if (s.type == SchedulerType::kNone) return base_lr;
-  if (iteration < 0) {
-    // OneCycle and LRRangeTest set their first value at construction already.
-    if (s.type != SchedulerType::kOneCycle && s.type != SchedulerType::kLRRangeTest) return 0.0;
-    iteration = 0;
-  }
+  if (iteration < -1) iteration = -1;
   const auto i = static_cast<double>(iteration);
+  if (iteration == -1) {  // what the constructors set for the first step
+    switch (s.type) {
+      case SchedulerType::kWarmupLR:
+      case SchedulerType::kWarmupDecayLR:
+        return s.warmup_min_lr;
+      case SchedulerType::kWarmupCosineLR:
+        return 0.0;
+      default:
+        break;  // OneCycle and LRRangeTest: their formula
+    }
+  }
   const auto warmup = static_cast<double>(std::max<std::int64_t>(2, s.warmup_num_steps));
   const auto total = static_cast<double>(s.total_num_steps);
   auto warm = [&] {
@@ -79,7 +86,7 @@ double LearningRate(const SchedulerConfig& s, double base_lr, std::int64_t itera
       return s.cycle_min_lr / (1.0 + s.decay_lr_rate * at.decay);
     }
     case SchedulerType::kLRRangeTest: {
-      double interval = i / s.lr_range_test_step_size;
+      double interval = (i + 1.0) / s.lr_range_test_step_size;
       if (s.lr_range_test_staircase) interval = std::floor(interval);
       return s.lr_range_test_min_lr * (1.0 + s.lr_range_test_step_rate * interval);
     }
@@ -92,7 +99,7 @@ std::array<double, 2> AdamBetas(const SchedulerConfig& s, std::array<double, 2> 
   if (s.type != SchedulerType::kOneCycle || !s.cycle_momentum) return betas;
   // DeepSpeed keeps 0.99 as the second beta of every momentum it sets.
   constexpr double kBeta2 = 0.99;
-  if (iteration <= 0) return {s.cycle_min_mom, kBeta2};  // OneCycle's constructor
+  if (iteration <= -1) return {s.cycle_min_mom, kBeta2};  // OneCycle's constructor
   const OneCyclePosition at = OneCycleAt(s, static_cast<double>(iteration));
   if (at.in_cycle) {
     return {s.cycle_max_mom - (s.cycle_max_mom - s.cycle_min_mom) * at.factor, kBeta2};

@@ -150,6 +150,8 @@ class Run {
   std::optional<TextDataset> data_;
   std::vector<float> weights_;  // the working weights, layout order (the engine writes them)
   std::vector<float> grads_;    // the gradient of the rank's micro-batches, layout order
+  // fp16: one micro-batch's unscaled gradient, before it is scaled and rounded into grads_.
+  std::vector<float> micro_grads_;
   std::unique_ptr<engine::ZeroEngine> engine_;
   std::string last_checkpoint_;
   std::int64_t last_checkpoint_step_ = -1;
@@ -261,7 +263,20 @@ Status Run::ForwardBackward(std::int64_t step, int micro_batch, double* loss_sum
     batch = SyntheticModel::MakeBatch(id, static_cast<std::size_t>(batch_size));
   }
   // The model accumulates into grads_, which the engine zeroes after taking it.
-  ZINF_ASSIGN_OR_RETURN(double loss, model_->ForwardBackward(weights_, batch, grads_));
+  if (!config_.fp16.enabled) {
+    ZINF_ASSIGN_OR_RETURN(double loss, model_->ForwardBackward(weights_, batch, grads_));
+    *loss_sum += loss;
+    return OkStatus();
+  }
+  // fp16: what a backward pass of the loss times the scale in fp16 gives: each micro-batch's
+  // gradient times the engine's loss scale, rounded to fp16 (beyond its range: Inf, and the
+  // engine skips the step and lowers the scale).
+  micro_grads_.assign(grads_.size(), 0.0f);
+  ZINF_ASSIGN_OR_RETURN(double loss, model_->ForwardBackward(weights_, batch, micro_grads_));
+  const auto scale = static_cast<float>(engine_->loss_scale());
+  for (std::size_t i = 0; i < grads_.size(); ++i) {
+    grads_[i] += static_cast<float>(static_cast<_Float16>(micro_grads_[i] * scale));
+  }
   *loss_sum += loss;
   return OkStatus();
 }

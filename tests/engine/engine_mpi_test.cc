@@ -86,11 +86,15 @@ struct Case {
   std::uint64_t gather = 500'000'000;  // zero_optimization.allgather_bucket_size
 };
 
-// DeepSpeed's WarmupLR, linear: min + (max - min) * i / max(2, warmup) for i < warmup.
-double RefLr(std::int64_t iteration) {
+// DeepSpeed's WarmupLR, linear, for 1-based step `step`: the scheduler's last_batch_iteration
+// is i = step - 2 (its constructor sets the first step's min); min + (max - min) * i /
+// max(2, warmup) for 0 <= i < warmup.
+double RefLr(std::int64_t step) {
   constexpr double kMin = 0.001, kMax = 0.01, kWarmup = 3;
-  if (iteration >= kWarmup) return kMax;
-  return kMin + (kMax - kMin) * static_cast<double>(iteration) / kWarmup;
+  const std::int64_t i = step - 2;
+  if (i < 0) return kMin;
+  if (i >= kWarmup) return kMax;
+  return kMin + (kMax - kMin) * static_cast<double>(i) / kWarmup;
 }
 
 std::string ConfigText(const Case& c, const std::string& swap_dir, const std::string& ckpt_dir) {
@@ -151,7 +155,7 @@ class Reference {
     }
     const double norm = std::sqrt(squared);
     const double clip = c_.clipping > 0 && norm > c_.clipping ? c_.clipping / (norm + 1e-6) : 1.0;
-    const double lr = RefLr(step - 1), beta1 = 0.9, beta2 = 0.99, eps = 1e-8, wd = 0.01;
+    const double lr = RefLr(step), beta1 = 0.9, beta2 = 0.99, eps = 1e-8, wd = 0.01;
     const double bc1 = 1 - std::pow(beta1, static_cast<double>(step));
     const double bc2 = 1 - std::pow(beta2, static_cast<double>(step));
     for (std::size_t i = 0; i < p_.size(); ++i) {
@@ -231,7 +235,7 @@ TEST_P(EngineMatchesReference, ForSeveralSteps) {
     const double norm = ref.Step(step);
     EXPECT_EQ(info.step, step);
     EXPECT_EQ(engine->step(), step);
-    EXPECT_NEAR(info.lr, RefLr(step - 1), 1e-12);
+    EXPECT_NEAR(info.lr, RefLr(step), 1e-12);
     EXPECT_NEAR(info.grad_norm, norm, 1e-6 * norm);
     EXPECT_NEAR(info.loss, 1.0 + (World().size() - 1) / 2.0, 1e-12);
     clipped_once |= info.clipped;

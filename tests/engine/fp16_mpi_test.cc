@@ -233,6 +233,13 @@ std::map<std::string, std::string> Snapshot(const std::string& root) {
   return files;
 }
 
+// DeepSpeed's WarmupLR (linear, 0.001 to 0.01 over 4) for the `applied`-th applied step (the
+// scheduler's last_batch_iteration is applied - 2; its constructor set the first step's lr).
+double RefLr(std::int64_t applied) {
+  const double i = static_cast<double>(std::max<std::int64_t>(applied - 2, 0));
+  return i < 4 ? 0.001 + (0.01 - 0.001) * i / 4 : 0.01;
+}
+
 // Data parallel AdamW in double over every rank's unscaled gradient, with the clip of the
 // global norm, for the steps the reference scaler does not skip.
 class RefAdam {
@@ -259,8 +266,7 @@ class RefAdam {
     }
     const double norm = std::sqrt(squared);
     const double clip = norm > 0.05 ? 0.05 / (norm + 1e-6) : 1.0;
-    const double i = static_cast<double>(applied - 1);
-    const double lr = i < 4 ? 0.001 + (0.01 - 0.001) * i / 4 : 0.01;
+    const double lr = RefLr(applied);
     const double bc1 = 1 - std::pow(0.9, static_cast<double>(applied));
     const double bc2 = 1 - std::pow(0.99, static_cast<double>(applied));
     for (std::size_t j = 0; j < p_.size(); ++j) {
@@ -359,8 +365,7 @@ TEST_P(Fp16Engine, ScalesAndSkipsExactlyAsTheReference) {
         const double norm = adam.Step(step, step - skipped, c.gas, World().size());
         EXPECT_NEAR(info.grad_norm, norm, 1e-6 * norm);
         EXPECT_TRUE(info.clipped);
-        const double i = static_cast<double>(step - skipped - 1);
-        EXPECT_NEAR(info.lr, i < 4 ? 0.001 + 0.009 * i / 4 : 0.01, 1e-12);
+        EXPECT_NEAR(info.lr, RefLr(step - skipped), 1e-12);
       }
       for (std::size_t i = 0; i < model.w.size(); ++i) {
         for (std::size_t k = 0; k < model.w[i].size(); ++k) {

@@ -8,3 +8,13 @@ target_compile_definitions(launch_config_test PRIVATE
 
 zinf_add_mpi_test(launch_config_mpi_test SOURCES config_mpi_test.cc LIBS zinf_train
                   NP 1 2 3 TIMEOUT 60)
+
+# Every key of the DeepSpeed key table behaves as its kind says, docs/deepspeed-keys.md is the
+# generated table, DeepSpeed's own configs (deepspeed_configs/) load or say what zinf does
+# instead, and every config in configs/ loads.
+zinf_add_unit_test(launch_deepspeed_keys_test SOURCES deepspeed_keys_test.cc LIBS zinf::engine
+                   TIMEOUT 60)
+target_compile_definitions(launch_deepspeed_keys_test PRIVATE
+    ZINF_DOCS_DIR="${PROJECT_SOURCE_DIR}/docs"
+    ZINF_DEEPSPEED_CONFIG_DIR="${CMAKE_CURRENT_SOURCE_DIR}/deepspeed_configs"
+    ZINF_CONFIGS_DIR="${PROJECT_SOURCE_DIR}/configs")

@@ -3,6 +3,7 @@
 #include "train/train_config.h"
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <cstdint>
@@ -377,6 +378,117 @@ TEST(LearningRate, WarmupLRMatchesDeepSpeed) {
   // warmup_num_steps below 2 counts as 2 (DeepSpeed).
   s.warmup_num_steps = 0;
   EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 1), 1e-4 + (0.01 - 1e-4) * 0.5);
+}
+
+// What DeepSpeed's constructors set for the first step (last_batch_iteration -1).
+TEST(LearningRate, FirstStepIsTheConstructorsValue) {
+  SchedulerConfig s{.type = SchedulerType::kWarmupLR, .warmup_min_lr = 2e-4};
+  EXPECT_EQ(LearningRate(s, 1.0, -1), 2e-4);
+  s.type = SchedulerType::kWarmupDecayLR;
+  EXPECT_EQ(LearningRate(s, 1.0, -1), 2e-4);
+  s.type = SchedulerType::kWarmupCosineLR;
+  s.warmup_min_ratio = 0.5;
+  EXPECT_EQ(LearningRate(s, 1.0, -1), 0.0);
+}
+
+// DeepSpeed's OneCycle (lr_schedules.py) worked by hand at chosen last_batch_iterations: min
+// 0.1, max 0.5, both halves 4 steps, decay_step_size 2, decay_lr_rate 0.5, momentum 0.85 to
+// 0.95 with decay_mom_rate 0.1. The cycle: b = L + 1, x = b / 8 - floor(b / 8), f = x / 0.5
+// rising and (x - 1) / (0.5 - 1) falling; after it (L >= 8) d = (L - 7) / 2.
+TEST(LearningRate, OneCycleMatchesDeepSpeed) {
+  const SchedulerConfig s{.type = SchedulerType::kOneCycle,
+                          .cycle_min_lr = 0.1,
+                          .cycle_max_lr = 0.5,
+                          .decay_lr_rate = 0.5,
+                          .cycle_first_step_size = 4,
+                          .cycle_second_step_size = 4,
+                          .decay_step_size = 2,
+                          .cycle_min_mom = 0.85,
+                          .cycle_max_mom = 0.95,
+                          .decay_mom_rate = 0.1};
+  const std::array<double, 2> adam = {0.9, 0.999};
+  struct Row {
+    std::int64_t l;
+    double lr, beta1;
+  };
+  for (const Row& r : {Row{-1, 0.1, 0.85},  // the constructor: lr min, beta1 cycle_min_mom
+                       Row{0, 0.2, 0.925}, Row{1, 0.3, 0.90}, Row{2, 0.4, 0.875},
+                       Row{3, 0.5, 0.85},  // the peak: x = 0.5
+                       Row{4, 0.4, 0.875}, Row{6, 0.2, 0.925}, Row{7, 0.1, 0.95},
+                       Row{8, 0.1 / 1.25, 0.95 * 1.05},   // d = 0.5
+                       Row{9, 0.1 / 1.5, 0.95 * 1.1}}) {  // d = 1: beta1 above 1, as DeepSpeed
+    SCOPED_TRACE(r.l);
+    EXPECT_NEAR(LearningRate(s, 123.0, r.l), r.lr, 1e-15);
+    const std::array<double, 2> betas = AdamBetas(s, adam, r.l);
+    EXPECT_NEAR(betas[0], r.beta1, 1e-15);
+    EXPECT_EQ(betas[1], 0.99);  // DeepSpeed's second beta under OneCycle
+  }
+  // Without cycle_momentum the optimizer's betas stay; other schedules never touch them.
+  SchedulerConfig flat = s;
+  flat.cycle_momentum = false;
+  EXPECT_EQ(AdamBetas(flat, adam, 3), adam);
+  EXPECT_EQ(AdamBetas(SchedulerConfig{.type = SchedulerType::kWarmupLR}, adam, 3), adam);
+  // No decay (decay_step_size 0): the cycle's ends hold after it.
+  SchedulerConfig no_decay = s;
+  no_decay.decay_step_size = 0;
+  EXPECT_EQ(LearningRate(no_decay, 1.0, 20), 0.1);
+  EXPECT_EQ(AdamBetas(no_decay, adam, 20)[0], 0.95);
+  // Unequal halves: 2 up, 6 down; the peak at b = 2.
+  SchedulerConfig skew = s;
+  skew.cycle_first_step_size = 2;
+  skew.cycle_second_step_size = 6;
+  EXPECT_NEAR(LearningRate(skew, 1.0, 1), 0.5, 1e-15);
+  EXPECT_NEAR(LearningRate(skew, 1.0, 4), 0.1 + 0.4 * (0.625 - 1) / (0.25 - 1), 1e-15);
+}
+
+// DeepSpeed's LRRangeTest: min * (1 + rate * (L + 1) / size), floored intervals with the
+// staircase.
+TEST(LearningRate, LRRangeTestMatchesDeepSpeed) {
+  SchedulerConfig s{.type = SchedulerType::kLRRangeTest,
+                    .lr_range_test_min_lr = 0.01,
+                    .lr_range_test_step_size = 3,
+                    .lr_range_test_step_rate = 2};
+  EXPECT_NEAR(LearningRate(s, 9.0, -1), 0.01, 1e-15);
+  EXPECT_NEAR(LearningRate(s, 9.0, 0), 0.01 * (1 + 2.0 / 3), 1e-15);
+  EXPECT_NEAR(LearningRate(s, 9.0, 2), 0.03, 1e-15);
+  EXPECT_NEAR(LearningRate(s, 9.0, 5), 0.05, 1e-15);
+  s.lr_range_test_staircase = true;
+  EXPECT_NEAR(LearningRate(s, 9.0, 0), 0.01, 1e-15);
+  EXPECT_NEAR(LearningRate(s, 9.0, 1), 0.01, 1e-15);
+  EXPECT_NEAR(LearningRate(s, 9.0, 2), 0.03, 1e-15);
+  EXPECT_NEAR(LearningRate(s, 9.0, 5), 0.05, 1e-15);
+}
+
+// The config side: OneCycle needs both lrs, the second half defaults to the first, a stair
+// count other than 0 is refused, and only OneCycle's params are OneCycle's.
+TEST(TrainConfig, OneCycleAndLRRangeTestParse) {
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseTrainConfig(R"({"train_batch_size": 4,
+      "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3,
+                    "cycle_first_step_size": 100, "cycle_first_stair_count": 0}}})",
+                                                            {}));
+  EXPECT_EQ(c.scheduler.type, SchedulerType::kOneCycle);
+  EXPECT_EQ(c.scheduler.cycle_second_step_size, 100);
+  EXPECT_TRUE(c.scheduler.cycle_momentum);
+  EXPECT_THAT(c.ignored_keys, ::testing::ElementsAre("scheduler.params.cycle_first_stair_count"));
+  // The effective config round-trips (the derived second half is written out).
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig again, ParseTrainConfig(EffectiveConfigJson(c), {}));
+  EXPECT_EQ(ConfigHash(again), ConfigHash(c));
+  EXPECT_THAT(ParseTrainConfig(R"({"train_batch_size": 4, "scheduler": {"type": "OneCycle",
+      "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_stair_count": 3}}})",
+                               {}),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("scheduler.params.cycle_first_stair_count: 3 is not supported")));
+  EXPECT_THAT(
+      ParseTrainConfig(R"({"train_batch_size": 4, "scheduler": {"type": "LRRangeTest",
+      "params": {"cycle_max_lr": 1e-3}}})",
+                       {}),
+      StatusIs(ErrorCode::kInvalidArgument, HasSubstr("not a parameter of scheduler LRRangeTest")));
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig r, ParseTrainConfig(R"({"train_batch_size": 4,
+      "scheduler": {"type": "lrrangetest", "params": {"lr_range_test_staircase": true}}})",
+                                                            {}));
+  EXPECT_EQ(r.scheduler.type, SchedulerType::kLRRangeTest);
+  EXPECT_TRUE(r.scheduler.lr_range_test_staircase);
+  EXPECT_EQ(r.scheduler.lr_range_test_step_size, 2000);
 }
 
 TEST(LearningRate, WarmupDecayLRMatchesDeepSpeed) {

@@ -57,8 +57,9 @@ def config(swap, optimizer="AdamW", adam_w_mode=None, lr=0.02, warmup=5, clip=0.
 
 
 def warmup_lr(step, lr=0.02, warmup=5):
-    """zinf's WarmupLR (linear) for 1-based step `step`."""
-    i = step - 1
+    """DeepSpeed's WarmupLR (linear, from 0) for 1-based step `step`: the scheduler's
+    last_batch_iteration is step - 2 (its constructor sets the first step's lr, the min)."""
+    i = max(step - 2, 0)
     w = max(2, warmup)
     return lr * (i / w if i < w else 1.0)
 
