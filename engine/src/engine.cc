@@ -648,6 +648,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   info.loss_scale = scale;
   if (scaler.enabled() && !std::isfinite(sums[0])) {
     // Skipped: no swap I/O, the weights and the schedule stay; the gradient was consumed.
+    info.lr = next_lr();  // what the step would have run at, and the next one will
     ZINF_RETURN_IF_ERROR(scaler.Update(/*overflow=*/true));
     return FinishStep(info, /*skipped=*/true, io_start, store.io_counters(), store.io_counters(),
                       0.0);
@@ -670,7 +671,9 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
         "step {}: the loss ({}) or the gradient norm ({}) is not finite; lower the learning rate "
         "or set gradient_clipping{}",
         step, info.loss, info.grad_norm,
-        config_.bf16 ? "" : " (fp16.enabled skips such steps and lowers the loss scale)"));
+        config_.bf16 || config_.fp16.enabled
+            ? ""
+            : " (fp16.enabled skips such steps and lowers the loss scale)"));
   }
   // 3: the swapped optimizer step; the sink writes this rank's new weights into the
   // parameters (its own part of them), from where step 4 gathers them. Skipped steps advance

@@ -122,6 +122,10 @@ py::dict StepInfoDict(const engine::StepInfo& info) {
   d["loss"] = info.loss;
   d["grad_norm"] = info.grad_norm;
   d["clipped"] = info.clipped;
+  d["loss_scale"] = info.loss_scale;
+  d["next_loss_scale"] = info.next_loss_scale;
+  d["skipped"] = info.skipped;
+  d["skipped_steps"] = info.skipped_steps;
   d["step_seconds"] = info.step_seconds;
   d["optimizer_seconds"] = info.optimizer_seconds;
   d["swap_read_bytes"] = info.swap_read_bytes;
@@ -279,6 +283,8 @@ class EngineHandle {
 
   std::int64_t step() { return Open().step(); }
   double next_lr() { return Open().next_lr(); }
+  double loss_scale() { return Open().loss_scale(); }
+  std::int64_t skipped_steps() { return Open().skipped_steps(); }
   std::string resumed_from() { return Open().resumed_from(); }
   int resumed_world_size() { return Open().resumed_world_size(); }
   std::string user_state() { return Open().user_state().dump(); }
@@ -380,6 +386,8 @@ PYBIND11_MODULE(_zinf, m) {
       .def("close", &EngineHandle::Close)
       .def_property_readonly("step_count", &EngineHandle::step)
       .def_property_readonly("next_lr", &EngineHandle::next_lr)
+      .def_property_readonly("loss_scale", &EngineHandle::loss_scale)
+      .def_property_readonly("skipped_steps", &EngineHandle::skipped_steps)
       .def_property_readonly("resumed_from", &EngineHandle::resumed_from)
       .def_property_readonly("resumed_world_size", &EngineHandle::resumed_world_size)
       .def_property_readonly("user_state", &EngineHandle::user_state)

@@ -5,7 +5,7 @@
     opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config="ds.json")  # or a dict
     for batch in loader:                                # each rank its own shard of the data
         loss = model(batch).mean()
-        loss.backward()
+        opt.backward(loss)              # loss.backward() times opt.loss_scale (1 without fp16)
         info = opt.step(loss=loss)      # reduce-scatter, clip, lr, swapped Adam, all-gather
         opt.zero_grad()
         if info.step % 500 == 0:
@@ -14,7 +14,7 @@
             opt.save_checkpoint("ckpt"); break
 
 launched with ``mpirun -np N python3 train.py`` (or ``zinf-run -np N -- python3 train.py``).
-The config is a DeepSpeed JSON file or dict (docs/config.md); the optimizer, learning-rate
+The config is a DeepSpeed JSON file or dict (docs/deepspeed-keys.md); the optimizer, learning-rate
 schedule, gradient clipping and batch sizes come from it. docs/python.md teaches the rest.
 """
 
@@ -38,14 +38,20 @@ class StepInfo:
     """What one step did; the figures are the same on every rank.
 
     step (1-based), lr, loss (mean over ranks; NaN when no loss was passed), grad_norm (before
-    clipping), clipped, step_seconds and optimizer_seconds (slowest rank), swap_read_bytes and
+    clipping; with fp16 of the unscaled gradient, Inf or NaN on a skipped step), clipped,
+    loss_scale (the scale this step's gradient carried; 1 without fp16), next_loss_scale (the
+    one for the next step: ZeroOptimizer.loss_scale), skipped (fp16: an Inf or NaN in the
+    gradient on some rank skipped the step: no weight changed, no swap I/O, the schedule did not
+    advance), skipped_steps (skipped steps so far, this one included), step_seconds and
+    optimizer_seconds (slowest rank), swap_read_bytes and
     swap_write_bytes (all ranks, since the previous step), read_bytes_per_element and
     write_bytes_per_element (the optimizer step's swap bytes per parameter element: about 12 with
     zinf.optimizer_state fp32, about 6 with q8), peak_rss_bytes (largest rank),
     stop_requested (a stop signal arrived on some rank) and stop_signal (this rank's, 0 if none).
     """
 
-    __slots__ = ("step", "lr", "loss", "grad_norm", "clipped", "step_seconds",
+    __slots__ = ("step", "lr", "loss", "grad_norm", "clipped", "loss_scale", "next_loss_scale",
+                 "skipped", "skipped_steps", "step_seconds",
                  "optimizer_seconds", "swap_read_bytes", "swap_write_bytes",
                  "optimizer_swap_read_bytes", "optimizer_swap_write_bytes",
                  "read_bytes_per_element", "write_bytes_per_element", "peak_rss_bytes",
@@ -68,9 +74,22 @@ class _Registered:
         self.shape = tuple(param.shape)
         self.dtype = param.dtype
         self.device = param.device
-        self.weights = weights  # CPU: param.detach(), its memory; CUDA: a pinned host copy
-        self.grads = grads      # CPU: the registered param.grad; CUDA: a pinned host buffer
+        # Staged: a CUDA or a float16/bfloat16 parameter, copied through fp32 host buffers
+        # around every step. Otherwise (float32 on the CPU) used in place.
+        self.staged = _staged(param)
+        self.weights = weights  # in place: param.detach(), its memory; staged: an fp32 copy
+        self.grads = grads      # in place: the registered param.grad; staged: an fp32 buffer
         self.data_ptr = param.data_ptr()
+
+
+# Parameter dtypes besides float32, and the config block that must enable them: the engine
+# rounds the working weights it writes to that precision, so copying them into the parameter
+# is exact.
+_HALF_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _staged(p):
+    return p.device.type != "cpu" or p.dtype != torch.float32
 
 
 def _shape(shape):
@@ -89,9 +108,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Parameters:
       params: model.named_parameters() (names are what checkpoints match on), or parameters
-        (named "param.<i>"), or one param group {"params": ...}. Parameters must be float32 and
-        contiguous, on the CPU (used in place: no copy of weights or gradients) or on a CUDA
-        device (staged through pinned host buffers around every step). Frozen parameters
+        (named "param.<i>"), or one param group {"params": ...}. Parameters must be contiguous,
+        on the CPU or a CUDA device, and float32, or float16 with the config's fp16.enabled, or
+        bfloat16 with bf16.enabled. float32 CPU parameters are used in place (no copy of weights
+        or gradients); CUDA and float16/bfloat16 parameters are staged through fp32 host
+        buffers around every step (pinned for CUDA). Frozen parameters
         (requires_grad False) are left out. Per-group hyper-parameters are not supported: the
         config's optimizer applies to every parameter.
       config: a DeepSpeed config file path or dict. offload_optimizer.device must be "nvme".
@@ -112,6 +133,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     and a .grad set to None counts as zero. With gradient_accumulation_steps k in the config, a
     step stands for k micro-batches per rank: either run k backward passes and call step(), or
     call accumulate_gradients() after each micro-batch but the last.
+
+    fp16 (the config's fp16 block, DeepSpeed's loss scaling): the loop calls opt.backward(loss)
+    instead of loss.backward(), which differentiates loss * opt.loss_scale, and passes the
+    unscaled loss to step(loss=...). A step whose gradient holds an Inf or NaN on some rank is
+    skipped on every rank (StepInfo.skipped: no weight changes, the gradients are zeroed) and
+    the scale lowered; clean steps raise it again. The fp32 master weights live in the swapped
+    state, starting as the parameters' values; the working weights are rounded to fp16.
     """
 
     def __init__(self, params, config, *, load=None, metrics_path=None, total_steps=0,
@@ -175,10 +203,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if id(p) in seen:
                 raise ValueError(f"params: {name} is given twice")
             seen.add(id(p))
-            if p.dtype != torch.float32:
-                raise ValueError(f"parameter {name} is {p.dtype}; zinf steps float32 parameters "
-                                 "(convert the model with model.float(); bf16 working weights "
-                                 "are the config's bf16.enabled)")
+            if p.dtype != torch.float32 and p.dtype not in _HALF_DTYPES:
+                raise ValueError(f"parameter {name} is {p.dtype}; zinf steps float32 parameters, "
+                                 "float16 ones with the config's fp16.enabled and bfloat16 ones "
+                                 "with bf16.enabled (convert the model with model.float())")
             if p.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"parameter {name} is on {p.device}; zinf supports CPU and CUDA "
                                  "parameters")
@@ -202,15 +230,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _register(name, p):
-        if p.device.type == "cpu":
+        if not _staged(p):
             g = p.grad
             if (g is None or g.dtype != torch.float32 or g.shape != p.shape
                     or g.device != p.device or not g.is_contiguous()):
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             return _Registered(name, p, p.detach(), p.grad)
-        weights = torch.empty(p.shape, dtype=torch.float32, pin_memory=True)
+        # fp32 host buffers; the weights start as the parameter's values exactly (fp16 and bf16
+        # widen to fp32 without rounding), and so does the fp32 master in the swapped state.
+        pin = p.device.type == "cuda"
+        weights = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
         weights.copy_(p.detach())
-        grads = torch.zeros(p.shape, dtype=torch.float32, pin_memory=True)
+        grads = torch.zeros(p.shape, dtype=torch.float32, pin_memory=pin)
         if p.grad is not None:
             grads.copy_(p.grad)
         p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
@@ -223,10 +254,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             buffers.append((r.name, list(r.shape), r.weights.numpy(), r.grads.numpy()))
         config_text, is_text = self._config_source
         self._engine = _zinf.Engine(config_text, is_text, buffers, options)
-        for r in self._params:
-            if r.device.type == "cuda":  # the restored (or initial) weights onto the device
-                r.param.data.copy_(r.weights, non_blocking=False)
         settings = json.loads(self._engine.effective_config)
+        try:  # every rank has the same config: they agree unless their parameters differ
+            _zinf.agree("InvalidArgument", self._check_precision(settings))
+        except Exception:
+            self._engine.close()
+            raise
+        for r in self._params:
+            if r.staged:  # the restored (or initial) weights into the parameter
+                r.param.data.copy_(r.weights, non_blocking=False)
         optimizer = settings.get("optimizer", {}).get("params", {})
         for group in self.param_groups:
             group["lr"] = self._engine.next_lr
@@ -235,12 +271,53 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     group[key] = tuple(optimizer[key]) if key == "betas" else optimizer[key]
         self._lr_set = self._engine.next_lr
 
+    def _check_precision(self, settings):
+        """float16/bfloat16 parameters need the config block that rounds the working weights
+        to their precision; returns the problem ("" if none)."""
+        for r in self._params:
+            block = _HALF_DTYPES.get(r.dtype)
+            if block is None:
+                continue
+            enabled = settings.get(block, {})
+            enabled = enabled.get("enabled", False) if isinstance(enabled, dict) else False
+            if not enabled:
+                return (f"parameter {r.name} is {r.dtype}, but the config's {block}.enabled is "
+                        f"not true: set \"{block}\": {{\"enabled\": true}} for {r.dtype} "
+                        "parameters, or convert the model with model.float()")
+        return ""
+
     # --- the loop -----------------------------------------------------------------------------
 
     @property
     def global_step(self):
         """The last step applied (0 before the first; the checkpoint's after a restore)."""
         return self._open_engine().step_count
+
+    @property
+    def loss_scale(self):
+        """The factor the loss is multiplied by before the backward pass for the next step:
+        fp16's dynamic (or static) loss scale, 1.0 without fp16. backward() applies it."""
+        return self._open_engine().loss_scale
+
+    @property
+    def skipped_steps(self):
+        """Steps skipped for an fp16 overflow so far (a checkpoint keeps the count)."""
+        return self._open_engine().skipped_steps
+
+    def scale_loss(self, loss):
+        """loss * loss_scale, computed in float32 for a tensor (an fp16 loss times a scale of
+        2^16 would overflow): what backward() differentiates. For loops that call backward
+        themselves (torch.autograd.grad, a custom backward)."""
+        scale = self.loss_scale
+        if isinstance(loss, torch.Tensor):
+            return loss.float() * scale
+        return loss * scale
+
+    def backward(self, loss, retain_graph=False):
+        """(loss * loss_scale).backward(): the gradients of the scaled loss into .grad, as
+        DeepSpeed's engine.backward. Use it instead of loss.backward() with fp16; without fp16
+        the scale is 1 and it is loss.backward(). step() divides the scale out."""
+        self.scale_loss(loss).backward(retain_graph=retain_graph)
 
     def _open_engine(self):
         if self._engine is None or self._engine.closed:
@@ -281,7 +358,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 problem = (f"parameter {r.name} changed from {r.dtype} on {r.device} to {p.dtype} "
                            f"on {p.device}; create the optimizer after moving or converting the "
                            "model")
-            elif r.device.type == "cpu" and p.data_ptr() != r.data_ptr:
+            elif not r.staged and p.data_ptr() != r.data_ptr:
                 problem = (f"parameter {r.name} no longer uses the memory the optimizer "
                            "registered (its .data was replaced); the optimizer writes the new "
                            "weights there: create the optimizer after the model is final")
@@ -295,16 +372,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     problem = (f"parameter {r.name}: its gradient has shape {_shape(g.shape)}, "
                                f"not {_shape(p.shape)}")
                 else:
-                    r.grads.copy_(g)
-                if r.device.type == "cpu":
+                    r.grads.copy_(g)  # fp16/bf16 to fp32: an Inf stays Inf (fp16: skipped)
+                if not r.staged:
                     p.grad = r.grads
         return problem
 
     def _after_step(self):
+        # The engine zeroed the registered grads; staged parameters get the new weights (a
+        # skipped step left them as they were) and their own .grad zeroed.
         for r in self._params:
-            if r.device.type == "cuda":
+            if r.staged:
                 r.param.data.copy_(r.weights, non_blocking=False)
-                r.param.grad.zero_()
+                if r.param.grad is not None:
+                    r.param.grad.zero_()
         self._lr_set = self._engine.next_lr
         for group in self.param_groups:
             group["lr"] = self._lr_set
@@ -312,10 +392,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, *, loss=None):
         """One optimizer step (collective) for the gradients in the parameters' .grad; returns a
-        StepInfo. `loss` (a number or a one-element tensor: this rank's loss) is for the log, the
-        metrics and StepInfo.loss; with `closure` its return value is the loss. Raises on every
-        rank, with nothing stepped, for a non-finite loss or gradient norm, a gradient that is
-        zero on every rank, or a parameter that changed since the optimizer was created."""
+        StepInfo. `loss` (a number or a one-element tensor: this rank's loss, unscaled with
+        fp16) is for the log, the metrics and StepInfo.loss; with `closure` its return value is
+        the loss. With fp16 a gradient holding an Inf or NaN on some rank skips the step on
+        every rank (StepInfo.skipped: weights unchanged, gradients zeroed, loss scale adjusted).
+        Raises on every rank, with nothing stepped, for a non-finite loss, a non-finite gradient
+        norm without fp16, an fp16 overflow at fp16.min_loss_scale, a gradient that is zero on
+        every rank, or a parameter that changed since the optimizer was created."""
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -333,7 +416,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._check_and_stage()
         engine.accumulate_gradients()
         for r in self._params:
-            if r.device.type == "cuda":
+            if r.staged and r.param.grad is not None:
                 r.param.grad.zero_()
 
     @torch.no_grad()
@@ -343,7 +426,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for r in self._params:
             p = r.param
             r.grads.zero_()
-            if r.device.type == "cpu":
+            if not r.staged:
                 p.grad = r.grads
             elif p.grad is not None:
                 p.grad.zero_()

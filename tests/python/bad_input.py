@@ -1,6 +1,7 @@
 """A bad input must raise the same zinf exception on every rank, never hang or abort:
 `mpirun -np N python3 bad_input.py <case> <work dir>` (driven by expect_error.sh), for the cases
-shape (a parameter that changes shape), dtype (a float64 model), swap_dir (a missing nvme_path),
+shape (a parameter that changes shape), dtype (a float64 model), fp16_disabled (a float16 model
+without the config's fp16.enabled), swap_dir (a missing nvme_path),
 config_key (a misspelt key), io_fault (ZINF_FAULT_INJECT fails a write on one rank),
 client_state (a client state that is not JSON) and client_state_deep (JSON nested deeper than a
 checkpoint restore reads). Each rank writes "rank R: raised <class>: <msg>"
@@ -39,6 +40,8 @@ def main():
             opt.step()
         elif case == "dtype":
             zinf.torch.ZeroOptimizer(model.double().named_parameters(), config=cfg)
+        elif case == "fp16_disabled":  # float16 parameters, the config without fp16.enabled
+            zinf.torch.ZeroOptimizer(model.half().named_parameters(), config=cfg)
         elif case == "swap_dir":
             cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = os.path.join(work, "no")
             zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
