@@ -683,6 +683,14 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   info.lr = LearningRate(config_.scheduler, config_.optimizer.lr, applied - 2);
   const std::array<double, 2> betas =
       AdamBetas(config_.scheduler, config_.optimizer.betas, applied - 2);
+  if (!(betas[0] < 1.0)) {
+    // DeepSpeed's OneCycle multiplies beta1 after the cycle, without a bound.
+    return FailedPreconditionError(fmt::format(
+        "step {}: OneCycle's momentum decay made beta1 {} (cycle_max_mom * (1 + decay_mom_rate "
+        "* intervals), DeepSpeed's formula); Adam needs beta1 < 1: lower "
+        "scheduler.params.decay_mom_rate; nothing was stepped",
+        step, betas[0]));
+  }
   swapper::GradientSwapper* gradients = s.swapper->gradient_swapper();
   const swapper::GradientSource source =
       gradients != nullptr

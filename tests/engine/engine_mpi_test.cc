@@ -450,5 +450,44 @@ TEST_F(EngineErrors, BufferSizeAndAccumulateCalls) {
   EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("after Close")));
 }
 
+// OneCycle through the engine: each step at DeepSpeed's lr for its last_batch_iteration (k - 2),
+// until DeepSpeed's momentum decay (beta1 = 0.9 * (1 + d) after the 2-step cycle) reaches 1,
+// which is refused before any swap, on every rank.
+TEST(ZeroEngine, OneCycleStepsAtDeepSpeedsLrUntilBeta1ReachesOne) {
+  SharedScratchDir dir("engine-onecycle");
+  const std::string text = fmt::format(R"({{
+    "train_micro_batch_size_per_gpu": 1,
+    "optimizer": {{"type": "AdamW", "params": {{"lr": 0.5}}}},
+    "scheduler": {{"type": "OneCycle", "params": {{"cycle_min_lr": 0.01, "cycle_max_lr": 0.03,
+        "cycle_first_step_size": 1, "decay_step_size": 1, "decay_lr_rate": 1,
+        "decay_mom_rate": 0.05, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9}}}},
+    "zero_optimization": {{"offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}}}},
+    "zinf": {{"adam_threads": 1}}}})",
+                                       dir.Join("swap"));
+  ZINF_ASSERT_OK_AND_ASSIGN(Config config, ParseConfig(text, ContextOf(World())));
+  Model model = MakeModel();
+  ZINF_ASSERT_OK_AND_ASSIGN(
+      auto engine,
+      ZeroEngine::Create(World(), config, model.Params(),
+                         {.progress = false, .stop_signals = false, .create_nvme_paths = true}));
+  // L = -1: 0.01 (constructor); L = 0: b = 1, x = 0.5 = r: the peak 0.03; L = 1: b = 2, the
+  // end 0.01; L >= 2: 0.01 / (1 + (L - 1)), beta1 = 0.9 * (1 + 0.05 * (L - 1)).
+  const std::vector<double> lrs = {0.01, 0.03, 0.01, 0.005, 0.01 / 3};
+  for (std::int64_t step = 1; step <= 5; ++step) {
+    SCOPED_TRACE(step);
+    for (auto& g : model.g) std::fill(g.begin(), g.end(), 0.1f);
+    ZINF_ASSERT_OK_AND_ASSIGN(StepInfo info, engine->Step());
+    EXPECT_NEAR(info.lr, lrs[static_cast<std::size_t>(step - 1)], 1e-15);
+  }
+  // Step 6 (L = 4): beta1 = 0.9 * 1.15 >= 1.
+  std::vector<std::vector<float>> before = model.w;
+  for (auto& g : model.g) std::fill(g.begin(), g.end(), 0.1f);
+  EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kFailedPrecondition,
+                                       HasSubstr("OneCycle's momentum decay made beta1")));
+  EXPECT_EQ(model.w, before);
+  EXPECT_EQ(engine->step(), 5);
+  ZINF_ASSERT_OK(engine->Close());
+}
+
 }  // namespace
 }  // namespace zinf::engine
