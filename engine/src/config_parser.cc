@@ -277,12 +277,13 @@ class Parser {
                       "parameters: {})",
                       spec.path, SchedulerTypeName(s.type), JoinQuoted(valid, "")));
     }
-    if (s.type == SchedulerType::kWarmupDecayLR || s.type == SchedulerType::kWarmupCosineLR) {
-      if (!Given("scheduler.params.total_num_steps")) {
+    for (const KeySpec& spec : schema_.specs()) {
+      if (spec.required && (spec.scheduler_types & bit) != 0 && !Given(spec.path)) {
         return InvalidArgumentError(
-            fmt::format("scheduler.params.total_num_steps: required by scheduler {}",
-                        SchedulerTypeName(s.type)));
+            fmt::format("{}: required by scheduler {}", spec.path, SchedulerTypeName(s.type)));
       }
+    }
+    if (s.type == SchedulerType::kWarmupDecayLR || s.type == SchedulerType::kWarmupCosineLR) {
       const std::int64_t warmup = std::max<std::int64_t>(2, s.warmup_num_steps);
       if (s.type == SchedulerType::kWarmupCosineLR && s.total_num_steps <= warmup) {
         // DeepSpeed divides by total - warmup: equal values divide by zero.
@@ -299,12 +300,6 @@ class Parser {
       }
     }
     if (s.type == SchedulerType::kOneCycle) {
-      for (std::string_view key : {"cycle_min_lr", "cycle_max_lr"}) {
-        if (!Given(fmt::format("scheduler.params.{}", key))) {
-          return InvalidArgumentError(
-              fmt::format("scheduler.params.{}: required by scheduler OneCycle", key));
-        }
-      }
       // DeepSpeed's default of the second half: the first.
       if (!Given("scheduler.params.cycle_second_step_size")) {
         s.cycle_second_step_size = s.cycle_first_step_size;

@@ -102,6 +102,10 @@ inline constexpr unsigned kOneCycleBit = SchedulerBit(SchedulerType::kOneCycle);
 inline constexpr unsigned kLRRangeTestBit = SchedulerBit(SchedulerType::kLRRangeTest);
 inline constexpr unsigned kAllSchedulersBits =
     kWarmupLRBit | kWarmupDecayLRBit | kWarmupCosineLRBit | kOneCycleBit | kLRRangeTestBit;
+// The scheduler types a config may name, in the order --help lists them.
+inline constexpr std::array<SchedulerType, 5> kSchedulerTypes = {
+    SchedulerType::kWarmupLR, SchedulerType::kWarmupDecayLR, SchedulerType::kWarmupCosineLR,
+    SchedulerType::kOneCycle, SchedulerType::kLRRangeTest};
 inline constexpr unsigned kWarmupSchedulersBits =
     kWarmupLRBit | kWarmupDecayLRBit | kWarmupCosineLRBit;
 
@@ -124,6 +128,7 @@ struct KeySpec {
   std::string_view default_text = {};              // overrides the printed default
   std::string_view alias_of = {};                  // old name of this other key (a WARN)
   unsigned scheduler_types = 0;                    // nonzero: only for these scheduler types
+  bool required = false;                           // scheduler params: its types need it given
   KeyKind kind = KeyKind::kImplemented;
   // kIgnored: why the key has no effect in zinf; kRefused: what zinf does instead (the error).
   std::string_view why = {};

@@ -21,6 +21,7 @@ namespace {
 
 // The default of an implemented key as --help and the key table print it.
 std::string DefaultText(const KeySpec& spec, const Json& canonical) {
+  if (spec.required) return "required";
   if (!spec.default_text.empty()) return std::string(spec.default_text);
   if (std::holds_alternative<std::monostate>(spec.field)) return {};
   const Json* source = &canonical;
@@ -46,9 +47,7 @@ std::string DefaultText(const KeySpec& spec, const Json& canonical) {
 std::string SchedulerTypesText(const KeySpec& spec) {
   if (spec.scheduler_types == 0 || spec.path == "scheduler.type") return {};
   std::vector<std::string_view> types;
-  for (SchedulerType t :
-       {SchedulerType::kWarmupLR, SchedulerType::kWarmupDecayLR, SchedulerType::kWarmupCosineLR,
-        SchedulerType::kOneCycle, SchedulerType::kLRRangeTest}) {
+  for (SchedulerType t : kSchedulerTypes) {
     if ((spec.scheduler_types & SchedulerBit(t)) != 0) types.push_back(SchedulerTypeName(t));
   }
   return fmt::format("for {}", JoinQuoted(types, ""));
