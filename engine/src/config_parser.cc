@@ -29,6 +29,28 @@ constexpr JsonLimits kConfigJsonLimits{.max_bytes = kMaxConfigBytes, .max_depth 
 
 std::string_view DisplayPath(std::string_view path) { return path.empty() ? "(top level)" : path; }
 
+// A key written with dots ("zinf.steps", or "checkpoint.dir" inside "zinf") would be a second
+// spelling of a nested key, one that could contradict it or slip past a command-line flag
+// written into the nested one: refused, naming the nested spelling.
+Error DottedKeyError(const std::string& key, std::string_view path) {
+  auto quoted = [](std::string_view text) {
+    return Json(std::string(text)).dump(-1, ' ', false, Json::error_handler_t::replace);
+  };
+  std::string nested;
+  std::size_t levels = 0;
+  for (std::string_view rest = path;; ++levels) {
+    const std::size_t dot = rest.find('.');
+    nested += fmt::format("{{{}: ", quoted(rest.substr(0, dot)));
+    if (dot == std::string_view::npos) break;
+    rest.remove_prefix(dot + 1);
+  }
+  nested += "..." + std::string(levels + 1, '}');
+  return InvalidArgumentError(
+      fmt::format("{}: the key {} contains a '.'; keys are nested objects, one spelling per "
+                  "setting: write {}",
+                  path, quoted(key), nested));
+}
+
 class Parser {
  public:
   Parser(const ConfigContext& ctx, std::span<const AppKey> app_keys)
@@ -70,6 +92,7 @@ class Parser {
   Status WalkObject(const Json& object, const std::string& prefix) {
     for (const auto& [key, value] : object.items()) {
       const std::string path = prefix.empty() ? key : prefix + "." + key;
+      if (key.find('.') != std::string::npos) return DottedKeyError(key, path);
       const KeySpec* spec = schema_.Find(path);
       if (spec == nullptr) return UnknownKey(prefix, key, path);
       if (spec->kind != KeyKind::kImplemented) {
@@ -114,15 +137,7 @@ class Parser {
 
   Status SetLeaf(const KeySpec& spec, const std::string& path, const Json& value) {
     Config& c = config_;
-    if (value.is_string() && value.get_ref<const std::string&>() == "auto" &&
-        !std::holds_alternative<Accessor<std::string>>(spec.field) &&
-        !std::holds_alternative<PathListAccess>(spec.field) &&
-        std::find(spec.choices.begin(), spec.choices.end(), "auto") == spec.choices.end()) {
-      return InvalidArgumentError(fmt::format(
-          "{}: \"auto\" is a placeholder that the Hugging Face Trainer fills in before DeepSpeed "
-          "reads the config; give the value itself",
-          path));
-    }
+    ZINF_RETURN_IF_ERROR(RefuseAutoPlaceholder(path, value, spec));
     if (auto* f = std::get_if<Accessor<bool>>(&spec.field)) {
       if (value.is_string() && (value == "true" || value == "false")) {
         return InvalidArgumentError(
@@ -158,7 +173,7 @@ class Parser {
     } else if (auto* fz = std::get_if<SizeAccess>(&spec.field)) {
       ZINF_RETURN_IF_ERROR(SetSize(spec, path, value, fz->get(c)));
     } else if (auto* fp = std::get_if<PathListAccess>(&spec.field)) {
-      ZINF_RETURN_IF_ERROR(SetPathList(path, value, fp->get(c)));
+      ZINF_RETURN_IF_ERROR(SetPathList(spec, path, value, fp->get(c)));
     } else if (auto* fa = std::get_if<AppAccess>(&spec.field)) {
       ZINF_ASSIGN_OR_RETURN(c.app[PointerOf(path)], ReadAppValue(*fa->key, spec, path, value));
     }
@@ -219,7 +234,8 @@ class Parser {
     return OkStatus();
   }
 
-  Status SetPathList(const std::string& path, const Json& value, std::vector<std::string>* out) {
+  Status SetPathList(const KeySpec& spec, const std::string& path, const Json& value,
+                     std::vector<std::string>* out) {
     constexpr std::string_view kExpected = "a string or a list of strings";
     out->clear();
     if (value.is_string()) {
@@ -230,9 +246,9 @@ class Parser {
             fmt::format("{}: empty list; give at least one directory", path));
       }
       for (std::size_t i = 0; i < value.size(); ++i) {
-        if (!value[i].is_string()) {
-          return TypeError(fmt::format("{}[{}]", path, i), "a string", value[i]);
-        }
+        const std::string element = fmt::format("{}[{}]", path, i);
+        if (!value[i].is_string()) return TypeError(element, "a string", value[i]);
+        ZINF_RETURN_IF_ERROR(RefuseAutoPlaceholder(element, value[i], spec));
         out->push_back(value[i].get<std::string>());
       }
     } else {

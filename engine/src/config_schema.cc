@@ -317,8 +317,10 @@ const std::vector<KeySpec>& EngineSchema() {
       {.path = "optimizer", .field = {}, .description = "The optimizer"},
       {.path = "optimizer.type",
        .field = Leaf<&T::optimizer, &O::type>(),
-       .description = "Adam (decoupled decay iff params.adam_w_mode) or AdamW; case-insensitive",
-       .choices = kOptimizerNames},
+       .description = "Adam (decoupled decay iff params.adam_w_mode) or AdamW; case-insensitive "
+                      "(as DeepSpeed)",
+       .choices = kOptimizerNames,
+       .case_insensitive = true},
       {.path = "optimizer.params", .field = {}, .description = "Optimizer hyper-parameters"},
       {.path = "optimizer.params.lr",
        .field = Leaf<&T::optimizer, &O::lr>(),
@@ -843,6 +845,12 @@ const std::vector<KeySpec>& EngineSchema() {
        .field = Leaf<&T::zinf, &ZC::adam_threads>(),
        .description = "CPU Adam threads per rank; 0 = hardware concurrency",
        .range = Between(0, 1024)},
+      {.path = "zinf.collective_timeout_seconds",
+       .field = Leaf<&T::zinf, &ZC::collective_timeout_seconds>(),
+       .description = "Seconds; a rank that waits longer than this in one of zinf's collectives "
+                      "for the other ranks (a rank failed, stopped or left) ends the job with an "
+                      "error naming the collective",
+       .range = Between(1, 604800)},
       {.path = "zinf.job_id",
        .field = Leaf<&T::zinf, &ZC::job_id>(),
        .description = "Names the swap store directory zinf-<job_id>; [A-Za-z0-9_.-]+; empty: "
@@ -866,7 +874,8 @@ const std::vector<KeySpec>& EngineSchema() {
        .field = Leaf<&T::zinf, &ZC::checkpoint, &C::load>(),
        .description = "Empty: start fresh; \"latest\": resume from <dir>/latest (an error if "
                       "there is none); \"auto\": resume from <dir>/latest if it exists, else "
-                      "start fresh; else the checkpoint file (or directory) to resume from"},
+                      "start fresh; else the checkpoint file (or directory) to resume from",
+       .auto_is_a_value = true},
   };
   return schema;
 }
@@ -1003,7 +1012,7 @@ bool InRange(double value, const Range& range) {
   return true;
 }
 
-// An integer: a JSON integer, or a float with an integral value (1e9).
+// An integer: a JSON integer, or a float with an integral value (1e9; not -0.0).
 Result<std::int64_t> ReadInteger(std::string_view path, const Json& value, const KeySpec& spec) {
   std::int64_t result = 0;
   if (value.is_number_unsigned()) {
@@ -1017,6 +1026,9 @@ Result<std::int64_t> ReadInteger(std::string_view path, const Json& value, const
     result = value.get<std::int64_t>();
   } else if (value.is_number_float()) {
     const double d = value.get<double>();
+    if (d == 0 && std::signbit(d)) {  // no integer is written so; its sign would be dropped
+      return InvalidArgumentError(fmt::format("{}: expected an integer, got -0.0", path));
+    }
     if (!std::isfinite(d) || d != std::trunc(d)) return TypeError(path, "an integer", value);
     if (std::fabs(d) >= 0x1p63) {
       return InvalidArgumentError(fmt::format("{}: {} is out of range {}", path, Shown(value),
@@ -1050,8 +1062,9 @@ Result<int> ReadChoice(std::string_view path, const Json& value, const KeySpec& 
   }
   const auto& text = value.get_ref<const std::string&>();
   for (std::size_t i = 0; i < spec.choices.size(); ++i) {
-    if (EqualsIgnoreCase(text, spec.choices[i]) &&
-        std::find(choices.begin(), choices.end(), spec.choices[i]) != choices.end()) {
+    const bool same =
+        spec.case_insensitive ? EqualsIgnoreCase(text, spec.choices[i]) : text == spec.choices[i];
+    if (same && std::find(choices.begin(), choices.end(), spec.choices[i]) != choices.end()) {
       return static_cast<int>(i);
     }
   }
@@ -1060,6 +1073,17 @@ Result<int> ReadChoice(std::string_view path, const Json& value, const KeySpec& 
   if (auto nearest = Nearest(text, choices))
     message += fmt::format("; did you mean \"{}\"?", *nearest);
   return InvalidArgumentError(std::move(message));
+}
+
+Status RefuseAutoPlaceholder(std::string_view path, const Json& value, const KeySpec& spec) {
+  if (!value.is_string() || value.get_ref<const std::string&>() != "auto" || spec.auto_is_a_value ||
+      std::find(spec.choices.begin(), spec.choices.end(), "auto") != spec.choices.end()) {
+    return OkStatus();
+  }
+  return InvalidArgumentError(fmt::format(
+      "{}: \"auto\" is a placeholder that the Hugging Face Trainer fills in before DeepSpeed "
+      "reads the config; give the value itself",
+      path));
 }
 
 Json::json_pointer PointerOf(std::string_view path) {

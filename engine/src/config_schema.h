@@ -129,6 +129,8 @@ struct KeySpec {
   std::string_view alias_of = {};                  // old name of this other key (a WARN)
   unsigned scheduler_types = 0;                    // nonzero: only for these scheduler types
   bool required = false;                           // scheduler params: its types need it given
+  bool auto_is_a_value = false;   // a string key whose documented values include "auto"
+  bool case_insensitive = false;  // choices: any case (DeepSpeed's optimizer.type); else exact
   KeyKind kind = KeyKind::kImplemented;
   // kIgnored: why the key has no effect in zinf; kRefused: what zinf does instead (the error).
   std::string_view why = {};
@@ -183,11 +185,16 @@ Error TypeError(std::string_view path, std::string_view expected, const Json& go
 bool IsIntegerKind(const Field& field);
 std::string FormatRange(const Range& range, bool integer);
 bool InRange(double value, const Range& range);
-// An integer: a JSON integer, or a float with an integral value (1e9), within the range.
+// An integer: a JSON integer, or a float with an integral value (1e9; not -0.0), within the
+// range.
 Result<std::int64_t> ReadInteger(std::string_view path, const Json& value, const KeySpec& spec);
 Result<double> ReadNumber(std::string_view path, const Json& value, const KeySpec& spec);
-// The index into spec.choices (case-insensitive).
+// The index into spec.choices: exactly one of them (any case where spec.case_insensitive).
 Result<int> ReadChoice(std::string_view path, const Json& value, const KeySpec& spec);
+// "auto" given where it is not a value of the key (KeySpec::auto_is_a_value, or one of the
+// choices): the Hugging Face Trainer's placeholder, which it replaces before DeepSpeed reads the
+// config. An error naming `path`, or OK.
+Status RefuseAutoPlaceholder(std::string_view path, const Json& value, const KeySpec& spec);
 // "integer", "one of Adam, AdamW", ... for --help.
 std::string TypeText(const KeySpec& spec);
 // "/a/b" for "a.b".

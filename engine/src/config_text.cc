@@ -77,8 +77,10 @@ std::string DescribeConfigKeys(std::span<const AppKey> app_keys) {
   }
   const Json canonical = CanonicalJson(defaults);
   std::string out =
-      "config keys (DeepSpeed names and defaults where DeepSpeed has the key; unknown keys are "
-      "errors):\n";
+      "config keys (DeepSpeed names and defaults where DeepSpeed has the key; each key is "
+      "written once and nested: a key containing '.' is an error, as are unknown keys, choices "
+      "in another case (optimizer.type excepted) and \"auto\" where it is not a listed "
+      "value):\n";
   std::string ignored;
   std::string refused;
   for (const KeySpec& spec : schema.specs()) {
@@ -130,8 +132,15 @@ std::string DeepSpeedKeyTable() {
       "values that ask for something (\"refused unless false\": `false` is accepted as "
       "ignored).\n\n"
       "An ignored or refused section is taken as a whole: its content is not read. Keys not in "
-      "this table are errors that name the nearest valid key, and so is `\"auto\"` (the Hugging "
-      "Face Trainer's placeholder) as a value. zinf's own keys, under `zinf`, follow the "
+      "this table are errors that name the nearest valid key. Each key has one spelling, nested: "
+      "`{\"zinf\": {\"checkpoint\": {\"dir\": ...}}}`; a key containing a `.` "
+      "(`\"zinf.checkpoint.dir\"`, or `\"checkpoint.dir\"` inside `zinf`) is an error that "
+      "names the nested spelling. `\"auto\"` (the Hugging Face Trainer's placeholder) is an error "
+      "as the value of any implemented key except where it is a listed value "
+      "(`zinf.io_engine`, `zinf.checkpoint.load`). Choices are exact, case included (only "
+      "`optimizer.type` takes any case, as in DeepSpeed). Integers accept integral floats "
+      "(`1e9`) but not `-0.0`; sizes are digits, an optional fraction and an optional unit, no "
+      "spaces (`4096`, `512M`, `2GiB`, `1.5G`). zinf's own keys, under `zinf`, follow the "
       "DeepSpeed ones.\n\n"
       "| key | kind | type, default | what zinf does |\n"
       "|---|---|---|---|\n";

@@ -1,6 +1,8 @@
 #include "train_config.h"
 
+#include <algorithm>
 #include <array>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <vector>
@@ -8,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "zinf/core/check.h"
+#include "zinf/core/json.h"
 
 namespace zinf::train {
 namespace {
@@ -117,6 +120,72 @@ void ReadWorkload(const Json& app, TrainConfig* config) {
   config->model.num_params = model.at("num_params").get<int>();
 }
 
+// ---- Command-line overrides, written into the JSON at the keys' nested spelling ----
+
+// The object at `path` inside `root`, created when missing. nullptr when something on the way
+// is not an object (null included): the override is then skipped and the parser reports the
+// bad type.
+Json* ObjectAt(Json& root, std::initializer_list<const char*> path) {
+  Json* node = &root;
+  for (const char* key : path) {
+    if (!node->is_object()) return nullptr;
+    if (!node->contains(key)) (*node)[key] = Json::object();
+    node = &(*node)[key];
+  }
+  return node->is_object() ? node : nullptr;
+}
+
+void Set(Json& root, std::initializer_list<const char*> parents, const char* key, Json value) {
+  if (Json* parent = ObjectAt(root, parents)) (*parent)[key] = std::move(value);
+}
+
+void ApplyOverrides(const ConfigOverrides& o, Json& root) {
+  if (o.steps) Set(root, {"zinf"}, "steps", *o.steps);
+  if (o.nvme_path) {
+    Set(root, {"zero_optimization", "offload_optimizer"}, "device", "nvme");
+    Set(root, {"zero_optimization", "offload_optimizer"}, "nvme_path", *o.nvme_path);
+  }
+  if (o.checkpoint_dir) Set(root, {"zinf", "checkpoint"}, "dir", *o.checkpoint_dir);
+  if (o.checkpoint_every) Set(root, {"zinf", "checkpoint"}, "every", *o.checkpoint_every);
+  if (o.keep_last) Set(root, {"zinf", "checkpoint"}, "keep_last", *o.keep_last);
+  if (o.optimizer_state) Set(root, {"zinf"}, "optimizer_state", *o.optimizer_state);
+  if (o.resume) Set(root, {"zinf", "checkpoint"}, "load", *o.resume);
+  if (o.model) Set(root, {"zinf", "model"}, "name", *o.model);
+  if (o.data) Set(root, {"zinf", "data"}, "path", *o.data);
+  if (o.seed) Set(root, {"zinf"}, "seed", *o.seed);
+  if (!o.hidden && !o.layers) return;
+  // Which model the sizes apply to: the override, else the config's name, else the default.
+  std::string name = "charlm";
+  if (Json* model = ObjectAt(root, {"zinf", "model"});
+      model && model->contains("name") && (*model)["name"].is_string()) {
+    name = (*model)["name"].get<std::string>();
+  }
+  if (name != "synthetic") {
+    if (o.hidden) Set(root, {"zinf", "model"}, "hidden", *o.hidden);
+    if (o.layers) Set(root, {"zinf", "model"}, "layers", *o.layers);
+    return;
+  }
+  // synthetic: L tensors of H x H. A flag not given takes the config's (or the default) value.
+  const ModelConfig defaults;
+  std::int64_t hidden = defaults.hidden, layers = defaults.layers;
+  if (Json* model = ObjectAt(root, {"zinf", "model"})) {
+    if (model->contains("hidden") && (*model)["hidden"].is_number_integer()) {
+      hidden = (*model)["hidden"].get<std::int64_t>();
+    }
+    if (model->contains("layers") && (*model)["layers"].is_number_integer()) {
+      layers = (*model)["layers"].get<std::int64_t>();
+    }
+  }
+  if (o.hidden) hidden = *o.hidden;
+  if (o.layers) layers = *o.layers;
+  layers = std::max<std::int64_t>(layers, 1);
+  // Out-of-range values reach the parser as they are (it names the key and the range).
+  const std::int64_t total =
+      hidden < 1 ? hidden : layers * std::min<std::int64_t>(hidden, 1 << 30) * hidden;
+  Set(root, {"zinf", "model"}, "total_params", total);
+  Set(root, {"zinf", "model"}, "num_params", layers);
+}
+
 }  // namespace
 
 std::string_view ModelNameName(ModelName name) {
@@ -131,6 +200,15 @@ Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const engine::C
   static_cast<engine::Config&>(config) = std::move(base);
   ReadWorkload(config.app, &config);
   return config;
+}
+
+Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const engine::ConfigContext& ctx,
+                                     const ConfigOverrides& overrides) {
+  // The engine's limits, so that text it would refuse is refused here with its message.
+  Result<Json> root = ParseJson<Json>(json_text, {.max_bytes = 16u << 20, .max_depth = 32});
+  if (!root) return ParseTrainConfig(json_text, ctx);  // the parser's own message
+  ApplyOverrides(overrides, *root);
+  return ParseTrainConfig(DumpJsonForDisplay(*root), ctx);
 }
 
 Result<TrainConfig> LoadTrainConfig(const std::string& path, const engine::ConfigContext& ctx) {

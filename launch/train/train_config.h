@@ -11,9 +11,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "charlm.h"
 #include "zinf/core/status.h"
@@ -44,12 +46,38 @@ struct TrainConfig : engine::Config {
   int compute_threads = 0;   // zinf.compute_threads: BLAS threads per rank; 0 = cores / ranks
 };
 
+// Command-line values that override config keys (zinf-train's flags). Unset fields leave the
+// config's value.
+struct ConfigOverrides {
+  std::optional<std::int64_t> steps;                  // zinf.steps
+  std::optional<std::vector<std::string>> nvme_path;  // offload_optimizer.nvme_path, device nvme
+  std::optional<std::string> checkpoint_dir;          // zinf.checkpoint.dir
+  std::optional<std::int64_t> checkpoint_every;       // zinf.checkpoint.every
+  std::optional<std::int64_t> keep_last;              // zinf.checkpoint.keep_last
+  std::optional<std::string> optimizer_state;         // zinf.optimizer_state
+  std::optional<std::string> resume;                  // zinf.checkpoint.load
+  std::optional<std::string> model;                   // zinf.model.name
+  // charlm: zinf.model.hidden / layers. synthetic: zinf.model.total_params = max(1, L) * H * H
+  // in zinf.model.num_params = max(1, L) tensors (L, H from the flags, or from the config's
+  // zinf.model.layers / hidden when only one flag is given).
+  std::optional<std::int64_t> hidden;
+  std::optional<std::int64_t> layers;
+  std::optional<std::string> data;   // zinf.data.path
+  std::optional<std::int64_t> seed;  // zinf.seed
+};
+
 // zinf-train's keys, for the engine's parser and DescribeConfigKeys.
 std::span<const engine::AppKey> TrainAppKeys();
 
 // engine::ParseConfig with TrainAppKeys(), and the workload's values read back into TrainConfig.
 // Errors: InvalidArgument naming the key path (engine/config.h).
 Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const engine::ConfigContext& ctx);
+// The same with `overrides` written into the JSON first, at each key's one (nested) spelling, so
+// a flag always replaces the file's value (a dotted key, the only other way to spell it, is an
+// error) and a bad flag value gets the error of a bad key. Text that is not JSON gets the
+// parser's syntax error.
+Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const engine::ConfigContext& ctx,
+                                     const ConfigOverrides& overrides);
 // The file at `path`, parsed; messages prefixed with "config <path>: ".
 Result<TrainConfig> LoadTrainConfig(const std::string& path, const engine::ConfigContext& ctx);
 

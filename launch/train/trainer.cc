@@ -18,7 +18,6 @@
 #include "data.h"
 #include "model.h"
 #include "synthetic.h"
-#include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/core/process_stats.h"
 #include "zinf/core/units.h"
@@ -54,72 +53,6 @@ const char kDefaultConfig[] = R"json({
     "seed": 1234
   }
 })json";
-
-// ---- Config overrides ----
-
-// The object at `path` inside `root`, created when missing. nullptr when something on the way
-// is not an object: the override is then skipped and the parser reports the bad type.
-Json* ObjectAt(Json& root, std::initializer_list<const char*> path) {
-  Json* node = &root;
-  for (const char* key : path) {
-    if (!node->is_object()) return nullptr;
-    Json& child = (*node)[key];
-    if (child.is_null()) child = Json::object();
-    node = &child;
-  }
-  return node->is_object() ? node : nullptr;
-}
-
-void Set(Json& root, std::initializer_list<const char*> parents, const char* key, Json value) {
-  if (Json* parent = ObjectAt(root, parents)) (*parent)[key] = std::move(value);
-}
-
-void ApplyOverrides(const ConfigOverrides& o, Json& root) {
-  if (o.steps) Set(root, {"zinf"}, "steps", *o.steps);
-  if (o.nvme_path) {
-    Set(root, {"zero_optimization", "offload_optimizer"}, "device", "nvme");
-    Set(root, {"zero_optimization", "offload_optimizer"}, "nvme_path", *o.nvme_path);
-  }
-  if (o.checkpoint_dir) Set(root, {"zinf", "checkpoint"}, "dir", *o.checkpoint_dir);
-  if (o.checkpoint_every) Set(root, {"zinf", "checkpoint"}, "every", *o.checkpoint_every);
-  if (o.keep_last) Set(root, {"zinf", "checkpoint"}, "keep_last", *o.keep_last);
-  if (o.optimizer_state) Set(root, {"zinf"}, "optimizer_state", *o.optimizer_state);
-  if (o.resume) Set(root, {"zinf", "checkpoint"}, "load", *o.resume);
-  if (o.model) Set(root, {"zinf", "model"}, "name", *o.model);
-  if (o.data) Set(root, {"zinf", "data"}, "path", *o.data);
-  if (o.seed) Set(root, {"zinf"}, "seed", *o.seed);
-  if (!o.hidden && !o.layers) return;
-  // Which model the sizes apply to: the override, else the config's name, else the default.
-  std::string name = "charlm";
-  if (Json* model = ObjectAt(root, {"zinf", "model"}); model && model->contains("name") &&
-                                                      (*model)["name"].is_string()) {
-    name = (*model)["name"].get<std::string>();
-  }
-  if (name != "synthetic") {
-    if (o.hidden) Set(root, {"zinf", "model"}, "hidden", *o.hidden);
-    if (o.layers) Set(root, {"zinf", "model"}, "layers", *o.layers);
-    return;
-  }
-  // synthetic: L tensors of H x H. A flag not given takes the config's (or the default) value.
-  const ModelConfig defaults;
-  std::int64_t hidden = defaults.hidden, layers = defaults.layers;
-  if (Json* model = ObjectAt(root, {"zinf", "model"})) {
-    if (model->contains("hidden") && (*model)["hidden"].is_number_integer()) {
-      hidden = (*model)["hidden"].get<std::int64_t>();
-    }
-    if (model->contains("layers") && (*model)["layers"].is_number_integer()) {
-      layers = (*model)["layers"].get<std::int64_t>();
-    }
-  }
-  if (o.hidden) hidden = *o.hidden;
-  if (o.layers) layers = *o.layers;
-  layers = std::max<std::int64_t>(layers, 1);
-  // Out-of-range values reach the parser as they are (it names the key and the range).
-  const std::int64_t total =
-      hidden < 1 ? hidden : layers * std::min<std::int64_t>(hidden, 1 << 30) * hidden;
-  Set(root, {"zinf", "model"}, "total_params", total);
-  Set(root, {"zinf", "model"}, "num_params", layers);
-}
 
 // ---- One run: the workload (model, data) driving the engine ----
 
@@ -399,10 +332,7 @@ Result<TrainConfig> BuildTrainConfig(const comm::Communicator& world,
     if (!config_path.empty()) {
       ZINF_ASSIGN_OR_RETURN(text, engine::ReadConfigFile(config_path));
     }
-    Result<Json> root = ParseJson<Json>(text, {.max_bytes = 16u << 20, .max_depth = 32});
-    if (!root) return Annotate(ParseTrainConfig(text, ctx), where);  // the parser's own message
-    ApplyOverrides(overrides, *root);
-    return Annotate(ParseTrainConfig(DumpJsonForDisplay(*root), ctx), where);
+    return Annotate(ParseTrainConfig(text, ctx, overrides), where);
   }();
   ZINF_RETURN_IF_ERROR(world.AgreeOnStatus(config.has_value() ? OkStatus()
                                                               : Status(config.error())));

@@ -39,26 +39,6 @@
 
 namespace zinf::train {
 
-// Command-line values that override config keys (zinf-train's flags). Unset fields leave the
-// config's value.
-struct ConfigOverrides {
-  std::optional<std::int64_t> steps;                 // zinf.steps
-  std::optional<std::vector<std::string>> nvme_path;  // offload_optimizer.nvme_path, device nvme
-  std::optional<std::string> checkpoint_dir;          // zinf.checkpoint.dir
-  std::optional<std::int64_t> checkpoint_every;       // zinf.checkpoint.every
-  std::optional<std::int64_t> keep_last;              // zinf.checkpoint.keep_last
-  std::optional<std::string> optimizer_state;         // zinf.optimizer_state
-  std::optional<std::string> resume;                  // zinf.checkpoint.load
-  std::optional<std::string> model;                   // zinf.model.name
-  // charlm: zinf.model.hidden / layers. synthetic: zinf.model.total_params = max(1, L) * H * H
-  // in zinf.model.num_params = max(1, L) tensors (L, H from the flags, or from the config's
-  // zinf.model.layers / hidden when only one flag is given).
-  std::optional<std::int64_t> hidden;
-  std::optional<std::int64_t> layers;
-  std::optional<std::string> data;   // zinf.data.path
-  std::optional<std::int64_t> seed;  // zinf.seed
-};
-
 // The built-in configuration used without --config: a small charlm (hidden 512 x 2 layers, 530k
 // parameters, 64 examples per rank and step, AdamW 3e-3 after a 20-step warmup, clipping 1.0)
 // whose Adam state is swapped (pipelined swapper) under ./zinf-swap.

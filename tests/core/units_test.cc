@@ -31,9 +31,10 @@ TEST(Units, ParseBytesAcceptsUnits) {
   EXPECT_EQ(*ParseBytes("64K"), 64 * kKiB);
   EXPECT_EQ(*ParseBytes("1M"), kMiB);
   EXPECT_EQ(*ParseBytes("1MiB"), kMiB);
-  EXPECT_EQ(*ParseBytes("2 GB"), 2 * kGiB);
+  EXPECT_EQ(*ParseBytes("2GB"), 2 * kGiB);
+  EXPECT_EQ(*ParseBytes("2GiB"), 2 * kGiB);
   EXPECT_EQ(*ParseBytes("1.5G"), 3 * kGiB / 2);
-  EXPECT_EQ(*ParseBytes(" 8k "), 8 * kKiB);
+  EXPECT_EQ(*ParseBytes("8k"), 8 * kKiB);
 }
 
 TEST(Units, ParseBytesRejectsNonsense) {
@@ -43,6 +44,11 @@ TEST(Units, ParseBytesRejectsNonsense) {
   EXPECT_THAT(ParseBytes("99999999999999999999"), StatusIs(ErrorCode::kInvalidArgument));
   EXPECT_THAT(ParseBytes("20000000000G"), StatusIs(ErrorCode::kInvalidArgument));
   EXPECT_THAT(ParseBytes("0.3"), StatusIs(ErrorCode::kInvalidArgument, HasSubstr("whole")));
+  // Strict: no spaces, signs, exponents, repeated units or bare points.
+  for (const char* text : {"2 G B", "2 GB", " 2G", "2G ", "2GG", "-1G", "+1G", "1e99G", "1e3",
+                           ".5G", "1.G", "1.5.G"}) {
+    EXPECT_THAT(ParseBytes(text), StatusIs(ErrorCode::kInvalidArgument)) << text;
+  }
 }
 
 TEST(Units, FormatBytes) {

@@ -9,12 +9,14 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "testing/status_matchers.h"
 #include "zinf/core/units.h"
@@ -27,6 +29,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
+using ::zinf::testing::IsOk;
 using ::zinf::testing::StatusIs;
 using namespace ::zinf::engine;  // NOLINT(google-build-using-namespace): the config's vocabulary
 
@@ -484,7 +487,7 @@ TEST(TrainConfig, OneCycleAndLRRangeTestParse) {
                        {}),
       StatusIs(ErrorCode::kInvalidArgument, HasSubstr("not a parameter of scheduler LRRangeTest")));
   ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig r, ParseTrainConfig(R"({"train_batch_size": 4,
-      "scheduler": {"type": "lrrangetest", "params": {"lr_range_test_staircase": true}}})",
+      "scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_staircase": true}}})",
                                                             {}));
   EXPECT_EQ(r.scheduler.type, SchedulerType::kLRRangeTest);
   EXPECT_TRUE(r.scheduler.lr_range_test_staircase);
@@ -573,6 +576,253 @@ TEST(BadConfigCorpus, HasAtLeastThirtyCasesEachWithAnExpectFile) {
         std::filesystem::exists(std::filesystem::path(ZINF_BAD_CONFIG_DIR) / (name + ".expect")))
         << name;
   }
+}
+
+// ---- One spelling per setting ----
+
+// {"a": {"b": value}} for the key "a.b", after "train_micro_batch_size_per_gpu": 4.
+nlohmann::ordered_json ConfigWith(const std::string& path, const nlohmann::ordered_json& value) {
+  nlohmann::ordered_json root = {{"train_micro_batch_size_per_gpu", 4}};
+  nlohmann::ordered_json::json_pointer at;
+  for (std::size_t start = 0;;) {
+    const std::size_t dot = path.find('.', start);
+    at /= path.substr(start, dot == std::string::npos ? dot : dot - start);
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  root[at] = value;
+  return root;
+}
+
+// Every key with a value (not a section) that --help-config lists: the engine's implemented
+// keys and zinf-train's own.
+std::vector<std::string> LeafKeys() {
+  const std::string help = DescribeConfigKeys(TrainAppKeys());
+  std::istringstream lines(help.substr(0, help.find("DeepSpeed keys accepted with no effect")));
+  std::vector<std::string> keys;
+  for (std::string line; std::getline(lines, line);) {
+    const std::size_t paren = line.find(" (");
+    if (line.empty() || line[0] == ' ' || paren == std::string::npos ||
+        line.compare(paren, 10, " (section)") == 0 || line.starts_with("config keys")) {
+      continue;
+    }
+    keys.push_back(line.substr(0, paren));
+  }
+  return keys;
+}
+
+TEST(OneSpelling, AutoIsRefusedForEveryKeyButWhereItIsAValue) {
+  // The keys whose documented values include "auto", with what else they need.
+  const std::map<std::string, nlohmann::ordered_json> auto_is_a_value = {
+      {"zinf.io_engine", nlohmann::ordered_json::object()},
+      {"zinf.checkpoint.load", {{"zinf", {{"checkpoint", {{"dir", "/ckpt"}}}}}}},
+  };
+  const std::vector<std::string> keys = LeafKeys();
+  // The listing was read: it has the string keys, the size, a list and the application's keys.
+  EXPECT_THAT(keys, ::testing::IsSupersetOf(
+                        {"zinf.checkpoint.dir", "zinf.job_id", "zinf.pinned_budget_bytes",
+                         "zero_optimization.offload_optimizer.nvme_path", "zinf.data.path",
+                         "zinf.model.name", "optimizer.params.betas", "aio.thread_count"}));
+  EXPECT_GT(keys.size(), 60u);
+  for (const std::string& key : keys) {
+    SCOPED_TRACE(key);
+    nlohmann::ordered_json config = ConfigWith(key, "auto");
+    if (auto it = auto_is_a_value.find(key); it != auto_is_a_value.end()) {
+      config.merge_patch(it->second);
+      EXPECT_THAT(ParseTrainConfig(config.dump(), {}), IsOk());
+      continue;
+    }
+    EXPECT_THAT(ParseTrainConfig(config.dump(), {}),
+                StatusIs(ErrorCode::kInvalidArgument,
+                         HasSubstr(key + ": \"auto\" is a placeholder that the Hugging Face")));
+  }
+  // And as an element of a list of paths.
+  EXPECT_THAT(
+      ParseTrainConfig(
+          ConfigWith("zero_optimization.offload_optimizer.nvme_path", {"/a", "auto"}).dump(), {}),
+      StatusIs(ErrorCode::kInvalidArgument, HasSubstr("nvme_path[1]: \"auto\" is a placeholder")));
+}
+
+TEST(OneSpelling, DottedKeysAreRefusedNamingTheNestedSpelling) {
+  struct Case {
+    const char* json;
+    const char* error;
+  };
+  for (const Case& c : {
+           Case{R"({"train_batch_size": 4, "zinf.steps": 7})",
+                R"(zinf.steps: the key "zinf.steps" contains a '.'; keys are nested objects, one )"
+                R"(spelling per setting: write {"zinf": {"steps": ...}})"},
+           Case{R"({"train_batch_size": 4, "optimizer.params.lr": 0.1})",
+                R"(write {"optimizer": {"params": {"lr": ...}}})"},
+           Case{R"({"train_batch_size": 4, "zinf": {"checkpoint.dir": "/c"}})",
+                R"(zinf.checkpoint.dir: the key "checkpoint.dir" contains a '.')"},
+           // Agreeing with the nested key or contradicting it: one spelling either way.
+           Case{R"({"train_batch_size": 4, "zinf": {"steps": 7}, "zinf.steps": 7})",
+                R"(zinf.steps: the key "zinf.steps")"},
+           Case{R"({"train_batch_size": 4, "zinf": {"steps": 7}, "zinf.steps": 1})",
+                R"(zinf.steps: the key "zinf.steps")"},
+           // Unknown or ignored keys, and application keys, the same.
+           Case{R"({"train_batch_size": 4, "no.such": 1})", R"(write {"no": {"such": ...}})"},
+           Case{R"({"train_batch_size": 4, "zero_optimization.overlap_comm": true})",
+                R"(write {"zero_optimization": {"overlap_comm": ...}})"},
+           Case{R"({"train_batch_size": 4, "zinf": {"model.hidden": 8}})",
+                R"(write {"zinf": {"model": {"hidden": ...}}})"},
+       }) {
+    EXPECT_THAT(ParseTrainConfig(c.json, {}),
+                StatusIs(ErrorCode::kInvalidArgument, HasSubstr(c.error)))
+        << c.json;
+  }
+}
+
+// zinf-train's flags against a file that sets the same keys: the flag wins; a file that spells
+// the key with dots is an error (it used to win over the flag).
+TEST(OneSpelling, FlagsReplaceTheFilesValue) {
+  const std::string file = R"({"train_batch_size": 4,
+      "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/file/swap"}},
+      "zinf": {"steps": 7, "checkpoint": {"dir": "/file/ckpt"}}})";
+  ConfigOverrides flags;
+  flags.steps = 1;
+  flags.checkpoint_dir = "/flag/ckpt";
+  flags.nvme_path = std::vector<std::string>{"/flag/swap"};
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseTrainConfig(file, {}, flags));
+  EXPECT_EQ(c.steps, 1);
+  EXPECT_EQ(c.zinf.checkpoint.dir, "/flag/ckpt");
+  EXPECT_EQ(c.zero_optimization.offload_optimizer.nvme_path,
+            std::vector<std::string>{"/flag/swap"});
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig no_flags, ParseTrainConfig(file, {}, {}));
+  EXPECT_EQ(no_flags.steps, 7);
+  EXPECT_EQ(no_flags.zinf.checkpoint.dir, "/file/ckpt");
+
+  struct Case {
+    const char* file;
+    ConfigOverrides flags;
+    const char* error;
+  };
+  ConfigOverrides steps;
+  steps.steps = 1;
+  ConfigOverrides checkpoint_dir;
+  checkpoint_dir.checkpoint_dir = "/flag/ckpt";
+  ConfigOverrides nvme_path;
+  nvme_path.nvme_path = std::vector<std::string>{"/flag/swap"};
+  for (const Case& d : {
+           Case{R"({"train_batch_size": 4, "zinf.steps": 7})", steps,
+                R"(write {"zinf": {"steps": ...}})"},
+           Case{R"({"train_batch_size": 4, "zinf": {"checkpoint.dir": "/file/ckpt"}})",
+                checkpoint_dir, R"(write {"zinf": {"checkpoint": {"dir": ...}}})"},
+           Case{R"({"train_batch_size": 4, "zinf.checkpoint.dir": "/file/ckpt"})", checkpoint_dir,
+                R"(write {"zinf": {"checkpoint": {"dir": ...}}})"},
+           Case{R"({"train_batch_size": 4,
+                    "zero_optimization.offload_optimizer.nvme_path": "/file/swap"})",
+                nvme_path,
+                R"(write {"zero_optimization": {"offload_optimizer": {"nvme_path": ...}}})"},
+           Case{R"({"train_batch_size": 4,
+                    "zero_optimization": {"offload_optimizer.nvme_path": "/file/swap"}})",
+                nvme_path, R"(zero_optimization.offload_optimizer.nvme_path: the key)"},
+       }) {
+    EXPECT_THAT(ParseTrainConfig(d.file, {}, d.flags),
+                StatusIs(ErrorCode::kInvalidArgument, HasSubstr(d.error)))
+        << d.file;
+  }
+  // A section the file gives as something else is not replaced: the parser names it.
+  EXPECT_THAT(ParseTrainConfig(R"({"train_batch_size": 4, "zinf": null})", {}, steps),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("zinf: expected an object")));
+  // Text that is not JSON gets the parser's syntax error.
+  EXPECT_THAT(ParseTrainConfig("{\"train_batch_size\": 4,\n oops}", {}, steps),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("line 2")));
+}
+
+TEST(OneSpelling, ChoicesAreExactButOptimizerType) {
+  EXPECT_THAT(ParseTrainConfig(R"({"train_batch_size": 1, "zinf": {"optimizer_state": "Q8"}})", {}),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr(R"(zinf.optimizer_state: "Q8" is not one of "fp32", "q8"; )"
+                                 R"(did you mean "q8"?)")));
+  for (const char* json : {
+           R"({"train_batch_size": 1, "zinf": {"io_engine": "POSIX"}})",
+           R"({"train_batch_size": 1, "scheduler": {"type": "warmuplr"}})",
+           R"({"train_batch_size": 1,
+               "zero_optimization": {"offload_optimizer": {"device": "CPU"}}})",
+           R"({"train_batch_size": 1, "zinf": {"model": {"name": "Synthetic"}}})",
+       }) {
+    EXPECT_THAT(ParseTrainConfig(json, {}),
+                StatusIs(ErrorCode::kInvalidArgument, HasSubstr("is not one of")))
+        << json;
+  }
+  // DeepSpeed lower-cases optimizer.type, so zinf takes any case there (and prints it canonically).
+  ZINF_ASSERT_OK_AND_ASSIGN(
+      TrainConfig c,
+      ParseTrainConfig(R"({"train_batch_size": 1, "optimizer": {"type": "ADAMW"}})", {}));
+  EXPECT_EQ(c.optimizer.type, OptimizerType::kAdamW);
+}
+
+TEST(OneSpelling, SizesAreStrict) {
+  auto budget = [](const std::string& value) {
+    return ParseTrainConfig(
+        R"({"train_batch_size": 1, "zinf": {"pinned_budget_bytes": )" + value + "}}", {});
+  };
+  for (const char* good : {R"("2G")", R"("2GiB")", R"("2GB")", "2147483648", "2147483648.0"}) {
+    SCOPED_TRACE(good);
+    ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c, budget(good));
+    EXPECT_EQ(c.zinf.pinned_budget_bytes, 2 * kGiB);
+  }
+  for (const char* bad : {R"("2 G B")", R"("2 G")", R"(" 2G")", R"("2G ")", R"("2GG")", R"("-1G")",
+                          R"("1e99G")", R"("1e9")", R"("")", "-1", "-0.0", "2.5", "1e20"}) {
+    EXPECT_THAT(budget(bad),
+                StatusIs(ErrorCode::kInvalidArgument, HasSubstr("zinf.pinned_budget_bytes: ")))
+        << bad;
+  }
+}
+
+TEST(OneSpelling, IntegersAreIntegers) {
+  auto threads = [](const std::string& value) {
+    return ParseTrainConfig(R"({"train_batch_size": 1, "zinf": {"adam_threads": )" + value + "}}",
+                            {});
+  };
+  for (const char* good : {"0", "-0", "0.0", "4", "4.0", "4e0"}) {
+    EXPECT_THAT(threads(good), IsOk()) << good;
+  }
+  EXPECT_THAT(threads("-0.0"),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("zinf.adam_threads: expected an integer, got -0.0")));
+  EXPECT_THAT(threads("2.5"), StatusIs(ErrorCode::kInvalidArgument,
+                                       HasSubstr("zinf.adam_threads: expected an integer")));
+  for (const char* huge :
+       {"1e19", "-1e19", "1e300", "18446744073709551615", "99999999999999999999999"}) {
+    EXPECT_THAT(threads(huge), StatusIs(ErrorCode::kInvalidArgument, HasSubstr("out of range")))
+        << huge;
+  }
+  // JSON has no NaN or infinity; a number that overflows a double is a syntax error.
+  EXPECT_THAT(threads("1e400"),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("number overflow")));
+  EXPECT_THAT(threads("NaN"), StatusIs(ErrorCode::kInvalidArgument, HasSubstr("syntax error")));
+  // The same for an application's integer (zinf-train's zinf.steps).
+  EXPECT_THAT(ParseTrainConfig(R"({"train_batch_size": 1, "zinf": {"steps": -0.0}})", {}),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("zinf.steps: expected an integer, got -0.0")));
+}
+
+TEST(TrainConfig, CollectiveTimeoutIsSecondsInItsRange) {
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig d, ParseTrainConfig(R"({"train_batch_size": 1})", {}));
+  EXPECT_EQ(d.zinf.collective_timeout_seconds, 600);
+  EXPECT_THAT(EffectiveConfigJson(d), HasSubstr(R"("collective_timeout_seconds": 600)"));
+  EXPECT_THAT(DescribeConfigKeys(),
+              HasSubstr("zinf.collective_timeout_seconds (integer, default 600, range [1, "
+                        "604800])"));
+  auto timeout = [](const std::string& value) {
+    return ParseTrainConfig(
+        R"({"train_batch_size": 1, "zinf": {"collective_timeout_seconds": )" + value + "}}", {});
+  };
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c, timeout("1"));
+  EXPECT_EQ(c.zinf.collective_timeout_seconds, 1);
+  ZINF_ASSERT_OK_AND_ASSIGN(c, timeout("604800"));
+  EXPECT_EQ(c.zinf.collective_timeout_seconds, 604800);
+  for (const char* bad : {"0", "604801", "-1"}) {
+    EXPECT_THAT(timeout(bad), StatusIs(ErrorCode::kInvalidArgument,
+                                       HasSubstr("zinf.collective_timeout_seconds: ")))
+        << bad;
+  }
+  EXPECT_THAT(timeout("1.5"), StatusIs(ErrorCode::kInvalidArgument, HasSubstr("an integer")));
+  EXPECT_THAT(timeout(R"("auto")"),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("placeholder")));
 }
 
 TEST(TrainConfig, JobIdDependsOnlyOnWhatIdentifiesTheJob) {

@@ -23,7 +23,8 @@ constexpr bool IsAligned(std::uint64_t value, std::uint64_t alignment) {
   return value % alignment == 0;
 }
 
-// Parses "4096", "1M", "1MiB", "1.5G", "64k", "2GB" (binary multiples: K/KB/KiB = 1024, ...).
+// Parses "4096", "1M", "1MiB", "1.5G", "64k", "2GB" (binary multiples: K/KB/KiB = 1024, ...):
+// digits, an optional fraction and an optional unit, nothing else (no space, sign or exponent).
 // Errors: InvalidArgument naming the text, for a bad number, unit or overflow.
 Result<std::uint64_t> ParseBytes(std::string_view text);
 

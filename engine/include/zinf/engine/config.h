@@ -31,7 +31,10 @@
 //     state, so stage 0 is out of range.
 //   - optimizer.type accepts only Adam and AdamW (case-insensitive, printed canonically).
 //   - Unknown keys are errors (with the nearest valid key), and so is "auto", the Hugging Face
-//     Trainer's placeholder, where a value is needed.
+//     Trainer's placeholder, for every implemented key but those that list it as a value
+//     (zinf.io_engine, zinf.checkpoint.load).
+//   - One spelling per setting: a key containing '.' is an error naming the nested form, and
+//     choices are exact ("q8", not "Q8"; optimizer.type excepted, as in DeepSpeed).
 //
 // Strictness. Every error is InvalidArgument and starts with the key path:
 //   "zero_optimization.sub_grop_size: unknown key; did you mean 'sub_group_size'?"
@@ -223,6 +226,9 @@ struct ZinfConfig {
   bool keep_swap = false;       // keep the swap store at exit
   bool swap_gradients = false;  // accumulate partition gradients through the gradient swapper
   int adam_threads = 0;         // CpuAdam threads per rank; 0 = hardware concurrency; [0, 1024]
+  // Seconds a rank waits in one of zinf's collectives for the other ranks before it ends the
+  // job with an error naming the collective; [1, 604800].
+  std::int64_t collective_timeout_seconds = 600;
   // Keys the swap store directory; [A-Za-z0-9_.-]+. Empty: derived (EffectiveJobId).
   std::string job_id;
   CheckpointConfig checkpoint;
@@ -266,7 +272,7 @@ struct AppKey {
   std::string description = {};
   double min = -std::numeric_limits<double>::infinity();  // numbers: the range, inclusive
   double max = std::numeric_limits<double>::infinity();
-  std::vector<std::string> choices = {};  // kChoice: the canonical spellings (case-insensitive)
+  std::vector<std::string> choices = {};  // kChoice: the accepted spellings (exact)
 };
 
 // Parses `json_text` against the schema, fills defaults, expands placeholders and checks the
