@@ -2,12 +2,12 @@
 # Checkpoint save and restore against the copy bound measured in the same run (issue 6):
 #
 #   (a) mpirun -np RANKS zinf-bench ckpt: SaveCheckpoint of --state bytes of Adam state (split
-#       over the ranks, flat plan) into DIR/ckpt, then RestoreCheckpoint of it twice: in one pass
+#       over the ranks, flat plan) into RUN/ckpt, then RestoreCheckpoint of it twice: in one pass
 #       (verify_before_write = false: every chunk verified as it is read, what zinf-train does
 #       when it restores into its freshly created swap store) and verifying the whole file before
 #       writing (verify_before_write = true, the API default, for a live swapper whose store must
 #       stay untouched by a bad file: it reads the file twice);
-#   (b) the copy bound: fio writing the same number of bytes into DIR/fio and fio reading them
+#   (b) the copy bound: fio writing the same number of bytes into RUN/fio and fio reading them
 #       back: RANKS jobs (one per rank, bytes / RANKS each), io_uring, O_DIRECT, bs 1M, iodepth 8
 #       (the shape of bench-io-vs-fio.sh), write with end_fsync=1.
 #       bound = fio_write_seconds + fio_read_seconds
@@ -22,8 +22,10 @@
 #
 # Builds nothing: expects build/bin/zinf-bench (cmake --build build --target zinf-bench), or
 # --bench PATH. DIR must hold about 2x the state plus one sub-group (swap store + checkpoint; fio
-# reuses the space after the checkpoint is deleted): check df first. The swap store (DIR/swap),
-# the checkpoint (DIR/ckpt) and the fio files (DIR/fio) share one file system.
+# reuses the space after the checkpoint is deleted): check df first. The swap store (RUN/swap),
+# the checkpoint (RUN/ckpt) and the fio files (RUN/fio) share one file system: RUN is a fresh
+# directory DIR/bench-checkpoint.XXXXXX made for this run and removed at its end, so nothing
+# else in DIR is written or removed.
 #
 # Page cache. HDF5 writes go through MPI-IO as buffered writes; SaveCheckpoint fdatasyncs the
 # file on every rank before the commit, so the timed save includes getting the data to the disk,
@@ -91,6 +93,7 @@ for tool in fio mpirun python3; do
 done
 mkdir -p "$DIR"
 [[ -d "$DIR" ]] || { echo "bench-checkpoint: $DIR is not a directory" >&2; exit 2; }
+run=$(mktemp -d "$DIR/bench-checkpoint.XXXXXX")
 
 can_drop=0
 if (( DROP )) && [[ -w /proc/sys/vm/drop_caches ]] && sync && (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null; then
@@ -111,21 +114,21 @@ fio_bytes=$(( job_mib * 1048576 * RANKS ))
 
 log_dir=$(mktemp -d "${TMPDIR:-/tmp}/bench-checkpoint.XXXXXX")
 cleanup() {
-  rm -rf "$DIR/ckpt" "$DIR/fio" "$DIR/swap"
+  rm -rf "$run"
   if (( KEEP_LOGS )); then echo "bench-checkpoint: logs in $log_dir" >&2; else rm -rf "$log_dir"; fi
 }
 trap cleanup EXIT
 
 drop_caches() { if (( can_drop )); then sync; echo 3 > /proc/sys/vm/drop_caches; fi; }
 
-# Seconds of one fio pass ($1 = write|read) over RANKS files of job_mib MiB in DIR/fio: the
+# Seconds of one fio pass ($1 = write|read) over RANKS files of job_mib MiB in RUN/fio: the
 # group's bytes / aggregate bandwidth (fio's own clock, so neither process start nor file
 # layout counts).
 run_fio() {
   drop_caches
   local extra=()
   [[ $1 == write ]] && extra=(--end_fsync=1)
-  fio --name=zinf-ckpt-bound --directory="$DIR/fio" --ioengine=io_uring --direct=1 --bs=1M \
+  fio --name=zinf-ckpt-bound --directory="$run/fio" --ioengine=io_uring --direct=1 --bs=1M \
       --iodepth=8 --numjobs="$RANKS" --size="${job_mib}M" --rw="$1" --group_reporting \
       "${extra[@]}" --output-format=json > "$log_dir/fio-$1-$t.json" 2> "$log_dir/fio-$1-$t.err" ||
     { echo "bench-checkpoint: fio $1 failed:" >&2; cat "$log_dir/fio-$1-$t.err" >&2; exit 2; }
@@ -138,14 +141,14 @@ print(j["io_bytes"] / j["bw_bytes"])' "$log_dir/fio-$1-$t.json" "$1"
 # "save_s restore_s restore_single_pass_s" of one mpirun (restore_single_pass_s is "null"
 # without --single-pass); the whole JSON lines stay in the log.
 run_ckpt() {
-  local flags=(--path "$DIR/swap" --dir "$DIR/ckpt" --state-bytes "$STATE" --trials 1)
+  local flags=(--path "$run/swap" --dir "$run/ckpt" --state-bytes "$STATE" --trials 1)
   (( can_drop )) && flags+=(--drop-caches)
   (( SINGLE_PASS )) && flags+=(--single-pass)
   # shellcheck disable=SC2086
   mpirun -np "$RANKS" $MPIRUN_ARGS "$BENCH" ckpt "${flags[@]}" > "$log_dir/ckpt-$t.json" \
       2> "$log_dir/ckpt-$t.err" ||
     { echo "bench-checkpoint: zinf-bench ckpt failed:" >&2; tail -20 "$log_dir/ckpt-$t.err" >&2; exit 2; }
-  rm -rf "$DIR/ckpt"
+  rm -rf "$run/ckpt"
   python3 -c '
 import json, sys
 r = {"save": "null", "restore": "null", "restore_single_pass": "null"}
@@ -163,10 +166,10 @@ for ((t = 1; t <= TRIALS; t++)); do
   if (( t % 2 == 1 )); then order="ckpt fio"; else order="fio ckpt"; fi
   for tool in $order; do
     if [[ $tool == fio ]]; then
-      rm -rf "$DIR/fio"; mkdir -p "$DIR/fio"
+      rm -rf "$run/fio"; mkdir -p "$run/fio"
       fio_write=$(run_fio write)
       fio_read=$(run_fio read)
-      rm -rf "$DIR/fio"
+      rm -rf "$run/fio"
     else
       ckpt_times=$(run_ckpt)
       read -r save restore restore1 <<< "$ckpt_times"

@@ -38,8 +38,11 @@ command -v fio >/dev/null || { echo "bench-io-vs-fio: fio is not installed" >&2;
 command -v python3 >/dev/null || { echo "bench-io-vs-fio: python3 is not installed" >&2; exit 2; }
 [[ -d "$DIR" ]] || { echo "bench-io-vs-fio: $DIR is not a directory" >&2; exit 2; }
 
-fio_file="$DIR/zinf-vs-fio-$$.fio.dat"
-trap 'rm -f "$fio_file"' EXIT
+# fio's file lives in a directory made for this run (removed at the end): nothing else in DIR is
+# written or removed. zinf-bench io makes (and removes) its own fresh file in DIR.
+fio_dir=$(mktemp -d "$DIR/zinf-vs-fio.XXXXXX")
+fio_file=$fio_dir/fio.dat
+trap 'rm -rf "$fio_dir"' EXIT
 
 # MiB/s of one fio run ($1 = write|read).
 run_fio() {

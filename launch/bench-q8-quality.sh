@@ -11,6 +11,9 @@
 # built-in default's)
 # --optimizer-state F --nvme-path OUT/swap-F --metrics OUT/metrics-F.jsonl, its log (stdout and
 # stderr) in OUT/log-F.txt; the swap directory and metrics file are made afresh for every run.
+# OUT must be new, empty or made by an earlier run of this script (it holds
+# .made-by-bench-q8-quality.sh): any other directory is refused (exit 2), as the script replaces
+# and removes files in it.
 # From them the script writes, for F in fp32 and q8:
 #   OUT/heldout-F.tsv  "step value" lines: the held-out loss zinf-train logs every 25 steps
 #   OUT/train-F.tsv    "step value" lines: the training loss of every step (--metrics)
@@ -34,6 +37,9 @@ repo=$(cd -- "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")/.." && pwd)
 # metric, metrics_problem.
 # shellcheck source=lib/metrics.sh
 source "$repo/launch/lib/metrics.sh"
+# claim_dir.
+# shellcheck source=lib/outdir.sh
+source "$repo/launch/lib/outdir.sh"
 steps=1000
 ranks=2
 seed=1234
@@ -71,7 +77,7 @@ done
 [[ $ranks =~ ^[1-9][0-9]*$ ]] || die "--ranks '$ranks': expected an integer >= 1"
 [[ $seed =~ ^[0-9]+$ ]] || die "--seed '$seed': expected an integer >= 0"
 [[ -x $bin ]] || die "--bin '$bin' is not an executable (build zinf-train first)"
-mkdir -p -- "$out"
+claim_dir "$out" bench-q8-quality.sh || exit 2
 out=$(cd -- "$out" && pwd)
 
 # run F: one training run with optimizer state F; writes OUT/log-F.txt, OUT/heldout-F.tsv and

@@ -8,6 +8,9 @@
 #
 #   launch/demo.sh                                # 2 ranks, 1000 steps, then 200 more after a resume
 #   launch/demo.sh --ranks 3 --dir /mnt/nvme/demo --steps 400 --more 100
+#
+# --dir (default ./zinf-demo) is emptied and reused on every run, so it must be a directory
+# demo.sh made (it holds .made-by-demo.sh), a new or an empty one: any other is refused (exit 2).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -18,20 +21,23 @@ while (($#)); do
     --dir) work=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
     --more) more=$2; shift 2 ;;
-    -h | --help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "demo.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 [[ $work = /* ]] || work=$PWD/$work
 
+# A fresh demo directory each time: the swap store lives there during the run (removed at exit),
+# the checkpoints and the per-step metrics stay. Only a directory demo.sh made is emptied.
+# shellcheck source=lib/outdir.sh
+source launch/lib/outdir.sh
+empty_claimed_dir "$work" demo.sh || exit 2
+mkdir -p "$work/swap"
+
 bash launch/install-deps.sh
 cmake --preset default >/dev/null
 cmake --build --preset default -j "$(nproc)" --target zinf-train zinf-ckpt >/dev/null
 
-# A fresh demo directory each time: the swap store lives there during the run (removed at exit),
-# the checkpoints and the per-step metrics stay.
-rm -rf "$work"
-mkdir -p "$work/swap"
 ckpt=$work/checkpoints
 train=(--checkpoint-dir "$ckpt" --checkpoint-every 250 --metrics "$work/metrics.jsonl")
 

@@ -13,13 +13,20 @@ Draws a white chart with "nice" auto-ranged axes (ticks at 1, 2 or 5 x 10^k), nu
 labels, light grid lines, a 2-pixel line per series in a distinct colour, and a legend. Text uses
 a built-in 5x7 pixel font. The PNG is 8-bit RGB, filter 0 on every row, one zlib IDAT chunk.
 
+--out is a new file or an existing regular file, replaced whole (written to a hidden temporary
+file in the same directory, then renamed); a link, directory, device, FIFO or socket there is
+refused and left as it is.
+
 Exit status: 0 on success, 2 on any bad argument or input (one line on stderr, no traceback).
 """
 import argparse
 import json
 import math
+import os
+import stat
 import struct
 import sys
+import tempfile
 import zlib
 
 MAX_SERIES = 16
@@ -73,6 +80,39 @@ def _number(text, where):
     if not math.isfinite(value):
         raise InputError(f"{where}: '{text}' is not a finite number")
     return value
+
+
+FILE_TYPES = ((stat.S_ISLNK, 'a symbolic link'), (stat.S_ISDIR, 'a directory'),
+              (stat.S_ISCHR, 'a character device'), (stat.S_ISBLK, 'a block device'),
+              (stat.S_ISFIFO, 'a FIFO'), (stat.S_ISSOCK, 'a socket'))
+
+
+def write_output(path, data):
+    """Writes `data` to `path` (see --out in the module docstring): nothing but a missing name or
+    a regular file is ever written, and never opened."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:
+        raise InputError(f'cannot write {path}: {e.strerror}') from None
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((name for test, name in FILE_TYPES if test(mode)), 'not a regular file')
+        raise InputError(f'{path}: {kind}, not a regular file; an output never replaces one')
+    temp = None
+    try:
+        fd, temp = tempfile.mkstemp(dir=os.path.dirname(path) or '.',
+                                    prefix='.' + os.path.basename(path) + '.', suffix='.tmp')
+        with os.fdopen(fd, 'wb') as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(data)
+        os.replace(temp, path)
+        temp = None
+    except OSError as e:
+        raise InputError(f'cannot write {path}: {e.strerror}') from None
+    finally:
+        if temp is not None:
+            os.unlink(temp)
 
 
 def read_series(spec):
@@ -324,11 +364,7 @@ def main(argv=None):
         if total > MAX_POINTS:
             raise InputError(f'{total} points in all: at most {MAX_POINTS}')
         data = plot(series, args.width, args.height, args.title, args.xlabel, args.ylabel).png()
-        try:
-            with open(args.out, 'wb') as f:
-                f.write(data)
-        except OSError as e:
-            raise InputError(f'cannot write {args.out}: {e.strerror}') from None
+        write_output(args.out, data)
     except InputError as e:
         print(f'plot_loss: {e}', file=sys.stderr)
         return 2

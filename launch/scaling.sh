@@ -32,9 +32,10 @@
 # summary line carries the highest 1-minute load average seen before its runs).
 #
 # Per run (mode, N ranks): a config JSON, zinf-train's log and its --metrics JSON lines under
-# --out (default ./zinf-scaling-<date>); the swap directory is a fresh one under --path
-# (default: a new directory under ${TMPDIR:-/tmp}, removed at the end) and is removed after the
-# run. Writes --out/scaling.csv, --out/scaling.png (gnuplot, when installed) and
+# --out (default ./zinf-scaling-<date>), which must be new, empty or made by an earlier run of
+# scaling.sh (it holds .made-by-scaling.sh; any other directory is refused, exit 2); the swap
+# directory is a fresh one in a new directory zinf-scaling-XXXXXX made under --path (default:
+# ${TMPDIR:-/tmp}) and removed at the end: nothing else under --path is written or removed. Writes --out/scaling.csv, --out/scaling.png (gnuplot, when installed) and
 # --out/summary.jsonl; prints the CSV, one "summary: {json}" line per run and per mode, and
 # a verdict line on stdout; progress goes to stderr.
 #
@@ -53,6 +54,9 @@ repo=$(cd -- "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")/.." && pwd)
 # metric_after, median, parse_size.
 # shellcheck source=lib/metrics.sh
 source "$repo/launch/lib/metrics.sh"
+# claim_dir.
+# shellcheck source=lib/outdir.sh
+source "$repo/launch/lib/outdir.sh"
 state_per_rank=512M
 strong_total=1G
 ranks="1 2 4"
@@ -163,20 +167,15 @@ for mode in "${mode_list[@]}"; do
 done
 
 out=${out:-$PWD/zinf-scaling-$(date +%Y%m%d-%H%M%S)}
+claim_dir "$out" scaling.sh || exit 2
 mkdir -p "$out/logs" "$out/configs" "$out/metrics"
 out=$(cd "$out" && pwd)
-made_path=0
-if [[ -z $path ]]; then
-  path=$(mktemp -d "${TMPDIR:-/tmp}/zinf-scaling-XXXXXX")
-  made_path=1
-else
-  mkdir -p "$path"
-fi
+parent=${path:-${TMPDIR:-/tmp}}
+mkdir -p "$parent"
+path=$(mktemp -d "$parent/zinf-scaling-XXXXXX")
 path=$(cd "$path" && pwd)
-swap_dir=""
 cleanup() {
-  [[ -n $swap_dir ]] && rm -rf "$swap_dir"
-  ((made_path)) && rm -rf "$path"
+  rm -rf "$path"
   return 0
 }
 trap cleanup EXIT
@@ -227,7 +226,6 @@ EOF
         exit 1
       fi
       rm -rf "$swap_dir"
-      swap_dir=""
       world=$(metric_after "$metrics" world_size 0 | tail -1)
       [[ $world == "$n" ]] || { echo "scaling: $metrics says world_size '$world', expected $n" >&2; exit 1; }
       echo "$((SECONDS - start))" >> "$out/metrics/$name.wall"

@@ -1,11 +1,12 @@
 // zinf-ckpt: inspect, verify and export zinf checkpoints, serially (no mpirun needed).
 //
 //   zinf-ckpt ls PATH                       PATH: a step-<N>.h5 file or a checkpoint directory
-//   zinf-ckpt verify PATH                   recomputes every chunk checksum
-//   zinf-ckpt export PATH --out FILE [--format h5|safetensors] [--moments]
+//   zinf-ckpt verify PATH                   checks what a resume checks (engine/trainer_state.h)
+//   zinf-ckpt export PATH --out FILE [--format h5|safetensors] [--moments] [--force]
 //
 // Exit status: 0 on success; 1 when the checkpoint is bad (verify: the first problem is
-// printed) or cannot be read; 2 on a usage error. Everything read from a file is treated as
+// printed) or cannot be read, or export's --out is refused (an existing file without --force;
+// anything but a regular file, /dev/null included: nothing is written); 2 on a usage error. Everything read from a file is treated as
 // hostile: sizes are range-checked before use, strings are escaped before they are printed.
 #include <dirent.h>
 #include <sys/stat.h>
@@ -27,7 +28,9 @@
 #include "zinf/core/log.h"
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
+#include "zinf/engine/trainer_state.h"
 #include "zinf/partition/layout.h"
+#include "zinf/storage/fs.h"
 #include "zinf/swapper/checkpoint.h"
 
 namespace {
@@ -149,22 +152,33 @@ int List(const std::string& path) {
 int Verify(const std::string& path) {
   zinf::Result<std::string> file = zinf::swapper::ResolveCheckpointPath(path);
   if (!file) return Fail(file.error());
-  zinf::Status s = zinf::swapper::VerifyCheckpoint(*file, Progress("verify"));
+  zinf::Status s = zinf::engine::VerifyResumable(*file, Progress("verify"));
   if (!s) {
     std::printf("%s: BAD\n", Shown(*file).c_str());
     return Fail(s.error());
   }
-  std::printf("%s: OK (structure, ranges and every chunk checksum)\n", Shown(*file).c_str());
+  std::printf(
+      "%s: OK (structure, ranges, trainer state, q8 tables and every chunk checksum: a resume "
+      "restores it)\n",
+      Shown(*file).c_str());
   return 0;
 }
 
-int Export(const std::string& path, const std::string& out, const std::string& format,
-           bool moments) {
+int Export(const std::string& path, const std::string& out, const std::string& format, bool moments,
+           bool force) {
   const zinf::swapper::ExportFormat f = format == "safetensors"
                                             ? zinf::swapper::ExportFormat::kSafetensors
                                             : zinf::swapper::ExportFormat::kHdf5;
-  zinf::Status s = zinf::swapper::ExportCheckpoint(path, out, f, Progress("export"), moments);
-  if (!s) return Fail(s.error());
+  zinf::Status s = zinf::swapper::ExportCheckpoint(
+      path, out, f, Progress("export"), moments,
+      force ? zinf::storage::Overwrite::kRegularFile : zinf::storage::Overwrite::kNo);
+  if (!s) {
+    const int rc = Fail(s.error());
+    if (s.error().code() == zinf::ErrorCode::kAlreadyExists) {
+      std::fprintf(stderr, "zinf-ckpt: export --force replaces an existing regular file\n");
+    }
+    return rc;
+  }
   std::printf("wrote %s (%s)\n", Shown(out).c_str(), format.c_str());
   return 0;
 }
@@ -175,13 +189,15 @@ int main(int argc, char** argv) {
   CLI::App app{"zinf-ckpt: list, verify and export zinf checkpoints (serial, no MPI needed)"};
   app.require_subcommand(1);
   std::string path, out, format = "h5";
-  bool moments = false;
+  bool moments = false, force = false;
   CLI::App* ls = app.add_subcommand("ls", "step, world size, parameters, sizes, checksums");
   ls->add_option("PATH", path, "a step-<N>.h5 file or a checkpoint directory")->required();
   CLI::App* verify = app.add_subcommand(
       "verify",
-      "check the structure, every attribute's range, the layout and every chunk's checksum: OK "
-      "means the file restores; exit 1 if bad");
+      "check what a resume checks: the structure, every attribute's range, the layout, the "
+      "trainer state (step, world size, schedule, loss scaler: against the file's own config), "
+      "the q8 tables and scales, and every chunk's checksum; OK means a resume with a matching "
+      "model and config restores the file; exit 1 if bad");
   verify->add_option("PATH", path, "a step-<N>.h5 file or a checkpoint directory")->required();
   CLI::App* exp = app.add_subcommand(
       "export",
@@ -190,7 +206,12 @@ int main(int argc, char** argv) {
       "output that is the checkpoint, its `latest` or a step-<N>.h5 name of its directory is "
       "refused");
   exp->add_option("PATH", path, "a step-<N>.h5 file or a checkpoint directory")->required();
-  exp->add_option("--out", out, "output file")->required();
+  exp->add_option("--out", out,
+                  "output file: a new name, or with --force an existing regular file (replaced "
+                  "whole); a symbolic link, directory, device (/dev/null too), FIFO or socket "
+                  "is refused before anything is written (exit 1)")
+      ->required();
+  exp->add_flag("--force", force, "replace an existing regular file at --out");
   exp->add_option("--format", format, "h5 or safetensors")
       ->check(CLI::IsMember({"h5", "safetensors"}));
   exp->add_flag("--moments", moments,
@@ -205,7 +226,7 @@ int main(int argc, char** argv) {
   try {
     if (*ls) return List(path);
     if (*verify) return Verify(path);
-    return Export(path, out, format, moments);
+    return Export(path, out, format, moments, force);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinf-ckpt: internal error: %s\n", Shown(e.what()).c_str());
   }

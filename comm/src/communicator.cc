@@ -4,20 +4,33 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <limits>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <numeric>
+#include <optional>
+#include <random>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
 #include "mpi_util.h"
 #include "zinf/comm/mpi_native.h"
+#include "zinf/comm/mpi_session.h"
 #include "zinf/core/check.h"
+#include "zinf/core/log.h"
 
 namespace zinf::comm {
 namespace {
+
+using Clock = std::chrono::steady_clock;
 
 MPI_Comm& Raw(void* handle) { return *static_cast<MPI_Comm*>(handle); }
 
@@ -27,8 +40,144 @@ bool MpiIsFinalized() {
   return finalized != 0;
 }
 
-// Dups `parent` into a new owned handle with MPI_ERRORS_RETURN.
-Result<Communicator> DupInto(MPI_Comm parent, const char* what) {
+constexpr int kLeaveTag = 1;
+constexpr std::size_t kNoticeBytes = 1024;
+
+// Ends the job from inside an agreement that cannot complete: the pending MPI request can be
+// neither cancelled nor completed, so nothing on this communicator may run again.
+[[noreturn]] void EndJob(const std::string& message) {
+  LogLine(LogLevel::kError, message + "; ending the job");
+  std::fflush(stderr);
+  MpiSession::AbortJob(1);
+}
+
+// "zinf::engine::ZeroEngine::Step" out of a function signature, for messages.
+std::string FunctionName(const std::source_location& loc) {
+  std::string_view name = loc.function_name();
+  name = name.substr(0, name.find('('));
+  if (const std::size_t space = name.rfind(' '); space != std::string_view::npos) {
+    name.remove_prefix(space + 1);
+  }
+  return std::string(name);
+}
+
+// A call name as a non-zero tag (FNV-1a, 31 bits).
+int CallTag(std::string_view call) {
+  std::uint32_t h = 2166136261u;
+  for (char c : call) h = (h ^ static_cast<unsigned char>(c)) * 16777619u;
+  h &= 0x7fffffffu;
+  return h == 0 ? 1 : static_cast<int>(h);
+}
+
+}  // namespace
+
+// The ranks' shared fate for a communicator and its Dup()s: a private control communicator on
+// which a rank that leaves tells the others, the count of agreements entered (the same sequence
+// on every rank), and the wait timeout.
+struct FailureDomain {
+  struct Departure {
+    int rank = 0;
+    std::uint64_t agreements = 0;  // agreements the rank entered before it left
+    std::string rejoin;            // the one call it will still make ("" none)
+    std::string reason;
+  };
+
+  // Drawn by rank 0 at creation: a freed communicator's context id is reused by MPI, so a
+  // notice still in flight for a domain gone must not count in a later one.
+  std::uint64_t id = 0;
+  MPI_Comm control = MPI_COMM_NULL;
+  MPI_Request notice_request = MPI_REQUEST_NULL;
+  std::array<char, kNoticeBytes> notice{};
+  std::atomic<std::uint64_t> agreements{0};
+  std::atomic<std::int64_t> timeout_ms{
+      std::chrono::duration_cast<std::chrono::milliseconds>(kDefaultWaitTimeout).count()};
+  std::vector<Departure> departed;  // touched only inside agreements (one thread at a time)
+  // Set alike on every rank when an agreement found the ranks in different calls: their
+  // sequences of collectives diverged for good, so every later agreement fails with it at once.
+  std::optional<Error> diverged;
+
+  FailureDomain() = default;
+  FailureDomain(const FailureDomain&) = delete;
+  FailureDomain& operator=(const FailureDomain&) = delete;
+
+  ~FailureDomain() {
+    if (notice_request == MPI_REQUEST_NULL || MpiIsFinalized()) return;
+    MPI_Cancel(&notice_request);
+    MPI_Wait(&notice_request, MPI_STATUS_IGNORE);
+    // `control` is never freed: a notice another rank sends after this one let go would stay
+    // unreceived, and Open MPI would deliver it into whatever communicator reuses the context id
+    // (breaking its message order). A live communicator keeps it harmlessly until MPI_Finalize.
+  }
+
+  // `notices`: with the control communicator (Leave); without, departures are not seen, only
+  // the timeout bounds a wait (short-lived helper communicators: Split, SplitNode).
+  static Result<std::shared_ptr<FailureDomain>> Create(MPI_Comm comm, bool notices) {
+    auto domain = std::make_shared<FailureDomain>();
+    if (!notices) return domain;
+    ZINF_RETURN_IF_ERROR(MpiStatus(MPI_Comm_dup(comm, &domain->control), "MPI_Comm_dup"));
+    ZINF_RETURN_IF_ERROR(MpiStatus(MPI_Comm_set_errhandler(domain->control, MPI_ERRORS_RETURN),
+                                   "MPI_Comm_set_errhandler"));
+    std::random_device random;
+    domain->id = (static_cast<std::uint64_t>(random()) << 32) ^ random() ^
+                 static_cast<std::uint64_t>(Clock::now().time_since_epoch().count());
+    ZINF_RETURN_IF_ERROR(
+        MpiStatus(MPI_Bcast(&domain->id, 1, MPI_UINT64_T, 0, domain->control), "MPI_Bcast"));
+    ZINF_RETURN_IF_ERROR(domain->PostReceive());
+    return domain;
+  }
+
+  Status PostReceive() {
+    return MpiStatus(MPI_Irecv(notice.data(), static_cast<int>(notice.size()), MPI_CHAR,
+                               MPI_ANY_SOURCE, kLeaveTag, control, &notice_request),
+                     "MPI_Irecv");
+  }
+
+  // Takes in the departures that arrived; returns one that makes agreement `index`, named
+  // `label`, impossible (the rank left before entering it, and not to make this call), or null.
+  const Departure* DepartedBefore(std::uint64_t index, std::string_view label) {
+    for (;;) {
+      int arrived = 0;
+      MPI_Status status;
+      if (notice_request == MPI_REQUEST_NULL ||
+          MPI_Test(&notice_request, &arrived, &status) != MPI_SUCCESS || !arrived) {
+        break;
+      }
+      int length = 0;
+      MPI_Get_count(&status, MPI_CHAR, &length);
+      const std::string text(notice.data(), static_cast<std::size_t>(std::max(length, 0)));
+      Departure d;
+      d.rank = status.MPI_SOURCE;
+      // "<domain id> <agreements> <rejoin or -> <reason>" (Communicator::Leave).
+      char* end = nullptr;
+      const std::uint64_t from = std::strtoull(text.c_str(), &end, 16);
+      if (!PostReceive()) notice_request = MPI_REQUEST_NULL;
+      if (from != id || end == nullptr || *end != ' ') continue;  // another domain's, gone
+      d.agreements = std::strtoull(end + 1, &end, 10);
+      std::string_view rest = end != nullptr && *end == ' ' ? std::string_view(end + 1) : "";
+      const std::size_t space = std::min(rest.find(' '), rest.size());
+      if (rest.substr(0, space) != "-") d.rejoin = std::string(rest.substr(0, space));
+      d.reason = std::string(rest.substr(std::min(space + 1, rest.size())));
+      departed.push_back(std::move(d));
+    }
+    for (const Departure& d : departed) {
+      if (d.agreements <= index && d.rejoin != label) return &d;
+    }
+    return nullptr;
+  }
+
+  // Agreement `label` completed: the ranks that left to make only that call took part in it.
+  void Rejoined(std::string_view label) {
+    std::erase_if(departed, [label](const Departure& d) { return d.rejoin == label; });
+  }
+};
+
+namespace {
+
+// Dups `parent` into a new owned handle with MPI_ERRORS_RETURN, in `domain` (null: a new one,
+// with a control communicator for departures when `notices`).
+Result<Communicator> DupInto(MPI_Comm parent, const char* what,
+                             std::shared_ptr<FailureDomain> domain = nullptr,
+                             bool notices = false) {
   auto* owned = new MPI_Comm(MPI_COMM_NULL);
   int rc = MPI_Comm_dup(parent, owned);
   if (rc != MPI_SUCCESS) {
@@ -41,7 +190,12 @@ Result<Communicator> DupInto(MPI_Comm parent, const char* what) {
     delete owned;
     return MpiStatus(rc, "MPI_Comm_set_errhandler").error();
   }
-  return CommunicatorAccess::Make(owned);
+  Communicator comm = CommunicatorAccess::Make(owned);
+  if (domain == nullptr) {
+    ZINF_ASSIGN_OR_RETURN(domain, FailureDomain::Create(*owned, notices));
+  }
+  CommunicatorAccess::domain(comm) = std::move(domain);
+  return comm;
 }
 
 Status ValidRoot(int root, int size, const char* what) {
@@ -111,12 +265,15 @@ Status MpiStatus(int mpi_result, std::string_view what, std::source_location loc
   return Error(code, fmt::format("{}: {} (MPI error class {})", what, text, error_class), 0, loc);
 }
 
-Result<Communicator> DupNative(MPI_Comm comm) { return DupInto(comm, "MPI_Comm_dup"); }
+Result<Communicator> DupNative(MPI_Comm comm) {
+  return DupInto(comm, "MPI_Comm_dup", nullptr, /*notices=*/true);
+}
 
 Communicator::~Communicator() { (void)Free(); }
 
 Communicator::Communicator(Communicator&& other) noexcept
     : handle_(std::exchange(other.handle_, nullptr)),
+      domain_(std::move(other.domain_)),
       rank_(other.rank_),
       size_(other.size_),
       topology_(std::move(other.topology_)) {}
@@ -125,6 +282,7 @@ Communicator& Communicator::operator=(Communicator&& other) noexcept {
   if (this != &other) {
     (void)Free();
     handle_ = std::exchange(other.handle_, nullptr);
+    domain_ = std::move(other.domain_);
     rank_ = other.rank_;
     size_ = other.size_;
     topology_ = std::move(other.topology_);
@@ -140,13 +298,72 @@ Status Communicator::Free() {
   // After MPI_Finalize the communicator is gone with MPI; freeing it then would be an error.
   if (*comm != MPI_COMM_NULL && !MpiIsFinalized()) status = MpiStatus(MPI_Comm_free(comm), "MPI_Comm_free");
   delete comm;
+  domain_.reset();
   return status;
 }
 
 Result<Communicator> Communicator::Dup() const {
-  ZINF_ASSIGN_OR_RETURN(Communicator dup, DupInto(Raw(handle_), "MPI_Comm_dup"));
+  // MPI_Comm_dup waits for every rank: agree first, so that a rank that never comes is bounded.
+  ZINF_RETURN_IF_ERROR(Agree(OkStatus(), 0, "Communicator::Dup", std::source_location::current()));
+  ZINF_ASSIGN_OR_RETURN(Communicator dup, DupInto(Raw(handle_), "MPI_Comm_dup", domain_));
   dup.topology_ = topology_;
   return dup;
+}
+
+Result<Communicator> Communicator::DupDomain() const {
+  ZINF_RETURN_IF_ERROR(
+      Agree(OkStatus(), 0, "Communicator::DupDomain", std::source_location::current()));
+  ZINF_ASSIGN_OR_RETURN(Communicator dup,
+                        DupInto(Raw(handle_), "MPI_Comm_dup", nullptr, /*notices=*/true));
+  dup.topology_ = topology_;
+  dup.SetWaitTimeout(wait_timeout());
+  return dup;
+}
+
+void Communicator::SetWaitTimeout(std::chrono::milliseconds timeout) {
+  ZINF_CHECK(domain_ != nullptr, "SetWaitTimeout on an empty Communicator");
+  domain_->timeout_ms.store(std::max<std::int64_t>(timeout.count(), 1));
+}
+
+std::chrono::milliseconds Communicator::wait_timeout() const {
+  ZINF_CHECK(domain_ != nullptr, "wait_timeout of an empty Communicator");
+  return std::chrono::milliseconds(domain_->timeout_ms.load());
+}
+
+void Communicator::Leave(std::string_view reason, std::string_view rejoin) const {
+  if (domain_ == nullptr || domain_->control == MPI_COMM_NULL || size_ <= 1 ||
+      domain_->diverged || MpiIsFinalized()) {
+    return;
+  }
+  // Held until sent; leaked (a few hundred bytes) if a rank does not take it within a second.
+  auto* text = new std::string(fmt::format("{:x} {} {} {}", domain_->id, domain_->agreements.load(),
+                                           rejoin.empty() ? "-" : rejoin, reason));
+  if (text->size() > kNoticeBytes) text->resize(kNoticeBytes);
+  std::vector<MPI_Request> sends;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    MPI_Request request = MPI_REQUEST_NULL;
+    if (MPI_Isend(text->data(), static_cast<int>(text->size()), MPI_CHAR, r, kLeaveTag,
+                  domain_->control, &request) == MPI_SUCCESS) {
+      sends.push_back(request);
+    }
+  }
+  const auto deadline = Clock::now() + std::chrono::seconds(1);
+  int done = 0;
+  while (!done && Clock::now() < deadline) {
+    if (MPI_Testall(static_cast<int>(sends.size()), sends.data(), &done, MPI_STATUSES_IGNORE) !=
+        MPI_SUCCESS) {
+      break;
+    }
+    if (!done) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  if (done) {
+    delete text;
+    return;
+  }
+  for (MPI_Request& request : sends) {
+    if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
+  }
 }
 
 Result<Communicator> Communicator::Split(int color, int key) const {
@@ -159,10 +376,12 @@ Result<Communicator> Communicator::Split(int color, int key) const {
                                                "MPI_Comm_split")));
   Result<Communicator> out = DupInto(split, "MPI_Comm_dup");
   MPI_Comm_free(&split);
+  if (out) out->SetWaitTimeout(wait_timeout());
   return out;
 }
 
 Result<Communicator> Communicator::SplitNode() const {
+  ZINF_RETURN_IF_ERROR(AgreeOnStatus(OkStatus()));  // bounded: every rank is here
   MPI_Comm split = MPI_COMM_NULL;
   ZINF_RETURN_IF_ERROR(AgreeOnStatus(
       MpiStatus(MPI_Comm_split_type(Raw(handle_), MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL,
@@ -170,15 +389,70 @@ Result<Communicator> Communicator::SplitNode() const {
                 "MPI_Comm_split_type(SHARED)")));
   Result<Communicator> out = DupInto(split, "MPI_Comm_dup");
   MPI_Comm_free(&split);
+  if (out) out->SetWaitTimeout(wait_timeout());
   return out;
 }
 
 Status Communicator::AgreeOnStatus(const Status& local, std::source_location loc) const {
+  return Agree(local, 0, FunctionName(loc), loc);
+}
+
+Status Communicator::AgreeOnCall(std::string_view call, const Status& local,
+                                 std::source_location loc) const {
+  return Agree(local, CallTag(call), call, loc);
+}
+
+Status Communicator::WaitForRanks(void* request, std::string_view what) const {
+  FailureDomain& domain = *domain_;
+  const std::uint64_t index = domain.agreements.fetch_add(1);
+  const auto start = Clock::now();
+  const auto timeout = std::chrono::milliseconds(domain.timeout_ms.load());
+  auto pause = std::chrono::microseconds(0);
+  for (std::uint64_t polls = 0;; ++polls) {
+    // Departures first: a rank's notice goes out before anything it sends later, so a rank that
+    // left and then entered another call (its Close at exit) is named as having left.
+    if (const FailureDomain::Departure* gone = domain.DepartedBefore(index, what)) {
+      EndJob(fmt::format("{}: rank {} left and will not join this collective: {}", what,
+                         gone->rank, gone->reason));
+    }
+    int done = 0;
+    const int rc = MPI_Test(static_cast<MPI_Request*>(request), &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return MpiStatus(rc, fmt::format("{}: MPI_Test", what));
+    if (done) {
+      domain.DepartedBefore(0, what);  // take in what arrived: who just rejoined
+      if (!domain.departed.empty()) domain.Rejoined(what);
+      return OkStatus();
+    }
+    if (polls % 64 != 0) continue;
+    // Spin for the first milliseconds (a collective's usual wait), then poll ever more slowly,
+    // so that a rank waiting for a slow one leaves the cores to it.
+    const auto waited = Clock::now() - start;
+    if (waited > timeout) {
+      EndJob(fmt::format(
+          "{}: waited {} s for the other ranks (zinf.collective_timeout_seconds); a rank failed, "
+          "stopped or left without a word",
+          what, std::chrono::duration_cast<std::chrono::seconds>(waited).count()));
+    }
+    if (waited > std::chrono::milliseconds(2)) {
+      pause = std::clamp(pause * 2, std::chrono::microseconds(20), std::chrono::microseconds(1000));
+      std::this_thread::sleep_for(pause);
+    }
+  }
+}
+
+Status Communicator::Agree(const Status& local, int tag, std::string_view label,
+                           std::source_location loc) const {
   ZINF_CHECK(handle_ != nullptr, "AgreeOnStatus on an empty Communicator");
-  // One allreduce in the common case: {worst code, -(lowest failing rank)} under MAX.
-  int flags[2] = {local ? 0 : static_cast<int>(local.error().code()), local ? -size_ : -rank_};
-  int rc = MPI_Allreduce(MPI_IN_PLACE, flags, 2, MPI_INT, MPI_MAX, Raw(handle_));
-  if (rc != MPI_SUCCESS) return MpiStatus(rc, "AgreeOnStatus: MPI_Allreduce", loc);
+  if (domain_->diverged) return *domain_->diverged;
+  // One allreduce in the common case: {worst code, -(lowest failing rank), tag, -tag} under MAX;
+  // the tags differ when some rank is in another call.
+  int flags[4] = {local ? 0 : static_cast<int>(local.error().code()), local ? -size_ : -rank_,
+                  tag, -tag};
+  MPI_Request request = MPI_REQUEST_NULL;
+  int rc = MPI_Iallreduce(MPI_IN_PLACE, flags, 4, MPI_INT, MPI_MAX, Raw(handle_), &request);
+  if (rc != MPI_SUCCESS) return MpiStatus(rc, "AgreeOnStatus: MPI_Iallreduce", loc);
+  ZINF_RETURN_IF_ERROR(WaitForRanks(&request, label));
+  if (flags[2] != -flags[3]) return CallMismatch(label, loc);
   if (flags[0] == 0) return OkStatus();
 
   const int first = -flags[1];
@@ -206,11 +480,38 @@ Status Communicator::AgreeOnStatus(const Status& local, std::source_location loc
   return Error(code, std::move(text), header[0], rank_ == first ? local.error().location() : loc);
 }
 
+Status Communicator::CallMismatch(std::string_view label, std::source_location loc) const {
+  // Every rank is in this agreement (the allreduce matched): exchange the labels.
+  constexpr std::size_t kLabel = 96;
+  std::array<char, kLabel> mine{};
+  std::memcpy(mine.data(), label.data(), std::min(label.size(), kLabel - 1));
+  std::vector<char> all(kLabel * static_cast<std::size_t>(size_));
+  const int rc = MPI_Allgather(mine.data(), static_cast<int>(kLabel), MPI_CHAR, all.data(),
+                               static_cast<int>(kLabel), MPI_CHAR, Raw(handle_));
+  if (rc != MPI_SUCCESS) return MpiStatus(rc, "AgreeOnCall: MPI_Allgather", loc);
+  std::string where;
+  for (int r = 0; r < size_; ++r) {
+    const char* text = all.data() + kLabel * static_cast<std::size_t>(r);
+    where += fmt::format("{}rank {} in {}", r == 0 ? "" : ", ", r,
+                         std::string_view(text, strnlen(text, kLabel)));
+  }
+  Error error(ErrorCode::kFailedPrecondition,
+              fmt::format("the ranks are in different calls ({}): every rank must make the same "
+                          "collective calls in the same order",
+                          where),
+              0, loc);
+  domain_->diverged = error;
+  return error;
+}
+
+bool Communicator::diverged() const { return domain_ != nullptr && domain_->diverged.has_value(); }
+
 template <typename F>
 Status Communicator::Collective(const Status& local_check, const char* what, F&& mpi_call) const {
   ZINF_CHECK(handle_ != nullptr, "{} on an empty Communicator", what);
-  ZINF_RETURN_IF_ERROR(AgreeOnStatus(local_check));
-  return AgreeOnStatus(MpiStatus(mpi_call(), what));
+  const auto here = std::source_location::current();
+  ZINF_RETURN_IF_ERROR(Agree(local_check, 0, what, here));
+  return Agree(MpiStatus(mpi_call(), what), 0, what, here);
 }
 
 Status Communicator::Barrier() const {

@@ -44,6 +44,7 @@ struct CommunicatorAccess {
     return c;
   }
   static Topology& topology(Communicator& c) { return c.topology_; }
+  static std::shared_ptr<FailureDomain>& domain(Communicator& c) { return c.domain_; }
 };
 
 }  // namespace zinf::comm

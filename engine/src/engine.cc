@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -33,6 +34,7 @@
 #include "zinf/engine/config_options.h"
 #include "zinf/engine/loss_scaler.h"
 #include "zinf/engine/lr_schedule.h"
+#include "zinf/engine/trainer_state.h"
 #include "zinf/partition/plan.h"
 #include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/fs.h"
@@ -182,8 +184,42 @@ ZeroEngine::ZeroEngine(const comm::Communicator& world, const Config& config,
 
 ZeroEngine::~ZeroEngine() {
   if (closed_) return;
-  Status closed = Close();
-  if (!closed) ZINF_LOG_WARN("engine: close in destructor: {}", closed.error().ToString());
+  // Local: a garbage collector runs a destructor at different times on different ranks, so it
+  // never waits for them. They are told, so that none waits for this rank in a collective.
+  if (state_->swapper) {
+    ZINF_LOG_WARN("engine: destroyed without Close(): closed on this rank only; another rank "
+                  "that waits for it in a collective of this engine ends the job");
+  }
+  CloseLocally("its engine was destroyed without Close()");
+}
+
+const comm::Communicator& ZeroEngine::comm() const {
+  return state_->comm ? *state_->comm : world_;
+}
+
+void ZeroEngine::CloseLocally(std::string_view reason) {
+  closed_ = true;
+  State& s = *state_;
+  s.buckets.reset();  // joins its worker before the swapper goes
+  if (s.comm && !reason.empty()) {
+    s.comm->Leave(fmt::format("rank {}: {}", world_.rank(), reason));
+  }
+  Status metrics = s.metrics.Close(options_.metrics_path);
+  if (!metrics) ZINF_LOG_WARN("engine: {}", metrics.error().ToString());
+  s.swapper.reset();  // drains its I/O, then closes (and unless keep_swap removes) the store
+  s.stop_signals.reset();
+}
+
+void ZeroEngine::Detach(std::string_view reason) {
+  if (!closed_ && state_->comm) {
+    state_->comm->Leave(fmt::format("rank {}: {}", world_.rank(), reason), "Close");
+  }
+}
+
+Status ZeroEngine::AgreeOnCall(std::string_view call, const Status& local) {
+  if (closed_) return FailedPreconditionError(fmt::format("engine: {} after Close", call));
+  if (state_->buckets) state_->buckets->WaitIdle();
+  return comm().AgreeOnCall(call, local);
 }
 
 const partition::ParamLayout& ZeroEngine::layout() const { return state_->plan->layout(); }
@@ -252,8 +288,12 @@ Result<std::unique_ptr<ZeroEngine>> ZeroEngine::Create(const comm::Communicator&
                                                        std::vector<Param> params,
                                                        const EngineOptions& options) {
   std::unique_ptr<ZeroEngine> engine(new ZeroEngine(world, config, options));
-  ZINF_RETURN_IF_ERROR(engine->Build(std::move(params)));
-  ZINF_RETURN_IF_ERROR(engine->InitializeOrRestore());
+  Status created = engine->Build(std::move(params));
+  if (created) created = engine->InitializeOrRestore();
+  if (!created) {
+    engine->CloseLocally({});  // agreed: every rank drops its engine here, nobody to tell
+    return std::move(created).error();
+  }
   State& s = *engine->state_;
   s.last_step_end = MonotonicSeconds();
   s.loop_start = s.last_step_end;
@@ -265,21 +305,24 @@ Result<std::unique_ptr<ZeroEngine>> ZeroEngine::Create(const comm::Communicator&
 Status ZeroEngine::Build(std::vector<Param> params) {
   State& s = *state_;
   if (config_.zero_optimization.offload_optimizer.device != OffloadDevice::kNvme) {
-    return world_.AgreeOnStatus(InvalidArgumentError(fmt::format(
+    return comm().AgreeOnStatus(InvalidArgumentError(fmt::format(
         "zero_optimization.offload_optimizer.device: \"{}\": the engine keeps the optimizer "
         "state on NVMe; set it to \"nvme\" with a nvme_path",
         OffloadDeviceName(config_.zero_optimization.offload_optimizer.device))));
   }
   if (config_.world_size != world_.size()) {
-    return world_.AgreeOnStatus(InvalidArgumentError(fmt::format(
+    return comm().AgreeOnStatus(InvalidArgumentError(fmt::format(
         "engine: the config was parsed for {} ranks, the world has {} (batch sizes depend on it)",
         config_.world_size, world_.size())));
   }
   // Every rank checks its own buffers; agree before the first collective.
   Result<partition::ParamLayout> layout = LayoutOf(params);
-  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(layout ? OkStatus() : Status(layout.error())));
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(layout ? OkStatus() : Status(layout.error())));
   s.params = std::move(params);
-  ZINF_ASSIGN_OR_RETURN(s.comm, world_.Dup());
+  // The engine's own failure domain (comm/communicator.h): its agreements wait at most
+  // zinf.collective_timeout_seconds, and end at once when a rank destroys its engine.
+  ZINF_ASSIGN_OR_RETURN(s.comm, world_.DupDomain());
+  s.comm->SetWaitTimeout(std::chrono::seconds(config_.zinf.collective_timeout_seconds));
   ZINF_ASSIGN_OR_RETURN(s.plan, partition::PartitionPlan::Create(
                                     *layout, {.kind = ToPlanKind(config_),
                                               .world_size = world_.size(),
@@ -287,7 +330,7 @@ Status ZeroEngine::Build(std::vector<Param> params) {
   s.total_numel = s.plan->layout().total_numel();
   s.partition_numel = s.plan->partition_numel();
   if (s.partition_numel > static_cast<std::uint64_t>(std::numeric_limits<int>::max())) {
-    return world_.AgreeOnStatus(InvalidArgumentError(fmt::format(
+    return comm().AgreeOnStatus(InvalidArgumentError(fmt::format(
         "engine: {} parameters per rank exceed what one MPI collective moves ({}); run on more "
         "ranks",
         s.partition_numel, std::numeric_limits<int>::max())));
@@ -297,7 +340,7 @@ Status ZeroEngine::Build(std::vector<Param> params) {
   const std::uint64_t round = std::clamp<std::uint64_t>(
       config_.zero_optimization.allgather_bucket_size / static_cast<std::uint64_t>(world_.size()),
       1, s.partition_numel);
-  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(CheckHostMemory(padded, round)));
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(CheckHostMemory(padded, round)));
   ZINF_LOG_INFO(
       "engine: {} parameters in {} tensors; partition {} elements per rank; weights gathered in "
       "{} round(s) of {} elements per rank",
@@ -318,7 +361,7 @@ Status ZeroEngine::Build(std::vector<Param> params) {
         break;
       }
     }
-    ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(created));
+    ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(created));
   }
   swapper::SwapperOptions options = ToSwapperOptions(config_, world_.rank(), s.plan->layout());
   // Stores left by killed runs are scratch: this job's own is reused, other jobs' are removed
@@ -334,7 +377,7 @@ Status ZeroEngine::Build(std::vector<Param> params) {
         s.staging, storage::AlignedBuffer::Allocate(s.partition_numel * sizeof(float),
                                                     {.register_cuda = false, .zero = false}));
   }
-  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(CreateBuckets()));
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(CreateBuckets()));
 
   if (options_.stop_signals) s.stop_signals.emplace();
   // Rank 0 appends to the metrics of a resumed run and starts a fresh file otherwise: opened
@@ -369,7 +412,7 @@ Status ZeroEngine::InitializeOrRestore() {
   std::string path;
   if (load == "latest" || load == "auto") {
     if (ckpt.dir.empty()) {
-      return world_.AgreeOnStatus(InvalidArgumentError(fmt::format(
+      return comm().AgreeOnStatus(InvalidArgumentError(fmt::format(
           "zinf.checkpoint.load: \"{}\" resumes from <dir>/latest, but zinf.checkpoint.dir is "
           "not set",
           load)));
@@ -381,7 +424,7 @@ Status ZeroEngine::InitializeOrRestore() {
     if (::lstat(latest.c_str(), &st) == 0) {
       path = ckpt.dir;
     } else if (load == "latest") {
-      return world_.AgreeOnStatus(NotFoundError(
+      return comm().AgreeOnStatus(NotFoundError(
           fmt::format("--resume latest: no checkpoint to resume from: {} does not exist", latest)));
     }
   } else if (!load.empty()) {
@@ -389,14 +432,15 @@ Status ZeroEngine::InitializeOrRestore() {
   }
   Status restored = path.empty() ? Initialize() : Restore(path);
   ZINF_RETURN_IF_ERROR(restored);
-  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(
       Annotate(ReadPartition(), resumed_from_.empty() ? "reading the initial weights back: "
                                                       : "reading the restored weights back: ")));
   ZINF_RETURN_IF_ERROR(Gather());
   // Rank 0 appends to the metrics of a resumed run and starts a fresh file otherwise.
   Status opened = OkStatus();
   if (world_.rank() == 0 && !options_.metrics_path.empty()) {
-    // The user's own path (a link is followed); a FIFO or device is refused, never blocked on.
+    // The user's own path (a link is followed): a fresh run truncates a regular file there; a
+    // directory, FIFO, socket or device (or a link to one) is refused without being opened.
     Result<storage::UniqueFd> fd =
         storage::OpenFile(options_.metrics_path,
                           resumed_from_.empty() ? storage::FileAccess::kTruncateOrCreate
@@ -408,7 +452,7 @@ Status ZeroEngine::InitializeOrRestore() {
       opened = std::move(fd).error().WithContext("--metrics: ");
     }
   }
-  return world_.AgreeOnStatus(opened);
+  return comm().AgreeOnStatus(opened);
 }
 
 Status ZeroEngine::Initialize() {
@@ -429,38 +473,35 @@ Status ZeroEngine::Initialize() {
 
 Status ZeroEngine::Restore(const std::string& path) {
   State& s = *state_;
+  // The trainer state is checked on every rank once the file's structure has been, before any
+  // state is read: what zinf-ckpt verify checks (ReadTrainerState), then this run's fp16
+  // limits on a copy of the scaler.
+  std::optional<TrainerState> trainer;
+  LossScaler scaler = *s.scaler;
   // One pass: every chunk is verified as it is read, and a bad file fails the restore on every
   // rank before any step runs. The store was created empty for this engine and is discarded
   // with it on error, so the verify-first pass (which keeps a live store untouched by reading
   // the file twice) would only cost time.
-  ZINF_ASSIGN_OR_RETURN(
-      swapper::RestoredCheckpoint restored,
-      swapper::RestoreCheckpoint(*s.swapper, path,
-                                 {.verify_before_write = false, .progress = options_.progress}));
+  const swapper::CheckpointRestoreOptions restore_options{
+      .verify_before_write = false,
+      .progress = options_.progress,
+      .check_info = [&](const swapper::CheckpointInfo& info) -> Status {
+        ZINF_ASSIGN_OR_RETURN(TrainerState read, ReadTrainerState(info));
+        ZINF_RETURN_IF_ERROR(Annotate(scaler.Restore(read.loss_scaler), info.path + ": "));
+        trainer = std::move(read);
+        return OkStatus();
+      }};
+  ZINF_ASSIGN_OR_RETURN(swapper::RestoredCheckpoint restored,
+                        swapper::RestoreCheckpoint(*s.swapper, path, restore_options));
+  if (!trainer) return InternalError("checkpoint restore succeeded without its trainer state");
   resumed_from_ = restored.path;
   resumed_world_size_ = restored.world_size;
   step_ = restored.step;
-  const Json& trainer = restored.trainer;
   // fp16: the skipped steps and the loss scale go on where they were (older checkpoints and
   // runs without fp16 have none: no step skipped, the config's first scale).
-  skipped_steps_ = 0;
-  if (trainer.is_object() && trainer.contains("skipped_steps")) {
-    const Json& skipped = trainer["skipped_steps"];
-    if (!skipped.is_number_integer() || skipped.get<std::int64_t>() < 0 ||
-        skipped.get<std::int64_t>() > step_) {
-      return DataLossError(fmt::format("checkpoint {}: bad skipped_steps {} (step {})",
-                                       restored.path, skipped.dump(), step_));
-    }
-    skipped_steps_ = skipped.get<std::int64_t>();
-  }
-  if (trainer.is_object() && trainer.contains("loss_scaler")) {
-    ZINF_RETURN_IF_ERROR(Annotate(s.scaler->Restore(trainer["loss_scaler"]),
-                                  fmt::format("checkpoint {}: ", restored.path)));
-  }
-  // A checkpoint of this engine holds the user's JSON under "user"; one of an older zinf-train
-  // holds the trainer's state itself.
-  user_state_ =
-      trainer.is_object() && trainer.contains(kUserStateKey) ? trainer[kUserStateKey] : trainer;
+  skipped_steps_ = trainer->skipped_steps;
+  *s.scaler = scaler;
+  user_state_ = std::move(trainer->user);
   ZINF_LOG_INFO("resumed from {} (step {}, saved on {} ranks, now {}) in {:.2f} s", restored.path,
                 restored.step, restored.world_size, world_.size(), restored.seconds);
   return OkStatus();
@@ -548,7 +589,7 @@ Status ZeroEngine::CreateBuckets() {
 
 // Collective: reduces what the micro-batch has not reduced yet and ends it.
 Status ZeroEngine::HandGradient(int micro_batch) {
-  return world_.AgreeOnStatus(state_->buckets->Finish(micro_batch));
+  return comm().AgreeOnStatus(state_->buckets->Finish(micro_batch));
 }
 
 Status ZeroEngine::GradientReady(std::size_t index) {
@@ -570,7 +611,7 @@ Status ZeroEngine::AccumulateGradients() {
   // The micro-batch's reductions come first, so that no rank enters another collective while
   // some rank's buckets are still being reduced.
   const Status handed = HandGradient(s.micro_batches);
-  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(calls));
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnCall("AccumulateGradients", calls));
   ZINF_RETURN_IF_ERROR(handed);
   ++s.micro_batches;
   return OkStatus();
@@ -603,7 +644,7 @@ Result<double> ZeroEngine::PartitionGradSquaredSum() {
     }
     return OkStatus();
   }();
-  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(local));
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(local));
   return sum;
 }
 
@@ -629,7 +670,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   const storage::SwapStore::IoCounters io_start = s.io_mark;
   const Status handed = HandGradient(s.micro_batches);
   s.micro_batches = 0;
-  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(calls));
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnCall("Step", calls));
   ZINF_RETURN_IF_ERROR(handed);
   // 2: the global norm of the averaged gradient, the loss and the stop flag, in one allreduce.
   // With fp16 the gradient is of the loss times the scale: the norm is divided by it, and a
@@ -845,7 +886,7 @@ Status ZeroEngine::Report(const StepInfo& info) {
     written = storage::WriteAll(s.metrics.get(), record.dump() + "\n",
                                 fmt::format("--metrics {}", options_.metrics_path));
   }
-  return world_.AgreeOnStatus(written);
+  return comm().AgreeOnStatus(written);
 }
 
 Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& user_state,
@@ -868,7 +909,7 @@ Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& use
         fmt::format("engine: the user state of a checkpoint is not restorable: {}",
                     readable.error().message()));
   }
-  ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(check));
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnCall("SaveCheckpoint", check));
   swapper::CheckpointSaveOptions options;
   options.dir = target;
   options.keep_last = static_cast<int>(config_.zinf.checkpoint.keep_last);
@@ -905,6 +946,7 @@ Status ZeroEngine::LogSummary() {
   State& s = *state_;
   if (closed_) return FailedPreconditionError("engine: LogSummary after Close");
   s.buckets->WaitIdle();
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnCall("LogSummary"));
   ZINF_RETURN_IF_ERROR(s.timers.LogSummary(*s.comm, "engine timers"));
   ZINF_RETURN_IF_ERROR(s.swapper->LogTimers());
   return LogPerNode();
@@ -952,8 +994,19 @@ Status ZeroEngine::LogPerNode() {
 
 Status ZeroEngine::Close() {
   if (closed_) return OkStatus();
-  closed_ = true;
   State& s = *state_;
+  if (s.buckets) s.buckets->WaitIdle();
+  // A rank in another call (Step) must not match this close's collectives: the call is agreed
+  // first. Once the ranks' calls diverged (here or earlier: every rank knows), nothing collective
+  // can run again and each rank closes its own part.
+  const bool diverged_before = comm().diverged();
+  Status same_call = comm().AgreeOnCall("Close");
+  if (!same_call) {
+    if (!comm().diverged()) return same_call;
+    CloseLocally({});
+    return diverged_before ? OkStatus() : same_call;  // reported once, by the call that diverged
+  }
+  closed_ = true;
   s.buckets.reset();  // joins its worker before the swapper goes
   Status local = s.metrics.Close(options_.metrics_path);
   if (s.swapper) {
@@ -961,7 +1014,7 @@ Status ZeroEngine::Close() {
     if (local) local = std::move(swapper_closed);
   }
   s.stop_signals.reset();
-  return world_.AgreeOnStatus(local);
+  return comm().AgreeOnStatus(local);
 }
 
 }  // namespace zinf::engine

@@ -7,12 +7,15 @@
 // engine in the same run; prints {"bench":"checksum", ..., "checksum_gb_per_s", "read_gb_per_s",
 // "cost_fraction"} where cost_fraction = checksum seconds / read seconds: the share of one core's
 // time per byte read, i.e. what verifying a read costs if it is not overlapped with the I/O.
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "bench_command.h"
@@ -36,11 +39,12 @@ double Seconds(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
 }
 
-// Writes `buffer` to a fresh file in `dir`, then times reading it back with O_DIRECT.
+// Writes `buffer` to a fresh file in `dir`, then times reading it back with O_DIRECT. The file
+// is created exclusively (never a file, link or device that was there) and removed after.
 Result<double> TimeDirectRead(const std::string& dir, storage::AlignedBuffer& buffer) {
-  const std::string path = dir + "/zinf-bench-checksum.tmp";
+  const std::string path = fmt::format("{}/zinf-bench-checksum-{}.tmp", dir, ::getpid());
   ZINF_ASSIGN_OR_RETURN(storage::File file,
-                        storage::File::Open(path, {.mode = storage::OpenMode::kCreateOrOpen}));
+                        storage::File::Open(path, {.mode = storage::OpenMode::kCreate}));
   struct Remove {
     std::string path;
     ~Remove() { std::remove(path.c_str()); }

@@ -102,7 +102,26 @@ void Print(const comm::Communicator& comm, const nlohmann::json& line) {
   std::fflush(stdout);
 }
 
+// --dir receives the checkpoint of every trial through the commit protocol, which replaces
+// `latest` and step-<N>.h5, and the trial removes it again: a directory that holds anything (a
+// real run's checkpoints, say) is refused rather than overwritten. Missing is fine (created).
+Status CheckEmptyDirectory(const std::string& dir) {
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::symlink_status(dir, ec))) return OkStatus();
+  std::filesystem::directory_iterator entries(dir, ec);
+  if (ec) return ErrnoError(ec.value(), "--dir " + dir);
+  if (entries != std::filesystem::directory_iterator()) {
+    return FailedPreconditionError(fmt::format(
+        "--dir {} is not empty: zinf-bench ckpt writes its checkpoints (step-<N>.h5, latest) "
+        "there and removes them; give a new or empty directory",
+        dir));
+  }
+  return OkStatus();
+}
+
 Result<int> Run(const comm::Communicator& world, const CkptFlags& flags) {
+  ZINF_RETURN_IF_ERROR(
+      world.AgreeOnStatus(world.rank() == 0 ? CheckEmptyDirectory(flags.dir) : OkStatus()));
   ZINF_ASSIGN_OR_RETURN(std::uint64_t state_bytes, ParseBytes(flags.state_bytes));
   ZINF_ASSIGN_OR_RETURN(std::uint64_t sub_group_numel, ParseBytes(flags.sub_group_size));
   ZINF_ASSIGN_OR_RETURN(std::uint64_t chunk_numel, ParseBytes(flags.chunk_numel));
@@ -229,7 +248,9 @@ const bool kRegistered = RegisterBenchCommand(
       auto flags = std::make_shared<CkptFlags>();
       app.add_option("--path", flags->path, "swap store directory (node-local NVMe)")
           ->required();
-      app.add_option("--dir", flags->dir, "checkpoint directory (shared by the ranks)")
+      app.add_option("--dir", flags->dir,
+                     "checkpoint directory (shared by the ranks): new or empty, as the trials' "
+                     "checkpoints are written there and removed")
           ->required();
       app.add_option("--state-bytes", flags->state_bytes,
                      "bytes of fp32 + exp_avg + exp_avg_sq over all ranks, e.g. 4G")

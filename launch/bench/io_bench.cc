@@ -1,5 +1,6 @@
 // zinf-bench io: O_DIRECT write then read throughput of an I/O engine, and a DeepSpeed-style
 // sweep (ds_nvme_tune) over block size x queue depth x intra-op parallelism.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,9 +11,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -21,10 +22,12 @@
 #include <nlohmann/json.hpp>
 
 #include "bench_command.h"
+#include "zinf/core/log.h"
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
 #include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/file.h"
+#include "zinf/storage/fs.h"
 #include "zinf/storage/io_engine.h"
 
 namespace zinf::bench {
@@ -149,6 +152,11 @@ class Streamer {
 
 struct Plan {
   std::string file_path;
+  // How the test file is opened (kRead for an existing --file) and the inode it must be: every
+  // open of the name is checked against what PrepareTestFile created or looked at.
+  storage::OpenMode mode = storage::OpenMode::kReadWrite;
+  dev_t dev = 0;
+  ino_t ino = 0;
   std::uint64_t size_bytes;
   std::uint64_t chunk_bytes;
   EngineKind kind;
@@ -161,8 +169,14 @@ Result<std::vector<Measurement>> RunOnce(const IoFlags& flags, const Plan& plan,
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> engine,
                         storage::CreateIoEngine(plan.kind, options, flags.path));
   storage::OpenOptions open_options;
-  open_options.mode = storage::OpenMode::kCreateOrOpen;
+  open_options.mode = plan.mode;
   ZINF_ASSIGN_OR_RETURN(File file, File::Open(plan.file_path, open_options));
+  struct stat st {};
+  if (::fstat(file.fd(), &st) != 0) return ErrnoError(errno, "fstat " + plan.file_path);
+  if (st.st_dev != plan.dev || st.st_ino != plan.ino) {
+    return FailedPreconditionError(
+        fmt::format("{} was replaced by another file during the benchmark", plan.file_path));
+  }
   if (!file.direct()) {
     std::fprintf(stderr, "zinf-bench io: warning: %s has no O_DIRECT; measuring buffered I/O\n",
                  flags.path.c_str());
@@ -257,17 +271,24 @@ bool HaveGnuplot() {
   return false;
 }
 
-int Plot(const std::string& csv, const std::string& png, const std::vector<std::uint64_t>& blocks,
-         const std::vector<int>& parallelisms) {
-  if (!HaveGnuplot()) {
-    std::fprintf(stderr, "zinf-bench io: gnuplot is not installed; skipping the plot %s\n",
-                 png.c_str());
-    return 0;
-  }
+// `text` as a gnuplot single-quoted string ('' stands for a quote inside one).
+std::string GnuplotQuoted(std::string_view text) {
+  std::string quoted = "'";
+  for (char c : text) quoted += c == '\'' ? std::string("''") : std::string(1, c);
+  return quoted + "'";
+}
+
+// Draws the sweep (`csv`, CSV text with a header line) into `png`, whose temporary gnuplot
+// writes; the caller commits it.
+Status Plot(const std::string& csv, storage::AtomicFile& png,
+            const std::vector<std::uint64_t>& blocks, const std::vector<int>& parallelisms) {
+  // The data travels inline (a datablock, without the header line), so no other file is made.
+  const std::string rows = csv.substr(csv.find('\n') + 1);
   std::string script = fmt::format(
-      "set terminal pngcairo size 1400,600\nset output '{}'\nset datafile separator ','\n"
-      "set logscale x 2\nset key outside right\nset grid\nset multiplot layout 1,2\n",
-      png);
+      "$sweep << EOD\n{}EOD\nset terminal pngcairo size 1400,600\nset output {}\n"
+      "set datafile separator ','\nset logscale x 2\nset key outside right\nset grid\n"
+      "set multiplot layout 1,2\n",
+      rows, GnuplotQuoted(png.temp_path()));
   for (const char* op : {"write", "read"}) {
     script += fmt::format(
         "set title 'zinf-bench io sweep: {}'\nset xlabel 'queue depth'\nset ylabel 'MiB/s'\n"
@@ -279,27 +300,21 @@ int Plot(const std::string& csv, const std::string& png, const std::vector<std::
         if (!first) script += ", ";
         first = false;
         script += fmt::format(
-            "'{}' skip 1 using ((strcol(1) eq '{}' && $2 == {} && $4 == {}) ? $3 : 1/0):7 "
+            "$sweep using ((strcol(1) eq '{}' && $2 == {} && $4 == {}) ? $3 : 1/0):7 "
             "with linespoints dashtype {} title '{} par {}'",
-            csv, op, b, p, p, FormatBytes(b), p);
+            op, b, p, p, FormatBytes(b), p);
       }
     }
     script += "\n";
   }
   script += "unset multiplot\n";
+  ZINF_RETURN_IF_ERROR(png.CloseDescriptor());
   FILE* pipe = ::popen("gnuplot", "w");
-  if (pipe == nullptr) {
-    std::fprintf(stderr, "zinf-bench io: cannot run gnuplot: %s\n", std::strerror(errno));
-    return 1;
-  }
+  if (pipe == nullptr) return ErrnoError(errno, "run gnuplot");
   std::fwrite(script.data(), 1, script.size(), pipe);
   const int rc = ::pclose(pipe);
-  if (rc != 0) {
-    std::fprintf(stderr, "zinf-bench io: gnuplot failed (status %d)\n", rc);
-    return 1;
-  }
-  std::fprintf(stderr, "zinf-bench io: wrote %s\n", png.c_str());
-  return 0;
+  if (rc != 0) return InternalError(fmt::format("gnuplot failed (status {})", rc));
+  return png.Commit();
 }
 
 int Sweep(const IoFlags& flags, const Plan& plan) {
@@ -307,18 +322,26 @@ int Sweep(const IoFlags& flags, const Plan& plan) {
                                              2 * kMiB,   4 * kMiB,   8 * kMiB};
   const std::vector<int> depths = {1, 2, 4, 8, 16, 32};
   const std::vector<int> parallelisms = {1, 2};
-  std::string csv_path = flags.csv;
-  if (csv_path.empty()) {
-    csv_path = flags.plot.empty() ? "" : fmt::format("/tmp/zinf-bench-io-sweep-{}.csv", getpid());
-  }
-  std::ofstream csv;
-  if (!csv_path.empty()) {
-    csv.open(csv_path);
-    if (!csv) {
-      std::fprintf(stderr, "zinf-bench io: cannot write %s\n", csv_path.c_str());
-      return 1;
+  // The outputs exist as temporaries from the start, so that one that may not be written (see
+  // storage::AtomicFile: a new name or a regular file, replaced) is refused before the sweep runs.
+  auto output = [](const std::string& path) -> std::optional<storage::AtomicFile> {
+    if (path.empty()) return std::nullopt;
+    Result<storage::AtomicFile> file =
+        storage::AtomicFile::Create(path, storage::Overwrite::kRegularFile);
+    if (!file) {
+      std::fprintf(stderr, "zinf-bench io: %s\n", file.error().ToString().c_str());
+      return std::nullopt;
     }
-    csv << "op,block_size,queue_depth,intra_op_parallelism,size_bytes,seconds,mib_per_s\n";
+    return std::move(*file);
+  };
+  std::optional<storage::AtomicFile> csv_out = output(flags.csv);
+  if (!flags.csv.empty() && !csv_out) return 1;
+  std::optional<storage::AtomicFile> png_out = output(flags.plot);
+  if (!flags.plot.empty() && !png_out) return 1;
+  if (png_out && !HaveGnuplot()) {
+    std::fprintf(stderr, "zinf-bench io: gnuplot is not installed; no plot %s\n",
+                 flags.plot.c_str());
+    png_out.reset();
   }
   std::fprintf(stderr, "zinf-bench io: sweeping %zu configurations x %s each way\n",
                blocks.size() * depths.size() * parallelisms.size(),
@@ -355,15 +378,15 @@ int Sweep(const IoFlags& flags, const Plan& plan) {
     }
   }
   // Grouped by op so that each plotted series is a contiguous run of rows (gnuplot joins them).
+  std::string csv = "op,block_size,queue_depth,intra_op_parallelism,size_bytes,seconds,mib_per_s\n";
   for (IoOp op : {IoOp::kWrite, IoOp::kRead}) {
     for (const Measurement& m : measurements) {
-      if (m.op != op || !csv.is_open()) continue;
-      csv << storage::IoOpName(m.op) << ',' << m.options.block_size << ',' << m.options.queue_depth
-          << ',' << m.options.intra_op_parallelism << ',' << m.size_bytes << ',' << m.seconds << ','
-          << m.mib_per_s() << '\n';
+      if (m.op != op) continue;
+      csv += fmt::format("{},{},{},{},{},{},{}\n", storage::IoOpName(m.op), m.options.block_size,
+                         m.options.queue_depth, m.options.intra_op_parallelism, m.size_bytes,
+                         m.seconds, m.mib_per_s());
     }
   }
-  if (csv.is_open()) csv.close();
   double best_read = 0, best_write = 0;
   for (const Row& row : rows) {
     best_read = std::max(best_read, row.read);
@@ -396,14 +419,54 @@ int Sweep(const IoFlags& flags, const Plan& plan) {
     std::printf("\"aio\": %s\n", aio.dump(2).c_str());
   }
   int rc = 0;
-  if (!flags.plot.empty()) rc = Plot(csv_path, flags.plot, blocks, parallelisms);
-  if (flags.csv.empty() && !csv_path.empty()) {
-    std::error_code ec;
-    std::filesystem::remove(csv_path, ec);  // only made for the plot
-  } else if (!csv_path.empty()) {
-    std::fprintf(stderr, "zinf-bench io: wrote %s\n", csv_path.c_str());
+  auto report = [&](const Status& written, const std::string& path) {
+    if (written) {
+      std::fprintf(stderr, "zinf-bench io: wrote %s\n", path.c_str());
+    } else {
+      std::fprintf(stderr, "zinf-bench io: %s\n", written.error().ToString().c_str());
+      rc = 1;
+    }
+  };
+  if (csv_out) {
+    Status written = csv_out->Write(std::as_bytes(std::span(csv.data(), csv.size())));
+    if (written) written = csv_out->Commit();
+    report(written, flags.csv);
   }
+  if (png_out) report(Plot(csv, *png_out, blocks, parallelisms), flags.plot);
   return rc;
+}
+
+// Makes or checks the test file and sets plan->mode, dev and ino; true when it was created. A
+// fresh file (a new name in --path, or a --file that does not exist) is created exclusively: the
+// benchmark writes only into a file it made, removed at the end unless --keep. An existing
+// --file must be a regular file (not a link, device or FIFO) and is only read (--op read).
+Result<bool> PrepareTestFile(const IoFlags& flags, Plan* plan) {
+  const std::string& path = plan->file_path;
+  Result<storage::UniqueFd> fd =
+      storage::OpenFile(path, storage::FileAccess::kCreateNew, storage::Follow::kNo, 0600);
+  const bool created = fd.has_value();
+  if (!created) {
+    if (flags.file.empty() || fd.error().code() != ErrorCode::kAlreadyExists) {
+      return std::move(fd).error();
+    }
+    // Refused with its type first if it is not a regular file (looked at, never opened).
+    ZINF_ASSIGN_OR_RETURN(
+        fd, Annotate(storage::OpenFile(path, storage::FileAccess::kRead), "--file: "));
+    if (plan->do_write) {
+      return AlreadyExistsError(fmt::format(
+          "--file {} exists: zinf-bench io writes only into a file it creates (a --file that "
+          "does not exist yet, removed at the end unless --keep); --op read reads an existing "
+          "file as it is",
+          path));
+    }
+  }
+  struct stat st {};
+  if (::fstat(fd->get(), &st) != 0) return ErrnoError(errno, "fstat " + path);
+  plan->mode = created ? storage::OpenMode::kReadWrite : storage::OpenMode::kRead;
+  plan->dev = st.st_dev;
+  plan->ino = st.st_ino;
+  ZINF_RETURN_IF_ERROR(fd->Close(path));
+  return created;
 }
 
 int RunIo(const IoFlags& flags) {
@@ -424,17 +487,23 @@ int RunIo(const IoFlags& flags) {
   Result<EngineKind> kind = storage::ParseEngineKind(flags.engine);
   if (!kind) return fail(kind.error().message(), 2);
   if (!flags.plot.empty() && !flags.sweep) return fail("--plot needs --sweep", 2);
+  // A line break would end gnuplot's string, and the rest of the path would run as a command.
+  if (flags.plot.find_first_of("\r\n") != std::string::npos) {
+    return fail(fmt::format("--plot {}: a line break in the path", EscapeForTerminal(flags.plot)),
+                2);
+  }
 
   Plan plan;
   plan.file_path = flags.file.empty() ? fmt::format("{}/zinf-bench-io-{}.dat", flags.path, getpid())
                                       : flags.file;
-  const bool existed = std::filesystem::exists(plan.file_path, ec);
   if (!flags.file.empty() && flags.sweep) return fail("--file and --sweep do not mix", 2);
   plan.size_bytes = *size;
   plan.chunk_bytes = std::min(*chunk, *size);
   plan.kind = *kind;
   plan.do_write = flags.op != "read";
   plan.do_read = flags.op != "write";
+  Result<bool> created = PrepareTestFile(flags, &plan);
+  if (!created) return fail(created.error().ToString(), 1);
 
   int rc = 0;
   if (flags.sweep) {
@@ -448,7 +517,7 @@ int RunIo(const IoFlags& flags) {
     options.overlap_events = !flags.no_overlap_events;
     // A read-only run needs the file's contents: write them first, untimed (unless --file names
     // an existing file, which is then read as it is).
-    const bool prepare = !plan.do_write && !(existed && !flags.file.empty());
+    const bool prepare = !plan.do_write && *created;
     Result<std::vector<Measurement>> result = RunOnce(flags, plan, options, prepare);
     if (!result) {
       rc = fail(result.error().ToString(),
@@ -457,7 +526,7 @@ int RunIo(const IoFlags& flags) {
       for (const Measurement& m : *result) Print(m, flags);
     }
   }
-  if (!flags.keep && !existed) std::filesystem::remove(plan.file_path, ec);
+  if (!flags.keep && *created) std::filesystem::remove(plan.file_path, ec);
   return rc;
 }
 
@@ -468,8 +537,9 @@ const bool kRegistered = RegisterBenchCommand(
       app.add_option("--path", flags->path, "directory for the test file (removed at the end)")
           ->required();
       app.add_option("--file", flags->file,
-                     "use this file instead of a fresh one in --path (an existing one is kept "
-                     "and, with --op read, read as it is)");
+                     "use this file instead of a fresh one in --path: a new name (created, "
+                     "removed at the end unless --keep), or with --op read an existing regular "
+                     "file, read as it is (never written)");
       app.add_option("--size", flags->size, "bytes to write and read, e.g. 1G")
           ->capture_default_str();
       app.add_option("--block-size", flags->block_size, "aio.block_size, e.g. 1M")
@@ -505,8 +575,10 @@ const bool kRegistered = RegisterBenchCommand(
       app.add_flag("--sweep", flags->sweep,
                    "block size 128K..8M x queue depth 1..32 x parallelism 1,2; prints the best "
                    "\"aio\" block");
-      app.add_option("--csv", flags->csv, "sweep results as CSV");
-      app.add_option("--plot", flags->plot, "sweep plot (PNG, needs gnuplot)");
+      app.add_option("--csv", flags->csv,
+                     "sweep results as CSV: a new file, or a regular file replaced whole when "
+                     "the sweep is done (a link, directory, device or FIFO is refused first)");
+      app.add_option("--plot", flags->plot, "sweep plot (PNG, needs gnuplot); written as --csv is");
       return [flags] { return RunIo(*flags); };
     });
 

@@ -15,7 +15,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <span>
@@ -40,32 +42,60 @@ namespace {
 
 using Json = nlohmann::json;
 
-// Raises the zinf.errors exception for `error`'s code.
-[[noreturn]] void Raise(const Error& error) {
+// Raises the zinf.errors exception for `error`'s code. `agreed`: every rank raises the same one
+// (a collective call's result); zinf's excepthook ends the job for any other exception left
+// unhandled (zinf/__init__.py).
+[[noreturn]] void Raise(const Error& error, bool agreed) {
   py::object errors = py::module_::import("zinf.errors");
   py::object cls = errors.attr("class_for_code")(std::string(ErrorCodeName(error.code())));
   py::object exc =
       cls(error.message(), std::string(ErrorCodeName(error.code())), error.sys_errno());
+  exc.attr("agreed") = agreed;
   PyErr_SetObject(cls.ptr(), exc.ptr());
   throw py::error_already_set();
 }
 
+// The result of a collective call: the same on every rank.
 void Check(const Status& status) {
-  if (!status) Raise(status.error());
+  if (!status) Raise(status.error(), /*agreed=*/true);
 }
 
 template <typename T>
 T Value(Result<T> result) {
-  if (!result) Raise(result.error());
+  if (!result) Raise(result.error(), /*agreed=*/true);
   return std::move(*result);
+}
+
+ErrorCode CodeNamed(const std::string& name) {
+  for (int i = 1; i <= static_cast<int>(ErrorCode::kInternal); ++i) {
+    if (ErrorCodeName(static_cast<ErrorCode>(i)) == name) return static_cast<ErrorCode>(i);
+  }
+  return ErrorCode::kInvalidArgument;
+}
+
+// A local problem as a Status: OK when `message` is empty.
+Status Problem(const std::string& code, const std::string& message) {
+  return message.empty() ? OkStatus() : Status(Error(CodeNamed(code), message));
 }
 
 class EngineHandle;
 
 // The process's MPI session and the engines open in it.
+// An engine whose optimizer was dropped without close(), kept open (with the buffers it works
+// in) until finalize() closes it collectively: the other ranks may drop theirs later, or not.
+struct Orphan {
+  std::uint64_t serial = 0;
+  std::unique_ptr<engine::ZeroEngine> engine;
+  std::vector<py::object> buffers;
+};
+
+// The process's MPI session and the engines open in it; `serial` numbers the engines in the
+// order they were created, the same on every rank (creation is collective).
 struct Runtime {
   std::optional<comm::MpiSession> session;
   std::vector<EngineHandle*> engines;
+  std::vector<Orphan> orphans;
+  std::uint64_t next_serial = 0;
 };
 
 Runtime& GetRuntime() {
@@ -76,7 +106,8 @@ Runtime& GetRuntime() {
 const comm::Communicator& World() {
   Runtime& rt = GetRuntime();
   if (!rt.session) {
-    Raise(FailedPreconditionError("zinf: MPI is not initialized (call zinf.init() first)"));
+    Raise(FailedPreconditionError("zinf: MPI is not initialized (call zinf.init() first)"),
+          /*agreed=*/false);
   }
   return rt.session->world();
 }
@@ -207,32 +238,56 @@ class EngineHandle {
       return engine::ZeroEngine::Create(world, cfg, std::move(list), opts);
     }();
     engine_ = Value(std::move(created));
+    serial_ = GetRuntime().next_serial++;
     GetRuntime().engines.push_back(this);
   }
 
   ~EngineHandle() {
     Forget();
+    if (engine_ && !engine_->closed() && GetRuntime().session) {
+      // Dropped without close(): open until finalize() closes it with the other ranks'. A rank
+      // waiting for this one in any other call ends the job.
+      engine_->Detach("its optimizer was dropped without close(); zinf closes it at exit");
+      GetRuntime().orphans.push_back(
+          {.serial = serial_, .engine = std::move(engine_), .buffers = std::move(buffers_)});
+    }
     if (engine_) {
       py::gil_scoped_release release;
-      engine_.reset();  // best effort (ZeroEngine's destructor)
+      engine_.reset();  // local: ZeroEngine's destructor tells the other ranks
     }
+  }
+
+  std::uint64_t serial() const { return serial_; }
+
+  // Collective over the engine's communicator: every rank is in the call `call` and none has a
+  // problem (`message` empty), else the agreed error is raised on every rank.
+  void Agree(const std::string& call, const std::string& code, const std::string& message) {
+    const Status local = Problem(code, message);
+    engine::ZeroEngine& engine = Open();
+    Status status = [&] {
+      py::gil_scoped_release release;
+      return engine.AgreeOnCall(call, local);
+    }();
+    Check(status);
   }
 
   EngineHandle(const EngineHandle&) = delete;
   EngineHandle& operator=(const EngineHandle&) = delete;
 
   py::dict Step(std::optional<double> loss) {
+    engine::ZeroEngine& engine = Open();  // raises with the GIL held
     Result<engine::StepInfo> info = [&] {
       py::gil_scoped_release release;
-      return Open().Step(loss);
+      return engine.Step(loss);
     }();
     return StepInfoDict(Value(std::move(info)));
   }
 
   void AccumulateGradients() {
+    engine::ZeroEngine& engine = Open();  // raises with the GIL held
     Status status = [&] {
       py::gil_scoped_release release;
-      return Open().AccumulateGradients();
+      return engine.AccumulateGradients();
     }();
     Check(status);
   }
@@ -241,15 +296,17 @@ class EngineHandle {
   py::dict SaveCheckpoint(const std::string& user_state, const std::string& dir) {
     // Bounded (depth, size, duplicate keys), as everything from outside the process.
     Result<Json> parsed = ParseJson(user_state);
-    Check(Open().world().AgreeOnStatus(
+    const Status local =
         parsed ? OkStatus()
                : Status(InvalidArgumentError(
                      fmt::format("save_checkpoint: client_state is not valid JSON: {}",
-                                 parsed.error().message())))));
+                                 parsed.error().message())));
     const Json state = parsed ? std::move(*parsed) : Json();
-    Result<engine::SavedCheckpointInfo> saved = [&] {
+    engine::ZeroEngine& engine = Open();  // raises with the GIL held
+    Result<engine::SavedCheckpointInfo> saved = [&]() -> Result<engine::SavedCheckpointInfo> {
       py::gil_scoped_release release;
-      return Open().SaveCheckpoint(state, dir);
+      ZINF_RETURN_IF_ERROR(engine.AgreeOnCall("save_checkpoint", local));
+      return engine.SaveCheckpoint(state, dir);
     }();
     engine::SavedCheckpointInfo info = Value(std::move(saved));
     py::dict d;
@@ -261,24 +318,34 @@ class EngineHandle {
   }
 
   void LogSummary() {
+    engine::ZeroEngine& engine = Open();  // raises with the GIL held
     Status status = [&] {
       py::gil_scoped_release release;
-      return Open().LogSummary();
+      return engine.LogSummary();
     }();
     Check(status);
   }
 
   void Close() {
     if (!engine_) return;
-    // Destroyed right away: its stop-signal handlers give Python's back.
+    // Destroyed once closed: its stop-signal handlers give Python's back. A close refused
+    // because some rank is in another call leaves it open on every rank (at exit it is closed
+    // again, collectively).
     Status status = [&] {
       py::gil_scoped_release release;
       Status closed = engine_->Close();
-      engine_.reset();
+      if (engine_->closed()) engine_.reset();
       return closed;
     }();
-    Forget();
+    if (!engine_) Forget();
     Check(status);
+  }
+
+  // Local: ZeroEngine's destructor (this rank's store closed, the other ranks told).
+  void CloseLocally() {
+    Forget();
+    py::gil_scoped_release release;
+    engine_.reset();
   }
 
   std::int64_t step() { return Open().step(); }
@@ -293,7 +360,9 @@ class EngineHandle {
 
  private:
   engine::ZeroEngine& Open() {
-    if (!engine_) Raise(FailedPreconditionError("the optimizer's engine is closed"));
+    if (!engine_) {
+      Raise(FailedPreconditionError("the optimizer's engine is closed"), /*agreed=*/false);
+    }
     return *engine_;
   }
 
@@ -304,6 +373,7 @@ class EngineHandle {
 
   std::unique_ptr<engine::ZeroEngine> engine_;
   std::vector<py::object> buffers_;
+  std::uint64_t serial_ = 0;
 };
 
 py::dict Init() {
@@ -312,7 +382,7 @@ py::dict Init() {
     // MPI_Init_thread accepts null argc/argv; Open MPI reads its settings from the environment.
     Result<comm::MpiSession> session =
         comm::MpiSession::Init(nullptr, nullptr, comm::ThreadLevel::kSingle);
-    if (!session) Raise(session.error());
+    if (!session) Raise(session.error(), /*agreed=*/false);
     rt.session.emplace(std::move(*session));
   }
   const comm::Communicator& world = rt.session->world();
@@ -330,37 +400,80 @@ py::dict Init() {
 // engines' agreed errors already ended the program alike), then ends the session.
 void Finalize() {
   Runtime& rt = GetRuntime();
-  while (!rt.engines.empty()) {
-    EngineHandle* e = rt.engines.back();
-    try {
-      e->Close();
-    } catch (py::error_already_set& ex) {
-      LogLine(LogLevel::kWarn, fmt::format("zinf: closing an optimizer at exit: {}", ex.what()));
+  // Newest first, open and dropped alike: the same order on every rank.
+  for (;;) {
+    auto handle = std::max_element(
+        rt.engines.begin(), rt.engines.end(),
+        [](const EngineHandle* a, const EngineHandle* b) { return a->serial() < b->serial(); });
+    auto orphan = std::max_element(
+        rt.orphans.begin(), rt.orphans.end(),
+        [](const Orphan& a, const Orphan& b) { return a.serial < b.serial; });
+    if (handle == rt.engines.end() && orphan == rt.orphans.end()) break;
+    if (orphan == rt.orphans.end() ||
+        (handle != rt.engines.end() && (*handle)->serial() > orphan->serial)) {
+      EngineHandle* e = *handle;
+      try {
+        e->Close();
+      } catch (py::error_already_set& ex) {
+        LogLine(LogLevel::kWarn, fmt::format("zinf: closing an optimizer at exit: {}", ex.what()));
+        e->CloseLocally();  // a rank waiting for this one in a collective ends the job
+      }
+      continue;
     }
+    Orphan dropped = std::move(*orphan);
+    rt.orphans.erase(orphan);
+    py::gil_scoped_release release;
+    Status closed = dropped.engine->Close();
+    if (!closed) {
+      LogLine(LogLevel::kWarn,
+              fmt::format("zinf: closing a dropped optimizer at exit: {}", closed.error().ToString()));
+    }
+    dropped.engine.reset();
   }
   if (rt.session) {
     Status status = rt.session->Finalize();
     rt.session.reset();
-    Check(status);
+    if (!status) Raise(status.error(), /*agreed=*/false);
   }
+}
+
+// Ends every process of the job (MPI_Abort) after an ERROR line with `message`: for an
+// exception one rank cannot report collectively (zinf's excepthook).
+[[noreturn]] void AbortJob(const std::string& message) {
+  LogLine(LogLevel::kError, message);
+  std::fflush(stderr);
+  comm::MpiSession::AbortJob(1);
 }
 
 // Collective: raises on every rank the agreed error when `message` is not empty on some rank.
 void Agree(const std::string& code, const std::string& message) {
-  Status local = OkStatus();
-  if (!message.empty()) {
-    ErrorCode c = ErrorCode::kInvalidArgument;
-    for (int i = 1; i <= static_cast<int>(ErrorCode::kInternal); ++i) {
-      if (ErrorCodeName(static_cast<ErrorCode>(i)) == code) c = static_cast<ErrorCode>(i);
-    }
-    local = Error(c, message);
-  }
-  Check(World().AgreeOnStatus(local));
+  const Status local = Problem(code, message);
+  const comm::Communicator& world = World();
+  Status status = [&] {
+    py::gil_scoped_release release;
+    return world.AgreeOnStatus(local);
+  }();
+  Check(status);
+}
+
+// Collective: raises on every rank `message` ("rank r: ..." for the lowest rank r whose `text`
+// differs from rank 0's) when some rank's `text` differs from rank 0's.
+void AgreeSame(const std::string& code, const std::string& message, const std::string& text) {
+  const comm::Communicator& world = World();
+  std::string root_text = text;
+  Status sent = [&] {
+    py::gil_scoped_release release;
+    return world.BroadcastString(&root_text, 0);
+  }();
+  Check(sent);
+  Agree(code, root_text == text ? "" : message);
 }
 
 void Log(const std::string& level, const std::string& message) {
   LogLevel l = LogLevel::kInfo;
-  if (!ParseLogLevel(level, &l)) Raise(InvalidArgumentError("log: unknown level " + level));
+  if (!ParseLogLevel(level, &l)) {
+    Raise(InvalidArgumentError("log: unknown level " + level), /*agreed=*/false);
+  }
   if (LogEnabled(l)) LogLine(l, message);
 }
 
@@ -375,10 +488,17 @@ PYBIND11_MODULE(_zinf, m) {
         "Closes the open engines and finalizes MPI if init() initialized it.");
   m.def("agree", &zinf::python::Agree, py::arg("code"), py::arg("message"),
         "Collective: raises on every rank when some rank passes a message.");
+  m.def("agree_same", &zinf::python::AgreeSame, py::arg("code"), py::arg("message"),
+        py::arg("text"),
+        "Collective: raises `message` on every rank, naming the lowest rank whose text differs "
+        "from rank 0's, when some rank's does.");
   m.def("log", &zinf::python::Log, py::arg("level"), py::arg("message"));
+  m.def("abort_job", &zinf::python::AbortJob, py::arg("message"),
+        "Logs an ERROR line and ends every process of the job (MPI_Abort).");
   py::class_<EngineHandle>(m, "Engine")
       .def(py::init<const std::string&, bool, const py::list&, const py::dict&>(),
            py::arg("config"), py::arg("config_is_text"), py::arg("params"), py::arg("options"))
+      .def("agree", &EngineHandle::Agree, py::arg("call"), py::arg("code"), py::arg("message"))
       .def("step", &EngineHandle::Step, py::arg("loss") = py::none())
       .def("accumulate_gradients", &EngineHandle::AccumulateGradients)
       .def("save_checkpoint", &EngineHandle::SaveCheckpoint, py::arg("user_state"), py::arg("dir"))

@@ -9,6 +9,7 @@ torch: MPI start-up (init), rank-0 logging (log) and the exceptions (zinf.errors
 
 import atexit as _atexit
 import ctypes as _ctypes
+import sys as _sys
 
 from . import errors
 from .errors import ZinfError
@@ -38,7 +39,28 @@ def init():
     if _facts is None:
         _facts = dict(_zinf.init())
         _atexit.register(_zinf.finalize)
+        if _facts["world_size"] > 1:
+            _end_job_on_unhandled_exception(_facts["rank"])
     return dict(_facts)
+
+
+def _end_job_on_unhandled_exception(rank):
+    """An exception that ends the program on one rank would leave the others waiting for it in
+    their next collective: after Python has printed it, the job is ended (MPI_Abort) with an
+    ERROR line naming the rank and the exception. zinf's errors raised alike on every rank (the
+    result of a collective call: .agreed) end the program as usual."""
+    previous = _sys.excepthook
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        if getattr(value, "agreed", False):
+            return
+        text = str(value).splitlines()[0][:500] if str(value) else ""
+        _zinf.abort_job(f"rank {rank}: unhandled {kind.__name__}"
+                        f"{': ' + text if text else ''}; ending the job so that no rank "
+                        "waits for this one")
+
+    _sys.excepthook = hook
 
 
 def log(*args, level="info"):

@@ -2,7 +2,10 @@
 
 Every error of the engine reaches Python as the class of its code, on every rank alike (the
 engine agrees on errors across ranks). ``e.code`` is the code's name ("DataLoss", ...),
-``e.errno`` the system error behind it (0 if none), ``str(e)`` the message.
+``e.errno`` the system error behind it (0 if none), ``str(e)`` the message. ``e.agreed`` is
+True when every rank raises the same error (the result of a collective call); a zinf error of
+one rank alone (e.g. a closed optimizer) and any other exception that ends the program on one
+rank ends the whole job (zinf.init's excepthook, docs/python.md "When a rank fails").
 """
 
 
@@ -14,6 +17,7 @@ class ZinfError(RuntimeError):
         self.message = message
         self.code = code
         self.errno = errno
+        self.agreed = False
 
     def __str__(self):
         return f"{self.code}: {self.message}"

@@ -78,8 +78,11 @@ class _Registered:
         # around every step. Otherwise (float32 on the CPU) used in place.
         self.staged = _staged(param)
         self.weights = weights  # in place: param.detach(), its memory; staged: an fp32 copy
-        self.grads = grads      # in place: the registered param.grad; staged: an fp32 buffer
-        self.data_ptr = param.data_ptr()
+        self.grads = grads      # private: an in-place parameter's .grad is a view of it
+        # The parameter's memory and layout as registered (held, so that no later tensor takes
+        # its address), and the addresses the engine was given.
+        self.view = param.detach()
+        self.addresses = (weights.data_ptr(), grads.data_ptr())
 
 
 # Parameter dtypes besides float32, and the config block that must enable them: the engine
@@ -94,6 +97,29 @@ def _staged(p):
 
 def _shape(shape):
     return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _relayout(registered, t):
+    """How `t` differs from `registered` in memory or layout ("" if it does not)."""
+    if t.layout != torch.strided:
+        return f"a {t.layout} tensor"
+    changes = []
+    if t.data_ptr() != registered.data_ptr():
+        changes.append("in other memory")
+    if t.stride() != registered.stride():
+        changes.append(f"with strides {tuple(t.stride())} instead of {tuple(registered.stride())}")
+    return "a tensor " + " and ".join(changes) if changes else ""
+
+
+def _overlaps(a, b):
+    """Whether two strided CPU tensors' elements may share bytes."""
+    def span(t):
+        extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+    if a.numel() == 0 or b.numel() == 0 or a.device.type != "cpu" or b.device.type != "cpu":
+        return False
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -127,12 +153,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
       gradient_memory_limit: with zinf.swap_gradients, bytes of accumulated gradient kept in
         memory per rank before it is written behind to NVMe.
 
-    Gradients: the engine reads each parameter's .grad in place, so .grad is the tensor the
-    optimizer registered for the optimizer's whole life (zero_grad keeps it and zeroes it, also
-    with set_to_none=True); a .grad replaced by another tensor is copied in at the next step,
-    and a .grad set to None counts as zero. With gradient_accumulation_steps k in the config, a
-    step stands for k micro-batches per rank: either run k backward passes and call step(), or
-    call accumulate_gradients() after each micro-batch but the last.
+    Gradients: the engine reads them from fp32 buffers of its own; a float32 CPU parameter's
+    .grad is a view of its buffer, kept for the optimizer's whole life (zero_grad zeroes it and
+    puts it back, also with set_to_none=True). A .grad the program replaced (p.grad = t,
+    p.grad.data = t, p.grad.set_(t)) is copied in at the next step when it is a dense
+    floating-point tensor of the parameter's shape on its device or the CPU (any strides, any
+    floating dtype: cast to float32), and refused on every rank otherwise (an integer, bool or
+    complex dtype, another shape or device, a sparse tensor: FailedPreconditionError naming the
+    parameter); a .grad set to None counts as zero. A parameter must keep its shape, dtype,
+    device, memory and layout: a .data replaced, also by a view of the same memory
+    (p.data = p.data.t()), is refused at the next step. With gradient_accumulation_steps k in
+    the config, a step stands for k micro-batches per rank: either run k backward passes and
+    call step(), or call accumulate_gradients() after each micro-batch but the last.
 
     fp16 (the config's fp16 block, DeepSpeed's loss scaling): the loop calls opt.backward(loss)
     instead of loss.backward(), which differentiates loss * opt.loss_scale, and passes the
@@ -230,21 +262,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _register(name, p):
+        # The engine's gradient buffer is private: an in-place parameter's .grad is a view of it,
+        # so that a program replacing the view's data (p.grad.data = t, p.grad.set_(t)) never
+        # frees or moves the memory the engine reads.
+        pin = p.device.type == "cuda"
+        grads = torch.zeros(p.shape, dtype=torch.float32, pin_memory=pin)
         if not _staged(p):
-            g = p.grad
-            if (g is None or g.dtype != torch.float32 or g.shape != p.shape
-                    or g.device != p.device or not g.is_contiguous()):
-                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            return _Registered(name, p, p.detach(), p.grad)
+            r = _Registered(name, p, p.detach(), grads)
+            problem = ZeroOptimizer._gradient_in(r)  # a .grad from before counts at the first step
+            if problem:
+                raise ValueError(problem)
+            return r
         # fp32 host buffers; the weights start as the parameter's values exactly (fp16 and bf16
         # widen to fp32 without rounding), and so does the fp32 master in the swapped state.
-        pin = p.device.type == "cuda"
+        # A staged .grad is copied in at every step (from before: at the first).
         weights = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
         weights.copy_(p.detach())
-        grads = torch.zeros(p.shape, dtype=torch.float32, pin_memory=pin)
-        if p.grad is not None:
-            grads.copy_(p.grad)
-        p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
         return _Registered(name, p, weights, grads)
 
     def _open(self, load):
@@ -325,9 +360,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                                       "FailedPrecondition")
         return self._engine
 
-    def _check_and_stage(self, loss=None):
-        """Local checks before a collective call, agreed on every rank, with the gradients put
-        into the registered buffers (CUDA: device to pinned host). Returns `loss` as a float."""
+    def _check_and_stage(self, call, loss=None):
+        """Local checks before the collective call `call`, agreed on every rank (and that every
+        rank is in that call), with the gradients put into the registered buffers (CUDA: device
+        to pinned host). Returns `loss` as a float."""
         try:
             if isinstance(loss, torch.Tensor):
                 loss = float(loss.detach().float().mean())
@@ -336,46 +372,81 @@ class ZeroOptimizer(torch.optim.Optimizer):
             problem = self._stage()
         except Exception as e:  # agreed below, so that no rank waits alone
             problem = f"{type(e).__name__}: {e}"
-        _zinf.agree("FailedPrecondition", problem)
+        self._open_engine().agree(call, "FailedPrecondition", problem)
         return loss
 
     def _stage(self):
-        problem = ""
         for group in self.param_groups:
             if group["lr"] != self._lr_set:
-                problem = (f"param_groups[...]['lr'] was set to {group['lr']}; the learning rate "
-                           "comes from the config's scheduler (read it, do not set it)")
+                return (f"param_groups[...]['lr'] was set to {group['lr']}; the learning rate "
+                        "comes from the config's scheduler (read it, do not set it)")
         for r in self._params:
-            p = r.param
+            problem = self._parameter_problem(r) or self._gradient_in(r)
             if problem:
-                break
-            if tuple(p.shape) != r.shape:
-                problem = (f"parameter {r.name} changed shape from {_shape(r.shape)} to "
-                           f"{_shape(p.shape)}; the optimizer's state is laid out for the shapes "
-                           "it was created with: create a new optimizer (and checkpoint) for the "
-                           "new model")
-            elif p.dtype != r.dtype or p.device != r.device:
-                problem = (f"parameter {r.name} changed from {r.dtype} on {r.device} to {p.dtype} "
-                           f"on {p.device}; create the optimizer after moving or converting the "
-                           "model")
-            elif not r.staged and p.data_ptr() != r.data_ptr:
-                problem = (f"parameter {r.name} no longer uses the memory the optimizer "
-                           "registered (its .data was replaced); the optimizer writes the new "
-                           "weights there: create the optimizer after the model is final")
-            else:
-                g = p.grad
-                if g is not None and g.data_ptr() == r.grads.data_ptr():
-                    continue  # the registered tensor (CPU)
-                if g is None:
-                    r.grads.zero_()
-                elif g.shape != p.shape:
-                    problem = (f"parameter {r.name}: its gradient has shape {_shape(g.shape)}, "
-                               f"not {_shape(p.shape)}")
-                else:
-                    r.grads.copy_(g)  # fp16/bf16 to fp32: an Inf stays Inf (fp16: skipped)
-                if not r.staged:
-                    p.grad = r.grads
-        return problem
+                return problem
+        return ""
+
+    @staticmethod
+    def _parameter_problem(r):
+        """What changed in a parameter since it was registered that the engine cannot follow
+        ("" if nothing): it keeps the weights of the registered tensor, element by element as
+        laid out then, and (in place) writes the new ones into that memory."""
+        p = r.param
+        if (r.weights.data_ptr(), r.grads.data_ptr()) != r.addresses:
+            return (f"parameter {r.name}: the memory the optimizer registered for it was "
+                    "reallocated (resize_() or share_memory_() on a tensor or storage sharing "
+                    "it); create the optimizer after the model is final")
+        if tuple(p.shape) != r.shape:
+            return (f"parameter {r.name} changed shape from {_shape(r.shape)} to "
+                    f"{_shape(p.shape)}; the optimizer's state is laid out for the shapes it was "
+                    "created with: create a new optimizer (and checkpoint) for the new model")
+        if p.dtype != r.dtype or p.device != r.device:
+            return (f"parameter {r.name} changed from {r.dtype} on {r.device} to {p.dtype} on "
+                    f"{p.device}; create the optimizer after moving or converting the model")
+        change = _relayout(r.view, p)
+        if change:
+            return (f"parameter {r.name}: its .data was replaced by {change}; the optimizer "
+                    "updates the tensor it registered, element by element as laid out then, so "
+                    "this gradient would update other elements: create the optimizer after the "
+                    "model is final")
+        return ""
+
+    @staticmethod
+    def _is_registered_grad(r, g):
+        """Whether `g` is an in-place parameter's .grad as registered: a view of r.grads."""
+        return (not r.staged and g.dtype == torch.float32 and tuple(g.shape) == r.shape
+                and not _relayout(r.grads, g))
+
+    @staticmethod
+    def _gradient_in(r):
+        """Puts the parameter's .grad into the engine's fp32 buffer r.grads (None: zeros), copied
+        and cast unless it is the registered view; an in-place parameter's .grad is that view
+        again. Returns the problem ("" if none), the buffer untouched then."""
+        p, g = r.param, r.param.grad
+        if g is not None and ZeroOptimizer._is_registered_grad(r, g):
+            return ""
+        if g is None:
+            r.grads.zero_()
+        else:
+            wrong = ""
+            if g.layout != torch.strided:
+                wrong = f"is a {g.layout} tensor"
+            elif not g.dtype.is_floating_point:
+                wrong = f"is {g.dtype}"
+            elif tuple(g.shape) != r.shape:
+                wrong = f"has shape {_shape(g.shape)}, not {_shape(r.shape)}"
+            elif g.device != r.device and g.device.type != "cpu":
+                wrong = f"is on {g.device}, the parameter on {r.device}"
+            if wrong:
+                return (f"parameter {r.name}: its .grad {wrong}; a replaced .grad is copied in "
+                        "when it is a dense floating-point tensor of the parameter's shape, on "
+                        "its device or the CPU")
+            # fp16/bf16/fp64 to fp32 (an fp16 Inf stays Inf: skipped with fp16); a view of the
+            # buffer's own memory in another layout through a copy.
+            r.grads.copy_(g.clone() if _overlaps(g, r.grads) else g)
+        if not r.staged:
+            p.grad = r.grads.detach()
+        return ""
 
     def _after_step(self):
         # The engine zeroed the registered grads; staged parameters get the new weights (a
@@ -403,7 +474,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         engine = self._open_engine()
-        info = StepInfo(engine.step(self._check_and_stage(loss)))
+        info = StepInfo(engine.step(self._check_and_stage("step()", loss)))
         self._after_step()
         return info
 
@@ -413,7 +484,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         zinf.swap_gradients written behind to NVMe) and zeroes .grad: call it after every
         micro-batch of a step but the last (gradient_accumulation_steps). Collective."""
         engine = self._open_engine()
-        self._check_and_stage()
+        self._check_and_stage("accumulate_gradients()")
         engine.accumulate_gradients()
         for r in self._params:
             if r.staged and r.param.grad is not None:
@@ -421,32 +492,46 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def zero_grad(self, set_to_none=False):
-        """Zeroes the gradients. The engine reads .grad in place, so .grad stays the registered
-        tensor (zeroed) also with set_to_none=True. step() already leaves them zero."""
+        """Zeroes the gradients. The engine reads an in-place parameter's .grad where it is, so
+        .grad is (again) the registered tensor, zeroed, also with set_to_none=True; a staged
+        parameter's .grad is zeroed (a replaced one of another dtype, shape, device or layout
+        becomes zeros like the parameter). step() already leaves them zero."""
         for r in self._params:
-            p = r.param
+            p, g = r.param, r.param.grad
             r.grads.zero_()
             if not r.staged:
-                p.grad = r.grads
-            elif p.grad is not None:
-                p.grad.zero_()
+                if g is None or not self._is_registered_grad(r, g):
+                    p.grad = r.grads.detach()
+            elif g is None:
+                continue
+            elif (g.layout == torch.strided and g.dtype == p.dtype and g.shape == p.shape
+                  and g.device == p.device):
+                g.zero_()
+            else:
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
 
     # --- checkpoints --------------------------------------------------------------------------
 
     def save_checkpoint(self, dir=None, client_state=None):
         """Saves step `global_step` collectively into one HDF5 file <dir>/step-<N>.h5 (dir: the
         config's zinf.checkpoint.dir when None) and points <dir>/latest at it; keep_last from
-        the config. `client_state` (a JSON-serializable dict) is stored and returned by
-        load_checkpoint. Returns the file's path."""
+        the config. `client_state` (a JSON-serializable dict, the same on every rank: a rank
+        whose client_state differs from rank 0's is an InvalidArgumentError on every rank naming
+        it) is stored and returned by load_checkpoint. Returns the file's path."""
         engine = self._open_engine()
         problem = ""
         try:
             if client_state is not None and not isinstance(client_state, dict):
                 raise TypeError(f"client_state must be a dict, not {type(client_state).__name__}")
-            text = json.dumps(client_state, allow_nan=False)
+            # Compared across ranks as JSON with sorted keys (the checkpoint keeps them sorted).
+            text = json.dumps(json.loads(json.dumps(client_state, allow_nan=False)),
+                              sort_keys=True)
         except Exception as e:  # TypeError, ValueError, RecursionError, ...
             problem, text = f"save_checkpoint: client_state is not JSON-serializable: {e}", "null"
-        _zinf.agree("InvalidArgument", problem)
+        engine.agree("save_checkpoint()", "InvalidArgument", problem)
+        _zinf.agree_same("InvalidArgument", "save_checkpoint: client_state differs from rank "
+                         "0's; a checkpoint keeps one client_state: pass the same on every rank",
+                         text)
         saved = engine.save_checkpoint(text, "" if dir is None else os.fspath(dir))
         self._last_checkpoint = saved["path"]
         return saved["path"]
@@ -455,10 +540,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Restores a checkpoint (a file, or a directory whose `latest` names one), saved on any
         number of ranks, into this optimizer and the parameters' weights; returns the
         client_state that was saved with it (None if none). Collective. The parameters must be
-        the same (names and shapes) as when it was saved. The optimizer reopens its engine for
-        it: after a failed load it is closed."""
+        the same (names and shapes) as when it was saved. The optimizer closes its engine and
+        reopens it from the file: after a failed load (a missing or corrupt file, other
+        parameters) the optimizer is closed, as the error says; create a new one
+        (ZeroOptimizer(..., load=path)) to go on."""
+        path = os.fspath(path)
         self._open_engine().close()
-        self._open(os.fspath(path))
+        try:
+            self._open(path)
+        except zinf.ZinfError as e:
+            e.message += ("; load_checkpoint closed the optimizer to reopen it from the file, so "
+                          "it is closed now: create a new one to go on")
+            e.args = (e.message,)
+            raise
         self._last_checkpoint = self._engine.resumed_from
         return json.loads(self._engine.user_state)
 
@@ -512,8 +606,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def close(self):
         """Closes the engine (collective): removes the swap store unless zinf.keep_swap. The
-        optimizers still open at exit are closed then."""
-        if self._engine is not None:
+        optimizers still open at exit are closed then. A rank that is in another call (step)
+        meanwhile makes every rank raise FailedPreconditionError naming the calls, and the
+        optimizer stays open. An optimizer dropped without close() stays open until exit; a
+        rank that waits for it in any other call meanwhile ends the job (docs/python.md, "When
+        a rank fails")."""
+        if self._engine is not None and not self._engine.closed:
             self._engine.close()
 
     def __enter__(self):

@@ -96,37 +96,112 @@ Status UniqueFd::Close(std::string_view what) {
 
 // ---- Opening ----
 
-Result<UniqueFd> OpenFileAt(int dir_fd, const std::string& name, const std::string& display,
-                            FileAccess access, Follow follow, unsigned mode) {
-  if (name.empty()) return InvalidArgumentError("open: empty file name");
-  int flags = AccessFlags(access) | O_CLOEXEC | O_NONBLOCK | O_NOCTTY;
-  // An exclusive create never follows a link; O_NOFOLLOW makes the others refuse one too.
-  if (follow == Follow::kNo || access == FileAccess::kCreateNew) flags |= O_NOFOLLOW;
+namespace {
+
+int Retried(auto open_call) {
   int fd;
   do {
-    fd = ::openat(dir_fd, name.c_str(), flags, static_cast<mode_t>(mode));
+    fd = open_call();
   } while (fd < 0 && errno == EINTR);
-  if (fd < 0) {
-    const int err = errno;
-    // A FIFO without a reader refuses a non-blocking writer with ENXIO.
-    if (err == ENXIO) {
-      return Error(ErrorCode::kFailedPrecondition,
-                   fmt::format("open {}: not a regular file (a FIFO or device)", display), err);
-    }
-    return OpenError(err, dir_fd, name, display,
-                     access == FileAccess::kCreateNew ? Follow::kNo : follow,
-                     access == FileAccess::kCreateNew ? "create" : "open");
+  return fd;
+}
+
+Error NotRegularError(std::string_view what, const std::string& display, mode_t mode) {
+  if (S_ISLNK(mode)) {
+    return Error(ErrorCode::kFailedPrecondition,
+                 fmt::format("{} {}: is a symbolic link; refusing to follow it", what, display),
+                 ELOOP);
   }
+  return Error(ErrorCode::kFailedPrecondition,
+               fmt::format("{} {}: {}, not a regular file", what, display, TypeName(mode)),
+               S_ISDIR(mode) ? EISDIR : EINVAL);
+}
+
+// What an output would replace at `name` (never followed): nothing (false), a regular file
+// (true), a symbolic link (true, when `links_too`); anything else is refused.
+Result<bool> ReplaceableAt(int dir_fd, const std::string& name, const std::string& display,
+                           bool links_too) {
+  struct stat st {};
+  if (::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (errno == ENOENT) return false;
+    return ErrnoError(errno, fmt::format("stat {}", display));
+  }
+  if (S_ISREG(st.st_mode) || (links_too && S_ISLNK(st.st_mode))) return true;
+  return Error(ErrorCode::kFailedPrecondition,
+               fmt::format("{}: {}, not a regular file; an output never replaces one", display,
+                           TypeName(st.st_mode)),
+               S_ISDIR(st.st_mode) ? EISDIR : EINVAL);
+}
+
+// Creates `name` exclusively with `flags` (an access mode, O_CREAT among them): a regular file
+// that did not exist, never something that was there already, never through a link.
+Result<UniqueFd> CreateExclusiveAt(int dir_fd, const std::string& name, const std::string& display,
+                                   int flags, unsigned mode) {
+  const int fd = Retried([&] {
+    return ::openat(dir_fd, name.c_str(), flags | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY,
+                    static_cast<mode_t>(mode));
+  });
+  if (fd < 0) return OpenError(errno, dir_fd, name, display, Follow::kNo, "create");
+  return UniqueFd(fd);
+}
+
+// Opens for real the regular file `path_fd` (an O_PATH descriptor of it, whose fstat is `seen`)
+// refers to: through /proc/self/fd, which reaches that very inode whatever happened to the name
+// since; without /proc, by name again, refused unless it is still the same inode.
+Result<UniqueFd> ReopenRegular(const UniqueFd& path_fd, const struct stat& seen, int dir_fd,
+                               const std::string& name, const std::string& display, int flags,
+                               Follow follow) {
+  flags |= O_CLOEXEC | O_NOCTTY | O_NONBLOCK;
+  const std::string proc = fmt::format("/proc/self/fd/{}", path_fd.get());
+  int fd = Retried([&] { return ::open(proc.c_str(), flags); });
+  if (fd < 0 && errno == ENOENT) {
+    if (follow == Follow::kNo) flags |= O_NOFOLLOW;
+    fd = Retried([&] { return ::openat(dir_fd, name.c_str(), flags); });
+  }
+  if (fd < 0) return OpenError(errno, dir_fd, name, display, follow, "open");
   UniqueFd owned(fd);
   struct stat st {};
   if (::fstat(fd, &st) != 0) return ErrnoError(errno, fmt::format("fstat {}", display));
-  if (!S_ISREG(st.st_mode)) {
+  if (st.st_dev != seen.st_dev || st.st_ino != seen.st_ino || !S_ISREG(st.st_mode)) {
     return Error(ErrorCode::kFailedPrecondition,
-                 fmt::format("open {}: {}, not a regular file", display, TypeName(st.st_mode)),
-                 S_ISDIR(st.st_mode) ? EISDIR : EINVAL);
+                 fmt::format("open {}: replaced by something else while being opened", display),
+                 EAGAIN);
   }
   ZINF_RETURN_IF_ERROR(ClearNonBlock(fd, display));
   return owned;
+}
+
+}  // namespace
+
+Result<UniqueFd> OpenFileAt(int dir_fd, const std::string& name, const std::string& display,
+                            FileAccess access, Follow follow, unsigned mode) {
+  if (name.empty()) return InvalidArgumentError("open: empty file name");
+  const int flags = AccessFlags(access);
+  if (access == FileAccess::kCreateNew) {
+    return CreateExclusiveAt(dir_fd, name, display, flags, mode);
+  }
+  const bool may_create = (flags & O_CREAT) != 0;
+  // A name that appears between the look and the exclusive create is looked at again.
+  for (int attempt = 0;; ++attempt) {
+    const int path_fd = Retried([&] {
+      return ::openat(dir_fd, name.c_str(),
+                      O_PATH | O_CLOEXEC | (follow == Follow::kNo ? O_NOFOLLOW : 0));
+    });
+    if (path_fd >= 0) {
+      UniqueFd looked_at(path_fd);
+      struct stat st {};
+      if (::fstat(path_fd, &st) != 0) return ErrnoError(errno, fmt::format("fstat {}", display));
+      if (!S_ISREG(st.st_mode)) return NotRegularError("open", display, st.st_mode);
+      return ReopenRegular(looked_at, st, dir_fd, name, display, flags & ~O_CREAT, follow);
+    }
+    if (errno != ENOENT || !may_create) {
+      return OpenError(errno, dir_fd, name, display, follow, "open");
+    }
+    Result<UniqueFd> created = CreateExclusiveAt(dir_fd, name, display, flags, mode);
+    if (created || created.error().code() != ErrorCode::kAlreadyExists || attempt == 2) {
+      return created;
+    }
+  }
 }
 
 Result<UniqueFd> OpenDirectoryAt(int dir_fd, const std::string& name, const std::string& display,
@@ -219,12 +294,20 @@ Status SyncFd(int fd, bool data_only, std::string_view what) {
   return OkStatus();
 }
 
+Status CheckReplaceableAt(int dir_fd, const std::string& name, const std::string& display) {
+  ZINF_RETURN_IF_ERROR(ReplaceableAt(dir_fd, name, display, /*links_too=*/true));
+  return OkStatus();
+}
+
 Status WriteFileAtomicAt(int dir_fd, const std::string& dir_display, const std::string& name,
                          std::string_view contents, unsigned mode) {
   const std::string temp = name + ".tmp";
   const std::string temp_display = dir_display + "/" + temp;
   const std::string final_display = dir_display + "/" + name;
-  if (::unlinkat(dir_fd, temp.c_str(), 0) != 0 && errno != ENOENT) {
+  ZINF_RETURN_IF_ERROR(CheckReplaceableAt(dir_fd, name, final_display));
+  ZINF_ASSIGN_OR_RETURN(const bool stale,
+                        ReplaceableAt(dir_fd, temp, temp_display, /*links_too=*/true));
+  if (stale && ::unlinkat(dir_fd, temp.c_str(), 0) != 0 && errno != ENOENT) {
     return ErrnoError(errno, fmt::format("remove stale {}", temp_display));
   }
   ZINF_ASSIGN_OR_RETURN(UniqueFd fd, OpenFileAt(dir_fd, temp, temp_display,
@@ -269,10 +352,49 @@ Status WriteFileAtomic(const std::string& path, std::string_view contents, unsig
 
 // ---- AtomicFile ----
 
-Result<AtomicFile> AtomicFile::Create(const std::string& final_path, unsigned mode) {
+namespace {
+
+// Whether an AtomicFile may be renamed to `final_path` (see AtomicFile in fs.h).
+Status CheckFinalPath(const std::string& final_path, Overwrite overwrite) {
+  ZINF_ASSIGN_OR_RETURN(const bool exists,
+                        ReplaceableAt(AT_FDCWD, final_path, final_path, /*links_too=*/false));
+  if (exists && overwrite == Overwrite::kNo) {
+    return Error(ErrorCode::kAlreadyExists, fmt::format("{}: exists; not replaced", final_path),
+                 EEXIST);
+  }
+  return OkStatus();
+}
+
+// rename(2), never over an existing entry with Overwrite::kNo. A file system without
+// RENAME_NOREPLACE relies on the CheckFinalPath just before.
+Status RenameOutput(const std::string& from, const std::string& to, Overwrite overwrite) {
+  if (overwrite == Overwrite::kNo) {
+    if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) {
+      return OkStatus();
+    }
+    if (errno == EEXIST) {
+      return Error(ErrorCode::kAlreadyExists,
+                   fmt::format("{}: appeared while being written; not replaced", to), EEXIST);
+    }
+    if (errno != EINVAL && errno != ENOSYS) {
+      return ErrnoError(errno, fmt::format("rename {} -> {}", from, to));
+    }
+  }
+  if (::rename(from.c_str(), to.c_str()) != 0) {
+    return ErrnoError(errno, fmt::format("rename {} -> {}", from, to));
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<AtomicFile> AtomicFile::Create(const std::string& final_path, Overwrite overwrite,
+                                      unsigned mode) {
   ZINF_ASSIGN_OR_RETURN(DirAndName parts, SplitPath(final_path));
+  ZINF_RETURN_IF_ERROR(CheckFinalPath(final_path, overwrite));
   AtomicFile file;
   file.final_path_ = final_path;
+  file.overwrite_ = overwrite;
   file.temp_path_ = fmt::format("{}/.{}.zinf-tmp-{}-{}", parts.dir, parts.name, ::getpid(),
                                 g_temp_counter.fetch_add(1));
   ZINF_ASSIGN_OR_RETURN(file.fd_, OpenFile(file.temp_path_, FileAccess::kCreateNew, Follow::kNo,
@@ -285,6 +407,7 @@ AtomicFile::AtomicFile(AtomicFile&& other) noexcept
     : fd_(std::move(other.fd_)),
       temp_path_(std::move(other.temp_path_)),
       final_path_(std::move(other.final_path_)),
+      overwrite_(other.overwrite_),
       done_(std::exchange(other.done_, true)) {}
 
 AtomicFile& AtomicFile::operator=(AtomicFile&& other) noexcept {
@@ -293,6 +416,7 @@ AtomicFile& AtomicFile::operator=(AtomicFile&& other) noexcept {
     fd_ = std::move(other.fd_);
     temp_path_ = std::move(other.temp_path_);
     final_path_ = std::move(other.final_path_);
+    overwrite_ = other.overwrite_;
     done_ = std::exchange(other.done_, true);
   }
   return *this;
@@ -332,9 +456,9 @@ Status AtomicFile::Commit() {
   } else {
     status = SyncPath(temp_path_);
   }
-  if (status && ::rename(temp_path_.c_str(), final_path_.c_str()) != 0) {
-    status = ErrnoError(errno, fmt::format("rename {} -> {}", temp_path_, final_path_));
-  }
+  // Looked at again: the name may have changed while the output was being written.
+  if (status) status = CheckFinalPath(final_path_, overwrite_);
+  if (status) status = RenameOutput(temp_path_, final_path_, overwrite_);
   if (!status) {
     Abandon();
     return status;

@@ -787,7 +787,8 @@ class PartialFile {
   // Creates the directory (with parents) if missing, checks that it has room for about
   // `estimate_bytes`, and removes whatever entry is named `partial_name` (a stale partial file,
   // or a link planted there: unlinked, never followed), for WriteStructure's exclusive create.
-  // Errors: ResourceExhausted (too little space), errno errors.
+  // Errors: ResourceExhausted (too little space), FailedPrecondition (the partial, step or
+  // `latest` name is a directory, device, FIFO or socket: never replaced), errno errors.
   static Result<PartialFile> Prepare(const std::string& dir, const std::string& partial_name,
                                      std::uint64_t estimate_bytes, std::int64_t step) {
     std::error_code ec;
@@ -803,6 +804,14 @@ class PartialFile {
           "checkpoint step {} needs about {} in {}, which has {} available; free space there "
           "(or set keep_last)",
           step, FormatBytes(estimate_bytes), dir, FormatBytes(available)));
+    }
+    // The names the save replaces (the partial, the step file, `latest`) must be regular files
+    // or links, never a device, FIFO, socket or directory someone put there.
+    std::string final_name = partial_name;
+    if (final_name.ends_with(".partial")) final_name.resize(final_name.size() - 8);
+    for (const std::string& name : {partial_name, final_name, std::string("latest")}) {
+      ZINF_RETURN_IF_ERROR(
+          storage::CheckReplaceableAt(partial.dir_fd_.get(), name, dir + "/" + name));
     }
     if (::unlinkat(partial.dir_fd_.get(), partial_name.c_str(), 0) != 0 && errno != ENOENT) {
       return ErrnoError(errno, fmt::format("remove the stale {}/{}", dir, partial_name));
@@ -1135,6 +1144,7 @@ Status OpenForRestore(const OptimizerSwapper& swapper, const std::string& file_p
   if (options.check_optimizer) {
     ZINF_RETURN_IF_ERROR(CheckOptimizer(info.optimizer, swapper.options().adam));
   }
+  if (options.check_info) ZINF_RETURN_IF_ERROR(options.check_info(info));
   if (info.state_format == StateFormat::kQ8) {
     ZINF_ASSIGN_OR_RETURN(source->tables, checkpoint_internal::ReadQ8Tables(*source->file, info));
   }

@@ -112,7 +112,8 @@ struct Q8Tables {
   std::size_t SegmentOf(std::uint64_t flat) const;
 };
 // Reads and verifies (checksums; segments tiling [0, total_numel), blocks of at most
-// q8::kBlockNumel elements; scales finite and >= 0; maps ascending in [-1, 1]) a q8 file's tables.
+// q8::kBlockNumel elements; scales in [0, kMaxQ8ExpAvgScale] for exp_avg, finite and >= 0 for
+// exp_avg_sq; maps ascending in [-1, 1]) a q8 file's tables: verify, restore and export alike.
 Result<Q8Tables> ReadQ8Tables(storage::H5File& file, const CheckpointInfo& info);
 
 // The fp32 values of one state (index into kStates) of a checkpoint whatever its format: q8

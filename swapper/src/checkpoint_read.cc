@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -441,10 +442,11 @@ Result<Q8Tables> ReadQ8Tables(H5File& file, const CheckpointInfo& info) {
     const Q8Dataset d = m == 0 ? kExpAvgScales : kExpAvgSqScales;
     t.scales[m].resize(info.num_blocks);
     ZINF_RETURN_IF_ERROR(read(d, std::span(t.scales[m])));
+    const float max = m == 0 ? kMaxQ8ExpAvgScale : std::numeric_limits<float>::max();
     for (std::uint64_t k = 0; k < info.num_blocks; ++k) {
-      if (!(t.scales[m][k] >= 0.0f) || !std::isfinite(t.scales[m][k])) {
-        return DataLossError(fmt::format("{}: {} block {} has scale {}", info.path, kQ8Datasets[d],
-                                         k, t.scales[m][k]));
+      if (!(t.scales[m][k] >= 0.0f && t.scales[m][k] <= max)) {
+        return DataLossError(fmt::format("{}: {} block {} has scale {}, outside [0, {}]", info.path,
+                                         kQ8Datasets[d], k, t.scales[m][k], max));
       }
     }
   }
@@ -731,10 +733,15 @@ Status CheckExportTarget(const std::string& input, const std::string& out_path) 
 }  // namespace
 
 Status ExportCheckpoint(const std::string& path, const std::string& out_path, ExportFormat format,
-                        const CheckpointProgressFn& progress, bool moments) {
+                        const CheckpointProgressFn& progress, bool moments,
+                        storage::Overwrite overwrite) {
   static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
   ZINF_ASSIGN_OR_RETURN(std::string file_path, ResolveCheckpointPath(path));
   ZINF_RETURN_IF_ERROR(CheckExportTarget(file_path, out_path));
+  // The output is looked at before anything else is done: what may not be replaced is refused
+  // before a byte is written (and looked at again just before the rename).
+  ZINF_ASSIGN_OR_RETURN(storage::AtomicFile out,
+                        Annotate(storage::AtomicFile::Create(out_path, overwrite), "export: "));
   ZINF_ASSIGN_OR_RETURN(storage::H5File file,
                         storage::H5File::OpenSerial(file_path, /*read_only=*/true));
   ZINF_ASSIGN_OR_RETURN(CheckpointInfo info, checkpoint_internal::ReadInfo(file, file_path));
@@ -786,7 +793,6 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
                                               FormatBytes(estimate), out_parts.dir,
                                               FormatBytes(available)));
   }
-  ZINF_ASSIGN_OR_RETURN(storage::AtomicFile out, storage::AtomicFile::Create(out_path));
   if (format == ExportFormat::kHdf5) {
     ZINF_ASSIGN_OR_RETURN(
         storage::H5File h5,

@@ -3,6 +3,8 @@
 // learning-rate schedule, computed independently of the engine's code. Plus the engine's
 // argument errors and a checkpoint restore into mismatched parameters.
 #include <algorithm>
+#include <thread>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -448,6 +450,54 @@ TEST_F(EngineErrors, BufferSizeAndAccumulateCalls) {
       StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("AccumulateGradients called 2 times")));
   ZINF_ASSERT_OK(engine->Close());
   EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("after Close")));
+}
+
+// One rank closes while the others step: every rank is told which call each rank is in, and the
+// engine can only be closed. Then the destructor of an engine not
+// closed is local: on every rank, at different times, it removes the rank's own store.
+TEST_F(EngineErrors, RanksInDifferentCallsAndALocalDestructor) {
+  if (World().size() < 2) GTEST_SKIP() << "needs 2 ranks, have " << World().size();
+  Model model = MakeModel();
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, Create(model));
+  const bool last = World().rank() == World().size() - 1;
+  for (auto& g : model.g) std::fill(g.begin(), g.end(), 0.25f);
+  ZINF_ASSERT_OK(engine->AccumulateGradients());
+  Status mixed = OkStatus();
+  if (last) {
+    mixed = engine->Close();
+  } else if (Result<StepInfo> stepped = engine->Step(); !stepped) {
+    mixed = stepped.error();
+  }
+  EXPECT_THAT(mixed, StatusIs(ErrorCode::kFailedPrecondition,
+                              HasSubstr(fmt::format("rank {} in Close", World().size() - 1))));
+  EXPECT_TRUE(engine->closed() == last);
+  // Diverged for good: every call fails at once alike, and Close closes each rank's part.
+  EXPECT_THAT(engine->SaveCheckpoint(),
+              StatusIs(ErrorCode::kFailedPrecondition,
+                       HasSubstr(last ? "after Close" : "different calls")));
+  ZINF_ASSERT_OK(engine->Close());
+  EXPECT_TRUE(engine->closed());
+
+  Model again = MakeModel();
+  ZINF_ASSERT_OK_AND_ASSIGN(engine, Create(again));
+  for (auto& g : again.g) std::fill(g.begin(), g.end(), 0.25f);
+  ZINF_ASSERT_OK(engine->AccumulateGradients());
+  ZINF_ASSERT_OK(engine->Step());
+  EXPECT_EQ(engine->step(), 1);
+
+  auto my_store = [&] {  // <nvme_path>/zinf-<job>/rank<r>
+    std::error_code ec;
+    const std::string mine = fmt::format("rank{}", World().rank());
+    for (const auto& job : std::filesystem::directory_iterator(
+             config_.zero_optimization.offload_optimizer.resolved_nvme_paths[0], ec)) {
+      if (std::filesystem::exists(job.path() / mine)) return true;
+    }
+    return false;
+  };
+  ASSERT_TRUE(my_store());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100 * World().rank()));
+  engine.reset();
+  EXPECT_FALSE(my_store());
 }
 
 // OneCycle through the engine: each step at DeepSpeed's lr for its last_batch_iteration (k - 2),

@@ -10,10 +10,13 @@
 // ParseTrainConfig for a few world sizes. Each result must be OK or InvalidArgument.
 // checkpoint: each seed file is copied and mutated either byte-wise (HDF5's own structures
 // included) or through the HDF5 API (attributes rewritten with extreme numbers, other types, deep
-// or malformed JSON, control characters; objects deleted; soft and external links planted), then
-// read with ReadCheckpointInfo, VerifyCheckpoint and ExportCheckpoint. Each must return (any
-// error code), a failed export must leave no output and no temporary file, and no single input
-// may take longer than --max-input-seconds (a hang is a failure, not a slow input).
+// or malformed JSON, control characters; objects deleted; soft and external links planted; a q8
+// scale or a number of the trainer state set to an extreme, with the q8 table checksum
+// recomputed so that the range checks behind it are reached), then read with
+// ReadCheckpointInfo, VerifyResumable (what `zinf-ckpt verify` and a resume check) and
+// ExportCheckpoint. Each must return (any error code), verify OK implies the other two OK, a
+// failed export must leave no output and no temporary file, and no single input may take longer
+// than --max-input-seconds (a hang is a failure, not a slow input).
 //
 // A crash, an abort or a sanitizer report fails the run (the test sees the signal). The last
 // input is kept in the work directory (last-input.*) so a crash can be reproduced. Prints one
@@ -31,8 +34,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <random>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -41,6 +46,8 @@
 #include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/engine/config.h"
+#include "zinf/engine/trainer_state.h"
+#include "zinf/storage/checksum.h"
 #include "zinf/swapper/checkpoint.h"
 
 namespace {
@@ -361,7 +368,50 @@ void MutateStructure(const std::string& path, const std::string& other_file, Mut
       999,         1000,        1001,      1 << 20,   (1LL << 26) + 1,
       1LL << 40,   (1LL << 53), INT64_MAX, INT64_MIN, 2147483647,
       4294967296LL};
-  switch (m.Below(7)) {
+  // Dataset `name` (1-D, of T), read whole; empty when it cannot be.
+  auto read_dataset = [&]<typename T>(const char* name, hid_t mem_type, std::vector<T>* out) {
+    out->clear();
+    const hid_t ds = H5Dopen2(file, name, H5P_DEFAULT);
+    if (ds < 0) return;
+    const hid_t space = H5Dget_space(ds);
+    const hssize_t n = H5Sget_simple_extent_npoints(space);
+    if (n > 0 && n < (1 << 20)) {
+      out->resize(static_cast<std::size_t>(n));
+      if (H5Dread(ds, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out->data()) < 0) out->clear();
+    }
+    H5Sclose(space);
+    H5Dclose(ds);
+  };
+  auto write_dataset = [&]<typename T>(const char* name, hid_t mem_type, const std::vector<T>& v) {
+    const hid_t ds = H5Dopen2(file, name, H5P_DEFAULT);
+    if (ds < 0) return;
+    H5Dwrite(ds, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data());
+    H5Dclose(ds);
+  };
+  static const std::vector<float> kExtremeScales = {3e38f,
+                                                    std::numeric_limits<float>::infinity(),
+                                                    std::numeric_limits<float>::quiet_NaN(),
+                                                    -1.0f,
+                                                    -0.0f,
+                                                    std::numeric_limits<float>::denorm_min(),
+                                                    0x1p92f,
+                                                    0x1.000002p92f,
+                                                    std::numeric_limits<float>::max()};
+  static const std::vector<nlohmann::json> kExtremeJson = {0,
+                                                           -1,
+                                                           1,
+                                                           11,
+                                                           5e-324,
+                                                           1e308,
+                                                           -0.001,
+                                                           18446744073709551615ull,
+                                                           INT64_MIN,
+                                                           nullptr,
+                                                           "10",
+                                                           nlohmann::json::array({1, 2}),
+                                                           18446744073709551616.0,
+                                                           65536.0};
+  switch (m.Below(9)) {
     case 0:  // an integer attribute to an extreme
       set_int("/", m.Pick(kIntAttributes), m.Pick(kExtremes));
       break;
@@ -402,6 +452,34 @@ void MutateStructure(const std::string& path, const std::string& other_file, Mut
     case 6:  // control characters and long text where strings are printed
       set_string("/", "created", std::string("\x1b[2J\r\x07") + std::string(m.Below(100000), 'x'));
       break;
+    case 7: {  // a q8 scale to an extreme, the table's checksum recomputed
+      const bool exp_avg = m.Chance(0.5);
+      const char* name = exp_avg ? "/q8/exp_avg_scales" : "/q8/exp_avg_sq_scales";
+      std::vector<float> scales;
+      std::vector<std::uint64_t> sums;
+      read_dataset(name, H5T_NATIVE_FLOAT, &scales);
+      read_dataset("/checksum/q8", H5T_NATIVE_UINT64, &sums);
+      if (scales.empty() || sums.size() != 7) break;
+      scales[m.Below(scales.size())] = m.Pick(kExtremeScales);
+      sums[exp_avg ? 5 : 6] = zinf::storage::Checksum64(std::as_bytes(std::span(scales)));
+      write_dataset(name, H5T_NATIVE_FLOAT, scales);
+      write_dataset("/checksum/q8", H5T_NATIVE_UINT64, sums);
+      break;
+    }
+    case 8: {  // a number of the trainer state (or of its loss scaler) to an extreme
+      zinf::Result<nlohmann::json> state = zinf::ParseJson(read_string("/trainer", "state"));
+      if (!state || !state->is_object() || state->empty()) break;
+      nlohmann::json* target = &*state;
+      if (state->contains("loss_scaler") && (*state)["loss_scaler"].is_object() &&
+          !(*state)["loss_scaler"].empty() && m.Chance(0.5)) {
+        target = &(*state)["loss_scaler"];
+      }
+      auto it = target->begin();
+      std::advance(it, static_cast<std::ptrdiff_t>(m.Below(target->size())));
+      *it = m.Pick(kExtremeJson);
+      set_string("/trainer", "state", state->dump());
+      break;
+    }
   }
   H5Fclose(file);
 }
@@ -431,7 +509,7 @@ int FuzzCheckpoint(const Flags& flags) {
     }
     const auto start = Clock::now();
     zinf::Result<zinf::swapper::CheckpointInfo> info = zinf::swapper::ReadCheckpointInfo(input);
-    zinf::Status verified = zinf::swapper::VerifyCheckpoint(input);
+    zinf::Status verified = zinf::engine::VerifyResumable(input);
     const std::string out = out_dir + "/weights.out";
     std::filesystem::remove(out);
     zinf::Status exported =

@@ -176,6 +176,27 @@ usage_error "bad N 0" "bad number of ranks '0'" -np 0 -- echo a
 usage_error "bad N -1" "bad number of ranks '-1'" -np -1 -- echo a
 usage_error "bad N abc" "bad number of ranks 'abc'" -np abc -- echo a
 usage_error "bad N 2x" "bad number of ranks '2x'" -np 2x -- echo a
+# Beyond 2^20 ranks, or beyond what bash arithmetic holds: refused, never passed to mpirun.
+usage_error "bad N 2^20+1" "bad number of ranks '1048577': expected an integer from 1 to 1048576" \
+  -np 1048577 -- echo a
+usage_error "bad N 20 digits" "bad number of ranks '99999999999999999999'" \
+  -np 99999999999999999999 -- echo a
+usage_error "bad N 2^64" "bad number of ranks '18446744073709551617'" \
+  --np=18446744073709551617 -- echo a
+usage_error "bad N +2" "bad number of ranks '\+2'" -np +2 -- echo a
+usage_error "bad N 02" "bad number of ranks '02'" -np 02 -- echo a
+# A single-valued option given twice, in any spelling: refused, not "the last one wins".
+usage_error "-np twice" "-np: the number of ranks given twice" -np 1 -np 2 -- echo a
+usage_error "-np and -n" "-n: the number of ranks given twice" -np 1 -n 1 -- echo a
+usage_error "-np and --np=" "--np: the number of ranks given twice" -np 1 --np=2 -- echo a
+usage_error "--hostfile twice" "--hostfile: a hostfile given twice" \
+  -np 1 --hostfile "$work/hosts" --hostfile="$work/hosts" -- echo a
+usage_error "--nvme twice" "--nvme: the NVMe path list given twice" \
+  -np 1 --nvme /a --nvme /b -- echo a
+usage_error "-np through --mpi-arg" "--mpi-arg -np: the number of ranks is given with" \
+  -np 1 --mpi-arg -np --mpi-arg 2 -- echo a
+run_zr -np 1048576 --dry-run -- echo a
+expect_rc "-np 2^20 is accepted" 0
 usage_error "missing --" "missing '--'" -np 2
 usage_error "program without --" "put '--' before the program" -np 2 echo a
 usage_error "missing program" "missing program after '--'" -np 2 --

@@ -2,11 +2,13 @@
 #include <mpi.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -173,6 +175,50 @@ TEST(AgreeOnStatus, WorstCodeWinsAndLowestRankSpeaks) {
   Status agreed = world.AgreeOnStatus(local);
   EXPECT_THAT(agreed, StatusIs(ErrorCode::kInternal, StartsWith("rank 1: busy")));
   EXPECT_THAT(agreed, StatusIs(ErrorCode::kInternal, HasSubstr("(and 1 more rank failed)")));
+}
+
+TEST(AgreeOnCall, SameCallIsOk) {
+  EXPECT_THAT(World().AgreeOnCall("Step"), IsOk());
+  EXPECT_THAT(World().AgreeOnCall("Step", World().rank() == 0 ? Status(UnavailableError("busy"))
+                                                              : OkStatus()),
+              StatusIs(ErrorCode::kUnavailable, StartsWith("rank 0: busy")));
+}
+
+TEST(AgreeOnCall, RanksInDifferentCallsAreNamedOnEveryRank) {
+  if (World().size() < 2) GTEST_SKIP() << "needs 2 ranks, have " << World().size();
+  for (bool plain : {false, true}) {
+    ZINF_ASSERT_OK_AND_ASSIGN(Communicator domain, World().DupDomain());
+    ZINF_ASSERT_OK_AND_ASSIGN(Communicator child, domain.Dup());
+    // The last rank closes while the others step, or are in a plain agreement.
+    const bool last = domain.rank() == domain.size() - 1;
+    Status mixed = last ? domain.AgreeOnCall("Close")
+                        : (plain ? domain.AgreeOnStatus(OkStatus()) : domain.AgreeOnCall("Step"));
+    EXPECT_THAT(mixed, StatusIs(ErrorCode::kFailedPrecondition,
+                                HasSubstr(fmt::format("rank {} in Close", domain.size() - 1))));
+    if (!plain) {
+      EXPECT_THAT(mixed, StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("rank 0 in Step, ")));
+    }
+    // Diverged for good, on every rank and every communicator of the domain: no MPI any more.
+    EXPECT_TRUE(child.diverged());
+    EXPECT_THAT(child.Barrier(),
+                StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("different calls")));
+  }
+  EXPECT_THAT(World().Barrier(), IsOk());  // another domain: untouched
+}
+
+// A rank that leaves a domain to make only its Close: the others meet it there, and later
+// agreements of the domain go on (the departure is settled by the Close).
+TEST(FailureDomain, RankThatLeftToCloseIsMetInClose) {
+  ZINF_ASSERT_OK_AND_ASSIGN(Communicator domain, World().DupDomain());
+  ZINF_ASSERT_OK_AND_ASSIGN(Communicator child, domain.Dup());
+  EXPECT_EQ(child.wait_timeout(), domain.wait_timeout());
+  child.SetWaitTimeout(std::chrono::seconds(30));
+  EXPECT_EQ(domain.wait_timeout(), std::chrono::seconds(30));  // one domain, one timeout
+  EXPECT_THAT(child.AgreeOnStatus(OkStatus()), IsOk());
+  if (domain.rank() == 0) domain.Leave("rank 0: dropped", "Close");
+  EXPECT_THAT(child.AgreeOnCall("Close"), IsOk());
+  EXPECT_THAT(domain.AgreeOnStatus(OkStatus()), IsOk());
+  EXPECT_THAT(World().AgreeOnStatus(OkStatus()), IsOk());  // another domain: untouched
 }
 
 // For every collective: exactly one rank passes a bad argument, every rank gets the same error and

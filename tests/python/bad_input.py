@@ -1,6 +1,8 @@
 """A bad input must raise the same zinf exception on every rank, never hang or abort:
 `mpirun -np N python3 bad_input.py <case> <work dir>` (driven by expect_error.sh), for the cases
-shape (a parameter that changes shape), dtype (a float64 model), fp16_disabled (a float16 model
+shape (a parameter that changes shape), transposed (a square weight's .data replaced by its
+transpose: the same memory and shape, other strides; changes.py has the other changes of a
+parameter or gradient, grouped in one run), dtype (a float64 model), fp16_disabled (a float16 model
 without the config's fp16.enabled), swap_dir (a missing nvme_path),
 config_key (a misspelt key), io_fault (ZINF_FAULT_INJECT fails a write on one rank),
 client_state (a client state that is not JSON) and client_state_deep (JSON nested deeper than a
@@ -38,6 +40,11 @@ def main():
             train(model, opt, 2)
             model[2].weight.data = torch.zeros(128, 256)
             opt.step()
+        elif case == "transposed":
+            opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
+            train(model, opt, 1)
+            model[2].weight.data = model[2].weight.data.t()
+            train(model, opt, 1)
         elif case == "dtype":
             zinf.torch.ZeroOptimizer(model.double().named_parameters(), config=cfg)
         elif case == "fp16_disabled":  # float16 parameters, the config without fp16.enabled
@@ -65,11 +72,7 @@ def main():
         else:
             raise SystemExit(f"unknown case {case}")
     except zinf.ZinfError as e:
-        # Also to a file: mpirun may drop a rank's last output when it ends the job.
-        line = f"rank {rank}: raised {type(e).__name__}: {e}"
-        with open(os.path.join(work, f"rank{rank}.txt"), "w") as f:
-            f.write(line + "\n")
-        print(line, flush=True)
+        common.report_raised(rank, work, e)
         raise
     print(f"rank {rank}: nothing raised", flush=True)
 

@@ -94,3 +94,12 @@ def check(condition, message):
     if not condition:
         print(f"FAIL: {message}", flush=True)
         sys.exit(1)
+
+
+def report_raised(rank, work, error):
+    """Prints "rank R: raised <class>: <message>" and writes it to <work>/rank<R>.txt too:
+    mpirun may drop a rank's last output when it ends the job."""
+    line = f"rank {rank}: raised {type(error).__name__}: {error}"
+    with open(os.path.join(work, f"rank{rank}.txt"), "w") as f:
+        f.write(line + "\n")
+    print(line, flush=True)

@@ -117,9 +117,10 @@ def read_safetensors(path):
 
 
 def export_master(ckpt, out):
-    """Rank 0 exports the checkpoint's fp32 master weights (zinf-ckpt export)."""
+    """Rank 0 exports the checkpoint's fp32 master weights (zinf-ckpt export; --force replaces
+    the output of an earlier run of this test in the same work directory)."""
     subprocess.run([os.environ["TEST_ZINF_CKPT"], "export", ckpt, "--out", out, "--format",
-                    "safetensors"], check=True, stdout=subprocess.DEVNULL)
+                    "safetensors", "--force"], check=True, stdout=subprocess.DEVNULL)
     return read_safetensors(out)
 
 

@@ -14,19 +14,28 @@ set_tests_properties(swapper_checkpoint_kill_test PROPERTIES TIMEOUT 300 LABELS 
                      PROCESSORS 2)
 
 # Hostile checkpoint files (sizes near 2^40, deep JSON, unallocated chunks, wrong types, bad
-# steps, links and storage outside the file, escapes) made by swapper_craft_checkpoints; every
-# zinf-ckpt command on them, and a zinf-train resume from a few, ends in exit 0 or 1 with the
-# defect named: no signal, no hang, no raw escape byte.
+# steps, links and storage outside the file, escapes, q8 scales and trainer states beyond what a
+# writer produces) made by swapper_craft_checkpoints; every zinf-ckpt command on them, and a
+# zinf-train resume from a few, ends in exit 0 or 1 with the defect named: no signal, no hang, no
+# raw escape byte; and a resume from every one (swapper_resume_crafted) agrees with verify.
 add_executable(swapper_craft_checkpoints craft_checkpoints.cc)
 target_link_libraries(swapper_craft_checkpoints PRIVATE zinf_build_flags zinf::swapper
                                                         zinf::storage zinf::partition zinf::core
                                                         HDF5::HDF5 MPI::MPI_C)
-if(TARGET zinf-train AND TARGET zinf-ckpt)
+# The resume that verify must agree with on every crafted file: ZeroEngine::Create with the
+# file to load, one step (resume_crafted.cc).
+if(TARGET zinf_engine)
+  add_executable(swapper_resume_crafted resume_crafted.cc)
+  target_link_libraries(swapper_resume_crafted PRIVATE zinf_build_flags zinf::engine zinf::swapper
+                                                       zinf::comm zinf::core)
+endif()
+if(TARGET zinf-train AND TARGET zinf-ckpt AND TARGET swapper_resume_crafted)
   add_test(NAME swapper_crafted_checkpoints
            COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/crafted_checkpoints.sh
                    $<TARGET_FILE:zinf-train> $<TARGET_FILE:zinf-ckpt> ${MPIEXEC_EXECUTABLE}
-                   $<TARGET_FILE:swapper_craft_checkpoints>)
-  # Two workers check the files side by side; about 25-50 s on the 2-core CI machine.
+                   $<TARGET_FILE:swapper_craft_checkpoints>
+                   $<TARGET_FILE:swapper_resume_crafted>)
+  # Two workers check the files side by side; about 30-60 s on the 2-core CI machine.
   set_tests_properties(swapper_crafted_checkpoints PROPERTIES TIMEOUT 180 LABELS "e2e"
                        PROCESSORS 2)
 endif()

@@ -3,9 +3,12 @@
 // corrupted or mismatched files fail with a clear error on every rank, leaving the store as it was.
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/sysmacros.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 
 #include <cstdint>
 #include <cstdio>
@@ -610,6 +613,46 @@ TEST(CheckpointFullDisk, FailsOnEveryRankAndKeepsTheLastGoodCheckpoint) {
   ZINF_ASSERT_OK(World().Barrier());
 }
 
+// A device node, FIFO or directory planted under a name a save replaces (the partial file, the
+// step file, `latest`) is refused before anything is written, and left as it was.
+TEST(Checkpoint, PlantedSpecialFilesAreNeverReplaced) {
+  SharedScratchDir dir("ckpt-special");
+  ZINF_ASSERT_OK_AND_ASSIGN(TestSwapper t, MakeSwapper(World(), {.store_dir = dir.path(),
+                                                                 .job_id = "special",
+                                                                 .world_size = World().size()}));
+  OptimizerSwapper& s = *t.swapper;
+  ZINF_ASSERT_OK(World().AgreeOnStatus(FillState(s, 4)));
+  int n = 0;
+  for (const char* name : {"step-4.h5.partial", "step-4.h5", "latest"}) {
+    for (const char* kind : {"device", "fifo", "dir"}) {
+      const std::string ckpt = dir.Join(fmt::format("ckpt{}", n++));
+      const std::string planted = ckpt + "/" + name;
+      if (World().rank() == 0) {
+        std::filesystem::create_directories(ckpt);
+        const std::string_view k = kind;
+        const int rc = k == "device" ? ::mknod(planted.c_str(), S_IFCHR | 0600, makedev(1, 3))
+                       : k == "fifo" ? ::mkfifo(planted.c_str(), 0600)
+                                     : ::mkdir(planted.c_str(), 0700);
+        ASSERT_EQ(rc, 0) << planted << ": " << std::strerror(errno);
+      }
+      ZINF_ASSERT_OK(World().Barrier());
+      EXPECT_THAT(SaveCheckpoint(s, 4, SaveOptions(ckpt)),
+                  StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("not a regular file")))
+          << name << " " << kind;
+      if (World().rank() == 0) {
+        const auto type = std::filesystem::symlink_status(planted).type();
+        EXPECT_EQ(type, std::string_view(kind) == "device" ? std::filesystem::file_type::character
+                        : std::string_view(kind) == "fifo" ? std::filesystem::file_type::fifo
+                                                           : std::filesystem::file_type::directory)
+            << planted;
+        EXPECT_THAT(Entries(ckpt), ::testing::ElementsAre(name)) << planted;
+      }
+      ZINF_ASSERT_OK(World().Barrier());
+    }
+  }
+  ZINF_ASSERT_OK(s.Close());
+}
+
 // Links planted in the checkpoint directory are never written through: the partial file and
 // `latest.tmp` are created exclusively after removing whatever was there, a link named like the
 // final file is replaced, and retention removes links without touching their targets.
@@ -708,14 +751,18 @@ TEST_F(CheckpointErrors, ExportNeverReplacesItsInputAndFailsWithoutATrace) {
               StatusIs(ErrorCode::kInvalidArgument, HasSubstr("the checkpoint being read")));
   EXPECT_EQ(ReadAll(file_), before);
   EXPECT_EQ(ReadAll(ckpt_ + "/latest"), "step-5.h5\n");
-  // A failed export (a corrupted chunk) leaves the previous output as it was, and no temporary.
+  // A failed export (a corrupted chunk) leaves the previous output as it was, and no temporary;
+  // without Overwrite::kRegularFile (--force) it is not even replaced by a good one.
   const std::string out = dir_->Join("weights.safetensors");
   ZINF_ASSERT_OK(ExportCheckpoint(file_, out, ExportFormat::kSafetensors));
   const std::string good = ReadAll(out);
+  EXPECT_THAT(ExportCheckpoint(file_, out, ExportFormat::kSafetensors),
+              StatusIs(ErrorCode::kAlreadyExists, HasSubstr("exists")));
   const std::string bad = dir_->Join("bad.h5");
   std::filesystem::copy_file(file_, bad);
   ZINF_ASSERT_OK(FlipBit(bad, "/state/fp32", 3));
-  EXPECT_THAT(ExportCheckpoint(bad, out, ExportFormat::kSafetensors),
+  EXPECT_THAT(ExportCheckpoint(bad, out, ExportFormat::kSafetensors, {}, /*moments=*/false,
+                               storage::Overwrite::kRegularFile),
               StatusIs(ErrorCode::kDataLoss, HasSubstr("checksum mismatch")));
   EXPECT_EQ(ReadAll(out), good);
   for (const std::string& name : Entries(dir_->path())) {

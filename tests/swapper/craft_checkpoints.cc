@@ -6,7 +6,9 @@
 //                       variants with one defect of the codes or the tables each;
 //   OUT_DIR/<name>.h5   one file per variant: the good file with one defect;
 //   OUT_DIR/cases.tsv   name <TAB> exit status of `zinf-ckpt verify` <TAB> a substring its
-//                       output must contain (the defect named), one line per file above.
+//                       output must contain (the defect named) <TAB> exit status of `zinf-ckpt
+//                       export` (verify's, but 0 for a defect of the trainer state only, which
+//                       export does not read), one line per file above.
 // Exit status 0, or 1 with a message when a file could not be made.
 //
 // Most variants are the good Spec with one field changed, written through H5File like the real
@@ -31,6 +33,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "zinf/core/status.h"
 #include "zinf/partition/layout.h"
@@ -472,6 +475,7 @@ struct Case {
   int verify_rc;       // what `zinf-ckpt verify` must exit with
   std::string expect;  // a substring of its output naming the defect
   std::function<Status(const std::string& path)> make;
+  int export_rc = verify_rc;  // what `zinf-ckpt export` must exit with
 };
 
 void Unchanged(Spec&) {}
@@ -510,12 +514,18 @@ class Corpus {
            std::function<Status(const std::string&)> make) {
     cases_.push_back({std::move(name), rc, std::move(expect), std::move(make)});
   }
+  // A defect of the trainer state only, which export does not read (it salvages the weights).
+  void TrainerSpec1(std::string name, int rc, std::string expect,
+                    std::function<void(Spec&)> change) {
+    Spec1(std::move(name), rc, std::move(expect), std::move(change));
+    cases_.back().export_rc = 0;
+  }
 
   Status MakeAll() const {
     std::string tsv;
     for (const Case& c : cases_) {
       ZINF_RETURN_IF_ERROR(zinf::Annotate(c.make(Path(c.name)), c.name + ": "));
-      tsv += fmt::format("{}\t{}\t{}\n", c.name, c.verify_rc, c.expect);
+      tsv += fmt::format("{}\t{}\t{}\t{}\n", c.name, c.verify_rc, c.expect, c.export_rc);
     }
     return WriteBytes(dir_ + "/cases.tsv", tsv);
   }
@@ -587,6 +597,19 @@ void AddQ8Cases(Corpus& c, const std::string& ok) {
           [](Q8Spec& q) { q.scales[1][1] = std::numeric_limits<float>::quiet_NaN(); });
   q8_case("q8_scale_negative", 1, "block 0 has scale -0.5",
           [](Q8Spec& q) { q.scales[0][0] = -0.5f; });
+  // Finite, but beyond any exp_avg a writer can produce (kMaxQ8ExpAvgScale): a resume from it
+  // steps the weights to infinity.
+  q8_case("q8_scale_3e38", 1, "/q8/exp_avg_scales block 1 has scale 3e+38",
+          [](Q8Spec& q) { q.scales[0][1] = 3e38f; });
+  q8_case("q8_scale_inf", 1, "/q8/exp_avg_sq_scales block 0 has scale inf",
+          [](Q8Spec& q) { q.scales[1][0] = std::numeric_limits<float>::infinity(); });
+  q8_case("q8_scale_exp_avg_nan", 1, "/q8/exp_avg_scales block 0 has scale nan",
+          [](Q8Spec& q) { q.scales[0][0] = std::numeric_limits<float>::quiet_NaN(); });
+  q8_case("q8_scale_sq_negative", 1, "/q8/exp_avg_sq_scales block 1 has scale -2e-06",
+          [](Q8Spec& q) { q.scales[1][1] = -2e-6f; });
+  // exp_avg_sq is bounded by finiteness only (a gradient of 1e19 makes it 1e35).
+  q8_case("q8_scale_sq_float_max", 0, ok,
+          [](Q8Spec& q) { q.scales[1][1] = std::numeric_limits<float>::max(); });
   q8_case("q8_map_not_ascending", 1, "/q8/map_unsigned is not ascending",
           [](Q8Spec& q) { std::swap(q.maps[1][10], q.maps[1][11]); });
   q8_case("q8_map_out_of_range", 1, "/q8/map_signed is not ascending in [-1, 1] at code 255",
@@ -611,6 +634,121 @@ void AddQ8Cases(Corpus& c, const std::string& ok) {
           [](Q8Spec& q) { q.segment_numel.pop_back(); });
 }
 
+// The trainer state ZeroEngine::SaveCheckpoint writes (engine/trainer_state.h) after 10 steps on
+// 2 ranks, the 4th skipped for an fp16 overflow, and the config it writes beside it (dynamic fp16
+// with DeepSpeed's defaults). `change` edits them before they are written.
+using Json = nlohmann::json;
+void EngineState(Spec& s, const std::function<void(Json& trainer, Json& config)>& change) {
+  Json trainer = {{"step", 10},
+                  {"world_size", 2},
+                  {"train_batch_size", 2},
+                  {"train_micro_batch_size_per_gpu", 1},
+                  {"gradient_accumulation_steps", 1},
+                  {"lr", 0.001},
+                  {"scheduler_last_batch_iteration", 8},
+                  {"skipped_steps", 1},
+                  {"loss_scaler",
+                   {{"dynamic", true},
+                    {"scale", 65536.0},
+                    {"iteration", 10},
+                    {"last_overflow_iteration", 3},
+                    {"hysteresis", 1}}},
+                  {"user", {{"data_position", 1234}}}};
+  Json config = Json::parse(s.config);
+  config["train_micro_batch_size_per_gpu"] = 1;
+  config["fp16"] = {{"enabled", true},           {"loss_scale", 0},
+                    {"initial_scale_power", 16}, {"loss_scale_window", 1000},
+                    {"hysteresis", 2},           {"consecutive_hysteresis", false},
+                    {"min_loss_scale", 1}};
+  change(trainer, config);
+  s.trainer = trainer.dump();
+  s.config = config.dump();
+}
+
+// Trainer states a resume must refuse, each beside the good one, and states at the edges of
+// what the writer produces (exit 0). Checksums do not cover the trainer state, so each file
+// is internally consistent but for the one value.
+void AddTrainerStateCases(Corpus& c, const std::string& ok) {
+  auto engine_case = [&c](std::string name, int rc, std::string expect,
+                          std::function<void(Json&, Json&)> change) {
+    c.TrainerSpec1(std::move(name), rc, std::move(expect),
+                   [change](Spec& s) { EngineState(s, change); });
+  };
+  engine_case("good_engine", 0, ok, [](Json&, Json&) {});
+  engine_case("trainer_step_other", 1, "trainer state step is 11, expected 10",
+              [](Json& t, Json&) { t["step"] = 11; });
+  engine_case("trainer_step_string", 1, "trainer state step is \"10\", expected 10",
+              [](Json& t, Json&) { t["step"] = "10"; });
+  engine_case("trainer_world_size_0", 1, "trainer state world_size is 0, expected 2",
+              [](Json& t, Json&) { t["world_size"] = 0; });
+  engine_case("trainer_world_size_other", 1, "trainer state world_size is 4, expected 2",
+              [](Json& t, Json&) { t["world_size"] = 4; });
+  engine_case("trainer_skipped_above_step", 1,
+              "trainer state skipped_steps is 11, expected an integer in [0, 10]",
+              [](Json& t, Json&) { t["skipped_steps"] = 11; });
+  engine_case("trainer_skipped_negative", 1, "trainer state skipped_steps is -1",
+              [](Json& t, Json&) { t["skipped_steps"] = -1; });
+  engine_case(
+      "trainer_skipped_2p64", 1, "trainer state skipped_steps is 18446744073709551615",
+      [](Json& t, Json&) { t["skipped_steps"] = std::numeric_limits<std::uint64_t>::max(); });
+  engine_case("trainer_schedule_negative", 1,
+              "trainer state scheduler_last_batch_iteration is -3, expected 8",
+              [](Json& t, Json&) { t["scheduler_last_batch_iteration"] = -3; });
+  engine_case("trainer_lr_negative", 1, "trainer state lr is -0.001, expected a finite number",
+              [](Json& t, Json&) { t["lr"] = -0.001; });
+  engine_case("trainer_lr_null", 1, "trainer state lr is null",
+              [](Json& t, Json&) { t["lr"] = nullptr; });
+  engine_case("trainer_batch_inconsistent", 1,
+              "trainer state train_batch_size is 3, expected train_micro_batch_size_per_gpu 1 x",
+              [](Json& t, Json&) { t["train_batch_size"] = 3; });
+  engine_case("trainer_user_array", 1, "trainer state user is [1,2], expected a JSON object",
+              [](Json& t, Json&) {
+                t["user"] = {1, 2};
+              });
+  // The loss scaler against the file's config: min_loss_scale 1, initial_scale_power 16,
+  // hysteresis 2; the scale doubles up to 2^64 (LossScaler::kMaxDynamicScale).
+  engine_case("loss_scale_denormal", 1, "scale 5e-324 is outside [1, 1.8446744073709552e+19]",
+              [](Json& t, Json&) { t["loss_scaler"]["scale"] = 5e-324; });
+  engine_case("loss_scale_1e308", 1, "scale 1e+308 is outside",
+              [](Json& t, Json&) { t["loss_scaler"]["scale"] = 1e308; });
+  engine_case("loss_scale_zero", 1, "scale 0 is not a positive finite number",
+              [](Json& t, Json&) { t["loss_scaler"]["scale"] = 0.0; });
+  // JSON has no infinity: nlohmann writes null for one, and 1e400 is out of range.
+  engine_case("loss_scale_infinite", 1, "checkpoint loss scaler: no scale", [](Json& t, Json&) {
+    t["loss_scaler"]["scale"] = std::numeric_limits<double>::infinity();
+  });
+  c.Spec1("loss_scale_1e400", 1, "attribute 'state' of /trainer is not valid JSON", [](Spec& s) {
+    EngineState(s, [](Json&, Json&) {});
+    const std::string from = "\"scale\":65536.0";
+    s.trainer.replace(s.trainer.find(from), from.size(), "\"scale\":1e400");
+  });
+  engine_case("loss_scale_min", 0, ok, [](Json& t, Json&) { t["loss_scaler"]["scale"] = 1.0; });
+  engine_case("loss_scale_cap", 0, ok,
+              [](Json& t, Json&) { t["loss_scaler"]["scale"] = 18446744073709551616.0; });
+  engine_case("loss_scaler_iteration_negative", 1, "iteration -1 is outside [0, 10]",
+              [](Json& t, Json&) { t["loss_scaler"]["iteration"] = -1; });
+  engine_case("loss_scaler_iteration_above_step", 1, "iteration 11 is outside [0, 10]",
+              [](Json& t, Json&) { t["loss_scaler"]["iteration"] = 11; });
+  engine_case("loss_scaler_overflow_after_iteration", 1,
+              "last_overflow_iteration 10 is outside [-1, 9]",
+              [](Json& t, Json&) { t["loss_scaler"]["last_overflow_iteration"] = 10; });
+  engine_case("loss_scaler_hysteresis_above_config", 1, "hysteresis 3 is outside [1, 2]",
+              [](Json& t, Json&) { t["loss_scaler"]["hysteresis"] = 3; });
+  engine_case("loss_scaler_dynamic_without_fp16", 1, "as the checkpoint's config (fp16 disabled)",
+              [](Json&, Json& config) { config.erase("fp16"); });
+  engine_case("loss_scaler_static", 0, ok, [](Json& t, Json& config) {
+    config["fp16"]["loss_scale"] = 128;
+    t["loss_scaler"] = {{"dynamic", false},
+                        {"scale", 128.0},
+                        {"iteration", 0},
+                        {"last_overflow_iteration", -1},
+                        {"hysteresis", 2}};
+  });
+  engine_case("config_min_loss_scale_negative", 1,
+              "fp16.min_loss_scale is -1, expected a finite number > 0",
+              [](Json&, Json& config) { config["fp16"]["min_loss_scale"] = -1; });
+}
+
 void AddCases(Corpus& c) {
   const Spec& good = c.good();
   const std::uint64_t total = good.state[0].size();
@@ -619,6 +757,7 @@ void AddCases(Corpus& c) {
 
   c.Spec1("good", 0, ok, Unchanged);
   AddQ8Cases(c, ok);
+  AddTrainerStateCases(c, ok);
 
   // Sizes near 2^40 (and beyond) in a file of a few KB: refused before anything is allocated.
   c.RawFrom(
@@ -719,7 +858,10 @@ void AddCases(Corpus& c) {
   c.Spec1("step_minus_1", 1, "attribute 'step' is -1", [](Spec& s) { s.step = -1; });
   c.Spec1("step_2p53", 1, "attribute 'step' is 9007199254740992",
           [](Spec& s) { s.step = zinf::swapper::kMaxCheckpointStep + 1; });
-  c.Spec1("step_max", 0, ok, [](Spec& s) { s.step = zinf::swapper::kMaxCheckpointStep; });
+  c.Spec1("step_max", 0, ok, [](Spec& s) {
+    s.step = zinf::swapper::kMaxCheckpointStep;
+    s.trainer = fmt::format(R"({{"step":{},"data_position":1234,"seed":1}})", s.step);
+  });
   c.Spec1("world_size_0", 1, "attribute 'world_size' is 0", [](Spec& s) { s.world_size = 0; });
   c.Spec1("world_size_2p40", 1, "attribute 'world_size' is 1099511627776",
           [](Spec& s) { s.world_size = static_cast<std::int64_t>(k2p40); });

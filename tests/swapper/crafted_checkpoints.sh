@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Hostile checkpoint files against the tools that read them. GENERATOR (swapper_craft_checkpoints)
 # writes a corpus: good.h5, one file per defect and cases.tsv (name, the exit status `zinf-ckpt
-# verify` must have, a substring of its output naming the defect). For every file, `zinf-ckpt
+# verify` must have, a substring of its output naming the defect, the exit status `zinf-ckpt
+# export` must have). For every file, `zinf-ckpt
 # ls`, `zinf-ckpt verify` and `zinf-ckpt export --format safetensors --moments` each run under a 20 s
 # timeout and must
 #   - exit 0 or 1: never a signal (crash, abort), never the timeout (hang);
@@ -12,22 +13,32 @@
 #     FailedPrecondition);
 #   - ls: exit 0 where verify does; a failure names the same defect (ls validates what verify
 #     validates first);
-#   - export: exit as verify (the defects are all in what export reads too); a failure names the
-#     defect and leaves nothing in its output directory: no output, no `zinf-tmp` temporary.
+#   - export: exit as cases.tsv says (as verify, but for the defects of the trainer state, which
+#     export does not read); a failure names the defect and leaves nothing in its output
+#     directory: no output, no `zinf-tmp` temporary.
 # Then paths and checkpoint directories made here: a FIFO, /dev/zero, escape bytes in a file
 # name, and directories whose `latest` is a symlink, names ../good.h5, is 10 MB, is a FIFO,
 # names a FIFO step-3.h5, and so on (each exit 1 naming the problem, no hang), and a directory
-# with an entry step-99999999999999999999.h5 (ls exits 0 and lists only the valid ones). Last,
-# zinf-train resumes (1 rank, built-in model) from a few crafted files: exit 1 within 30 s with
-# exactly one `zinf-train failed: ` line naming the file's defect (ReadInfo validates the file
-# before the layout is compared with the model's). The files are checked by two workers side by
-# side and the resumes run together: 25-50 s on the 2-core CI machine.
+# with an entry step-99999999999999999999.h5 (ls exits 0 and lists only the valid ones). Then
+# verify and restore must accept exactly the same files: RESUMER (swapper_resume_crafted) resumes
+# from every path checked above, crafted files and directories alike (ZeroEngine::Create with
+# the path to load, a model of good.h5's parameters, the config the files were saved with, one
+# step), and each outcome must be verify's: verify OK and the resume refused (or its step left a
+# weight non-finite) fails, and so does verify refusing a file the resume takes. A resume whose
+# config has a larger fp16.min_loss_scale than the file's refuses what verify accepts (the one
+# check that depends on the resuming config). Last, zinf-train resumes (1 rank, built-in model)
+# from a few crafted files: exit 1 within 30 s with exactly one `zinf-train failed: ` line
+# naming the file's defect (ReadInfo validates the file before the layout is compared with the
+# model's). The files are checked by two workers side by side and the resumes run together:
+# 30-60 s on the 2-core CI machine.
 #
-#   crafted_checkpoints.sh ZINF_TRAIN ZINF_CKPT MPIEXEC GENERATOR
+#   crafted_checkpoints.sh ZINF_TRAIN ZINF_CKPT MPIEXEC GENERATOR RESUMER
 # shellcheck source=SCRIPTDIR/../launch/e2e/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../launch/e2e/lib.sh"
 generator=$(readlink -f "$4")
 [[ -x $generator ]] || { echo "FAIL: generator not executable: $4" >&2; exit 1; }
+resumer=$(readlink -f "$5")
+[[ -x $resumer ]] || { echo "FAIL: resumer not executable: $5" >&2; exit 1; }
 e2e_init crafted-checkpoints
 t0=$(stamp)
 
@@ -82,9 +93,11 @@ contains() {
     bad "$1: the output lacks '$2'; it is: $(tail -2 "$out" | cut -c1-400)"
 }
 
-# check_path LABEL PATH WANT_RC TEXT: ls, verify and export of PATH (see the header).
+# check_path LABEL PATH WANT_RC TEXT [EXPORT_RC]: ls, verify and export of PATH (see the
+# header); export must exit with EXPORT_RC (default WANT_RC). Appends LABEL, verify's exit status
+# and PATH to $verified (one file per worker) for the resumes.
 check_path() {
-  local label=$1 path=$2 want=$3 text=$4 dest line
+  local label=$1 path=$2 want=$3 text=$4 export_want=${5:-$3} dest line
   tool "$label: ls" ls "$path"
   local ls_rc=$rc
   if ((ls_rc == 1)); then
@@ -97,6 +110,7 @@ check_path() {
     bad "$label: ls does not show the escaped '\\x1b[2J' of 'created': $(grep created "$out")"
 
   tool "$label: verify" verify "$path"
+  printf '%s\t%s\t%s\n' "$label" "$rc" "$path" >> "$verified"
   ((rc == want)) || bad "$label: verify exited $rc, expected $want: $(tail -1 "$out" | cut -c1-400)"
   contains "$label: verify" "$text"
   if ((rc == 1)); then
@@ -110,7 +124,8 @@ check_path() {
   mkdir -p "$dest"
   tool "$label: export" export "$path" --out "$dest/model.safetensors" --format safetensors \
     --moments
-  ((rc == want)) || bad "$label: export exited $rc, expected $want: $(tail -1 "$out" | cut -c1-400)"
+  ((rc == export_want)) ||
+    bad "$label: export exited $rc, expected $export_want: $(tail -1 "$out" | cut -c1-400)"
   if ((rc == 1)); then
     contains "$label: export" "$text"
     [[ -z $(ls -A "$dest") ]] ||
@@ -123,12 +138,13 @@ check_path() {
 
 # check_cases WORKER WORKERS: check_path for every WORKERS-th case of cases.tsv from WORKER on.
 check_cases() {
-  local worker=$1 workers=$2 i=0 name want text
+  local worker=$1 workers=$2 i=0 name want text export_want
   out=$work/tool-$worker.txt
-  while IFS=$'\t' read -r name want text; do
+  verified=$work/verified-$worker.tsv
+  while IFS=$'\t' read -r name want text export_want; do
     ((i++ % workers == worker)) || continue
     failed=0
-    check_path "$name" "$corpus/$name.h5" "$want" "$text"
+    check_path "$name" "$corpus/$name.h5" "$want" "$text" "$export_want"
     ((failed)) || echo "  ok $name"
   done < "$corpus/cases.tsv"
 }
@@ -141,6 +157,7 @@ check_cases 1 2 &
 wait
 echo "  $cases files in $(elapsed "$t0") s"
 out=$work/tool.txt
+verified=$work/verified-2.tsv
 
 check "paths that are not checkpoint files"
 mkfifo "$work/fifo.h5"
@@ -205,6 +222,9 @@ d=$(dir step_huge_name)
 cp "$corpus/good.h5" "$d/step-99999999999999999999.h5"
 echo step-99999999999999999999.h5 > "$d/latest"
 check_path dir_latest_huge_step "$d" 1 "not a step-<N>.h5 file of this directory"
+# Another directory, as every path checked is resumed from as it was checked, at the end.
+d=$(dir huge_step_entry)
+cp "$corpus/good.h5" "$d/step-99999999999999999999.h5"
 echo step-7.h5 > "$d/latest"
 mkfifo "$d/step-8.h5"
 ln -s step-7.h5 "$d/step-9.h5"
@@ -218,6 +238,46 @@ if ((rc == 0)); then
     bad "dir_huge_step_entry: ls does not flag the FIFO step-8.h5: $(grep step-8 "$out")"
   grep -q '^  step-9\.h5 .*symbolic link' "$out" ||
     bad "dir_huge_step_entry: ls does not flag the link step-9.h5: $(grep step-9 "$out")"
+fi
+
+check "verify and a resume accept exactly the same files (every path above)"
+t1=$(stamp)
+# label <TAB> verify's exit status <TAB> path, one line per path checked, in one order.
+cat "$work"/verified-*.tsv > "$work/verified.tsv"
+mapfile -t resume_paths < <(cut -f3 "$work/verified.tsv")
+mkdir -p "$work/resume-swap"
+# resume.tsv: one line per path, in the same order: accepted | refused | garbage, then why.
+timeout --kill-after=10 120 "$mpiexec" "${mpiexec_flags[@]}" -np 1 "$resumer" \
+  "$work/resume-swap" "$corpus/good.h5" "${resume_paths[@]}" > "$work/resume.tsv" \
+  2> "$work/resumer.log"
+rc=$?
+if ((rc != 0)) || [[ $(grep -c . "$work/resume.tsv") != "${#resume_paths[@]}" ]]; then
+  bad "the resumer exited $rc after $(grep -c . "$work/resume.tsv") of ${#resume_paths[@]}" \
+    "resumes: $(tail -3 "$work/resumer.log" | cut -c1-300)"
+else
+  accepted=0
+  while IFS=$'\t' read -r label verify_rc _ <&3 && IFS=$'\t' read -r outcome _ why <&4; do
+    if ((verify_rc == 0)) && [[ $outcome != accepted ]]; then
+      bad "$label: verify says OK, but the resume $outcome it: ${why:0:300}"
+    elif ((verify_rc != 0)) && [[ $outcome != refused ]]; then
+      bad "$label: verify refuses it, but the resume $outcome it${why:+: ${why:0:300}}"
+    fi
+    [[ $outcome == accepted ]] && ((++accepted))
+  done 3< "$work/verified.tsv" 4< "$work/resume.tsv"
+  echo "  ${#resume_paths[@]} paths, $accepted restored and stepped, in $(elapsed "$t1") s"
+fi
+# The one check that depends on the resuming config: a dynamic scale that cannot go below 2^20
+# (first scale and fp16.min_loss_scale 2^20) refuses the file's loss scale 65536, which verify
+# accepts (it holds the file to the file's own config).
+timeout --kill-after=10 60 "$mpiexec" "${mpiexec_flags[@]}" -np 1 "$resumer" \
+  --fp16 '{"enabled": true, "loss_scale": 0, "initial_scale_power": 20, "min_loss_scale": 1048576}' \
+  "$work/resume-swap" "$corpus/good.h5" "$corpus/good_engine.h5" > "$work/resume-min.tsv" \
+  2>> "$work/resumer.log"
+want="loss scale 65536 is outside [1048576, 1.8446744073709552e+19], the range of this run's fp16"
+if [[ $(cut -f1 "$work/resume-min.tsv") != refused ]] || ! grep -qF "$want" "$work/resume-min.tsv"
+then
+  bad "good_engine resumed with a dynamic scale of at least 2^20: not refused with '$want':" \
+    "$(cut -c1-300 "$work/resume-min.tsv")"
 fi
 
 check "zinf-train --resume <crafted file>: exit 1, one error line naming the defect, < 30 s"
@@ -259,4 +319,5 @@ done
 
 echo "took $(elapsed "$t0") s"
 [[ ! -s $failures ]] || fail "$(grep -c . "$failures") failed check(s) (the FAIL lines above)"
-echo "PASS: $cases crafted files, the hostile paths and directories, and the resumes"
+echo "PASS: $cases crafted files, the hostile paths and directories, verify and resume agreeing" \
+  "on every one, and the zinf-train resumes"

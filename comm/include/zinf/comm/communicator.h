@@ -8,17 +8,40 @@
 // operation, then agrees on its result (AgreeOnStatus). The error a rank gets names the first
 // failing rank ("rank 2: ...").
 //
+// Bounded waits. The agreement that opens every collective is the only place a rank waits for
+// ranks that may never come (one raised, was interrupted, or destroyed its engine): the MPI
+// operation after it starts only once every rank has entered the same collective. So the
+// agreement runs non-blocking and is polled, and a rank ends the job (an ERROR line naming the
+// collective, then MPI_Abort: its communicators cannot be used again) when
+//   - another rank of the same failure domain left it (Leave(): an engine destroyed without its
+//     collective Close) before entering this agreement: within milliseconds; or
+//   - it waited longer than the domain's wait timeout (SetWaitTimeout; default
+//     kDefaultWaitTimeout) for the others: a rank stopped, hangs in its own code, or left
+//     without a word.
+// A failure domain is a communicator and every Dup() of it; DupDomain() starts a new one (an
+// engine's private communicator and the ones its parts dup from it). The ranks' agreements in a
+// domain are counted, so a rank that left after its last agreement never fails a slower rank
+// still finishing that same agreement.
+//
+// Calls. AgreeOnCall tags the agreement with the name of the API call a rank is in; when ranks
+// are in different calls (rank 1 in Close while rank 0 is in Step), every rank gets the same
+// FailedPrecondition naming them instead of matching unrelated collectives. Their sequences of
+// collectives have then diverged for good: every later agreement of the failure domain returns
+// that error at once, without MPI (diverged()); its owner can only be closed locally.
+//
 // Buffers are host memory, typed with std::span. Supported element types: std::int32_t,
 // std::int64_t, std::uint64_t, float, double (and std::byte / char for Broadcast/Allgather(v)).
 //
 // Thread safety: a Communicator may be used by one thread at a time.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <source_location>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -27,6 +50,11 @@
 namespace zinf::comm {
 
 enum class ReduceOp { kSum, kMin, kMax };
+
+// How long an agreement waits for the other ranks unless SetWaitTimeout says otherwise.
+inline constexpr std::chrono::seconds kDefaultWaitTimeout{600};
+
+struct FailureDomain;  // communicator.cc
 
 // Where a rank sits: filled when a world communicator is built (MpiSession).
 struct Topology {
@@ -53,8 +81,11 @@ class Communicator {
   // rank/size are filled in.
   const Topology& topology() const { return topology_; }
 
-  // A dup of this communicator (same ranks, own context). Collective.
+  // A dup of this communicator (same ranks, own context), in the same failure domain. Collective.
   Result<Communicator> Dup() const;
+  // A dup that starts a failure domain of its own (see the top of the file), with this one's
+  // wait timeout. Collective.
+  Result<Communicator> DupDomain() const;
   // MPI_Comm_split: ranks with the same color form a communicator, ordered by key. Collective.
   Result<Communicator> Split(int color, int key) const;
   // The ranks of this communicator that share a node (MPI_COMM_TYPE_SHARED). Collective.
@@ -108,6 +139,29 @@ class Communicator {
   // `loc` becomes the location of the agreed Error on the ranks that did not fail themselves.
   Status AgreeOnStatus(const Status& local,
                        std::source_location loc = std::source_location::current()) const;
+  // Collective. AgreeOnStatus that also checks that every rank is in the API call `call` (a
+  // short name, e.g. "Step"): if some rank is in another call, or in a plain AgreeOnStatus, every
+  // rank returns FailedPrecondition "ranks are in different calls: rank 0 in Step, rank 1 in
+  // Close ...". Opens each collective call of an API whose callers may diverge.
+  Status AgreeOnCall(std::string_view call, const Status& local = OkStatus(),
+                     std::source_location loc = std::source_location::current()) const;
+
+  // Local. This rank leaves the failure domain (its owner is destroyed without its collective
+  // close): every other rank of the domain waiting in an agreement this rank will not enter ends
+  // the job with `reason`, instead of waiting for the timeout. With `rejoin`, the rank still
+  // makes that one call (an AgreeOnCall of that name, e.g. the Close at exit), and the others
+  // wait for it there. Sends one short message per rank, waiting at most a second for them to
+  // go out.
+  void Leave(std::string_view reason, std::string_view rejoin = {}) const;
+
+  // Local: an agreement of this failure domain found the ranks in different calls (alike on
+  // every rank); every agreement of the domain now fails at once.
+  bool diverged() const;
+
+  // Local: the longest an agreement of this failure domain waits for the other ranks before it
+  // ends the job. Every rank sets the same value (e.g. from the agreed config).
+  void SetWaitTimeout(std::chrono::milliseconds timeout);
+  std::chrono::milliseconds wait_timeout() const;
 
   // The underlying MPI_Comm, as an opaque handle for modules that must hand it to MPI-aware
   // libraries (the HDF5 MPI-IO driver). Only zinf/comm/mpi_native.h turns it into MPI_Comm.
@@ -122,8 +176,16 @@ class Communicator {
   // code) and agrees on its result.
   template <typename F>
   Status Collective(const Status& local_check, const char* what, F&& mpi_call) const;
+  // AgreeOnStatus and AgreeOnCall: `tag` 0 for a plain agreement; `label` names it on a mismatch.
+  Status Agree(const Status& local, int tag, std::string_view label,
+               std::source_location loc) const;
+  Status CallMismatch(std::string_view label, std::source_location loc) const;
+  // Polls `request` (an MPI_Request*) until it completes; ends the job when a rank of the domain
+  // left before this agreement or the wait timeout passes.
+  Status WaitForRanks(void* request, std::string_view what) const;
 
   void* handle_ = nullptr;  // MPI_Comm*, owned; never MPI_COMM_WORLD itself
+  std::shared_ptr<FailureDomain> domain_;  // shared with the Dup()s of this communicator
   int rank_ = 0;
   int size_ = 0;
   Topology topology_;

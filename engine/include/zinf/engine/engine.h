@@ -56,7 +56,11 @@
 // stderr when it is a terminal; EngineOptions::metrics_path gets one JSON object per step.
 //
 // Errors: every call returns the same Status on every rank (one rank's EIO fails all of them
-// alike; nothing waits in a collective forever). A failed Step leaves every sub-group either
+// alike). Nothing waits in a collective forever: the engine's agreements run on a communicator
+// of its own (a failure domain, comm/communicator.h) and end the job with an ERROR naming the
+// call when a rank destroyed its engine (at once) or when the others do not come within
+// zinf.collective_timeout_seconds (default 600); ranks in different calls (one in Close, one in
+// Step) get FailedPrecondition naming them. A failed Step leaves every sub-group either
 // stepped or not (optimizer_swapper.h), but the `weights` may then hold some of the step's new
 // values on some ranks (restore a checkpoint); the last committed checkpoint is never touched.
 //
@@ -69,6 +73,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -218,10 +223,27 @@ class ZeroEngine {
   Status LogSummary();
 
   // Collective. Closes the swapper (removes the swap store unless keep_swap) and the metrics
-  // file. Idempotent; the destructor does it best effort (collectively only if every rank
-  // destroys the engine at the same point).
+  // file. Idempotent. When some rank is in another call (e.g. Step) every rank gets
+  // FailedPrecondition naming the calls; the ranks' collectives have then diverged for good, so
+  // every later call fails with that error and Close closes each rank's part locally (OK).
+  // The destructor of an engine not closed is local: it drains this rank's I/O, closes (and
+  // unless keep_swap removes) its swap store with a WARN, and tells the other ranks, so that one
+  // waiting for it in a collective of this engine ends the job within milliseconds instead of
+  // waiting for it (comm/communicator.h, "Bounded waits").
   Status Close();
 
+  // Local. This rank will make no call on the engine but Close (e.g. a Python optimizer dropped
+  // without close(), which the runtime closes at exit): another rank that waits for it in any
+  // other collective of this engine ends the job at once, with `reason`.
+  void Detach(std::string_view reason);
+
+  // Collective over the engine's communicator: agrees on `local` (AgreeOnStatus) and that every
+  // rank is in the call named `call`, for a layer above the engine whose collective calls begin
+  // with checks of their own (zinf.torch). Errors: FailedPrecondition when the ranks are in
+  // different calls or after Close; `local`'s agreed error.
+  Status AgreeOnCall(std::string_view call, const Status& local = OkStatus());
+
+  bool closed() const { return closed_; }
   // The last step applied (0 before the first; the checkpoint's step after a restore).
   std::int64_t step() const { return step_; }
   // The learning rate the next Step will use.
@@ -263,6 +285,10 @@ class ZeroEngine {
                               double optimizer_seconds);
   Status Report(const StepInfo& info);
   Status LogPerNode();
+  // The engine's private communicator once built (the caller's `world` before).
+  const comm::Communicator& comm() const;
+  // Local: the destructor's close; tells the other ranks `reason` unless it is empty.
+  void CloseLocally(std::string_view reason);
 
   const comm::Communicator& world_;
   Config config_;

@@ -20,12 +20,17 @@
 //              consecutive_hysteresis the hysteresis left is refilled to h).
 //   then i += 1.
 // This is the rule of DeepSpeed's loss_scaler.py today; releases before its "stable interval"
-// fix doubled one step sooner ((i - last overflow) % window == 0).
+// fix doubled one step sooner ((i - last overflow) % window == 0). One difference: the scale
+// doubles up to max_scale() = max(2^64, min_loss_scale) and stays there (DeepSpeed has no cap; a
+// scale past 2^1023 would double into infinity). So a dynamic scale is always within
+// [min(2^initial_scale_power, min_loss_scale), max_scale()]: ParseState checks a saved one
+// against that range.
 //
 // Thread safety: a plain value.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -44,6 +49,10 @@ class LossScaler {
     int hysteresis = 1;  // what is left of fp16.hysteresis
   };
 
+  // The cap of a dynamic scale (see the top): the largest first scale fp16.initial_scale_power
+  // allows.
+  static constexpr double kMaxDynamicScale = 0x1p64;
+
   explicit LossScaler(const Fp16Config& config);
 
   // The scale the gradients handed to the next step carry (1 without fp16).
@@ -57,12 +66,29 @@ class LossScaler {
   // hysteresis spent (DeepSpeed stops the run there; the state is left as it was).
   Status Update(bool overflow);
 
+  // The range of the scale of a dynamic scaler with `config` (see the top).
+  static double MinDynamicScale(const Fp16Config& config);
+  static double MaxDynamicScale(const Fp16Config& config);
+
   // The state as JSON for a checkpoint ({"dynamic", "scale", "iteration",
-  // "last_overflow_iteration", "hysteresis"}), and back. A dynamic scaler takes a saved dynamic
-  // state and keeps its first scale for any other; a static or disabled one keeps its config's.
-  // Errors: DataLoss for a malformed state (a scale that is not a positive finite number, a
-  // hysteresis outside [1, fp16.hysteresis], ...).
+  // "last_overflow_iteration", "hysteresis"}).
   nlohmann::json ToJson() const;
+  // A saved state (ToJson), checked against what a scaler with `writer` (the saving run's fp16
+  // config) can produce: every key present with its type, a finite scale > 0, iteration in
+  // [0, max_iteration], last_overflow_iteration in [-1, iteration), hysteresis >= 1; a dynamic
+  // state also a scale in [MinDynamicScale(writer), MaxDynamicScale(writer)] and a hysteresis
+  // <= writer.hysteresis. Returns the dynamic state, or nullopt for a static or disabled
+  // scaler's (which a resume ignores). Errors: DataLoss naming the key and the state.
+  static Result<std::optional<State>> ParseState(const nlohmann::json& saved,
+                                                 const Fp16Config& writer,
+                                                 std::int64_t max_iteration);
+  // Continues from a parsed state (ParseState). A dynamic scaler takes a saved dynamic state,
+  // its hysteresis left clamped to this config's fp16.hysteresis, and keeps its first scale
+  // without one; a static or disabled scaler keeps its config's. Errors: FailedPrecondition for
+  // a saved scale outside this config's range [MinDynamicScale, MaxDynamicScale] (the config's
+  // fp16.min_loss_scale was raised since the save, say): the state is left as it was.
+  Status Restore(const std::optional<State>& saved);
+  // ParseState with this scaler's own config as the writer's, then Restore.
   Status Restore(const nlohmann::json& saved);
 
  private:

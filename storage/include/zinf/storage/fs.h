@@ -5,7 +5,7 @@
 //
 //   ZINF_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, 16 * kMiB, Follow::kYes));
 //   ZINF_RETURN_IF_ERROR(WriteFileAtomic(dir + "/latest", "step-10.h5\n"));
-//   ZINF_ASSIGN_OR_RETURN(AtomicFile out, AtomicFile::Create(out_path));
+//   ZINF_ASSIGN_OR_RETURN(AtomicFile out, AtomicFile::Create(out_path, Overwrite::kNo));
 //   ZINF_RETURN_IF_ERROR(out.Write(bytes));
 //   ZINF_RETURN_IF_ERROR(out.Commit());   // without Commit the output never appears
 //
@@ -13,13 +13,16 @@
 //   - the last path component is never followed when it is a symbolic link, unless the caller
 //     says Follow::kYes (for a path the user named on purpose, e.g. a config file): a planted
 //     link is FailedPrecondition "is a symbolic link", never a write through it;
-//   - files are opened with O_NONBLOCK and checked with fstat before any read, so a FIFO, socket
-//     or device is FailedPrecondition "not a regular file", never a hang (O_NONBLOCK is cleared
-//     again for regular files);
+//   - an existing file is first looked at through an O_PATH descriptor (fstat, which opens
+//     nothing) and opened only if it is a regular file, by reopening that very inode: a FIFO,
+//     socket, device or directory is FailedPrecondition "<type>, not a regular file", never
+//     opened (so never a hang, and no device driver sees an open), never truncated;
+//   - an output never replaces anything but a regular file: a directory, device, FIFO or socket
+//     at an output name is FailedPrecondition, and nothing is written;
 //   - reads are bounded in bytes (InvalidArgument "larger than N bytes") before anything is
 //     allocated for them;
 //   - files that are created are created exclusively (O_CREAT | O_EXCL | O_NOFOLLOW), so a
-//     create never opens something that was already there;
+//     create never opens something that was already there (nor creates through a dangling link);
 //   - EINTR is retried everywhere; every other failure is an Error naming the path and errno.
 //
 // Thread safety: free functions are thread safe; UniqueFd and AtomicFile are values owned by one
@@ -78,8 +81,10 @@ enum class FileAccess {
 
 // Opens `name` relative to the directory `dir_fd` (AT_FDCWD: relative to the working directory,
 // or `name` is absolute) as a regular file. `display` names the file in errors (the full path).
-// Errors: NotFound, AlreadyExists (kCreateNew), FailedPrecondition (a symbolic link with
-// Follow::kNo; not a regular file; permission), errno errors.
+// An existing name is opened only when it is a regular file (see the rules above); a missing one
+// (k*OrCreate) is created exclusively. Errors: NotFound, AlreadyExists (kCreateNew),
+// FailedPrecondition (a symbolic link with Follow::kNo, or a dangling one when creating; not a
+// regular file, naming its type; permission), errno errors.
 Result<UniqueFd> OpenFileAt(int dir_fd, const std::string& name, const std::string& display,
                             FileAccess access, Follow follow = Follow::kNo,
                             unsigned mode = 0644);
@@ -113,26 +118,48 @@ inline Status WriteAll(int fd, std::string_view text, std::string_view what) {
 }
 
 // Replaces the file `name` in directory `dir_fd` with `contents`, atomically: the temporary
-// `<name>.tmp` is removed if present (a stale one, or anything planted there: unlinked, never
+// `<name>.tmp` is removed if present (a stale file, or a link planted there: unlinked, never
 // followed), created exclusively with `mode`, written, fsynced and renamed over `name`; then the
 // directory is fsynced. A crash leaves the old file or the new one, and at worst the temporary.
-// `dir_display` names the directory in errors.
+// `name` may be missing, a regular file or a symbolic link (the link is replaced, its target
+// never written); anything else at `name` or at the temporary name (a directory, device, FIFO,
+// socket) is FailedPrecondition and nothing is written. `dir_display` names the directory in
+// errors.
 Status WriteFileAtomicAt(int dir_fd, const std::string& dir_display, const std::string& name,
                          std::string_view contents, unsigned mode = 0644);
 // The same for a path: its directory is opened (following links in the directory part only).
 Status WriteFileAtomic(const std::string& path, std::string_view contents, unsigned mode = 0644);
 
+// What an AtomicFile may replace at its final name.
+enum class Overwrite {
+  kNo,           // nothing: an existing entry of any kind is AlreadyExists / FailedPrecondition
+  kRegularFile,  // an existing regular file (not a link to one) is replaced
+};
+
+// Checks, before anything is written, what replacing the entry `name` of directory `dir_fd` by a
+// rename would destroy, never following it: OK when nothing is there, a regular file, or a
+// symbolic link (the link itself is replaced, never its target); FailedPrecondition "<display>:
+// <type>, not a regular file; an output never replaces one" for a directory, device, FIFO or
+// socket. For a writer that renames over a name it owns (WriteFileAtomicAt does this itself).
+Status CheckReplaceableAt(int dir_fd, const std::string& name, const std::string& display);
+
 // A new file that appears under `final_path` only when Commit() succeeds. It is written under a
 // unique hidden temporary name in the same directory (".<name>.zinf-tmp-<pid>-<n>", created
-// exclusively); Commit() fsyncs and closes it, renames it over `final_path` (replacing whatever
-// entry is there: a file or a link, never writing through it) and fsyncs the directory. Without
-// a successful Commit() the destructor (or Abandon()) removes the temporary: a failed or
-// interrupted writer never leaves a partial output, nor destroys the previous one.
+// exclusively); Commit() fsyncs and closes it, renames it to `final_path` and fsyncs the
+// directory. Without a successful Commit() the destructor (or Abandon()) removes the temporary:
+// a failed or interrupted writer never leaves a partial output, nor destroys the previous one.
+// What is at `final_path` is checked by Create(), before anything is written, and again by
+// Commit(): a missing name is always fine; an existing regular file is AlreadyExists "exists"
+// with Overwrite::kNo (the rename is then RENAME_NOREPLACE, so one made meanwhile survives too)
+// and replaced with Overwrite::kRegularFile; a symbolic link, directory, device, FIFO or socket
+// is FailedPrecondition "<type>, not a regular file" either way: never replaced, never opened.
 // Move-only.
 class AtomicFile {
  public:
-  // Errors: NotFound (no such directory), errno errors of the exclusive create.
-  static Result<AtomicFile> Create(const std::string& final_path, unsigned mode = 0644);
+  // Errors: NotFound (no such directory), AlreadyExists / FailedPrecondition (what is at
+  // `final_path`, above), errno errors of the exclusive create.
+  static Result<AtomicFile> Create(const std::string& final_path, Overwrite overwrite,
+                                   unsigned mode = 0644);
 
   AtomicFile(AtomicFile&& other) noexcept;
   AtomicFile& operator=(AtomicFile&& other) noexcept;
@@ -162,6 +189,7 @@ class AtomicFile {
   UniqueFd fd_;
   std::string temp_path_;
   std::string final_path_;
+  Overwrite overwrite_ = Overwrite::kNo;
   bool done_ = true;  // committed or abandoned (nothing to remove)
 };
 

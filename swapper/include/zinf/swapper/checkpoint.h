@@ -104,6 +104,7 @@
 
 #include "zinf/core/status.h"
 #include "zinf/partition/layout.h"
+#include "zinf/storage/fs.h"
 #include "zinf/swapper/optimizer_swapper.h"
 
 namespace zinf::swapper {
@@ -120,6 +121,13 @@ inline constexpr std::int64_t kMaxCheckpointStep = (std::int64_t{1} << 53) - 1;
 inline constexpr std::uint64_t kMaxCheckpointChunkNumel = 1ull << 26;
 inline constexpr std::int64_t kMaxCheckpointWorldSize = std::int64_t{1} << 24;
 inline constexpr std::uint64_t kMaxLatestBytes = 4096;
+// The largest q8 block scale of exp_avg (its largest |element|) a writer can produce. Every
+// gradient g that reached a committed q8 state left exp_avg_sq finite (a q8 step refuses
+// non-finite moments): (1 - beta2) * g^2 <= FLT_MAX with 1 - beta2 >= 2^-53 (beta2 < 1 in
+// double), so |g| < 2^91; exp_avg, a running weighted mean of the gradients (weights summing to
+// at most 1), is bounded alike. 2^92 leaves a factor 2 for rounding. exp_avg_sq scales are
+// bounded by finiteness only.
+inline constexpr float kMaxQ8ExpAvgScale = 0x1p92f;
 
 // "step-<N>.h5".
 std::string CheckpointFileName(std::int64_t step);
@@ -164,6 +172,8 @@ Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t s
 std::uint64_t EstimateCheckpointBytes(const OptimizerSwapper& swapper,
                                       const CheckpointSaveOptions& options);
 
+struct CheckpointInfo;
+
 struct CheckpointRestoreOptions {
   // true: first read and verify every chunk this rank needs, agree, and only then write the
   // swapper's store (two reads of the file): a corrupted file leaves the store untouched.
@@ -172,6 +182,11 @@ struct CheckpointRestoreOptions {
   bool check_optimizer = true;  // the file's optimizer type must match swapper AdamOptions.adamw
   bool progress = true;
   double progress_interval_s = 10;
+  // Local, on every rank: a further check of the file's metadata (ZeroEngine: the trainer state,
+  // engine/trainer_state.h), called once the structure, the layout and the optimizer passed and
+  // before the q8 tables and the state are read. Its error fails the restore on every rank
+  // before anything is written. Empty: none.
+  std::function<Status(const CheckpointInfo&)> check_info;
 };
 
 struct RestoredCheckpoint {
@@ -196,11 +211,12 @@ struct RestoredCheckpoint {
 //   NotFound: no file, no `latest` in the directory, or `latest` names a missing file;
 //   DataLoss: not an HDF5 file or truncated, a missing attribute or dataset or one of the wrong
 //             size/type ("missing dataset /state/exp_avg"), a checksum mismatch naming the
-//             dataset, chunk and element range;
+//             dataset, chunk and element range, a q8 table out of range (a scale below 0, an
+//             exp_avg scale above kMaxQ8ExpAvgScale or a non-finite exp_avg_sq scale, ...);
 //   FailedPrecondition: format is not "zinf", an unsupported format_version, a layout that
 //             differs from the swapper's (first mismatch named, dtype ignored), an optimizer type
 //             that differs (check_optimizer);
-//   the swap store's errors from WriteState.
+//   options.check_info's errors; the swap store's errors from WriteState.
 Result<RestoredCheckpoint> RestoreCheckpoint(OptimizerSwapper& swapper, const std::string& path,
                                              const CheckpointRestoreOptions& options = {});
 
@@ -238,15 +254,17 @@ Result<CheckpointInfo> ReadCheckpointInfo(const std::string& path);
 // Called with (bytes done, bytes total) while verifying or exporting.
 using CheckpointProgressFn = std::function<void(std::uint64_t done, std::uint64_t total)>;
 
-// Reads every chunk of every state dataset and recomputes its checksum. OK if all match;
-// otherwise the first bad chunk: DataLoss "checksum mismatch in dataset /state/exp_avg chunk 3
-// elements [3145728, 4194304): ..." (or the structural errors of ReadCheckpointInfo).
+// Reads every chunk of every state dataset and recomputes its checksum, and checks a q8 file's
+// tables as RestoreCheckpoint does. OK if all pass; otherwise the first bad chunk: DataLoss
+// "checksum mismatch in dataset /state/exp_avg chunk 3 elements [3145728, 4194304): ..." (or
+// the structural errors of ReadCheckpointInfo, or a q8 table's). The trainer state is the
+// engine's: `zinf-ckpt verify` runs engine::VerifyResumable, this and the engine's check of it.
 Status VerifyCheckpoint(const std::string& path, const CheckpointProgressFn& progress = {});
 
 enum class ExportFormat { kHdf5, kSafetensors };
 
 // Writes the consolidated fp32 master weights (/state/fp32), one tensor per parameter with its
-// shape, to `out_path` (replaced if it exists), streaming chunk by chunk (checksums verified);
+// shape, to `out_path`, streaming chunk by chunk (checksums verified);
 // with `moments` also Adam's moments as fp32 (a q8 file's decoded), as tensors named
 // "exp_avg/<name>" and "exp_avg_sq/<name>" after the weights:
 //   kHdf5:        one 1-D float32 dataset per parameter, named by the parameter name (a '/' in
@@ -255,9 +273,17 @@ enum class ExportFormat { kHdf5, kSafetensors };
 //   kSafetensors: the safetensors format (8-byte little-endian header size, JSON header with
 //                 dtype "F32", shape and data_offsets per tensor, padded with spaces to a
 //                 multiple of 8, then the raw little-endian data in layout order).
-// Errors: those of ReadCheckpointInfo and VerifyCheckpoint (DataLoss on a bad chunk), and I/O
-// errors writing out_path.
+// The output is a storage::AtomicFile: written under a temporary name, renamed to `out_path`
+// when complete. `out_path` may be missing, or an existing regular file when `overwrite` is
+// kRegularFile (replaced whole; a failed export leaves it as it was); a symbolic link,
+// directory, device, FIFO or socket is never replaced nor opened, nor is the checkpoint itself,
+// its `latest` or a step-<N>.h5 name of its directory.
+// Errors: those of ReadCheckpointInfo and VerifyCheckpoint (DataLoss on a bad chunk);
+// AlreadyExists (`out_path` exists, kNo), FailedPrecondition (`out_path` is not a regular
+// file), InvalidArgument (it is the checkpoint or a name of its directory); I/O errors writing
+// out_path.
 Status ExportCheckpoint(const std::string& path, const std::string& out_path, ExportFormat format,
-                        const CheckpointProgressFn& progress = {}, bool moments = false);
+                        const CheckpointProgressFn& progress = {}, bool moments = false,
+                        storage::Overwrite overwrite = storage::Overwrite::kNo);
 
 }  // namespace zinf::swapper

@@ -1,0 +1,164 @@
+#include "zinf/engine/trainer_state.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "saved_json.h"
+#include "zinf/core/json.h"
+#include "zinf/core/units.h"
+
+namespace zinf::engine {
+namespace {
+
+using Json = nlohmann::json;
+
+std::string Shown(const Json& value) { return DumpJsonForDisplay(value).substr(0, 200); }
+
+}  // namespace
+
+Result<Fp16Config> SavedFp16Config(const Json& config) {
+  Fp16Config fp16;
+  if (!config.is_object() || !config.contains("fp16")) return fp16;
+  const Json& block = config.at("fp16");
+  if (!block.is_object()) {
+    return DataLossError(
+        fmt::format("the checkpoint's config: fp16 is {}, expected an object", Shown(block)));
+  }
+  auto bad = [&](std::string_view key, std::string_view want) {
+    return DataLossError(fmt::format("the checkpoint's config: fp16.{} is {}, expected {}", key,
+                                     Shown(block.at(key)), want));
+  };
+  // The ranges of config_schema.cc's fp16 keys.
+  if (block.contains("enabled")) {
+    if (!block.at("enabled").is_boolean()) return bad("enabled", "true or false");
+    fp16.enabled = block.at("enabled").get<bool>();
+  }
+  auto number = [&](const char* key, double* out, double min, bool min_open) -> Status {
+    if (!block.contains(key)) return OkStatus();
+    const Json& v = block.at(key);
+    const double x = v.is_number() ? v.get<double>() : std::nan("");
+    if (!std::isfinite(x) || x < min || (min_open && x == min)) {
+      return bad(key, fmt::format("a finite number {} {}", min_open ? ">" : ">=", min));
+    }
+    *out = x;
+    return OkStatus();
+  };
+  auto integer = [&](const char* key, std::int64_t min, std::int64_t max) -> Result<std::int64_t> {
+    const std::optional<std::int64_t> v = Int64Of(block.at(key));
+    if (!v || *v < min || *v > max)
+      return bad(key, fmt::format("an integer in [{}, {}]", min, max));
+    return *v;
+  };
+  ZINF_RETURN_IF_ERROR(number("loss_scale", &fp16.loss_scale, 0, /*min_open=*/false));
+  ZINF_RETURN_IF_ERROR(number("min_loss_scale", &fp16.min_loss_scale, 0, /*min_open=*/true));
+  if (block.contains("initial_scale_power")) {
+    ZINF_ASSIGN_OR_RETURN(const std::int64_t v, integer("initial_scale_power", 0, 64));
+    fp16.initial_scale_power = static_cast<int>(v);
+  }
+  if (block.contains("hysteresis")) {
+    ZINF_ASSIGN_OR_RETURN(const std::int64_t v,
+                          integer("hysteresis", 1, std::numeric_limits<int>::max()));
+    fp16.hysteresis = static_cast<int>(v);
+  }
+  return fp16;
+}
+
+Result<TrainerState> ReadTrainerState(const swapper::CheckpointInfo& info) {
+  const Json& trainer = info.trainer;
+  const std::string where = fmt::format("{}: trainer state", info.path);
+  auto bad = [&](std::string_view key, std::string_view want) {
+    return DataLossError(fmt::format("{} {} is {}, expected {}", where, key,
+                                     trainer.contains(key) ? Shown(trainer.at(key)) : "missing",
+                                     want));
+  };
+  TrainerState state;
+  if (!trainer.is_object()) {
+    return DataLossError(fmt::format("{} is not a JSON object: {}", where, Shown(trainer)));
+  }
+  // An integer key, if present, within [min, max].
+  auto integer = [&](const char* key, std::int64_t min,
+                     std::int64_t max) -> Result<std::optional<std::int64_t>> {
+    if (!trainer.contains(key)) return std::optional<std::int64_t>();
+    const std::optional<std::int64_t> v = Int64Of(trainer.at(key));
+    if (!v || *v < min || *v > max) {
+      return bad(key, min == max ? fmt::format("{}", min)
+                                 : fmt::format("an integer in [{}, {}]", min, max));
+    }
+    return v;
+  };
+  const std::int64_t step = info.step;
+  ZINF_RETURN_IF_ERROR(integer("step", step, step));
+  ZINF_RETURN_IF_ERROR(integer("world_size", info.world_size, info.world_size));
+  ZINF_ASSIGN_OR_RETURN(const std::optional<std::int64_t> skipped,
+                        integer("skipped_steps", 0, step));
+  state.skipped_steps = skipped.value_or(0);
+  // The schedule's position: the k-th applied step ran at k - 2, so after step - skipped
+  // applied steps the next runs at step - skipped - 1 (engine.cc).
+  const std::int64_t position = step - state.skipped_steps - 1;
+  ZINF_RETURN_IF_ERROR(integer("scheduler_last_batch_iteration", position, position));
+  if (trainer.contains("lr")) {
+    const Json& lr = trainer.at("lr");
+    if (!lr.is_number() || !(lr.get<double>() >= 0) || !std::isfinite(lr.get<double>())) {
+      return bad("lr", "a finite number >= 0");
+    }
+  }
+  // DeepSpeed's batch rule, as ParseConfig applied it on the saving ranks.
+  constexpr std::int64_t kMaxBatch = std::int64_t{1} << 53;
+  ZINF_ASSIGN_OR_RETURN(const std::optional<std::int64_t> micro,
+                        integer("train_micro_batch_size_per_gpu", 1, kMaxBatch));
+  ZINF_ASSIGN_OR_RETURN(const std::optional<std::int64_t> gas,
+                        integer("gradient_accumulation_steps", 1, kMaxBatch));
+  ZINF_ASSIGN_OR_RETURN(const std::optional<std::int64_t> batch,
+                        integer("train_batch_size", 1, kMaxBatch));
+  std::uint64_t per_rank = 0, product = 0;
+  if (micro && gas && batch &&
+      (!CheckedMul(static_cast<std::uint64_t>(*micro), static_cast<std::uint64_t>(*gas),
+                   &per_rank) ||
+       !CheckedMul(per_rank, static_cast<std::uint64_t>(info.world_size), &product) ||
+       product != static_cast<std::uint64_t>(*batch))) {
+    return bad("train_batch_size",
+               fmt::format("train_micro_batch_size_per_gpu {} x gradient_accumulation_steps {} x "
+                           "world_size {}",
+                           *micro, *gas, info.world_size));
+  }
+  if (trainer.contains("loss_scaler")) {
+    ZINF_ASSIGN_OR_RETURN(const Fp16Config writer,
+                          Annotate(SavedFp16Config(info.config), info.path + ": "));
+    ZINF_ASSIGN_OR_RETURN(
+        state.loss_scaler,
+        Annotate(LossScaler::ParseState(trainer.at("loss_scaler"), writer, step), where + ": "));
+    // The scaler saves a dynamic state exactly when its config is dynamic.
+    const bool writer_dynamic = writer.enabled && writer.loss_scale == 0;
+    if (state.loss_scaler.has_value() != writer_dynamic) {
+      return bad("loss_scaler", fmt::format("\"dynamic\": {}, as the checkpoint's config (fp16 {})",
+                                            writer_dynamic,
+                                            !writer.enabled  ? "disabled"
+                                            : writer_dynamic ? "with a dynamic loss scale"
+                                                             : "with a static loss scale"));
+    }
+  }
+  // A checkpoint of ZeroEngine holds the loop's JSON under "user" (an object, SaveCheckpoint
+  // checks); one of an older zinf-train holds the trainer's state itself.
+  if (trainer.contains("user")) {
+    if (!trainer.at("user").is_object()) return bad("user", "a JSON object");
+    state.user = trainer.at("user");
+  } else {
+    state.user = trainer;
+  }
+  return state;
+}
+
+Status VerifyResumable(const std::string& path, const swapper::CheckpointProgressFn& progress) {
+  ZINF_ASSIGN_OR_RETURN(const swapper::CheckpointInfo info, swapper::ReadCheckpointInfo(path));
+  ZINF_RETURN_IF_ERROR(ReadTrainerState(info));
+  return swapper::VerifyCheckpoint(info.path, progress);
+}
+
+}  // namespace zinf::engine
