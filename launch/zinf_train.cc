@@ -108,7 +108,8 @@ int Main(int argc, char** argv) {
                    "latest (<checkpoint-dir>/latest; an error if none), auto (latest if any), or "
                    "a checkpoint file");
     app.add_option("--metrics", metrics_path,
-                   "write one JSON object per step to this file (rank 0; appended on resume)");
+                   "write one JSON object per step to this file (rank 0; appended on resume); "
+                   "a regular file or a new name, never a device, FIFO or directory");
     app.add_option("--model", o.model, "charlm (default) or synthetic");
     app.add_option("--hidden", o.hidden, "charlm: hidden width; synthetic: tensors of H x H");
     app.add_option("--layers", o.layers,

@@ -165,7 +165,9 @@ class ZeroEngine {
   // or swaps the parameters' current weights in as the initial state (exp_avg = exp_avg_sq = 0).
   // Errors: InvalidArgument (bad parameters, offload device not nvme), NotFound (a missing
   // nvme_path or checkpoint), ResourceExhausted (host memory, disk space, pool), the swapper's
-  // and the checkpoint's errors (a mismatched checkpoint names the first differing parameter).
+  // and the checkpoint's errors (a mismatched checkpoint names the first differing parameter;
+  // a trainer state no writer produces is DataLoss, a loss scale outside this config's fp16
+  // range FailedPrecondition: engine/trainer_state.h), all before the store is written.
   static Result<std::unique_ptr<ZeroEngine>> Create(const comm::Communicator& world,
                                                     const Config& config, std::vector<Param> params,
                                                     const EngineOptions& options = {});
