@@ -13,7 +13,6 @@
 #include <limits>
 #include <numeric>
 #include <optional>
-#include <random>
 #include <string>
 #include <thread>
 #include <utility>
@@ -82,9 +81,6 @@ struct FailureDomain {
     std::string reason;
   };
 
-  // Drawn by rank 0 at creation: a freed communicator's context id is reused by MPI, so a
-  // notice still in flight for a domain gone must not count in a later one.
-  std::uint64_t id = 0;
   MPI_Comm control = MPI_COMM_NULL;
   MPI_Request notice_request = MPI_REQUEST_NULL;
   std::array<char, kNoticeBytes> notice{};
@@ -117,11 +113,6 @@ struct FailureDomain {
     ZINF_RETURN_IF_ERROR(MpiStatus(MPI_Comm_dup(comm, &domain->control), "MPI_Comm_dup"));
     ZINF_RETURN_IF_ERROR(MpiStatus(MPI_Comm_set_errhandler(domain->control, MPI_ERRORS_RETURN),
                                    "MPI_Comm_set_errhandler"));
-    std::random_device random;
-    domain->id = (static_cast<std::uint64_t>(random()) << 32) ^ random() ^
-                 static_cast<std::uint64_t>(Clock::now().time_since_epoch().count());
-    ZINF_RETURN_IF_ERROR(
-        MpiStatus(MPI_Bcast(&domain->id, 1, MPI_UINT64_T, 0, domain->control), "MPI_Bcast"));
     ZINF_RETURN_IF_ERROR(domain->PostReceive());
     return domain;
   }
@@ -132,9 +123,8 @@ struct FailureDomain {
                      "MPI_Irecv");
   }
 
-  // Takes in the departures that arrived; returns one that makes agreement `index`, named
-  // `label`, impossible (the rank left before entering it, and not to make this call), or null.
-  const Departure* DepartedBefore(std::uint64_t index, std::string_view label) {
+  // Takes in the departures that arrived.
+  void TakeNotices() {
     for (;;) {
       int arrived = 0;
       MPI_Status status;
@@ -147,18 +137,22 @@ struct FailureDomain {
       const std::string text(notice.data(), static_cast<std::size_t>(std::max(length, 0)));
       Departure d;
       d.rank = status.MPI_SOURCE;
-      // "<domain id> <agreements> <rejoin or -> <reason>" (Communicator::Leave).
-      char* end = nullptr;
-      const std::uint64_t from = std::strtoull(text.c_str(), &end, 16);
       if (!PostReceive()) notice_request = MPI_REQUEST_NULL;
-      if (from != id || end == nullptr || *end != ' ') continue;  // another domain's, gone
-      d.agreements = std::strtoull(end + 1, &end, 10);
+      // "<agreements> <rejoin or -> <reason>" (Communicator::Leave).
+      char* end = nullptr;
+      d.agreements = std::strtoull(text.c_str(), &end, 10);
       std::string_view rest = end != nullptr && *end == ' ' ? std::string_view(end + 1) : "";
       const std::size_t space = std::min(rest.find(' '), rest.size());
       if (rest.substr(0, space) != "-") d.rejoin = std::string(rest.substr(0, space));
       d.reason = std::string(rest.substr(std::min(space + 1, rest.size())));
       departed.push_back(std::move(d));
     }
+  }
+
+  // A departure that makes agreement `index`, named `label`, impossible (the rank left before
+  // entering it, and not to make this call), or null.
+  const Departure* DepartedBefore(std::uint64_t index, std::string_view label) {
+    TakeNotices();
     for (const Departure& d : departed) {
       if (d.agreements <= index && d.rejoin != label) return &d;
     }
@@ -336,7 +330,7 @@ void Communicator::Leave(std::string_view reason, std::string_view rejoin) const
     return;
   }
   // Held until sent; leaked (a few hundred bytes) if a rank does not take it within a second.
-  auto* text = new std::string(fmt::format("{:x} {} {} {}", domain_->id, domain_->agreements.load(),
+  auto* text = new std::string(fmt::format("{} {} {}", domain_->agreements.load(),
                                            rejoin.empty() ? "-" : rejoin, reason));
   if (text->size() > kNoticeBytes) text->resize(kNoticeBytes);
   std::vector<MPI_Request> sends;
@@ -419,8 +413,8 @@ Status Communicator::WaitForRanks(void* request, std::string_view what) const {
     const int rc = MPI_Test(static_cast<MPI_Request*>(request), &done, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) return MpiStatus(rc, fmt::format("{}: MPI_Test", what));
     if (done) {
-      domain.DepartedBefore(0, what);  // take in what arrived: who just rejoined
-      if (!domain.departed.empty()) domain.Rejoined(what);
+      domain.TakeNotices();  // who just rejoined
+      domain.Rejoined(what);
       return OkStatus();
     }
     if (polls % 64 != 0) continue;
