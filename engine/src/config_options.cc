@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "zinf/core/check.h"
+#include "zinf/storage/stripe_map.h"
 
 namespace zinf::engine {
 
@@ -38,6 +39,20 @@ partition::PlanKind ToPlanKind(const Config& config) {
   return *kind;
 }
 
+namespace {
+
+// zinf.nvme_path_weights as the swap store's integer weights (empty: equal shares).
+std::vector<std::uint32_t> ToPathWeights(const Config& config) {
+  const std::vector<double>& ratios = config.zinf.nvme_path_weights.weights;
+  if (ratios.empty()) return {};
+  Result<storage::StripeMap> map = storage::StripeMap::FromRatios(ratios);
+  ZINF_CHECK(map.has_value(), "zinf.nvme_path_weights passed validation: {}",
+             map.error().ToString());
+  return map->weights();
+}
+
+}  // namespace
+
 swapper::SwapperOptions ToSwapperOptions(const Config& config, int world_rank,
                                          const partition::ParamLayout& layout) {
   const OffloadOptimizerConfig& offload = config.zero_optimization.offload_optimizer;
@@ -47,11 +62,17 @@ swapper::SwapperOptions ToSwapperOptions(const Config& config, int world_rank,
   options.store.world_rank = world_rank;
   options.store.keep = config.zinf.keep_swap;
   options.store.verify_swap = config.zinf.verify_swap;
+  options.store.path_weights = ToPathWeights(config);
+  options.store.probe_path_weights = config.zinf.nvme_path_weights.probe;
+  options.store.probe_engine = config.zinf.io_engine;
+  options.store.probe_aio = ToAioOptions(config);
   options.aio = ToAioOptions(config);
   options.engine = config.zinf.io_engine;
   options.state_format = config.zinf.optimizer_state;
   options.sub_group_size = config.zero_optimization.sub_group_size;
   options.pinned_budget_bytes = config.zinf.pinned_budget_bytes;
+  options.host_cache_bytes = config.zinf.host_cache_bytes;
+  options.all_resident = offload.device == OffloadDevice::kCpu;
   options.buffer_count = static_cast<std::uint64_t>(offload.buffer_count);
   options.pin_memory = offload.pin_memory;
   options.pipeline_read = offload.pipeline_read;

@@ -17,6 +17,7 @@
 #include "zinf/core/units.h"
 #include "zinf/engine/config.h"
 #include "zinf/storage/fs.h"
+#include "zinf/storage/stripe_map.h"
 
 namespace zinf::engine {
 namespace {
@@ -73,6 +74,7 @@ class Parser {
     ZINF_RETURN_IF_ERROR(CheckAliases());
     ZINF_RETURN_IF_ERROR(CheckScheduler());
     ZINF_RETURN_IF_ERROR(CheckOffload());
+    ZINF_RETURN_IF_ERROR(CheckPathWeights());
     ZINF_RETURN_IF_ERROR(CheckZinf());
     ZINF_RETURN_IF_ERROR(CheckPrecision());
     ZINF_RETURN_IF_ERROR(ResolveBatchSizes());
@@ -174,6 +176,8 @@ class Parser {
       ZINF_RETURN_IF_ERROR(SetSize(spec, path, value, fz->get(c)));
     } else if (auto* fp = std::get_if<PathListAccess>(&spec.field)) {
       ZINF_RETURN_IF_ERROR(SetPathList(spec, path, value, fp->get(c)));
+    } else if (auto* fw = std::get_if<PathWeightsAccess>(&spec.field)) {
+      ZINF_RETURN_IF_ERROR(SetPathWeights(path, value, fw->get(c)));
     } else if (auto* fa = std::get_if<AppAccess>(&spec.field)) {
       ZINF_ASSIGN_OR_RETURN(c.app[PointerOf(path)], ReadAppValue(*fa->key, spec, path, value));
     }
@@ -255,6 +259,49 @@ class Parser {
       return TypeError(path, kExpected, value);
     }
     return OkStatus();
+  }
+
+  // "probe", or a list of positive finite numbers that the swap store can turn into weights
+  // (storage::StripeMap::FromRatios). The count is checked against nvme_path later.
+  static Status SetPathWeights(const std::string& path, const Json& value, PathWeightsConfig* out) {
+    constexpr std::string_view kExpected =
+        "a list of positive numbers (one per nvme_path) or \"probe\"";
+    *out = {};
+    if (value.is_string()) {
+      if (value.get_ref<const std::string&>() != "probe") {
+        return InvalidArgumentError(fmt::format("{}: {} is not {}", path, Shown(value), kExpected));
+      }
+      out->probe = true;
+      return OkStatus();
+    }
+    if (!value.is_array()) return TypeError(path, kExpected, value);
+    if (value.empty()) {
+      return InvalidArgumentError(fmt::format("{}: empty list; expected {}", path, kExpected));
+    }
+    for (std::size_t i = 0; i < value.size(); ++i) {
+      const std::string element = fmt::format("{}[{}]", path, i);
+      if (!value[i].is_number()) return TypeError(element, "a positive number", value[i]);
+      const double weight = value[i].get<double>();
+      if (!std::isfinite(weight) || !(weight > 0)) {
+        return InvalidArgumentError(
+            fmt::format("{}: {} is not a positive finite number (a path's relative bandwidth)",
+                        element, Shown(value[i])));
+      }
+      out->weights.push_back(weight);
+    }
+    Result<storage::StripeMap> map = storage::StripeMap::FromRatios(out->weights);
+    if (!map) return std::move(map).error().WithContext(path + ": ");
+    return OkStatus();
+  }
+
+  Status CheckPathWeights() {
+    const PathWeightsConfig& w = config_.zinf.nvme_path_weights;
+    const std::size_t paths = config_.zero_optimization.offload_optimizer.nvme_path.size();
+    if (w.weights.empty() || w.weights.size() == paths) return OkStatus();
+    return InvalidArgumentError(fmt::format(
+        "zinf.nvme_path_weights: {} weight{} for {} zero_optimization.offload_optimizer.nvme_path "
+        "entr{}; give one weight per path (or \"probe\")",
+        w.weights.size(), w.weights.size() == 1 ? "" : "s", paths, paths == 1 ? "y" : "ies"));
   }
 
   Status CheckAliases() {
@@ -395,10 +442,11 @@ class Parser {
     // CpuAdam has amsgrad, but the swap store keeps three tensors per sub-group, not the fourth
     // (max_exp_avg_sq) it needs, and neither does the checkpoint: refused here rather than
     // failing the first step.
-    if (o.device == OffloadDevice::kNvme && config_.optimizer.amsgrad) {
-      return InvalidArgumentError(
+    if (o.device != OffloadDevice::kNone && config_.optimizer.amsgrad) {
+      return InvalidArgumentError(fmt::format(
           "optimizer.params.amsgrad: true is not supported with offload_optimizer.device "
-          "\"nvme\" (the swap store and checkpoints keep no max_exp_avg_sq); set it to false");
+          "\"{}\" (the optimizer state and checkpoints keep no max_exp_avg_sq); set it to false",
+          OffloadDeviceName(o.device)));
     }
     return OkStatus();
   }

@@ -344,7 +344,7 @@ const std::vector<KeySpec>& EngineSchema() {
       {.path = "optimizer.params.amsgrad",
        .field = Leaf<&T::optimizer, &O::amsgrad>(),
        .description = "Use the running max of exp_avg_sq (torch's amsgrad); only false with "
-                      "offload_optimizer.device nvme (no max_exp_avg_sq on NVMe)"},
+                      "offload_optimizer.device nvme or cpu (no max_exp_avg_sq is kept)"},
       {.path = "optimizer.params.bias_correction",
        .field = {},
        .description = "Adam's bias correction",
@@ -549,7 +549,9 @@ const std::vector<KeySpec>& EngineSchema() {
        .description = "Where the optimizer state lives"},
       {.path = "zero_optimization.offload_optimizer.device",
        .field = Leaf<&T::zero_optimization, &Z::offload_optimizer, &OO::device>(),
-       .description = "nvme: swapped to nvme_path; cpu or none: kept in host memory",
+       .description = "nvme: swapped to nvme_path (zinf.host_cache_bytes keeps the first "
+                      "sub-groups in memory); cpu: the whole state in host memory, no swap store; "
+                      "none: refused by the engine (zinf steps on the CPU)",
        .choices = kDeviceNames},
       {.path = "zero_optimization.offload_optimizer.nvme_path",
        .field = PathList<&T::zero_optimization, &Z::offload_optimizer, &OO::nvme_path>(),
@@ -559,7 +561,7 @@ const std::vector<KeySpec>& EngineSchema() {
       {.path = "zero_optimization.offload_optimizer.buffer_count",
        .field = Leaf<&T::zero_optimization, &Z::offload_optimizer, &OO::buffer_count>(),
        .description = "Swap buffers of the largest sub-group (when zinf.pinned_budget_bytes is "
-                      "0); pipelining needs 12",
+                      "0); pipelining needs 10 (q8: 7)",
        .range = Between(1, 1024)},
       {.path = "zero_optimization.offload_optimizer.pin_memory",
        .field = Leaf<&T::zero_optimization, &Z::offload_optimizer, &OO::pin_memory>(),
@@ -606,8 +608,7 @@ const std::vector<KeySpec>& EngineSchema() {
        .field = {},
        .description = "Old switch for optimizer offload to CPU",
        .kind = KeyKind::kRefused,
-       .why = "zinf offloads the optimizer state to NVMe: give offload_optimizer {device: nvme, "
-              "nvme_path}",
+       .why = "give offload_optimizer {device: cpu} (or {device: nvme, nvme_path})",
        .harmless = IsFalse,
        .harmless_text = "false"},
       {.path = "zero_optimization.cpu_offload_params",
@@ -821,6 +822,11 @@ const std::vector<KeySpec>& EngineSchema() {
        .description = "Host memory for swap buffers: bytes or a size (\"2G\", \"512MiB\"); 0: "
                       "offload_optimizer.buffer_count buffers",
        .range = AtLeast(0)},
+      {.path = "zinf.host_cache_bytes",
+       .field = Size<&T::zinf, &ZC::host_cache_bytes>(),
+       .description = "Host memory tier per rank: bytes or a size (\"8G\"); the first "
+                      "sub-groups whose state fits stay in memory, stepped without I/O; 0: none",
+       .range = AtLeast(0)},
       {.path = "zinf.io_engine",
        .field = Leaf<&T::zinf, &ZC::io_engine>(),
        .description = "auto (io_uring if it works, else POSIX), uring or posix; ZINF_IO_ENGINE "
@@ -838,6 +844,13 @@ const std::vector<KeySpec>& EngineSchema() {
       {.path = "zinf.keep_swap",
        .field = Leaf<&T::zinf, &ZC::keep_swap>(),
        .description = "Keep the swap store at exit"},
+      {.path = "zinf.nvme_path_weights",
+       .field = PathWeights<&T::zinf, &ZC::nvme_path_weights>(),
+       .description = "Each nvme_path's share of the swap I/O: relative bandwidths, one positive "
+                      "number per path ([1, 3]: the second path takes 3/4), or \"probe\" "
+                      "(measured at start, per rank; not reproducible run to run); a resumed "
+                      "swap store keeps the weights it was created with",
+       .default_text = "equal shares"},
       {.path = "zinf.swap_gradients",
        .field = Leaf<&T::zinf, &ZC::swap_gradients>(),
        .description = "Accumulate partition gradients through the gradient swapper"},
@@ -1115,6 +1128,9 @@ Json CanonicalJson(const Config& config_in) {
             value = std::string(spec.choices[static_cast<std::size_t>(access.get(config))]);
           } else if constexpr (std::is_same_v<F, SizeAccess> || std::is_same_v<F, PathListAccess>) {
             value = *access.get(config);
+          } else if constexpr (std::is_same_v<F, PathWeightsAccess>) {
+            const PathWeightsConfig& weights = *access.get(config);
+            value = weights.probe ? Json("probe") : Json(weights.weights);
           } else {
             value = *access(config);
           }
@@ -1165,6 +1181,8 @@ std::string TypeText(const KeySpec& spec) {
           return "integer or size string";
         } else if constexpr (std::is_same_v<F, PathListAccess>) {
           return "string or list of strings";
+        } else if constexpr (std::is_same_v<F, PathWeightsAccess>) {
+          return "list of numbers or \"probe\"";
         } else if constexpr (std::is_same_v<F, AppAccess>) {
           switch (access.key->type) {
             case AppKeyType::kBool:

@@ -53,6 +53,10 @@ struct SizeAccess {
 struct PathListAccess {
   std::vector<std::string>* (*get)(Config&);
 };
+// zinf.nvme_path_weights: a list of positive numbers or "probe".
+struct PathWeightsAccess {
+  PathWeightsConfig* (*get)(Config&);
+};
 // An application's key (AppKey): its value lives in Config::app at its path.
 struct AppAccess {
   const AppKey* key;
@@ -61,7 +65,7 @@ struct AppAccess {
 using Field = std::variant<std::monostate, Accessor<bool>, Accessor<int>, Accessor<std::int64_t>,
                            Accessor<std::uint64_t>, Accessor<double>, Accessor<std::string>,
                            Accessor<std::array<double, 2>>, EnumAccess, SizeAccess, PathListAccess,
-                           AppAccess>;
+                           PathWeightsAccess, AppAccess>;
 
 template <auto... Ms>
 Field Leaf() {
@@ -80,6 +84,10 @@ Field Size() {
 template <auto... Ms>
 Field PathList() {
   return PathListAccess{[](Config& c) { return &MemberOf<Ms...>(c); }};
+}
+template <auto... Ms>
+Field PathWeights() {
+  return PathWeightsAccess{[](Config& c) { return &MemberOf<Ms...>(c); }};
 }
 
 struct Range {

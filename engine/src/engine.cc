@@ -297,18 +297,17 @@ Result<std::unique_ptr<ZeroEngine>> ZeroEngine::Create(const comm::Communicator&
   State& s = *engine->state_;
   s.last_step_end = MonotonicSeconds();
   s.loop_start = s.last_step_end;
-  s.io_mark = s.swapper->store().io_counters();
+  s.io_mark = s.swapper->io_counters();
   s.first_step = engine->step_ + 1;
   return engine;
 }
 
 Status ZeroEngine::Build(std::vector<Param> params) {
   State& s = *state_;
-  if (config_.zero_optimization.offload_optimizer.device != OffloadDevice::kNvme) {
-    return comm().AgreeOnStatus(InvalidArgumentError(fmt::format(
-        "zero_optimization.offload_optimizer.device: \"{}\": the engine keeps the optimizer "
-        "state on NVMe; set it to \"nvme\" with a nvme_path",
-        OffloadDeviceName(config_.zero_optimization.offload_optimizer.device))));
+  if (config_.zero_optimization.offload_optimizer.device == OffloadDevice::kNone) {
+    return comm().AgreeOnStatus(InvalidArgumentError(
+        "zero_optimization.offload_optimizer.device: \"none\": zinf steps the optimizer on the "
+        "CPU; set it to \"cpu\" (the state in host memory) or \"nvme\" (with a nvme_path)"));
   }
   if (config_.world_size != world_.size()) {
     return comm().AgreeOnStatus(InvalidArgumentError(fmt::format(
@@ -662,7 +661,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
                     "gradient_accumulation_steps {} call it {} times per step, or not at all",
                     step, s.micro_batches, gas, gas - 1));
   }
-  const storage::SwapStore& store = s.swapper->store();
+  const swapper::OptimizerSwapper& io = *s.swapper;
   StepInfo info;
   info.step = step;
   // 1: the last micro-batch's gradient. The step's swap I/O counts from the end of the previous
@@ -691,7 +690,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
     // Skipped: no swap I/O, the weights and the schedule stay; the gradient was consumed.
     info.lr = next_lr();  // what the step would have run at, and the next one will
     ZINF_RETURN_IF_ERROR(scaler.Update(/*overflow=*/true));
-    return FinishStep(info, /*skipped=*/true, io_start, store.io_counters(), store.io_counters(),
+    return FinishStep(info, /*skipped=*/true, io_start, io.io_counters(), io.io_counters(),
                       0.0);
   }
   double clip = 1.0;
@@ -747,7 +746,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
     return OkStatus();
   };
   const double optimizer_start = MonotonicSeconds();
-  const storage::SwapStore::IoCounters io_optimizer_start = store.io_counters();
+  const storage::SwapStore::IoCounters io_optimizer_start = io.io_counters();
   {
     comm::ScopedTimer timer(s.timers, "optimizer_step");
     ZINF_RETURN_IF_ERROR(s.swapper->Step(step, source, sink,
@@ -757,7 +756,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
                                           .adam_step = applied}));
   }
   const double optimizer_seconds = MonotonicSeconds() - optimizer_start;
-  const storage::SwapStore::IoCounters io_optimizer_end = store.io_counters();
+  const storage::SwapStore::IoCounters io_optimizer_end = io.io_counters();
   s.swap_seconds += optimizer_seconds;
   // The scale for the next step (a clean step may double it).
   ZINF_RETURN_IF_ERROR(scaler.Update(/*overflow=*/false));
@@ -777,7 +776,7 @@ Result<StepInfo> ZeroEngine::FinishStep(StepInfo info, bool skipped,
                                         const storage::SwapStore::IoCounters& io_optimizer_end,
                                         double optimizer_seconds) {
   State& s = *state_;
-  const storage::SwapStore& store = s.swapper->store();
+  const swapper::OptimizerSwapper& io = *s.swapper;
   if (skipped) {
     step_ = info.step;
     ++skipped_steps_;
@@ -787,7 +786,7 @@ Result<StepInfo> ZeroEngine::FinishStep(StepInfo info, bool skipped,
   info.next_loss_scale = s.scaler->scale();
   const double now = MonotonicSeconds();
   const double step_seconds = now - s.last_step_end;
-  const storage::SwapStore::IoCounters io_end = store.io_counters();
+  const storage::SwapStore::IoCounters io_end = io.io_counters();
   std::array<double, 3> maxima = {static_cast<double>(PeakRssBytes()), step_seconds,
                                   optimizer_seconds};
   ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<double>(maxima, ReduceOp::kMax));
@@ -809,7 +808,7 @@ Result<StepInfo> ZeroEngine::FinishStep(StepInfo info, bool skipped,
   info.write_bytes_per_element = static_cast<double>(bytes[3]) / numel;
   ZINF_RETURN_IF_ERROR(Report(info));
   s.last_step_end = MonotonicSeconds();
-  s.io_mark = store.io_counters();
+  s.io_mark = io.io_counters();
   return info;
 }
 
@@ -931,7 +930,7 @@ Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& use
   comm::ScopedTimer timer(s.timers, "checkpoint");
   ZINF_ASSIGN_OR_RETURN(swapper::SavedCheckpoint saved,
                         swapper::SaveCheckpoint(*s.swapper, step_, options));
-  s.io_mark = s.swapper->store().io_counters();  // the save's reads are not the next step's
+  s.io_mark = s.swapper->io_counters();  // the save's reads are not the next step's
   ZINF_LOG_INFO("checkpoint {}: {} in {:.2f} s ({:.2f} GB/s){}", saved.path,
                 FormatBytes(saved.state_bytes), saved.seconds,
                 static_cast<double>(saved.state_bytes) / std::max(saved.seconds, 1e-9) / 1e9,

@@ -4,18 +4,23 @@
 // step_over_io is the median of the per-pair ratios. --state-bytes sets the parameter count (that
 // many bytes of fp32 state: 12 per element); --state-format fp32,q8 runs both formats on the same
 // parameters, alternating, for
-// --rounds rounds. One JSON line per mode, format and round on stdout with --json.
+// --rounds rounds. One JSON line per mode, format and round on stdout with --json. --path a,b
+// stripes the store over several directories, --path-weights "1,3" or "probe" weights them
+// (zinf.nvme_path_weights). --host-cache 0,0.25,0.5,0.75 keeps those fractions of the sub-groups
+// in host memory (zinf.host_cache_bytes), one run each, and "cpu" all of them with no disk
+// (offload_optimizer.device "cpu"); the JSON has the bytes each step moved.
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "bench_command.h"
@@ -27,6 +32,7 @@
 #include "zinf/core/units.h"
 #include "zinf/partition/plan.h"
 #include "zinf/storage/io_engine.h"
+#include "zinf/storage/stripe_map.h"
 #include "zinf/swapper/optimizer_swapper.h"
 
 namespace zinf::bench {
@@ -38,8 +44,11 @@ using swapper::StateFormat;
 struct StepFlags {
   std::string state_bytes = "4G";
   std::string sub_group_size = "32M";
-  std::string path;
-  std::string budget;  // pinned budget; empty: the mode's minimum
+  std::vector<std::string> paths;  // striped, in order
+  std::string path_weights;        // "": equal shares; "probe"; or ratios "1,3"
+  std::string budget;              // pinned budget; empty: the mode's minimum
+  bool pin_memory = false;         // mlock the pool (offload_optimizer.pin_memory)
+  bool io_only = true;             // an engine-alone pass after each timed step
   bool pipeline = false;
   bool sync = false;
   bool json = false;
@@ -52,6 +61,9 @@ struct StepFlags {
   int intra_op_parallelism = 1;
   std::string stripe_unit = "1M";
   std::vector<std::string> state_formats = {"fp32"};
+  // Host memory tier: fractions of the sub-groups kept resident (zinf.host_cache_bytes), each
+  // run in turn; or "cpu": offload_optimizer.device "cpu", everything resident, no disk.
+  std::vector<std::string> host_cache = {"0"};
   int rounds = 1;
 };
 
@@ -66,6 +78,7 @@ Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::IoE
   };
   std::vector<Item> items;
   for (std::size_t i = 0; i < swapper.num_sub_groups(); ++i) {
+    if (swapper.resident(i)) continue;  // the host tier: never on disk
     for (std::size_t t = 0; t < swapper.num_slot_tensors(); ++t) {
       items.push_back(
           {swapper.SlotTensorName(swapper.slot_of(i), t), swapper.SlotTensorIoBytes(i, t)});
@@ -96,21 +109,67 @@ Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::IoE
   return std::make_pair(seconds[0], seconds[1]);
 }
 
+// --path-weights: "probe", or one relative bandwidth per path ("1,3"), as the store's weights.
+Status SetPathWeights(const std::string& text, storage::SwapStoreOptions& store) {
+  if (text.empty()) return OkStatus();
+  if (text == "probe") {
+    store.probe_path_weights = true;
+    return OkStatus();
+  }
+  std::vector<double> ratios;
+  for (std::size_t start = 0; start <= text.size();) {
+    const std::size_t comma = std::min(text.find(',', start), text.size());
+    const std::string word = text.substr(start, comma - start);
+    double ratio = 0;
+    const auto [end, ec] = std::from_chars(word.data(), word.data() + word.size(), ratio);
+    if (ec != std::errc() || end != word.data() + word.size()) {
+      return InvalidArgumentError(fmt::format(
+          "--path-weights: '{}' is not a number (give \"probe\" or e.g. \"1,3\")", word));
+    }
+    ratios.push_back(ratio);
+    start = comma + 1;
+  }
+  if (ratios.size() != store.paths.size()) {
+    return InvalidArgumentError(
+        fmt::format("--path-weights: {} weights for {} paths", ratios.size(), store.paths.size()));
+  }
+  ZINF_ASSIGN_OR_RETURN(storage::StripeMap map,
+                        Annotate(storage::StripeMap::FromRatios(ratios), "--path-weights: "));
+  store.path_weights = map.weights();
+  return OkStatus();
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const std::size_t n = v.size();
   return n == 0 ? 0.0 : (n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2);
 }
 
+// zinf.host_cache_bytes holding round(fraction x sub-groups) whole sub-groups of `numel`
+// elements (their slot tensors 4 KiB-aligned: at least what the swapper counts).
+std::uint64_t HostCacheBytes(double fraction, std::uint64_t numel, std::uint64_t sub_group_numel,
+                             StateFormat format) {
+  const std::uint64_t sub_groups = (numel + sub_group_numel - 1) / sub_group_numel;
+  const auto resident =
+      static_cast<std::uint64_t>(fraction * static_cast<double>(sub_groups) + 0.5);
+  const std::uint64_t fp32 = AlignUp(sub_group_numel * sizeof(float), 4096);
+  const std::uint64_t per_sub_group =
+      format == StateFormat::kQ8
+          ? fp32 + AlignUp(swapper::Q8MomentsLayout::For(sub_group_numel).bytes, 4096)
+          : 3 * fp32;
+  return resident * per_sub_group;
+}
+
 Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags& flags,
-                               bool pipelined, StateFormat format) {
+                               bool pipelined, StateFormat format, const std::string& tier) {
   ZINF_ASSIGN_OR_RETURN(std::uint64_t state_bytes, ParseBytes(flags.state_bytes));
   ZINF_ASSIGN_OR_RETURN(std::uint64_t sub_group_numel, ParseBytes(flags.sub_group_size));
   ZINF_ASSIGN_OR_RETURN(storage::EngineKind kind, storage::ParseEngineKind(flags.engine));
   ZINF_ASSIGN_OR_RETURN(partition::PartitionPlan plan, FlatStatePlan(state_bytes, 1));
   const std::uint64_t numel = plan.layout().total_numel();
   swapper::SwapperOptions options;
-  options.store.paths = {flags.path};
+  options.store.paths = flags.paths;
+  ZINF_RETURN_IF_ERROR(SetPathWeights(flags.path_weights, options.store));
   options.store.job_id = fmt::format("bench-step-{}-{}-{}", getpid(), pipelined ? "pipe" : "sync",
                                      swapper::StateFormatName(format));
   options.state_format = format;
@@ -123,9 +182,25 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
   options.pipeline_read = pipelined;
   options.pipeline_write = pipelined;
   options.adam.threads = flags.threads;
+  options.pin_memory = flags.pin_memory;
   if (!flags.budget.empty()) {
     ZINF_ASSIGN_OR_RETURN(options.pinned_budget_bytes, ParseBytes(flags.budget));
   }
+  double host_fraction = 1.0;
+  if (tier == "cpu") {
+    options.all_resident = true;
+  } else {
+    const char* end = tier.data() + tier.size();
+    if (std::from_chars(tier.data(), end, host_fraction).ptr != end || !(host_fraction >= 0) ||
+        host_fraction > 1) {
+      return InvalidArgumentError(
+          fmt::format("--host-cache '{}': expected fractions in [0, 1] or cpu", tier));
+    }
+    options.host_cache_bytes = HostCacheBytes(host_fraction, numel, sub_group_numel, format);
+  }
+  // The previous mode's pool is freed by now: without the reset, a q8 run after an fp32 run
+  // (whose pool is a third larger) would report the fp32 run's peak as its own.
+  const bool peak_rss_of_mode = ResetPeakRss();
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<OptimizerSwapper> swapper,
                         swapper::CreateOptimizerSwapper(world, plan, options));
   const double init_start = MonotonicSeconds();
@@ -140,9 +215,13 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
   };
   const swapper::ParamSink sink = [](const partition::SubGroup&, std::span<const float>,
                                      std::span<const std::uint16_t>) { return OkStatus(); };
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<storage::IoEngine> engine,
-                        storage::CreateIoEngine(kind, options.aio, flags.path));
-  ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(swapper->pool().AllBuffers()));
+  // The engine alone moves what the step moves: nothing without swapped sub-groups.
+  const bool io_only = flags.io_only && swapper->StateIoBytesPerStep() > 0;
+  std::unique_ptr<storage::IoEngine> engine;
+  if (io_only) {
+    ZINF_ASSIGN_OR_RETURN(engine, storage::CreateIoEngine(kind, options.aio, flags.paths.front()));
+    ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(swapper->pool().AllBuffers()));
+  }
   std::int64_t step = 0;
   for (int w = 0; w < flags.warmup; ++w) ZINF_RETURN_IF_ERROR(swapper->Step(++step, source, sink));
   swapper->timers().Reset();
@@ -155,6 +234,7 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
     ZINF_RETURN_IF_ERROR(swapper->Step(++step, source, sink));
     step_seconds.push_back(MonotonicSeconds() - start);
     peak_rss = std::max(peak_rss, PeakRssBytes());  // before the I/O-only pass, same pool
+    if (!io_only) continue;
     ZINF_ASSIGN_OR_RETURN(auto io, IoOnly(*swapper, *engine));
     read_seconds.push_back(io.first);
     write_seconds.push_back(io.second);
@@ -188,10 +268,19 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
       {"initialize_seconds", init_seconds},
       {"adam_seconds_per_step", swapper->timers().Elapsed("optimizer_step") / flags.steps},
       {"peak_rss_bytes", peak_rss},
+      {"peak_rss_scope", peak_rss_of_mode ? "mode" : "process"},
       {"peak_rss_minus_pool_bytes", static_cast<std::int64_t>(peak_rss) -
                                         static_cast<std::int64_t>(swapper->pool().total_bytes())},
-      {"direct", swapper->store().direct()},
+      {"host_cache", tier},
+      {"host_cache_bytes", options.host_cache_bytes},
+      {"resident_sub_groups", swapper->num_resident()},
+      {"bytes_moved_per_step", 2 * io_bytes},
   };
+  if (swapper->has_store()) {
+    out["direct"] = swapper->store().direct();
+    out["paths"] = swapper->store().options().paths;
+    out["path_weights"] = swapper->store().stripe_map().weights();
+  }
   ZINF_RETURN_IF_ERROR(swapper->Close());
   return out;
 }
@@ -214,31 +303,34 @@ int RunStep(const StepFlags& flags) {
   for (int round = 1; round <= flags.rounds; ++round) {
     for (bool pipelined : modes) {
       for (StateFormat format : formats) {
-        Result<nlohmann::json> result = RunMode(session->world(), flags, pipelined, format);
-        if (!result) {
-          std::fprintf(stderr, "zinf-bench step (%s, %s): %s\n", pipelined ? "pipelined" : "sync",
-                       std::string(swapper::StateFormatName(format)).c_str(),
-                       result.error().ToString().c_str());
-          rc = 1;
-          continue;
+        for (const std::string& tier : flags.host_cache) {
+          Result<nlohmann::json> result = RunMode(session->world(), flags, pipelined, format, tier);
+          if (!result) {
+            std::fprintf(stderr, "zinf-bench step (%s, %s, host cache %s): %s\n",
+                         pipelined ? "pipelined" : "sync",
+                         std::string(swapper::StateFormatName(format)).c_str(), tier.c_str(),
+                         result.error().ToString().c_str());
+            rc = 1;
+            continue;
+          }
+          (*result)["round"] = round;
+          if (flags.json) {
+            std::printf("%s\n", result->dump().c_str());
+          } else {
+            std::printf(
+                "%s %s: %.3f s/step (I/O alone %.3f s: %.2fx), %s read + written per step (%.2f "
+                "bytes per element each way), peak RSS %s (pool %s)\n",
+                (*result)["mode"].get<std::string>().c_str(),
+                (*result)["state_format"].get<std::string>().c_str(),
+                (*result)["seconds_per_step"].get<double>(),
+                (*result)["io_only_seconds"].get<double>(), (*result)["step_over_io"].get<double>(),
+                FormatBytes((*result)["read_bytes"].get<std::uint64_t>()).c_str(),
+                (*result)["bytes_per_element"].get<double>(),
+                FormatBytes((*result)["peak_rss_bytes"].get<std::uint64_t>()).c_str(),
+                FormatBytes((*result)["pool_bytes"].get<std::uint64_t>()).c_str());
+          }
+          std::fflush(stdout);
         }
-        (*result)["round"] = round;
-        if (flags.json) {
-          std::printf("%s\n", result->dump().c_str());
-        } else {
-          std::printf(
-              "%s %s: %.3f s/step (I/O alone %.3f s: %.2fx), %s read + written per step (%.2f "
-              "bytes per element each way), peak RSS %s (pool %s)\n",
-              (*result)["mode"].get<std::string>().c_str(),
-              (*result)["state_format"].get<std::string>().c_str(),
-              (*result)["seconds_per_step"].get<double>(),
-              (*result)["io_only_seconds"].get<double>(), (*result)["step_over_io"].get<double>(),
-              FormatBytes((*result)["read_bytes"].get<std::uint64_t>()).c_str(),
-              (*result)["bytes_per_element"].get<double>(),
-              FormatBytes((*result)["peak_rss_bytes"].get<std::uint64_t>()).c_str(),
-              FormatBytes((*result)["pool_bytes"].get<std::uint64_t>()).c_str());
-        }
-        std::fflush(stdout);
       }
     }
   }
@@ -251,7 +343,19 @@ const bool kRegistered = RegisterBenchCommand(
     "step", "timed optimizer steps with the state on disk (sync and pipelined swapper)",
     [](CLI::App& app) -> RunFn {
       auto flags = std::make_shared<StepFlags>();
-      app.add_option("--path", flags->path, "swap directory (node-local NVMe)")->required();
+      app.add_option("--host-cache", flags->host_cache,
+                     "host memory tier: fractions of the sub-groups kept resident "
+                     "(zinf.host_cache_bytes), e.g. 0,0.25,0.5,0.75, run in turn; or cpu "
+                     "(offload_optimizer.device \"cpu\": all resident, no disk)")
+          ->delimiter(',')
+          ->capture_default_str();
+      app.add_option("--path", flags->paths,
+                     "swap directory (node-local NVMe), or several separated by commas (striped)")
+          ->delimiter(',')
+          ->required();
+      app.add_option("--path-weights", flags->path_weights,
+                     "zinf.nvme_path_weights: each path's relative bandwidth (\"1,3\"), or "
+                     "\"probe\" (measured at open); default: equal shares");
       app.add_option("--state-bytes", flags->state_bytes,
                      "the parameter count, as bytes of fp32 state (12 per element), e.g. 4G")
           ->capture_default_str();
@@ -267,7 +371,12 @@ const bool kRegistered = RegisterBenchCommand(
                      "elements per sub-group, e.g. 32M (binary multiples)")
           ->capture_default_str();
       app.add_option("--budget", flags->budget,
-                     "zinf.pinned_budget_bytes (default: 4 buffers sync, 12 pipelined; q8: 3, 9)");
+                     "zinf.pinned_budget_bytes (default: 4 buffers sync, 10 pipelined; q8: 3, 7)");
+      app.add_flag("!--no-io-only", flags->io_only,
+                   "skip the engine-alone pass after each timed step (it doubles the disk "
+                   "traffic: for comparisons with tools that do not run one)");
+      app.add_flag("--pin-memory", flags->pin_memory,
+                   "mlock the pool (offload_optimizer.pin_memory, as DeepSpeed's swappers do)");
       app.add_flag("--pipeline", flags->pipeline, "run the pipelined swapper");
       app.add_flag("--sync", flags->sync, "run the synchronous swapper (neither flag: both)");
       app.add_flag("--json", flags->json, "one JSON object per mode on stdout");
@@ -282,8 +391,7 @@ const bool kRegistered = RegisterBenchCommand(
           ->capture_default_str()
           ->check(CLI::IsMember({"uring", "posix", "auto"}));
       app.add_option("--block-size", flags->block_size, "aio.block_size")->capture_default_str();
-      app.add_option("--queue-depth", flags->queue_depth, "aio.queue_depth")
-          ->capture_default_str();
+      app.add_option("--queue-depth", flags->queue_depth, "aio.queue_depth")->capture_default_str();
       app.add_option("--intra-op-parallelism", flags->intra_op_parallelism,
                      "aio.intra_op_parallelism")
           ->capture_default_str();

@@ -13,6 +13,7 @@
 #include <charconv>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -21,6 +22,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "zinf/core/check.h"
 #include "zinf/core/log.h"
@@ -28,6 +30,7 @@
 #include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/checksum.h"
 #include "zinf/storage/fs.h"
+#include "zinf/storage/stripe_map.h"
 
 namespace zinf::storage {
 namespace {
@@ -36,17 +39,23 @@ constexpr const char* kDataFileName = "swap.bin";
 constexpr const char* kManifestName = "manifest";
 constexpr const char* kManifestTmpName = "manifest.tmp";
 constexpr const char* kKeptName = "kept";
+constexpr const char* kProbeName = "probe.tmp";
 // Every name a store creates in its rank directory: what ReclaimStale may remove.
 constexpr const char* kStoreFileNames[] = {kDataFileName, kManifestName, kManifestTmpName,
-                                           kKeptName};
+                                           kKeptName, kProbeName};
 constexpr std::uint64_t kMaxManifestBytes = 1 << 20;
 // How long Open waits for a reclaimer's LOCK_EX on a job directory, and how often it starts
 // over when a reclaimer removed the (empty) job directory under it.
 constexpr std::chrono::milliseconds kJobLockWait{30'000};
 constexpr std::chrono::milliseconds kJobLockPoll{10};
 constexpr int kJobDirAttempts = 8;
-constexpr const char* kManifestMagic = "zinf-swap-store 1";
+// Version 2 added the path_weights line; a version 1 manifest is a store of equal shares.
+constexpr const char* kManifestMagic = "zinf-swap-store 2";
+constexpr const char* kManifestMagicV1 = "zinf-swap-store 1";
 constexpr std::size_t kMaxJobIdLength = 200;
+// Probed paths whose bandwidths are all within this factor of each other get equal shares: a
+// short probe of equal drives differs by some percent from run to run.
+constexpr double kProbeEqualWithin = 1.15;
 constexpr std::size_t kMaxTensorNameLength = 1024;
 
 std::string JobDirName(const SwapStoreOptions& options) { return "zinf-" + options.job_id; }
@@ -95,6 +104,17 @@ Status ValidateTensorName(const std::string& name) {
   return OkStatus();
 }
 
+// The stripe map `options` ask for (equal shares when path_weights is empty).
+Result<StripeMap> MapOfOptions(const SwapStoreOptions& options) {
+  if (options.path_weights.empty()) return StripeMap::Equal(options.paths.size());
+  if (options.path_weights.size() != options.paths.size()) {
+    return InvalidArgumentError(
+        fmt::format("swap store: {} path weights for {} paths (one weight per path)",
+                    options.path_weights.size(), options.paths.size()));
+  }
+  return Annotate(StripeMap::FromWeights(options.path_weights), "swap store: ");
+}
+
 Status ValidateOptions(const SwapStoreOptions& options) {
   if (options.paths.empty()) {
     return InvalidArgumentError("swap store: no path configured (nvme_path is empty)");
@@ -116,6 +136,14 @@ Status ValidateOptions(const SwapStoreOptions& options) {
   if (options.stripe_unit_bytes == 0) {
     return InvalidArgumentError("swap store: stripe_unit_bytes is 0");
   }
+  if (options.probe_path_weights && !options.path_weights.empty()) {
+    return InvalidArgumentError(
+        "swap store: path_weights are given and probe_path_weights asks to measure them; set one");
+  }
+  if (options.probe_path_weights && options.probe_bytes == 0) {
+    return InvalidArgumentError("swap store: probe_bytes is 0");
+  }
+  ZINF_RETURN_IF_ERROR(MapOfOptions(options));
   return OkStatus();
 }
 
@@ -123,12 +151,10 @@ std::uint64_t UnitsFor(std::uint64_t size_bytes, std::uint64_t stripe_unit_bytes
   return size_bytes / stripe_unit_bytes + (size_bytes % stripe_unit_bytes != 0 ? 1 : 0);
 }
 
-// Bytes of the data file on path `index` of `num_paths` when `total_units` units are reserved.
-std::uint64_t FileBytes(std::size_t index, std::size_t num_paths, std::uint64_t total_units,
+// Bytes of the data file on path `index` when `total_units` units are reserved.
+std::uint64_t FileBytes(const StripeMap& map, std::size_t index, std::uint64_t total_units,
                         std::uint64_t stripe_unit_bytes) {
-  if (total_units <= index) return 0;
-  const std::uint64_t units = (total_units - index + num_paths - 1) / num_paths;
-  return units * stripe_unit_bytes;
+  return map.UnitsOnPath(index, total_units) * stripe_unit_bytes;
 }
 
 Result<std::uint64_t> SumUnits(std::span<const TensorSpec> specs, std::uint64_t stripe_unit_bytes,
@@ -375,11 +401,15 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
     store->closed_ = true;
     return std::move(status).error();
   }
-  ZINF_LOG_INFO("swap store {} ({} path(s)): {}, stripe unit {}, alignment {}{}{}",
+  ZINF_LOG_INFO("swap store {} ({} path(s)): {}, stripe unit {}, alignment {}{}{}{}",
                 store->paths_[0].rank_dir, store->paths_.size(),
                 store->direct() ? "O_DIRECT" : "buffered", FormatBytes(options.stripe_unit_bytes),
-                store->alignment_, store->resumed_ ? ", resumed" : "",
-                options.verify_swap ? ", verify_swap" : "");
+                store->alignment_,
+                store->paths_.size() > 1
+                    ? fmt::format(", path weights {} ({})", store->stripe_map_.WeightsText(),
+                                  store->weights_source_)
+                    : std::string(),
+                store->resumed_ ? ", resumed" : "", options.verify_swap ? ", verify_swap" : "");
   return store;
 }
 
@@ -552,8 +582,83 @@ Status SwapStore::OpenImpl() {
         options_.stripe_unit_bytes, alignment_));
   }
   ZINF_RETURN_IF_ERROR(MarkKept());
-  if (resumed_) return ReadManifest();
-  return WriteManifest();
+  ZINF_RETURN_IF_ERROR(resumed_ ? ReadManifest() : ChooseWeights());
+  options_.path_weights = stripe_map_.weights();
+  options_.probe_path_weights = false;
+  return resumed_ ? OkStatus() : WriteManifest();
+}
+
+Status SwapStore::ChooseWeights() {
+  if (!options_.probe_path_weights) {
+    ZINF_ASSIGN_OR_RETURN(stripe_map_, MapOfOptions(options_));
+    weights_source_ = options_.path_weights.empty() ? "equal shares" : "given";
+    return OkStatus();
+  }
+  ZINF_ASSIGN_OR_RETURN(std::vector<double> bandwidths, ProbeBandwidths());
+  const auto [slowest, fastest] = std::minmax_element(bandwidths.begin(), bandwidths.end());
+  if (*fastest <= *slowest * kProbeEqualWithin) {
+    stripe_map_ = StripeMap::Equal(paths_.size());  // the same speed, within the probe's noise
+  } else {
+    ZINF_ASSIGN_OR_RETURN(stripe_map_, Annotate(StripeMap::FromRatios(bandwidths),
+                                                "swap store: weights from the probe: "));
+  }
+  std::vector<std::string> measured;
+  for (double b : bandwidths) measured.push_back(FormatBytes(static_cast<std::uint64_t>(b)) + "/s");
+  weights_source_ = fmt::format("probed: {}", fmt::join(measured, ", "));
+  return OkStatus();
+}
+
+Result<std::vector<double>> SwapStore::ProbeBandwidths() const {
+  ZINF_ASSIGN_OR_RETURN(
+      std::unique_ptr<IoEngine> engine,
+      Annotate(CreateIoEngine(options_.probe_engine, options_.probe_aio, paths_[0].path),
+               "swap store: the engine of the bandwidth probe: "));
+  const std::uint64_t length = AlignUp(options_.probe_bytes, alignment_);
+  BufferOptions buffer_options;
+  buffer_options.alignment = std::bit_ceil(std::max<std::uint64_t>(alignment_, 4096));
+  buffer_options.register_cuda = false;
+  ZINF_ASSIGN_OR_RETURN(AlignedBuffer buffer, AlignedBuffer::Allocate(length, buffer_options));
+  std::vector<double> bandwidths;
+  for (const PathState& ps : paths_) {
+    const std::string context = fmt::format(
+        "swap store: probing the bandwidth of {} ({} written and read in {}): ", ps.path,
+        FormatBytes(length), ps.rank_dir);
+    const std::string file_path = ps.rank_dir + "/" + kProbeName;
+    // A killed probe's file is left under this name; the rank directory is ours (locked).
+    ZINF_RETURN_IF_ERROR(
+        Annotate(UnlinkIfPresent(ps.rank_fd.get(), kProbeName, 0, file_path), context));
+    OpenOptions open_options;
+    open_options.mode = OpenMode::kCreate;
+    open_options.direct = options_.direct;
+    open_options.no_follow = true;
+    open_options.permissions = 0600;
+    ZINF_ASSIGN_OR_RETURN(File file, Annotate(File::Open(file_path, open_options), context));
+    // Unlinked at once: the probe leaves nothing behind, however it ends.
+    ZINF_RETURN_IF_ERROR(
+        Annotate(UnlinkIfPresent(ps.rank_fd.get(), kProbeName, 0, file_path), context));
+    ZINF_RETURN_IF_ERROR(Annotate(file.Allocate(0, length), context));
+    // The best of two rounds of a write then a read: the first may pay for the extents'
+    // conversion from unwritten.
+    double best[2] = {0, 0};
+    for (int round = 0; round < 2; ++round) {
+      for (const IoOp op : {IoOp::kWrite, IoOp::kRead}) {
+        const auto start = std::chrono::steady_clock::now();
+        ZINF_RETURN_IF_ERROR(Annotate(
+            engine->Submit({.op = op, .file = &file, .offset_bytes = 0, .buffer = buffer.span()}),
+            context));
+        ZINF_RETURN_IF_ERROR(Annotate(engine->WaitAll(), context));
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        double& slot = best[op == IoOp::kWrite ? 0 : 1];
+        if (round == 0 || seconds < slot) slot = seconds;
+      }
+    }
+    ZINF_RETURN_IF_ERROR(Annotate(file.Close(), context));
+    // Reads and writes move the same bytes in a step: the path's rate for both together.
+    const double seconds = std::max(best[0] + best[1], 1e-9);
+    bandwidths.push_back(2.0 * static_cast<double>(length) / seconds);
+  }
+  return bandwidths;
 }
 
 Status SwapStore::MarkKept() {
@@ -578,9 +683,38 @@ Status SwapStore::MarkKept() {
   return OkStatus();
 }
 
+namespace {
+
+// The weights of a manifest's line "path_weights 1 3": one decimal integer per path.
+Result<StripeMap> ParseManifestWeights(const std::string& line, std::size_t num_paths) {
+  std::istringstream in(line);
+  std::string key;
+  if (!(in >> key) || key != "path_weights") {
+    return DataLossError(fmt::format("expected path_weights, got '{}'", line));
+  }
+  std::vector<std::uint32_t> weights;
+  for (std::string word; in >> word;) {
+    std::uint32_t w = 0;
+    const auto [end, ec] = std::from_chars(word.data(), word.data() + word.size(), w);
+    if (ec != std::errc() || end != word.data() + word.size()) {
+      return DataLossError(fmt::format("path weight '{}' is not an integer in [1, {}]", word,
+                                       std::numeric_limits<std::uint32_t>::max()));
+    }
+    weights.push_back(w);
+  }
+  if (weights.size() != num_paths) {
+    return DataLossError(fmt::format("{} path weights for {} paths", weights.size(), num_paths));
+  }
+  return StripeMap::FromWeights(weights);
+}
+
+}  // namespace
+
 Status SwapStore::WriteManifest() {
-  std::string text = fmt::format("{}\nstripe_unit_bytes {}\npaths {}\ntensors {}\n", kManifestMagic,
-                                 options_.stripe_unit_bytes, paths_.size(), tensors_.size());
+  std::string text =
+      fmt::format("{}\nstripe_unit_bytes {}\npaths {}\npath_weights {}\ntensors {}\n",
+                  kManifestMagic, options_.stripe_unit_bytes, paths_.size(),
+                  fmt::join(stripe_map_.weights(), " "), tensors_.size());
   for (const Tensor& t : tensors_) {
     text += fmt::format("tensor {} {}\n", t.extent.size_bytes, t.extent.name);
   }
@@ -615,18 +749,38 @@ Status SwapStore::ReadManifest() {
   };
   std::istringstream in(text);
   std::string line;
-  if (!std::getline(in, line) || line != kManifestMagic) return corrupt("bad first line");
+  if (!std::getline(in, line) || (line != kManifestMagic && line != kManifestMagicV1)) {
+    return corrupt("bad first line");
+  }
+  const bool has_weights = line == kManifestMagic;
   std::string key;
   std::uint64_t stripe_unit = 0, num_paths = 0, num_tensors = 0;
   if (!(in >> key >> stripe_unit) || key != "stripe_unit_bytes") return corrupt("stripe unit");
   if (!(in >> key >> num_paths) || key != "paths") return corrupt("path count");
-  if (!(in >> key >> num_tensors) || key != "tensors") return corrupt("tensor count");
   if (stripe_unit != options_.stripe_unit_bytes || num_paths != paths_.size()) {
     return FailedPreconditionError(fmt::format(
         "swap store: cannot resume {}: it was created with stripe_unit_bytes {} over {} path(s), "
         "now configured {} over {}",
         ps.rank_dir, stripe_unit, num_paths, options_.stripe_unit_bytes, paths_.size()));
   }
+  Result<StripeMap> map = StripeMap::Equal(paths_.size());
+  if (has_weights) {
+    std::getline(in, line);  // the end of the "paths" line
+    if (!std::getline(in, line)) return corrupt("no path_weights line");
+    map = ParseManifestWeights(line, paths_.size());
+    if (!map) return corrupt(map.error().message());
+  }
+  if (!(in >> key >> num_tensors) || key != "tensors") return corrupt("tensor count");
+  Result<StripeMap> asked = MapOfOptions(options_);  // validated by Open
+  if (options_.probe_path_weights || (asked && *asked != *map)) {
+    ZINF_LOG_INFO("swap store {}: resumed with the path weights {} it was created with ({})",
+                  ps.rank_dir, map->WeightsText(),
+                  options_.probe_path_weights     ? "not probed again"
+                  : options_.path_weights.empty() ? "no weights given"
+                                                  : fmt::format("{} given", asked->WeightsText()));
+  }
+  stripe_map_ = std::move(*map);
+  weights_source_ = "from the manifest";
   manifest_tensors_.clear();
   for (std::uint64_t i = 0; i < num_tensors; ++i) {
     TensorSpec spec;
@@ -641,12 +795,18 @@ Status SwapStore::ReadManifest() {
 Result<std::vector<PathSpace>> SwapStore::PlanSpace(const SwapStoreOptions& options,
                                                     std::span<const TensorSpec> specs) {
   ZINF_RETURN_IF_ERROR(ValidateOptions(options));
+  if (options.probe_path_weights) {
+    return InvalidArgumentError(
+        "swap store: PlanSpace with probe_path_weights: the weights are measured when the store "
+        "opens; plan the open store's layout with PlanSpace(store.options(), specs)");
+  }
+  ZINF_ASSIGN_OR_RETURN(const StripeMap map, MapOfOptions(options));
   ZINF_ASSIGN_OR_RETURN(std::uint64_t total_units, SumUnits(specs, options.stripe_unit_bytes, 0));
   std::vector<std::string> paths;
   std::vector<std::uint64_t> needed;
   for (std::size_t i = 0; i < options.paths.size(); ++i) {
     paths.push_back(StripTrailingSlashes(options.paths[i]));
-    needed.push_back(FileBytes(i, options.paths.size(), total_units, options.stripe_unit_bytes));
+    needed.push_back(FileBytes(map, i, total_units, options.stripe_unit_bytes));
   }
   return MeasureSpace(paths, needed);
 }
@@ -899,14 +1059,14 @@ Status SwapStore::Reserve(std::vector<TensorSpec> specs) {
   bool grow = false;
   for (std::size_t i = 0; i < paths_.size(); ++i) {
     ZINF_ASSIGN_OR_RETURN(std::uint64_t current, Annotate(paths_[i].file.Size(), "swap store: "));
-    const std::uint64_t resumed_bytes = FileBytes(i, paths_.size(), resumed_units, su);
+    const std::uint64_t resumed_bytes = FileBytes(stripe_map_, i, resumed_units, su);
     if (current < resumed_bytes) {
       return DataLossError(fmt::format(
           "swap store: cannot resume: {} holds {} bytes, the manifest's tensors need {} "
           "(truncated file)",
           paths_[i].file.path(), current, resumed_bytes));
     }
-    target.push_back(FileBytes(i, paths_.size(), new_total, su));
+    target.push_back(FileBytes(stripe_map_, i, new_total, su));
     needed.push_back(target.back() > current ? target.back() - current : 0);
     grow = grow || needed.back() > 0;
     paths.push_back(paths_[i].path);
@@ -976,7 +1136,6 @@ std::vector<SwapStore::Segment> SwapStore::MapRange(const Tensor& tensor,
                                                     std::uint64_t offset_bytes,
                                                     std::uint64_t io_length_bytes) const {
   const std::uint64_t su = options_.stripe_unit_bytes;
-  const std::uint64_t n = paths_.size();
   std::vector<Segment> segments;
   std::uint64_t pos = offset_bytes;
   const std::uint64_t end = offset_bytes + io_length_bytes;
@@ -984,9 +1143,8 @@ std::vector<SwapStore::Segment> SwapStore::MapRange(const Tensor& tensor,
     const std::uint64_t unit = pos / su;
     const std::uint64_t within = pos % su;
     const std::uint64_t length = std::min(su - within, end - pos);
-    const std::uint64_t g = tensor.extent.first_unit + unit;
-    segments.push_back(
-        Segment{static_cast<std::size_t>(g % n), (g / n) * su + within, pos, length});
+    const StripeMap::Location at = stripe_map_.Locate(tensor.extent.first_unit + unit);
+    segments.push_back(Segment{at.path, at.unit * su + within, pos, length});
     pos += length;
   }
   return segments;
@@ -1047,20 +1205,19 @@ Status SwapStore::VerifyChecksums(const Tensor& t, std::uint64_t offset_bytes,
                                   std::span<const std::byte> data) const {
   if (!options_.verify_swap || data.empty()) return OkStatus();
   const std::uint64_t su = options_.stripe_unit_bytes;
-  const std::uint64_t n = paths_.size();
   const std::uint64_t end = offset_bytes + data.size();
   std::lock_guard<std::mutex> lock(checksum_mutex_);
   for (std::uint64_t u = offset_bytes / su; u < t.extent.num_units && u * su < end; ++u) {
     const std::uint64_t unit_begin = u * su;
     const std::uint64_t unit_end = std::min(unit_begin + su, t.extent.size_bytes);
     if (unit_begin < offset_bytes || unit_end > end || !t.checksum_valid[u]) continue;
-    const std::uint64_t g = t.extent.first_unit + u;
+    const StripeMap::Location at = stripe_map_.Locate(t.extent.first_unit + u);
     ZINF_RETURN_IF_ERROR(VerifyChecksum(
         data.subspan(unit_begin - offset_bytes, unit_end - unit_begin), t.checksums[u],
         fmt::format("swap store tensor '{}' bytes [{}, {}) (stripe unit {} of {} at offset {}, "
                     "rank {})",
-                    t.extent.name, unit_begin, unit_end, u, paths_[g % n].file.path(), (g / n) * su,
-                    options_.world_rank)));
+                    t.extent.name, unit_begin, unit_end, u, paths_[at.path].file.path(),
+                    at.unit * su, options_.world_rank)));
   }
   return OkStatus();
 }

@@ -27,6 +27,12 @@ constexpr StateTensor kStateTensors[] = {StateTensor::kFp32, StateTensor::kExpAv
 
 std::span<const std::byte> ConstBytes(std::span<std::byte> b) { return {b.data(), b.size()}; }
 
+// pool.Allocate, where a count of 0 (everything goes to resident memory) is an empty lease.
+Result<PoolLease> AllocateUpTo(BufferPool& pool, std::uint64_t numel, std::size_t count) {
+  if (count == 0) return PoolLease();
+  return pool.Allocate(numel, count);
+}
+
 // Zeroes the elements of `sub_group` that no fragment covers (partition padding).
 void ZeroPadding(const partition::SubGroup& sub_group, std::span<float> values) {
   std::uint64_t next = 0;
@@ -43,8 +49,8 @@ void ZeroPadding(const partition::SubGroup& sub_group, std::span<float> values) 
 Status PreflightSpace(const comm::Communicator& comm, const storage::SwapStoreOptions& options,
                       std::span<const storage::TensorSpec> specs) {
   Result<std::vector<storage::PathSpace>> planned = storage::SwapStore::PlanSpace(options, specs);
-  ZINF_RETURN_IF_ERROR(comm.AgreeOnStatus(planned.has_value() ? OkStatus()
-                                                              : Status(planned.error())));
+  ZINF_RETURN_IF_ERROR(
+      comm.AgreeOnStatus(planned.has_value() ? OkStatus() : Status(planned.error())));
   ZINF_ASSIGN_OR_RETURN(comm::Communicator node, comm.SplitNode());
   std::vector<std::uint64_t> mine;
   for (const storage::PathSpace& space : *planned) {
@@ -129,27 +135,36 @@ Status ReclaimStaleStores(const comm::Communicator& comm,
 
 std::string_view StateTensorName(StateTensor which) {
   switch (which) {
-    case StateTensor::kFp32: return "fp32";
-    case StateTensor::kExpAvg: return "exp_avg";
-    case StateTensor::kExpAvgSq: return "exp_avg_sq";
+    case StateTensor::kFp32:
+      return "fp32";
+    case StateTensor::kExpAvg:
+      return "exp_avg";
+    case StateTensor::kExpAvgSq:
+      return "exp_avg_sq";
   }
   return "?";
 }
 
 std::string_view EngineRoleName(EngineRole role) {
   switch (role) {
-    case EngineRole::kRead: return "read";
-    case EngineRole::kWrite: return "write";
-    case EngineRole::kGradient: return "gradient";
+    case EngineRole::kRead:
+      return "read";
+    case EngineRole::kWrite:
+      return "write";
+    case EngineRole::kGradient:
+      return "gradient";
   }
   return "?";
 }
 
 std::string_view GradientAccumulationName(GradientAccumulation mode) {
   switch (mode) {
-    case GradientAccumulation::kAuto: return "auto";
-    case GradientAccumulation::kInMemory: return "in-memory";
-    case GradientAccumulation::kReadAddWrite: return "read-add-write";
+    case GradientAccumulation::kAuto:
+      return "auto";
+    case GradientAccumulation::kInMemory:
+      return "in-memory";
+    case GradientAccumulation::kReadAddWrite:
+      return "read-add-write";
   }
   return "?";
 }
@@ -208,9 +223,16 @@ OptimizerSwapper::OptimizerSwapper(std::string_view mode_name, Parts&& parts)
       adam_(std::move(*parts.adam)),
       mode_name_(mode_name) {
   const std::size_t n = infos_.size();
-  slot_of_.resize(n);
-  for (std::size_t i = 0; i < n; ++i) slot_of_[i] = i;
-  for (std::size_t s = parts.num_slots; s-- > n;) spare_slots_.push_back(s);
+  resident_ = std::move(parts.resident);
+  resident_.resize(n);
+  damaged_.assign(n, false);
+  // Slots are numbered over the swapped sub-groups; the rest of the slots are spare.
+  slot_of_.assign(n, 0);
+  std::size_t next_slot = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!resident(i)) slot_of_[i] = next_slot++;
+  }
+  for (std::size_t s = parts.num_slots; s-- > next_slot;) spare_slots_.push_back(s);
   last_step_.assign(n, 0);
 }
 
@@ -222,22 +244,41 @@ OptimizerSwapper::~OptimizerSwapper() {
   read_engine_.reset();
   if (store_) {
     Status closed = store_->Close();
-    if (!closed) ZINF_LOG_WARN("optimizer swapper: closing the swap store: {}",
-                               closed.error().ToString());
+    if (!closed)
+      ZINF_LOG_WARN("optimizer swapper: closing the swap store: {}", closed.error().ToString());
   }
 }
 
 Status OptimizerSwapper::Close() {
   if (gradient_swapper_) ZINF_RETURN_IF_ERROR(gradient_swapper_->Flush());
-  return store_->Close();
+  return store_ ? store_->Close() : OkStatus();
 }
 
 std::uint64_t OptimizerSwapper::StateIoBytesPerStep() const {
   std::uint64_t bytes = 0;
   for (std::size_t i = 0; i < infos_.size(); ++i) {
+    if (resident(i)) continue;
     for (std::size_t t = 0; t < num_slot_tensors(); ++t) bytes += SlotTensorIoBytes(i, t);
   }
   return bytes;
+}
+
+std::size_t OptimizerSwapper::num_resident() const {
+  std::size_t count = 0;
+  for (std::size_t i = 0; i < infos_.size(); ++i) count += resident(i) ? 1 : 0;
+  return count;
+}
+
+std::uint64_t OptimizerSwapper::resident_bytes() const {
+  std::uint64_t bytes = 0;
+  for (const auto& memory : resident_) {
+    for (const storage::AlignedBuffer& buffer : memory) bytes += buffer.size();
+  }
+  return bytes;
+}
+
+storage::SwapStore::IoCounters OptimizerSwapper::io_counters() const {
+  return store_ ? store_->io_counters() : storage::SwapStore::IoCounters{};
 }
 
 double OptimizerSwapper::StateIoBytesPerElement() const {
@@ -279,65 +320,133 @@ Status OptimizerSwapper::IoBatch::Wait(storage::IoEngine& engine) {
   return std::move(first).error().WithContext(fmt::format("{}: ", fmt::join(failed, ", ")));
 }
 
+Status OptimizerSwapper::IoBatch::WaitFor(storage::IoEngine& engine, Completions* seen) {
+  auto all_done = [&] {
+    return std::ranges::all_of(ids_, [&](std::uint64_t id) { return seen->ids.contains(id); });
+  };
+  std::vector<storage::IoCompletion> done;
+  auto wait = [&](std::size_t count) {
+    done.clear();
+    Status status = engine.Wait(count, &done);
+    for (const storage::IoCompletion& c : done) seen->ids.insert(c.id);
+    if (!status && !seen->failure) seen->failure = std::move(status).error();
+  };
+  while (!all_done() && !seen->failure && engine.pending() > 0) wait(1);
+  if (!all_done()) {
+    while (engine.pending() > 0) wait(engine.pending());
+  }
+  std::vector<std::string> failed;
+  for (std::size_t i = 0; i < ids_.size(); ++i) {
+    if (!seen->ids.contains(ids_[i]) &&
+        std::find(failed.begin(), failed.end(), labels_[i]) == failed.end()) {
+      failed.push_back(labels_[i]);
+    }
+  }
+  ids_.clear();
+  labels_.clear();
+  if (failed.empty()) return OkStatus();
+  const Error error =
+      seen->failure ? *seen->failure : InternalError("the I/O engine lost a request");
+  return error.WithContext(fmt::format("{}: ", fmt::join(failed, ", ")));
+}
+
 // ---- Shared machinery ----
 
-Status OptimizerSwapper::SubmitStateReads(std::size_t sub_group, const PoolLease& lease,
+std::span<float> OptimizerSwapper::StateBuffers::floats(std::size_t t) const {
+  return {reinterpret_cast<float*>(tensors[t].data()), tensors[t].size() / sizeof(float)};
+}
+
+OptimizerSwapper::StateBuffers OptimizerSwapper::LeaseBuffers(const PoolLease& lease) const {
+  StateBuffers buffers;
+  for (std::size_t t = 0; t < num_slot_tensors(); ++t) buffers.tensors[t] = lease.bytes(t);
+  return buffers;
+}
+
+OptimizerSwapper::StateBuffers OptimizerSwapper::ResidentBuffers(std::size_t sub_group) const {
+  StateBuffers buffers;
+  const std::vector<storage::AlignedBuffer>& memory = resident_[sub_group];
+  for (std::size_t t = 0; t < memory.size(); ++t) {
+    buffers.tensors[t] =
+        std::span<std::byte>(const_cast<std::byte*>(memory[t].data()), memory[t].size());
+  }
+  return buffers;
+}
+
+Status OptimizerSwapper::SubmitStateRead(std::size_t sub_group, std::size_t tensor,
+                                         std::span<std::byte> buffer, storage::IoEngine& engine,
+                                         IoBatch* batch) {
+  const std::string name = SlotTensorName(slot_of_[sub_group], tensor);
+  const std::uint64_t bytes = SlotTensorIoBytes(sub_group, tensor);
+  ZINF_ASSIGN_OR_RETURN(
+      std::vector<std::uint64_t> ids,
+      Annotate(store_->SubmitReadRange(name, 0, bytes, buffer.first(bytes), engine),
+               fmt::format("{}: ", name)));
+  batch->Add(ids, name);
+  return OkStatus();
+}
+
+Status OptimizerSwapper::SubmitStateReads(std::size_t sub_group, const StateBuffers& buffers,
                                           storage::IoEngine& engine, IoBatch* batch) {
-  const std::size_t slot = slot_of_[sub_group];
   for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
-    const std::string name = SlotTensorName(slot, t);
-    const std::uint64_t bytes = SlotTensorIoBytes(sub_group, t);
-    ZINF_ASSIGN_OR_RETURN(
-        std::vector<std::uint64_t> ids,
-        Annotate(store_->SubmitReadRange(name, 0, bytes, lease.bytes(t).first(bytes), engine),
-                 fmt::format("{}: ", name)));
-    batch->Add(ids, name);
+    ZINF_RETURN_IF_ERROR(SubmitStateRead(sub_group, t, buffers.tensors[t], engine, batch));
   }
   return OkStatus();
 }
 
-Status OptimizerSwapper::VerifyStateReads(std::size_t sub_group, const PoolLease& lease) const {
+Status OptimizerSwapper::VerifyStateReads(std::size_t sub_group,
+                                          const StateBuffers& buffers) const {
   if (!options_.store.verify_swap) return OkStatus();
   for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
     const std::string name = SlotTensorName(slot_of_[sub_group], t);
-    ZINF_RETURN_IF_ERROR(Annotate(
-        store_->VerifyRead(name, ConstBytes(lease.bytes(t).first(SlotTensorIoBytes(sub_group, t)))),
-        fmt::format("{}: ", name)));
+    ZINF_RETURN_IF_ERROR(Annotate(store_->VerifyRead(name, ConstBytes(buffers.tensors[t].first(
+                                                               SlotTensorIoBytes(sub_group, t)))),
+                                  fmt::format("{}: ", name)));
   }
   return OkStatus();
 }
 
 Result<std::size_t> OptimizerSwapper::SubmitStateWrites(std::size_t sub_group,
-                                                        const PoolLease& lease,
-                                                        storage::IoEngine& engine, IoBatch* batch,
-                                                        std::span<const std::size_t> buffers) {
+                                                        const StateBuffers& buffers,
+                                                        storage::IoEngine& engine,
+                                                        std::span<IoBatch> batches,
+                                                        std::span<const std::size_t> order) {
   ZINF_CHECK(!spare_slots_.empty(), "no spare slot for sub-group {}", sub_group);
-  ZINF_CHECK(buffers.empty() || buffers.size() == num_slot_tensors(), "{} buffers for {} tensors",
-             buffers.size(), num_slot_tensors());
+  ZINF_CHECK(order.empty() || order.size() == num_slot_tensors(), "{} tensors ordered of {}",
+             order.size(), num_slot_tensors());
   const std::size_t slot = spare_slots_.back();
   spare_slots_.pop_back();
-  for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
+  for (std::size_t k = 0; k < num_slot_tensors(); ++k) {
+    const std::size_t t = order.empty() ? k : order[k];
     const std::string name = SlotTensorName(slot, t);
     const std::uint64_t bytes = SlotTensorIoBytes(sub_group, t);
-    const std::size_t buffer = buffers.empty() ? t : buffers[t];
     Result<std::vector<std::uint64_t>> ids = store_->SubmitWriteRange(
-        name, 0, bytes, ConstBytes(lease.bytes(buffer).first(bytes)), engine);
+        name, 0, bytes, ConstBytes(buffers.tensors[t].first(bytes)), engine);
     if (!ids) {
-      // The caller drains `batch`; the slot is spare again whatever happened to the others.
+      // The caller drains the batches; the slot is spare again whatever happened to the others.
       Abandon(slot);
       return std::move(ids).error().WithContext(fmt::format("{}: ", name));
     }
-    batch->Add(*ids, name);
+    batches[batches.size() == 1 ? 0 : t].Add(*ids, name);
   }
   return slot;
 }
 
 Status OptimizerSwapper::WriteAndCommit(std::size_t sub_group, std::int64_t step,
-                                        const PoolLease& lease,
-                                        std::span<const std::size_t> buffers,
-                                        const std::string& context) {
+                                        const StateBuffers& buffers, const std::string& context) {
+  if (resident(sub_group)) {
+    const StateBuffers memory = ResidentBuffers(sub_group);
+    for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
+      if (buffers.tensors[t].data() != memory.tensors[t].data()) {
+        std::memcpy(memory.tensors[t].data(), buffers.tensors[t].data(),
+                    SlotTensorIoBytes(sub_group, t));
+      }
+    }
+    last_step_[sub_group] = step;
+    return OkStatus();
+  }
   IoBatch batch;
-  Result<std::size_t> slot = SubmitStateWrites(sub_group, lease, write_engine(), &batch, buffers);
+  Result<std::size_t> slot =
+      SubmitStateWrites(sub_group, buffers, write_engine(), std::span<IoBatch>(&batch, 1));
   Status written = batch.Wait(write_engine());
   if (!slot) return std::move(slot).error().WithContext(context);
   if (!written) {
@@ -356,48 +465,101 @@ void OptimizerSwapper::Commit(std::size_t sub_group, std::size_t slot, std::int6
 
 void OptimizerSwapper::Abandon(std::size_t slot) { spare_slots_.push_back(slot); }
 
-Status OptimizerSwapper::Compute(std::int64_t step, std::size_t sub_group, const PoolLease& lease,
+Status OptimizerSwapper::FillGradient(std::size_t sub_group, const GradientSource& source,
+                                      std::span<float> grad) {
+  comm::ScopedTimer gradient(timers_, "swap_in_gradient");
+  grad = grad.first(infos_[sub_group].sub_group.numel);
+  if (!source) {
+    std::fill(grad.begin(), grad.end(), 0.0f);
+    return OkStatus();
+  }
+  return Annotate(source(infos_[sub_group].sub_group, grad), "gradient: ");
+}
+
+Status OptimizerSwapper::Compute(std::int64_t step, std::size_t sub_group,
+                                 const StateBuffers& buffers, std::span<const float> grad,
                                  const StepOptions& options) {
   comm::ScopedTimer timer(timers_, "optimizer_step");
   const std::size_t numel = infos_[sub_group].sub_group.numel;
-  std::span<float> grad = lease.floats(gradient_buffer()).first(numel);
+  grad = grad.first(numel);
   const StepExtras extras{
       .grad_scale = options.grad_scale, .lr = options.lr, .betas = options.betas};
   const std::int64_t adam_step = options.adam_step > 0 ? options.adam_step : step;
   if (options_.state_format == StateFormat::kQ8) {
-    const Q8Moments moments = ViewQ8Moments(lease.bytes(1), Q8MomentsLayout::For(numel));
-    ZINF_RETURN_IF_ERROR(Annotate(adam_.StepQ8(adam_step, lease.floats(0).first(numel), grad,
-                                               moments.exp_avg, moments.exp_avg_sq, extras),
-                                  "adam (q8): "));
-  } else {
-    ZINF_RETURN_IF_ERROR(
-        Annotate(adam_.Step(adam_step, lease.floats(0).first(numel), grad,
-                            lease.floats(1).first(numel), lease.floats(2).first(numel), extras),
-                 "adam: "));
+    const Q8Moments moments = ViewQ8Moments(buffers.tensors[1], Q8MomentsLayout::For(numel));
+    return Annotate(adam_.StepQ8(adam_step, buffers.floats(0).first(numel), grad, moments.exp_avg,
+                                 moments.exp_avg_sq, extras),
+                    "adam (q8): ");
   }
+  return Annotate(
+      adam_.Step(adam_step, buffers.floats(0).first(numel), grad, buffers.floats(1).first(numel),
+                 buffers.floats(2).first(numel), extras),
+      "adam: ");
+}
+
+Status OptimizerSwapper::Sink(std::size_t sub_group, std::span<const float> fp32,
+                              std::span<std::byte> scratch, const ParamSink& sink) {
+  if (!sink) return OkStatus();
+  const SubGroupSwapInfo& info = infos_[sub_group];
+  const std::size_t numel = info.sub_group.numel;
+  fp32 = fp32.first(numel);
+  std::span<const std::uint16_t> bf16;
   if (options_.bf16_params) {
-    // The gradient is consumed: its buffer takes the bf16 weights for the sink.
-    auto* bf16 = reinterpret_cast<std::uint16_t*>(grad.data());
-    const float* fp32 = lease.floats(0).data();
+    ZINF_CHECK(scratch.size() >= numel * sizeof(std::uint16_t), "bf16 scratch of {} bytes",
+               scratch.size());
+    auto* out = reinterpret_cast<std::uint16_t*>(scratch.data());
     for (std::size_t i = 0; i < numel; ++i) {
       std::uint32_t bits;
       std::memcpy(&bits, &fp32[i], sizeof(bits));
-      bf16[i] = FloatBitsToBf16(bits);
+      out[i] = FloatBitsToBf16(bits);
     }
+    bf16 = {out, numel};
+  }
+  return Annotate(sink(info.sub_group, fp32, bf16), "param sink: ");
+}
+
+Status OptimizerSwapper::StepResident(std::int64_t step, const GradientSource& source,
+                                      const ParamSink& sink, const StepOptions& options,
+                                      std::span<float> grad, const StateBuffers& work) {
+  for (std::size_t i = 0; i < infos_.size(); ++i) {
+    if (!resident(i) || last_step_[i] >= step) continue;
+    const std::string context = StepContext(step, i);
+    ZINF_RETURN_IF_ERROR(Annotate(CheckNotDamaged(i), context));
+    ZINF_RETURN_IF_ERROR(Annotate(FillGradient(i, source, grad), context));
+    const StateBuffers memory = ResidentBuffers(i);
+    if (options_.state_format == StateFormat::kQ8) {
+      // The q8 encoder can refuse a non-finite moment after part of the state changed: step a
+      // copy, so that a refused step leaves the committed state as it was.
+      for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
+        std::memcpy(work.tensors[t].data(), memory.tensors[t].data(), SlotTensorIoBytes(i, t));
+      }
+      ZINF_RETURN_IF_ERROR(Annotate(Compute(step, i, work, grad, options), context));
+      ZINF_RETURN_IF_ERROR(WriteAndCommit(i, step, work, context));
+    } else {
+      // Adam on fp32 checks its arguments before it changes anything: in place is all or nothing.
+      ZINF_RETURN_IF_ERROR(Annotate(Compute(step, i, memory, grad, options), context));
+      last_step_[i] = step;
+    }
+    ZINF_RETURN_IF_ERROR(
+        Annotate(Sink(i, memory.floats(0), std::as_writable_bytes(grad), sink), context));
   }
   return OkStatus();
 }
 
-Status OptimizerSwapper::Sink(std::size_t sub_group, const PoolLease& lease,
-                              const ParamSink& sink) {
-  if (!sink) return OkStatus();
-  const SubGroupSwapInfo& info = infos_[sub_group];
-  const std::size_t numel = info.sub_group.numel;
-  std::span<const std::uint16_t> bf16;
-  if (options_.bf16_params) {
-    bf16 = {reinterpret_cast<const std::uint16_t*>(lease.floats(gradient_buffer()).data()), numel};
+Status OptimizerSwapper::CheckNotDamaged(std::size_t sub_group) const {
+  if (!damaged_[sub_group]) return OkStatus();
+  return FailedPreconditionError(fmt::format(
+      "sub-group {} (resident in host memory) lost its state when writing it failed; write it "
+      "again (restore a checkpoint)",
+      sub_group));
+}
+
+std::vector<std::size_t> OptimizerSwapper::SwappedTodo(std::int64_t step) const {
+  std::vector<std::size_t> todo;
+  for (std::size_t i = 0; i < infos_.size(); ++i) {
+    if (!resident(i) && last_step_[i] < step) todo.push_back(i);
   }
-  return Annotate(sink(info.sub_group, lease.floats(0).first(numel), bf16), "param sink: ");
+  return todo;
 }
 
 Status OptimizerSwapper::FlushGradientsCollective(std::int64_t step) {
@@ -439,15 +601,17 @@ Status OptimizerSwapper::LogTimers(std::string_view title) {
 Status OptimizerSwapper::Initialize(const InitialWeights& initial_fp32) {
   auto local = [&]() -> Status {
     if (gradient_swapper_) ZINF_RETURN_IF_ERROR(gradient_swapper_->Flush());
-    ZINF_ASSIGN_OR_RETURN(PoolLease lease,
-                          pool_->Allocate(sub_groups_.max_sub_group_numel(), 2));
+    // Two buffers stage a swapped sub-group's state; resident ones are written in place.
+    ZINF_ASSIGN_OR_RETURN(PoolLease lease, AllocateUpTo(*pool_, sub_groups_.max_sub_group_numel(),
+                                                        num_resident() == infos_.size() ? 0 : 2));
     // Buffer 1 holds the zero state of the moments: fp32 zeros, or q8 codes of zero with scale 0
     // (re-laid out per sub-group size).
-    std::span<float> zeros = lease.floats(1);
-    std::fill(zeros.begin(), zeros.end(), 0.0f);
+    if (!lease.empty()) std::ranges::fill(lease.floats(1), 0.0f);
     for (std::size_t i = 0; i < infos_.size(); ++i) {
       const SubGroupSwapInfo& info = infos_[i];
-      std::span<float> fp32 = lease.floats(0);
+      // A resident sub-group is written in place: a failure here fails the whole Initialize.
+      const StateBuffers memory = resident(i) ? ResidentBuffers(i) : StateBuffers{};
+      std::span<float> fp32 = resident(i) ? memory.floats(0) : lease.floats(0);
       std::fill(fp32.begin(), fp32.begin() + static_cast<std::ptrdiff_t>(info.io_size_bytes / 4),
                 0.0f);
       std::span<float> values = fp32.first(info.sub_group.numel);
@@ -456,11 +620,18 @@ Status OptimizerSwapper::Initialize(const InitialWeights& initial_fp32) {
                                       fmt::format("sub-group {}: initial weights: ", i)));
       }
       ZeroPadding(info.sub_group, values);
-      std::vector<std::size_t> buffers(num_slot_tensors(), 1);
-      buffers[0] = 0;
+      StateBuffers buffers = memory;
+      if (!resident(i)) {
+        buffers.tensors.fill(lease.bytes(1));
+        buffers.tensors[0] = lease.bytes(0);
+      } else {
+        for (std::size_t t = 1; t < num_slot_tensors(); ++t) {
+          std::ranges::fill(buffers.tensors[t], std::byte{0});
+        }
+      }
       if (options_.state_format == StateFormat::kQ8) {
         // Only the bytes this sub-group's moments write: the codes of zero, scales 0.
-        std::span<std::byte> moments_bytes = lease.bytes(1).first(info.moments_io_bytes);
+        std::span<std::byte> moments_bytes = buffers.tensors[1].first(info.moments_io_bytes);
         std::ranges::fill(moments_bytes, std::byte{0});
         const Q8Moments moments =
             ViewQ8Moments(moments_bytes, Q8MomentsLayout::For(info.sub_group.numel));
@@ -468,7 +639,8 @@ Status OptimizerSwapper::Initialize(const InitialWeights& initial_fp32) {
         std::ranges::fill(moments.exp_avg_sq.codes, q8::ZeroCode(q8::MapKind::kUnsigned));
       }
       ZINF_RETURN_IF_ERROR(
-          WriteAndCommit(i, 0, lease, buffers, fmt::format("sub-group {}: initialize: ", i)));
+          WriteAndCommit(i, 0, buffers, fmt::format("sub-group {}: initialize: ", i)));
+      damaged_[i] = false;
     }
     return OkStatus();
   };
@@ -483,11 +655,12 @@ Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
   }
   const SubGroupSwapInfo& info = infos_[sub_group];
   if (offset_elems > info.sub_group.numel || out.size() > info.sub_group.numel - offset_elems) {
-    return InvalidArgumentError(fmt::format(
-        "ReadState: elements [{}, {}) outside sub-group {} of {} elements", offset_elems,
-        offset_elems + out.size(), sub_group, info.sub_group.numel));
+    return InvalidArgumentError(
+        fmt::format("ReadState: elements [{}, {}) outside sub-group {} of {} elements",
+                    offset_elems, offset_elems + out.size(), sub_group, info.sub_group.numel));
   }
   if (out.empty()) return OkStatus();
+  ZINF_RETURN_IF_ERROR(Annotate(CheckNotDamaged(sub_group), "ReadState: "));
   if (options_.state_format == StateFormat::kQ8 && which != StateTensor::kFp32) {
     return ReadQ8Moments(sub_group, [&](const Q8Moments& moments) -> Status {
       const bool signed_map = which == StateTensor::kExpAvg;
@@ -505,11 +678,17 @@ Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
       return OkStatus();
     });
   }
+  if (resident(sub_group)) {
+    const std::span<float> values =
+        ResidentBuffers(sub_group).floats(static_cast<std::size_t>(which));
+    std::copy_n(values.begin() + static_cast<std::ptrdiff_t>(offset_elems), out.size(),
+                out.begin());
+    return OkStatus();
+  }
   const std::uint64_t alignment = std::max<std::uint64_t>(store_->alignment(), 1);
   const std::uint64_t begin = AlignDown(offset_elems * sizeof(float), alignment);
   const std::uint64_t end =
-      std::min(AlignUp((offset_elems + out.size()) * sizeof(float), alignment),
-               info.io_size_bytes);
+      std::min(AlignUp((offset_elems + out.size()) * sizeof(float), alignment), info.io_size_bytes);
   ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(1, 1));
   std::span<std::byte> buffer = lease.bytes(0).first(end - begin);
   ZINF_RETURN_IF_ERROR(
@@ -542,6 +721,11 @@ Status OptimizerSwapper::ReadQ8Moments(std::size_t sub_group,
         fmt::format("ReadQ8Moments: sub-group {} of {}", sub_group, infos_.size()));
   }
   const SubGroupSwapInfo& info = infos_[sub_group];
+  if (resident(sub_group)) {
+    ZINF_RETURN_IF_ERROR(Annotate(CheckNotDamaged(sub_group), "ReadQ8Moments: "));
+    return use(ViewQ8Moments(ResidentBuffers(sub_group).tensors[1],
+                             Q8MomentsLayout::For(info.sub_group.numel)));
+  }
   ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(1, 1));
   std::span<std::byte> buffer = lease.bytes(0).first(info.moments_io_bytes);
   ZINF_RETURN_IF_ERROR(ReadSlotTensor(SlotTensorName(slot_of_[sub_group], 1), 0, buffer,
@@ -559,20 +743,29 @@ Status OptimizerSwapper::WriteState(
   const SubGroupSwapInfo& info = infos_[sub_group];
   const std::size_t numel = info.sub_group.numel;
   const std::string context = fmt::format("write state of sub-group {}: ", sub_group);
-  ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(numel, 3));
+  // A resident sub-group is filled in place (its q8 moments through one staging buffer): no
+  // second copy of the state. A failure then leaves it damaged until a WriteState succeeds.
+  const bool in_place = resident(sub_group);
+  const std::size_t staging_buffers = options_.state_format == StateFormat::kQ8 ? 1 : 0;
+  ZINF_ASSIGN_OR_RETURN(PoolLease lease,
+                        AllocateUpTo(*pool_, numel, in_place ? staging_buffers : 3));
+  StateBuffers buffers = in_place ? ResidentBuffers(sub_group) : LeaseBuffers(lease);
+  if (options_.state_format == StateFormat::kQ8 && !in_place) buffers.tensors[1] = lease.bytes(2);
+  if (in_place) damaged_[sub_group] = true;
   auto fill_one = [&](StateTensor which, std::span<float> values) -> Status {
     std::fill(values.begin(), values.end(), 0.0f);
     return Annotate(fill(which, values.first(numel)),
                     context + std::string(StateTensorName(which)) + ": ");
   };
   if (options_.state_format == StateFormat::kQ8) {
-    // Buffer 0: fp32; buffer 1: one fp32 moment at a time, quantized into buffer 2.
-    std::span<float> fp32 = lease.floats(0).first(info.io_size_bytes / 4);
+    // fp32 and the moments in `buffers`; one fp32 moment at a time is staged in lease buffer
+    // in_place ? 0 : 1 and quantized into the moments.
+    std::span<float> fp32 = buffers.floats(0).first(info.io_size_bytes / 4);
     ZINF_RETURN_IF_ERROR(fill_one(StateTensor::kFp32, fp32));
-    std::span<std::byte> moments_bytes = lease.bytes(2).first(info.moments_io_bytes);
+    std::span<std::byte> moments_bytes = buffers.tensors[1].first(info.moments_io_bytes);
     std::ranges::fill(moments_bytes, std::byte{0});
     const Q8Moments moments = ViewQ8Moments(moments_bytes, Q8MomentsLayout::For(numel));
-    std::span<float> staging = lease.floats(1).first(numel);
+    std::span<float> staging = lease.floats(in_place ? 0 : 1).first(numel);
     for (StateTensor which : {StateTensor::kExpAvg, StateTensor::kExpAvgSq}) {
       ZINF_RETURN_IF_ERROR(fill_one(which, staging));
       const bool signed_map = which == StateTensor::kExpAvg;
@@ -582,14 +775,15 @@ Status OptimizerSwapper::WriteState(
                                 m.codes, m.scales),
                    context + std::string(StateTensorName(which)) + ": "));
     }
-    const std::size_t buffers[] = {0, 2};
-    return WriteAndCommit(sub_group, step, lease, buffers, context);
+  } else {
+    for (StateTensor which : kStateTensors) {
+      const auto t = static_cast<std::size_t>(which);
+      ZINF_RETURN_IF_ERROR(fill_one(which, buffers.floats(t).first(info.io_size_bytes / 4)));
+    }
   }
-  for (StateTensor which : kStateTensors) {
-    const auto t = static_cast<std::size_t>(which);
-    ZINF_RETURN_IF_ERROR(fill_one(which, lease.floats(t).first(info.io_size_bytes / 4)));
-  }
-  return WriteAndCommit(sub_group, step, lease, {}, context);
+  ZINF_RETURN_IF_ERROR(WriteAndCommit(sub_group, step, buffers, context));
+  damaged_[sub_group] = false;
+  return OkStatus();
 }
 
 Status OptimizerSwapper::WriteQ8State(std::size_t sub_group, std::int64_t step,
@@ -604,16 +798,22 @@ Status OptimizerSwapper::WriteQ8State(std::size_t sub_group, std::int64_t step,
   }
   const SubGroupSwapInfo& info = infos_[sub_group];
   const std::string context = fmt::format("write q8 state of sub-group {}: ", sub_group);
-  ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(info.sub_group.numel, 2));
-  std::span<float> fp32 = lease.floats(0).first(info.io_size_bytes / 4);
+  const bool in_place = resident(sub_group);  // as in WriteState
+  ZINF_ASSIGN_OR_RETURN(PoolLease lease,
+                        AllocateUpTo(*pool_, info.sub_group.numel, in_place ? 0 : 2));
+  const StateBuffers buffers = in_place ? ResidentBuffers(sub_group) : LeaseBuffers(lease);
+  if (in_place) damaged_[sub_group] = true;
+  std::span<float> fp32 = buffers.floats(0).first(info.io_size_bytes / 4);
   std::ranges::fill(fp32, 0.0f);
   ZINF_RETURN_IF_ERROR(Annotate(fill_fp32(fp32.first(info.sub_group.numel)), context + "fp32: "));
-  std::span<std::byte> moments_bytes = lease.bytes(1).first(info.moments_io_bytes);
+  std::span<std::byte> moments_bytes = buffers.tensors[1].first(info.moments_io_bytes);
   std::ranges::fill(moments_bytes, std::byte{0});
   ZINF_RETURN_IF_ERROR(Annotate(
       fill_moments(ViewQ8Moments(moments_bytes, Q8MomentsLayout::For(info.sub_group.numel))),
       context + "moments: "));
-  return WriteAndCommit(sub_group, step, lease, {}, context);
+  ZINF_RETURN_IF_ERROR(WriteAndCommit(sub_group, step, buffers, context));
+  damaged_[sub_group] = false;
+  return OkStatus();
 }
 
 // ---- Create ----
@@ -629,7 +829,7 @@ Status CheckOptions(const partition::PartitionPlan& plan, const comm::Communicat
                     "communicator has {}",
                     plan.world_size(), comm.size()));
   }
-  if (options.store.paths.empty()) {
+  if (options.store.paths.empty() && !options.all_resident) {
     return InvalidArgumentError("optimizer swapper: no nvme_path given");
   }
   if (options.gradient_accumulation_steps < 1) {
@@ -637,6 +837,86 @@ Status CheckOptions(const partition::PartitionPlan& plan, const comm::Communicat
                                             options.gradient_accumulation_steps));
   }
   return OkStatus();
+}
+
+// Host memory the state of a resident sub-group takes.
+std::uint64_t ResidentBytes(const SubGroupSwapInfo& info, StateFormat format) {
+  return format == StateFormat::kQ8 ? info.io_size_bytes + info.moments_io_bytes
+                                    : kNumStateTensors * info.io_size_bytes;
+}
+
+// MemAvailable of /proc/meminfo in bytes, or nullopt when it cannot be read.
+std::optional<std::uint64_t> AvailableHostMemory() {
+  std::FILE* file = std::fopen("/proc/meminfo", "re");
+  if (file == nullptr) return std::nullopt;
+  char line[256];
+  std::optional<std::uint64_t> bytes;
+  for (int lines = 0; lines < 256 && std::fgets(line, sizeof(line), file) != nullptr; ++lines) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1 && kib < (1ull << 50)) {
+      bytes = static_cast<std::uint64_t>(kib) * 1024;
+      break;
+    }
+  }
+  std::fclose(file);
+  return bytes;
+}
+
+// Refuses host memory for the resident state (`what`) beyond what this node has available,
+// counting every rank of the node, which all keep as much.
+Status CheckHostMemory(const comm::Communicator& comm, std::uint64_t bytes_per_rank,
+                       const std::string& what) {
+  const std::optional<std::uint64_t> available = AvailableHostMemory();
+  if (!available || bytes_per_rank == 0) return OkStatus();
+  const auto ranks = static_cast<std::uint64_t>(std::max(comm.topology().local_size, 1));
+  std::uint64_t total = 0;
+  if (!CheckedMul(bytes_per_rank, ranks, &total) || total > *available) {
+    return ResourceExhaustedError(fmt::format(
+        "{} asks for {} ({} bytes) of host memory per rank, {} for the {} ranks of host {}; it "
+        "has {} ({} bytes) available (MemAvailable)",
+        what, FormatBytes(bytes_per_rank), bytes_per_rank,
+        total >= bytes_per_rank ? FormatBytes(total) : std::string("more than 16 EiB"), ranks,
+        comm.topology().hostname, FormatBytes(*available), *available));
+  }
+  return OkStatus();
+}
+
+// The resident sub-groups' memory (empty for swapped ones): every sub-group with all_resident,
+// else the first ones whose state fits host_cache_bytes together.
+Result<std::vector<std::vector<storage::AlignedBuffer>>> AllocateResident(
+    const comm::Communicator& comm, const SwapperOptions& options,
+    const std::vector<SubGroupSwapInfo>& infos, std::uint64_t alignment) {
+  const StateFormat format = options.state_format;
+  std::vector<std::size_t> chosen;
+  std::uint64_t bytes = 0;
+  for (std::size_t i = 0; i < infos.size(); ++i) {
+    const std::uint64_t need = ResidentBytes(infos[i], format);
+    if (!options.all_resident && need > options.host_cache_bytes - bytes) break;
+    chosen.push_back(i);
+    bytes += need;
+  }
+  if (options.all_resident) {
+    ZINF_RETURN_IF_ERROR(CheckHostMemory(
+        comm, bytes, "offload_optimizer.device \"cpu\" (the whole optimizer state in memory)"));
+  } else {
+    ZINF_RETURN_IF_ERROR(CheckHostMemory(comm, options.host_cache_bytes, "zinf.host_cache_bytes"));
+  }
+  std::vector<std::vector<storage::AlignedBuffer>> resident(infos.size());
+  storage::BufferOptions buffer_options;
+  buffer_options.alignment = std::max<std::uint64_t>(alignment, 64);
+  buffer_options.register_cuda = false;
+  for (std::size_t i : chosen) {
+    const std::size_t tensors = format == StateFormat::kQ8 ? 2 : kNumStateTensors;
+    for (std::size_t t = 0; t < tensors; ++t) {
+      const std::uint64_t size =
+          format == StateFormat::kQ8 && t == 1 ? infos[i].moments_io_bytes : infos[i].io_size_bytes;
+      ZINF_ASSIGN_OR_RETURN(storage::AlignedBuffer buffer,
+                            Annotate(storage::AlignedBuffer::Allocate(size, buffer_options),
+                                     fmt::format("resident sub-group {}: ", i)));
+      resident[i].push_back(std::move(buffer));
+    }
+  }
+  return resident;
 }
 
 // Sizes the pool for the mode (at least `min_buffers` buffers of the largest sub-group) and
@@ -651,7 +931,9 @@ Result<std::unique_ptr<BufferPool>> CreatePool(const SwapperOptions& options,
   const std::uint64_t pipeline_buffers =
       PipelinedOptimizerSwapper::MinBuffers(options.state_format);
   std::uint64_t count = 0;
-  if (options.pinned_budget_bytes > 0) {
+  if (options.all_resident) {
+    count = min_buffers;  // no swapping: the gradient (and q8's work copy) only
+  } else if (options.pinned_budget_bytes > 0) {
     count = options.pinned_budget_bytes / buffer_bytes;
   } else {
     count = options.buffer_count > 0 ? options.buffer_count
@@ -669,19 +951,20 @@ Result<std::unique_ptr<BufferPool>> CreatePool(const SwapperOptions& options,
         StateFormatName(options.state_format), min_buffers, pipeline_buffers,
         min_buffers * buffer_bytes, FormatBytes(min_buffers * buffer_bytes)));
   }
-  *pipelined = want_pipeline && count >= pipeline_buffers;
-  if (want_pipeline && !*pipelined) {
+  *pipelined = want_pipeline && count >= pipeline_buffers && !options.all_resident;
+  if (want_pipeline && !*pipelined && !options.all_resident) {
     ZINF_LOG_WARN(
         "optimizer swapper: pipeline_read/pipeline_write need {} swap buffers of {} ({}), the "
         "pool holds {}: stepping synchronously; raise zinf.pinned_budget_bytes to pipeline",
         pipeline_buffers, FormatBytes(buffer_bytes), FormatBytes(pipeline_buffers * buffer_bytes),
         count);
   }
-  return BufferPool::Create(BufferPoolOptions{.budget_bytes = options.pinned_budget_bytes,
-                                              .buffer_count = count,
-                                              .buffer_bytes = buffer_bytes,
-                                              .alignment = buffer_alignment,
-                                              .pin_memory = options.pin_memory});
+  return BufferPool::Create(
+      BufferPoolOptions{.budget_bytes = options.all_resident ? 0 : options.pinned_budget_bytes,
+                        .buffer_count = count,
+                        .buffer_bytes = buffer_bytes,
+                        .alignment = buffer_alignment,
+                        .pin_memory = options.pin_memory});
 }
 
 // Creates the engine for `role` (wrapped by options.engine_wrapper) with the pool's buffers
@@ -703,6 +986,8 @@ Result<std::unique_ptr<storage::IoEngine>> MakeEngine(const SwapperOptions& opti
 GradientAccumulation ResolveAccumulation(const SwapperOptions& options,
                                          std::uint64_t partition_numel) {
   const std::uint64_t partition_bytes = partition_numel * sizeof(float);
+  // Without a swap store (every sub-group resident) the gradient stays in memory too.
+  if (options.swap_gradients && options.all_resident) return GradientAccumulation::kInMemory;
   if (options.swap_gradients && options.accumulation == GradientAccumulation::kAuto) {
     return partition_bytes <= options.accumulation_memory_limit_bytes
                ? GradientAccumulation::kInMemory
@@ -774,7 +1059,7 @@ Status ReserveStore(const comm::Communicator& comm, const storage::SwapStoreOpti
   if (options.reclaim_stale) {
     ZINF_RETURN_IF_ERROR(ReclaimStaleStores(comm, options));
   }
-  ZINF_RETURN_IF_ERROR(PreflightSpace(comm, options, specs));
+  ZINF_RETURN_IF_ERROR(PreflightSpace(comm, store.options(), specs));
   return comm.AgreeOnStatus(Annotate(store.Reserve(specs), on_host + "reserve the swap store: "));
 }
 
@@ -800,23 +1085,29 @@ void LogGradientSwapper(GradientAccumulation accumulation, int gradient_accumula
           : ": unswapped remainders; swapped pieces are read, added and written");
 }
 
-// Logs (rank 0) the mode, sub-groups, pool size, engines and store of a new swapper.
-void LogSwapper(OptimizerSwapper& swapper, const std::string& engine_name, bool pipelined,
+// Logs (rank 0) the mode, sub-groups, host tier, pool size, engines and store of a new swapper.
+void LogSwapper(OptimizerSwapper& swapper, const std::string& engine_name,
                 std::span<const storage::TensorSpec> specs) {
   std::uint64_t disk_bytes = 0;
   for (const storage::TensorSpec& spec : specs) disk_bytes += spec.size_bytes;
   const BufferPool& pool = swapper.pool();
+  const std::string store =
+      swapper.has_store()
+          ? fmt::format("swap store {} per rank on {} ({} slots, alignment {})",
+                        FormatBytes(disk_bytes), fmt::join(swapper.options().store.paths, ","),
+                        swapper.num_sub_groups() - swapper.num_resident() + 1,
+                        swapper.store().alignment())
+          : std::string("no swap store (offload_optimizer.device \"cpu\")");
   ZINF_LOG_INFO(
       "optimizer swapper: {} ({} engine{}), {} state ({:.2f} bytes per element each way per "
-      "step), {} sub-groups of <= {} elements per rank; pool {} x {} = {} (budget {}, pinned: "
-      "{}); swap store {} per rank on {} ({} slots, alignment {})",
-      swapper.mode_name(), engine_name, pipelined ? "s, read + write" : "",
+      "step), {} sub-groups of <= {} elements per rank, {} resident in host memory ({}); pool {} "
+      "x {} = {} (budget {}, pinned: {}); {}",
+      swapper.mode_name(), engine_name, swapper.has_store() ? "s, read + write" : "",
       StateFormatName(swapper.state_format()), swapper.StateIoBytesPerElement(),
-      swapper.num_sub_groups(), swapper.sub_groups().max_sub_group_numel(), pool.buffer_count(),
-      FormatBytes(pool.buffer_bytes()), FormatBytes(pool.total_bytes()),
-      FormatBytes(pool.budget_bytes()), pool.pinned() ? "yes" : "no", FormatBytes(disk_bytes),
-      fmt::join(swapper.options().store.paths, ","), swapper.num_sub_groups() + 1,
-      swapper.store().alignment());
+      swapper.num_sub_groups(), swapper.sub_groups().max_sub_group_numel(), swapper.num_resident(),
+      FormatBytes(swapper.resident_bytes()), pool.buffer_count(), FormatBytes(pool.buffer_bytes()),
+      FormatBytes(pool.total_bytes()), FormatBytes(pool.budget_bytes()),
+      pool.pinned() ? "yes" : "no", store);
 }
 
 }  // namespace
@@ -830,30 +1121,42 @@ Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communica
   parts.plan = plan;
   ZINF_ASSIGN_OR_RETURN(CpuAdam adam, CpuAdam::Create(options.adam));
   parts.adam.emplace(std::move(adam));
-  ZINF_ASSIGN_OR_RETURN(parts.store, storage::SwapStore::Open(parts.options.store));
-  const std::uint64_t alignment = std::max<std::uint64_t>(parts.store->alignment(), 1);
-  const std::uint64_t max_numel = sub_groups.max_sub_group_numel();
-  ZINF_ASSIGN_OR_RETURN(parts.pool,
-                        CreatePool(options, max_numel, alignment,
-                                   BuffersPerSubGroup(options.state_format), &setup->pipelined));
-  ZINF_ASSIGN_OR_RETURN(parts.read_engine, MakeEngine(options, EngineRole::kRead, *parts.pool));
-  if (setup->pipelined) {
-    ZINF_ASSIGN_OR_RETURN(parts.write_engine, MakeEngine(options, EngineRole::kWrite, *parts.pool));
-  }
   setup->accumulation = ResolveAccumulation(options, plan.partition_numel());
   const bool gradients_on_disk =
       options.swap_gradients && setup->accumulation == GradientAccumulation::kReadAddWrite;
+  // Every rank decides alike (one config): a store unless nothing is ever swapped.
+  if (!options.all_resident || gradients_on_disk) {
+    ZINF_ASSIGN_OR_RETURN(parts.store, storage::SwapStore::Open(parts.options.store));
+  }
+  const std::uint64_t alignment =
+      parts.store ? std::max<std::uint64_t>(parts.store->alignment(), 1) : 4096;
+  const std::uint64_t max_numel = sub_groups.max_sub_group_numel();
+  ZINF_ASSIGN_OR_RETURN(parts.infos, MakeSwapInfos(sub_groups, alignment, options.state_format,
+                                                   gradients_on_disk, options.min_swap_numel));
+  ZINF_ASSIGN_OR_RETURN(parts.resident, AllocateResident(comm, options, parts.infos, alignment));
+  const std::uint64_t min_buffers = options.all_resident
+                                        ? (options.state_format == StateFormat::kQ8 ? 3 : 1)
+                                        : BuffersPerSubGroup(options.state_format);
+  ZINF_ASSIGN_OR_RETURN(parts.pool,
+                        CreatePool(options, max_numel, alignment, min_buffers, &setup->pipelined));
+  if (parts.store) {
+    // Reads and writes each have an engine (ring and thread): both swappers overlap them.
+    ZINF_ASSIGN_OR_RETURN(parts.read_engine, MakeEngine(options, EngineRole::kRead, *parts.pool));
+    ZINF_ASSIGN_OR_RETURN(parts.write_engine, MakeEngine(options, EngineRole::kWrite, *parts.pool));
+  }
   if (gradients_on_disk) {
     ZINF_ASSIGN_OR_RETURN(setup->gradient_engine,
                           MakeEngine(options, EngineRole::kGradient, *parts.pool));
   }
-  ZINF_ASSIGN_OR_RETURN(parts.infos, MakeSwapInfos(sub_groups, alignment, options.state_format,
-                                                   gradients_on_disk, options.min_swap_numel));
+  std::size_t swapped = 0;
+  for (const auto& memory : parts.resident) swapped += memory.empty() ? 1 : 0;
   parts.sub_groups.emplace(std::move(sub_groups));
   // One spare slot suffices in both modes: each engine has at most one sub-group in flight.
-  parts.num_slots = parts.infos.size() + 1;
-  setup->specs =
-      StoreSpecs(parts.num_slots, options.state_format, max_numel, alignment, parts.infos);
+  parts.num_slots = swapped + 1;
+  if (parts.store) {
+    setup->specs =
+        StoreSpecs(parts.num_slots, options.state_format, max_numel, alignment, parts.infos);
+  }
   return OkStatus();
 }
 
@@ -871,9 +1174,12 @@ Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
       fmt::format("optimizer swapper on host {}: ", dup.topology().hostname);
   ZINF_RETURN_IF_ERROR(dup.AgreeOnStatus(
       Annotate(OptimizerSwapper::Parts::SetUpLocally(parts, dup, plan, options, &setup), on_host)));
-  ZINF_RETURN_IF_ERROR(ReserveStore(dup, parts.options.store, *parts.store, setup.specs, on_host));
+  if (parts.store) {
+    ZINF_RETURN_IF_ERROR(
+        ReserveStore(dup, parts.options.store, *parts.store, setup.specs, on_host));
+  }
 
-  const std::string engine_name(parts.read_engine->name());
+  const std::string engine_name(parts.read_engine ? parts.read_engine->name() : "no");
   parts.comm.emplace(std::move(dup));
   std::unique_ptr<OptimizerSwapper> swapper;
   if (setup.pipelined) {
@@ -890,7 +1196,7 @@ Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
     LogGradientSwapper(setup.accumulation, options.gradient_accumulation_steps,
                        plan.partition_numel(), swapper->infos_);
   }
-  LogSwapper(*swapper, engine_name, setup.pipelined, setup.specs);
+  LogSwapper(*swapper, engine_name, setup.specs);
   return swapper;
 }
 

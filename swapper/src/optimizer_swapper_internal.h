@@ -29,6 +29,7 @@ struct OptimizerSwapper::Parts {
   std::unique_ptr<BufferPool> pool;
   std::optional<CpuAdam> adam;
   std::size_t num_slots = 0;
+  std::vector<std::vector<storage::AlignedBuffer>> resident;  // per sub-group, empty if swapped
 
   // CreateOptimizerSwapper's local phase (a member: Parts is protected): checks `options`, then
   // builds this rank's sub-group plan, CpuAdam, store (opened with parts.options.store), pool,

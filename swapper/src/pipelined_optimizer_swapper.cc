@@ -23,16 +23,16 @@ Status PipelinedOptimizerSwapper::Step(std::int64_t step, const GradientSource& 
 
 Status PipelinedOptimizerSwapper::StepLocal(std::int64_t step, const GradientSource& source,
                                             const ParamSink& sink, const StepOptions& options) {
-  std::vector<std::size_t> todo;
-  for (std::size_t i = 0; i < infos_.size(); ++i) {
-    if (last_step_[i] < step) todo.push_back(i);
-  }
-  if (todo.empty()) return OkStatus();
+  const std::vector<std::size_t> todo = SwappedTodo(step);
   const std::uint64_t max_numel = sub_groups_.max_sub_group_numel();
   std::array<PoolLease, kSets> sets;
   for (PoolLease& set : sets) {
-    ZINF_ASSIGN_OR_RETURN(set, pool_->Allocate(max_numel, buffers_per_sub_group()));
+    ZINF_ASSIGN_OR_RETURN(set, pool_->Allocate(max_numel, num_slot_tensors()));
   }
+  // One gradient buffer serves every set: a gradient is filled right before its Adam, and the
+  // bf16 weights of a sink are rounded into it after the next Adam.
+  ZINF_ASSIGN_OR_RETURN(PoolLease gradient_lease, pool_->Allocate(max_numel, 1));
+  const std::span<float> grad = gradient_lease.floats(0);
   // Set t % 3 serves todo[t]: computing at iteration t, reading at t - 1, writing until the
   // writes are waited for at iteration t + 1. Set (t + 1) % 3 was therefore last used for the
   // writes of todo[t - 2], waited for at iteration t - 1, before it is read into at iteration t.
@@ -58,19 +58,24 @@ Status PipelinedOptimizerSwapper::StepLocal(std::int64_t step, const GradientSou
       return Annotate(std::move(written), StepContext(step, todo[t]) + "swap-out ");
     }
     Commit(todo[t], write_slot, step);
-    return Annotate(Sink(todo[t], sets[t % kSets], sink), StepContext(step, todo[t]));
+    return Annotate(
+        Sink(todo[t], LeaseBuffers(sets[t % kSets]).floats(0), gradient_lease.bytes(0), sink),
+        StepContext(step, todo[t]));
   };
   auto submit_reads = [&](std::size_t t) -> Status {
     comm::ScopedTimer submit(timers_, "swap_submit_read_param");
-    return Annotate(SubmitStateReads(todo[t], sets[t % kSets], read_engine(), &reads),
+    return Annotate(SubmitStateReads(todo[t], LeaseBuffers(sets[t % kSets]), read_engine(), &reads),
                     StepContext(step, todo[t]) + "swap-in ");
   };
 
   auto run = [&]() -> Status {
-    if (read_ahead) ZINF_RETURN_IF_ERROR(submit_reads(0));
+    if (read_ahead && !todo.empty()) ZINF_RETURN_IF_ERROR(submit_reads(0));
+    // The resident sub-groups step while the first swapped one is read (set 1 is free until
+    // iteration 0 reads into it: q8's work copy).
+    ZINF_RETURN_IF_ERROR(StepResident(step, source, sink, options, grad, LeaseBuffers(sets[1])));
     for (std::size_t t = 0; t < todo.size(); ++t) {
       const std::size_t i = todo[t];
-      const PoolLease& set = sets[t % kSets];
+      const StateBuffers set = LeaseBuffers(sets[t % kSets]);
       {
         comm::ScopedTimer swap_in(timers_, "swap_in_param");
         if (!read_ahead) ZINF_RETURN_IF_ERROR(submit_reads(t));
@@ -79,26 +84,17 @@ Status PipelinedOptimizerSwapper::StepLocal(std::int64_t step, const GradientSou
           ZINF_RETURN_IF_ERROR(
               Annotate(reads.Wait(read_engine()), StepContext(step, i) + "swap-in "));
         }
-        ZINF_RETURN_IF_ERROR(
-            Annotate(VerifyStateReads(i, set), StepContext(step, i) + "swap-in "));
+        ZINF_RETURN_IF_ERROR(Annotate(VerifyStateReads(i, set), StepContext(step, i) + "swap-in "));
       }
       if (read_ahead && t + 1 < todo.size()) ZINF_RETURN_IF_ERROR(submit_reads(t + 1));
-      {
-        comm::ScopedTimer gradient(timers_, "swap_in_gradient");
-        std::span<float> grad = set.floats(gradient_buffer()).first(infos_[i].sub_group.numel);
-        if (source) {
-          ZINF_RETURN_IF_ERROR(
-              Annotate(source(infos_[i].sub_group, grad), StepContext(step, i) + "gradient: "));
-        } else {
-          std::fill(grad.begin(), grad.end(), 0.0f);
-        }
-      }
-      ZINF_RETURN_IF_ERROR(Annotate(Compute(step, i, set, options), StepContext(step, i)));
+      ZINF_RETURN_IF_ERROR(Annotate(FillGradient(i, source, grad), StepContext(step, i)));
+      ZINF_RETURN_IF_ERROR(Annotate(Compute(step, i, set, grad, options), StepContext(step, i)));
       ZINF_RETURN_IF_ERROR(finish_writes());
       {
         comm::ScopedTimer swap_out(timers_, "swap_out_param");
         comm::ScopedTimer submit(timers_, "swap_submit_write");
-        Result<std::size_t> slot = SubmitStateWrites(i, set, write_engine(), &writes);
+        Result<std::size_t> slot =
+            SubmitStateWrites(i, set, write_engine(), std::span<IoBatch>(&writes, 1));
         if (!slot) {
           // The slot is spare again; drain what was submitted before the failure.
           (void)writes.Wait(write_engine());

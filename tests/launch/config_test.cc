@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -876,6 +877,56 @@ TEST(TrainConfig, JobIdDependsOnlyOnWhatIdentifiesTheJob) {
   // An explicit job_id is taken as it is.
   ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig named, parse(base + R"(, "job_id": "mine")"));
   EXPECT_EQ(JobIdOf(named), "mine");
+}
+
+// zinf.nvme_path_weights: bandwidth ratios become the swap store's integer weights, "probe"
+// asks the store to measure them with the configured engine, absent is equal shares.
+TEST(TrainConfig, NvmePathWeightsReachTheSwapStore) {
+  const auto layout = partition::ParamLayout::Create({{"w", {4}}}).value();
+  auto parse = [](const std::string& weights) {
+    return ParseTrainConfig(
+        R"({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"offload_optimizer": )"
+        R"({"device": "nvme", "nvme_path": ["/a", "/b"]}}, "aio": {"queue_depth": 4}, )"
+        R"("zinf": {"io_engine": "posix")" +
+            (weights.empty() ? "" : R"(, "nvme_path_weights": )" + weights) + "}}",
+        {});
+  };
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig none, parse(""));
+  EXPECT_TRUE(ToSwapperOptions(none, 0, layout).store.path_weights.empty());
+  EXPECT_FALSE(ToSwapperOptions(none, 0, layout).store.probe_path_weights);
+  EXPECT_THAT(EffectiveConfigJson(none), Not(HasSubstr("nvme_path_weights")));
+
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig ratios, parse("[2.5, 7.5]"));
+  EXPECT_THAT(ratios.zinf.nvme_path_weights.weights, ::testing::ElementsAre(2.5, 7.5));
+  EXPECT_THAT(ToSwapperOptions(ratios, 0, layout).store.path_weights, ::testing::ElementsAre(1, 3));
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig again, ParseTrainConfig(EffectiveConfigJson(ratios), {}));
+  EXPECT_EQ(ConfigHash(again), ConfigHash(ratios));
+  EXPECT_NE(ConfigHash(ratios), ConfigHash(none));
+
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig probe, parse(R"("probe")"));
+  const swapper::SwapperOptions probed = ToSwapperOptions(probe, 0, layout);
+  EXPECT_TRUE(probed.store.probe_path_weights);
+  EXPECT_TRUE(probed.store.path_weights.empty());
+  EXPECT_EQ(probed.store.probe_engine, storage::EngineKind::kPosix);
+  EXPECT_EQ(probed.store.probe_aio.queue_depth, 4);
+  EXPECT_THAT(EffectiveConfigJson(probe), HasSubstr(R"("nvme_path_weights": "probe")"));
+
+  // More unequal paths than a stripe cycle holds.
+  std::string many_paths = "[";
+  std::string many_weights = "[";
+  for (int i = 0; i < 65; ++i) {
+    many_paths += fmt::format(R"({}"/p{}")", i == 0 ? "" : ", ", i);
+    many_weights += fmt::format("{}{}", i == 0 ? "" : ", ", i == 0 ? 2 : 1);
+  }
+  EXPECT_THAT(
+      ParseTrainConfig(R"({"train_micro_batch_size_per_gpu": 4, "zero_optimization": )"
+                       R"({"offload_optimizer": {"device": "nvme", "nvme_path": )" +
+                           many_paths + R"(]}}, "zinf": {"nvme_path_weights": )" + many_weights +
+                           "]}}",
+                       {}),
+      StatusIs(ErrorCode::kInvalidArgument,
+               HasSubstr("zinf.nvme_path_weights: path bandwidth ratios: 65 paths of unequal")));
+  // The typed errors are the corpus's: bad_configs/9*-nvme-path-weights-*.json.
 }
 
 }  // namespace

@@ -12,6 +12,8 @@
 #                       reclaim the stale swap stores, nothing is left in the swap path (18-21 s)
 #   full_disk           a 4 MiB tmpfs checkpoint directory on 1-3 ranks and a full metrics disk:
 #                       every rank fails alike in < 60 s, latest intact (root; skips otherwise)
+#   tiered_resume       the host memory tier and device "cpu" train bitwise as the swapped run;
+#                       their checkpoints restore untiered, on 3 ranks, and back
 #   deepspeed_fp16      a DeepSpeed config as it is (GPU hints, tensorboard, offload_param cpu)
 #                       with fp16 from 2^24: one INFO line of ignored keys, overflowing steps
 #                       skipped, the loss falls, a resume repeats the scales and losses
@@ -24,7 +26,8 @@ if(TARGET zinf-train AND TARGET zinf-ckpt)
   foreach(spec "loss_falls 2 120" "resume_bitwise 2 120" "resume_other_ranks 3 150"
                "bad_configs 2 180" "fault_injection 3 180" "killed_rank 2 150"
                "full_disk 3 240" "deepspeed_fp16 2 240" "loss_falls 2 120 q8" "resume_bitwise 2 120 q8"
-               "resume_other_ranks 3 150 q8" "fault_injection 3 180 q8")
+               "resume_other_ranks 3 150 q8" "fault_injection 3 180 q8"
+               "tiered_resume 3 240" "tiered_resume 3 240 q8")
     separate_arguments(spec UNIX_COMMAND "${spec}")
     list(GET spec 0 name)
     list(GET spec 1 ranks)

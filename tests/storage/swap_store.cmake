@@ -5,3 +5,10 @@ zinf_add_unit_test(storage_swap_store_test
   LIBS zinf::storage
   TIMEOUT 180
   LABELS storage)
+
+# The swap store over paths of unequal weight (path_weights, the manifest's weights, the probe).
+zinf_add_unit_test(storage_swap_store_weights_test
+  SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/swap_store_weights_test.cc
+  LIBS zinf::storage
+  TIMEOUT 60
+  LABELS storage)

@@ -68,9 +68,12 @@ float Gradient(std::int64_t step, std::uint64_t flat, int micro_batch) {
 enum class GradMode { kCopy, kInMemory, kReadAddWrite };
 std::string GradModeName(GradMode mode) {
   switch (mode) {
-    case GradMode::kCopy: return "Copy";
-    case GradMode::kInMemory: return "InMemory";
-    case GradMode::kReadAddWrite: return "ReadAddWrite";
+    case GradMode::kCopy:
+      return "Copy";
+    case GradMode::kInMemory:
+      return "InMemory";
+    case GradMode::kReadAddWrite:
+      return "ReadAddWrite";
   }
   return "?";
 }
@@ -210,6 +213,23 @@ class Harness {
     }
   }
 
+  // One swapped step after Backward(step) and the reference step: the sunk weights and their
+  // bf16 equal the reference bitwise, and every sub-group took the step.
+  void StepAndCompare(std::int64_t step) {
+    ZINF_ASSERT_OK(SwappedStep(step));
+    ReferenceStep(step);
+    ASSERT_EQ(std::memcmp(working_.data(), ref_.fp32.data(), ref_.fp32.size() * 4), 0)
+        << "step " << step;
+    for (std::size_t k = 0; k < ref_.fp32.size(); ++k) {
+      std::uint32_t bits;
+      std::memcpy(&bits, &ref_.fp32[k], 4);
+      ASSERT_EQ(bf16_[k], FloatBitsToBf16(bits)) << k;
+    }
+    for (std::size_t i = 0; i < swapper_->num_sub_groups(); ++i) {
+      EXPECT_EQ(swapper_->last_step(i), step);
+    }
+  }
+
   // Every committed state tensor equals `ref` bitwise (q8: the codes and scales), for the
   // sub-groups selected by `which` (all when empty).
   void ExpectStateEquals(const RefState& ref, const std::vector<bool>& which) {
@@ -278,18 +298,8 @@ TEST_P(SwappedTraining, EqualsInMemoryTrainingBitwise) {
   h.ExpectStateEqualsReference();
   for (std::int64_t step = 1; step <= 3; ++step) {
     ZINF_ASSERT_OK(h.Backward(step));
-    ZINF_ASSERT_OK(h.SwappedStep(step));
-    h.ReferenceStep(step);
-    ASSERT_EQ(std::memcmp(h.working_.data(), h.ref_.fp32.data(), h.ref_.fp32.size() * 4), 0)
-        << "step " << step;
-    for (std::size_t k = 0; k < h.ref_.fp32.size(); ++k) {
-      std::uint32_t bits;
-      std::memcpy(&bits, &h.ref_.fp32[k], 4);
-      ASSERT_EQ(h.bf16_[k], FloatBitsToBf16(bits)) << k;
-    }
-    for (std::size_t i = 0; i < h.swapper().num_sub_groups(); ++i) {
-      EXPECT_EQ(h.swapper().last_step(i), step);
-    }
+    h.StepAndCompare(step);
+    if (::testing::Test::HasFatalFailure()) return;
   }
   h.ExpectStateEqualsReference();
   if (format == StateFormat::kQ8) {
@@ -326,6 +336,114 @@ INSTANTIATE_TEST_SUITE_P(
                          GradModeName(std::get<2>(p.param)), StateFormatName(std::get<3>(p.param)));
     });
 
+// The host memory tier: some, one or all sub-groups resident, or offload_optimizer.device "cpu"
+// (all resident, no swap store): the same training, bitwise.
+enum class Tier { kOne, kSome, kAll, kCpu };
+std::string TierName(Tier tier) {
+  switch (tier) {
+    case Tier::kOne:
+      return "OneResident";
+    case Tier::kSome:
+      return "SomeResident";
+    case Tier::kAll:
+      return "AllResident";
+    case Tier::kCpu:
+      return "DeviceCpu";
+  }
+  return "?";
+}
+using TierParams = std::tuple<Tier, bool, GradMode, StateFormat>;
+class TieredTraining : public ::testing::TestWithParam<TierParams> {};
+
+TEST_P(TieredTraining, EqualsInMemoryTrainingBitwise) {
+  const auto [tier, pipelined, mode, format] = GetParam();
+  SharedScratchDir dir("swapper");
+  const int micro_batches = mode == GradMode::kCopy ? 1 : 2;
+  Harness h(dir.path(), 2048, pipelined, mode, micro_batches, format);
+  // A sub-group of 2048 elements holds 24 KiB of fp32 state, at most 16 KiB of q8 state.
+  const std::uint64_t one = format == StateFormat::kFp32 ? 3 * 8192 : 16384;
+  switch (tier) {
+    case Tier::kOne:
+      h.options().host_cache_bytes = one;
+      break;
+    case Tier::kSome:
+      h.options().host_cache_bytes = 2 * one;
+      break;
+    case Tier::kAll:
+      h.options().host_cache_bytes = std::uint64_t{1} << 30;
+      break;
+    case Tier::kCpu:
+      h.options().all_resident = true;
+      h.options().store.paths.clear();  // needs none
+      break;
+  }
+  ZINF_ASSERT_OK(h.Create());
+  OptimizerSwapper& swapper = h.swapper();
+  const std::size_t n = swapper.num_sub_groups();
+  ASSERT_GE(n, 4u);
+  switch (tier) {
+    case Tier::kOne:
+      EXPECT_EQ(swapper.num_resident(), 1u);
+      break;
+    case Tier::kSome:
+      EXPECT_GE(swapper.num_resident(), 2u);
+      EXPECT_LT(swapper.num_resident(), n);
+      break;
+    case Tier::kAll:
+    case Tier::kCpu:
+      EXPECT_EQ(swapper.num_resident(), n);
+      break;
+  }
+  EXPECT_EQ(swapper.has_store(), tier != Tier::kCpu);
+  if (tier == Tier::kCpu && mode != GradMode::kCopy) {
+    EXPECT_EQ(swapper.gradient_swapper()->mode(), GradientAccumulation::kInMemory);
+  }
+  std::uint64_t swapped_bytes = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (swapper.resident(i)) continue;
+    for (std::size_t t = 0; t < swapper.num_slot_tensors(); ++t) {
+      swapped_bytes += swapper.SlotTensorIoBytes(i, t);
+    }
+  }
+  EXPECT_EQ(swapper.StateIoBytesPerStep(), swapped_bytes);
+  h.ExpectStateEqualsReference();
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    const storage::SwapStore::IoCounters before = swapper.io_counters();
+    ZINF_ASSERT_OK(h.Backward(step));
+    h.StepAndCompare(step);
+    if (::testing::Test::HasFatalFailure()) return;
+    if (mode != GradMode::kReadAddWrite) {
+      // Only the swapped sub-groups move: their state, once each way.
+      const storage::SwapStore::IoCounters after = swapper.io_counters();
+      EXPECT_EQ(after.read_bytes - before.read_bytes, swapped_bytes) << "step " << step;
+      EXPECT_EQ(after.write_bytes - before.write_bytes, swapped_bytes) << "step " << step;
+    }
+  }
+  h.ExpectStateEqualsReference();
+  ZINF_ASSERT_OK(swapper.Close());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Tiers, TieredTraining,
+    ::testing::Combine(::testing::Values(Tier::kOne, Tier::kSome, Tier::kAll, Tier::kCpu),
+                       ::testing::Bool(),
+                       ::testing::Values(GradMode::kCopy, GradMode::kInMemory,
+                                         GradMode::kReadAddWrite),
+                       ::testing::Values(StateFormat::kFp32, StateFormat::kQ8)),
+    [](const ::testing::TestParamInfo<TierParams>& p) {
+      return fmt::format("{}_{}_{}_{}", TierName(std::get<0>(p.param)),
+                         std::get<1>(p.param) ? "Pipelined" : "Sync",
+                         GradModeName(std::get<2>(p.param)), StateFormatName(std::get<3>(p.param)));
+    });
+
+TEST(OptimizerSwapper, HostCacheLargerThanTheHostIsRefusedWithTheNumbers) {
+  SharedScratchDir dir("swapper");
+  Harness h(dir.path(), 2048, false, GradMode::kCopy, 1);
+  h.options().host_cache_bytes = std::uint64_t{1} << 62;
+  EXPECT_THAT(h.Create(), StatusIs(ErrorCode::kResourceExhausted,
+                                   HasSubstr("zinf.host_cache_bytes asks for 4096.00 PiB")));
+}
+
 TEST(OptimizerSwapper, Q8MovesHalfTheBytesAndBuysLargerSubGroups) {
   SharedScratchDir dir("swapper");
   // 3 buffers of 8 KiB: one short of an fp32 step, a q8 step's minimum.
@@ -354,7 +472,7 @@ TEST(OptimizerSwapper, Q8MovesHalfTheBytesAndBuysLargerSubGroups) {
   big.options().store.job_id = "bytes-big";
   ZINF_ASSERT_OK(big.Create());
   EXPECT_EQ(big.swapper().mode_name(), "pipelined");
-  EXPECT_EQ(big.swapper().pool().buffer_count(), 9u);
+  EXPECT_EQ(big.swapper().pool().buffer_count(), 7u);  // 3 x 2 + the shared gradient
 }
 
 TEST(OptimizerSwapper, PoolTooSmallIsTheSameErrorOnEveryRank) {
@@ -432,9 +550,10 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
   }
   bool armed = false;
   h.options().engine_wrapper =
-      [&](EngineRole r, std::unique_ptr<storage::IoEngine> engine)
-      -> Result<std::unique_ptr<storage::IoEngine>> {
-    // The synchronous swapper has one engine for reads and writes (role kRead).
+      [&](EngineRole r,
+          std::unique_ptr<storage::IoEngine> engine) -> Result<std::unique_ptr<storage::IoEngine>> {
+    // A state fault wraps both state engines (read and write) in the one injector, which
+    // counts the completions of the op it names.
     const bool state_engine = r != EngineRole::kGradient && role != EngineRole::kGradient;
     if (!injector || !(r == role || state_engine)) return engine;
     armed = true;
@@ -488,9 +607,15 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
   h.ExpectStateEquals(before, not_committed);
   if (world.rank() == failing) {
     switch (fault.at) {
-      case FaultAt::kSwapIn: EXPECT_EQ(took, 2u); break;
-      case FaultAt::kSwapOut: EXPECT_EQ(took, 1u); break;
-      case FaultAt::kGradientWrite: EXPECT_EQ(took, 0u); break;
+      case FaultAt::kSwapIn:
+        EXPECT_EQ(took, 2u);
+        break;
+      case FaultAt::kSwapOut:
+        EXPECT_EQ(took, 1u);
+        break;
+      case FaultAt::kGradientWrite:
+        EXPECT_EQ(took, 0u);
+        break;
     }
   } else if (fault.at == FaultAt::kGradientWrite) {
     EXPECT_EQ(took, 0u);  // agreed before any sub-group was stepped

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "testing/status_matchers.h"
+#include "zinf/core/process_stats.h"
 #include "zinf/swapper/cpu_adam.h"
 
 namespace zinf::swapper::q8 {
@@ -353,6 +354,24 @@ TEST(StepQ8, BadArgumentsAndNonFiniteMoments) {
   grad[4] = 3e30f;
   EXPECT_THAT(adam.StepQ8(1, param, grad, {m, scales}, {v, scales2}),
               StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("element 4")));
+}
+
+// The decoded moments live one q8 block at a time on each thread's stack: the step adds nothing
+// that grows with the sub-group to the RSS (the swapper's pool is the only per-sub-group memory).
+// A decoded fp32 moment of this sub-group would be 32 MiB; the bound leaves room for page noise.
+TEST(StepQ8, ScratchDoesNotGrowWithTheSubGroup) {
+  constexpr std::size_t kNumel = std::size_t{8} << 20;
+  constexpr std::uint64_t kBoundBytes = std::uint64_t{4} << 20;
+  std::vector<float> param(kNumel, 0.5f), grad(kNumel, 1e-3f);
+  std::vector<std::uint8_t> m(kNumel, ZeroCode(MapKind::kSigned));
+  std::vector<std::uint8_t> v(kNumel, ZeroCode(MapKind::kUnsigned));
+  std::vector<float> m_scales(NumBlocks(kNumel)), v_scales(NumBlocks(kNumel));
+  ZINF_ASSERT_OK_AND_ASSIGN(CpuAdam adam, CpuAdam::Create({.threads = 2}));
+  if (!ResetPeakRss()) GTEST_SKIP() << "this kernel does not let the process reset its peak RSS";
+  const std::uint64_t before = PeakRssBytes();
+  ZINF_ASSERT_OK(adam.StepQ8(1, param, grad, {m, m_scales}, {v, v_scales}));
+  EXPECT_LT(PeakRssBytes() - before, kBoundBytes)
+      << "StepQ8 of " << kNumel << " elements raised the peak RSS by that many bytes";
 }
 
 }  // namespace

@@ -5,11 +5,13 @@
 //   ZINF_LOG_INFO("{:.3f} s, peak RSS {}", zinf::MonotonicSeconds() - start,
 //                 zinf::FormatBytes(zinf::PeakRssBytes()));
 //
-// Thread safety: both may be called from any thread.
+// Thread safety: all may be called from any thread.
 #pragma once
 
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/sysinfo.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -27,6 +29,18 @@ inline std::uint64_t PeakRssBytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
+}
+
+// Restarts PeakRssBytes() from the current RSS (Linux: "5" written to /proc/self/clear_refs
+// resets the high-water mark), so that a benchmark running several configurations in one
+// process reports each one's own peak rather than the largest so far. False if the kernel
+// refused: PeakRssBytes() then still covers the whole process.
+inline bool ResetPeakRss() {
+  const int fd = ::open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool reset = ::write(fd, "5", 1) == 1;
+  ::close(fd);
+  return reset;
 }
 
 // The machine's RAM plus swap (sysinfo), in bytes: what all processes together could ever

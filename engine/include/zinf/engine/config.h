@@ -21,10 +21,10 @@
 //     zero_quantized_weights, ...); many are refused only for values that ask for something
 //     (e.g. "amp": {"enabled": false} is accepted with no effect).
 // What DeepSpeed lacks lives in the `zinf` section: pinned budget, io engine, optimizer_state,
-// verify_swap, keep_swap, swap_gradients, adam_threads, job_id, checkpoint {dir, every,
-// keep_last, load}. An application adds its own keys (AppKey: zinf-train's model, data, seed and
-// steps). The whole schema (path, kind, type, default, range, description) is one table in
-// engine/src/config_schema.cc; DescribeConfigKeys() prints it for --help.
+// verify_swap, keep_swap, nvme_path_weights, swap_gradients, adam_threads, job_id, checkpoint
+// {dir, every, keep_last, load}. An application adds its own keys (AppKey: zinf-train's model,
+// data, seed and steps). The whole schema (path, kind, type, default, range, description) is one
+// table in engine/src/config_schema.cc; DescribeConfigKeys() prints it for --help.
 //
 // Deliberate differences from DeepSpeed (each documented at its field):
 //   - zero_optimization.stage defaults to 1 (DeepSpeed: 0); zinf always partitions the optimizer
@@ -214,11 +214,22 @@ struct CheckpointConfig {
   std::string load;
 };
 
+// zinf.nvme_path_weights: each nvme_path's share of the swap store's stripe units.
+struct PathWeightsConfig {
+  bool probe = false;  // "probe": measured by the swap store at open (SwapStoreOptions)
+  // Else one positive finite number per nvme_path (relative bandwidths); empty: equal shares.
+  std::vector<double> weights;
+};
+
 // zinf: what DeepSpeed does not have.
 struct ZinfConfig {
   // Host memory for swap buffers, bytes (an integer or a size string "2G", "512MiB"); 0: the
   // pool holds offload_optimizer.buffer_count buffers of the largest sub-group.
   std::uint64_t pinned_budget_bytes = 0;
+  // Host memory tier, bytes per rank (an integer or a size string): the first sub-groups whose
+  // whole state fits stay in host memory and are stepped without I/O; 0: every sub-group is
+  // swapped. Unused with offload_optimizer.device "cpu" (everything is in memory).
+  std::uint64_t host_cache_bytes = 0;
   storage::EngineKind io_engine = storage::EngineKind::kAuto;  // ZINF_IO_ENGINE overrides it
   // The swapped Adam state: "fp32", or "q8" (8-bit block-wise quantized moments, q8.h).
   swapper::StateFormat optimizer_state = swapper::StateFormat::kFp32;
@@ -229,6 +240,8 @@ struct ZinfConfig {
   // Seconds a rank waits in one of zinf's collectives for the other ranks before it ends the
   // job with an error naming the collective; [1, 604800].
   std::int64_t collective_timeout_seconds = 600;
+  // Each nvme_path's share of the swap I/O by bandwidth; default: equal shares.
+  PathWeightsConfig nvme_path_weights;
   // Keys the swap store directory; [A-Za-z0-9_.-]+. Empty: derived (EffectiveJobId).
   std::string job_id;
   CheckpointConfig checkpoint;

@@ -18,10 +18,12 @@ swapper::AdamOptions ToAdamOptions(const Config& config);
 // ZeRO stage 1/2 -> kFlat, 3 -> kPerParam.
 partition::PlanKind ToPlanKind(const Config& config);
 // Everything the optimizer swapper takes from the config: store (resolved nvme paths,
-// EffectiveJobId(config, layout), world_rank, keep_swap, verify_swap), aio, engine, sub_group_size,
+// EffectiveJobId(config, layout), world_rank, keep_swap, verify_swap, nvme_path_weights as
+// path_weights or probe_path_weights with the probe on zinf.io_engine and aio), aio, engine,
+// sub_group_size,
 // pool (pinned_budget_bytes, buffer_count, pin_memory), pipeline flags, Adam, bf16, swap_gradients
-// and gradient_accumulation_steps. Meaningful for device nvme (the store paths are empty
-// otherwise).
+// and gradient_accumulation_steps, the host memory tier (zinf.host_cache_bytes) and device cpu
+// (all_resident: every sub-group in host memory, no store paths needed).
 swapper::SwapperOptions ToSwapperOptions(const Config& config, int world_rank,
                                          const partition::ParamLayout& layout);
 

@@ -6,17 +6,30 @@
 //   <P>/zinf-<job_id>/rank<r>/         this rank's store directory, 0700
 //   <P>/zinf-<job_id>/rank<r>/swap.bin preallocated (fallocate) data file, 0600, O_NOFOLLOW,
 //                                      O_DIRECT where the file system supports it
-//   <P0>/zinf-<job_id>/rank<r>/manifest  (first path only) stripe unit, path count and the
-//                                      reserved tensors in order; checked when resuming
+//   <P0>/zinf-<job_id>/rank<r>/manifest  (first path only) stripe unit, path count, path
+//                                      weights and the reserved tensors in order; checked when
+//                                      resuming
+//   <P>/zinf-<job_id>/rank<r>/probe.tmp  only while Open probes the path's bandwidth (unlinked
+//                                      right after it is created)
 //   <P>/zinf-<job_id>/rank<r>/kept     empty, 0600: the store was opened with `keep` (written at
 //                                      Open, so it marks a kept store whose process was killed)
 //
 // Striping. Reserved tensors are laid out one after the other in a logical space of stripe units
 // (`stripe_unit_bytes` each); tensor t occupies units [first_unit, first_unit + num_units) with
 // num_units = ceil(size_bytes / stripe_unit_bytes), so every tensor starts on a unit boundary and
-// its tail is padded. Logical unit g lives in the swap.bin of path g % n at file offset
-// (g / n) * stripe_unit_bytes: a tensor of N units puts unit i on path (first_unit + i) % n, so
-// several drives add up without RAID-0. One path means one plain file with tensors back to back.
+// its tail is padded. A StripeMap (stripe_map.h) places logical unit g: with equal weights (the
+// default) in the swap.bin of path g % n at file offset (g / n) * stripe_unit_bytes, so several
+// drives add up without RAID-0; with weights w_p, path p takes w_p of every w_0 + ... + w_{n-1}
+// consecutive units, spread over that cycle, so that paths of unequal bandwidth finish a tensor
+// together. Each path's swap.bin holds exactly its share. One path means one plain file with
+// tensors back to back.
+//
+// Weights. `path_weights` gives them; with `probe_path_weights` Open measures each path, one
+// after the other (an O_DIRECT write and read of `probe_bytes`, twice, keeping the faster of
+// each, through an IoEngine, in probe.tmp) and uses the ratios of (bytes read + written) / time
+// (StripeMap::FromRatios; paths within 15% of each other get equal shares); neither: equal
+// shares. The manifest records the weights in effect, and a resumed store uses those, whatever
+// the options say (an INFO line when they differ).
 //
 // Alignment. alignment() is the largest File::alignment() of the data files (the direct-I/O
 // alignment of each path's file system; 1 where the file system has no O_DIRECT, e.g. tmpfs,
@@ -55,8 +68,8 @@
 // and checked for its owner; files are created exclusively; ReclaimStale examines at most
 // kMaxScanEntries entries of any directory (WARN when there are more), only names of the forms
 // zinf-<job_id> and rank<r>, only directories that are not symbolic links, and removes only the
-// store's own file names (swap.bin, manifest, manifest.tmp, kept) with unlinkat. Nothing
-// follows a planted symlink, blocks on a FIFO, or loops without bound.
+// store's own file names (swap.bin, manifest, manifest.tmp, kept, probe.tmp) with unlinkat.
+// Nothing follows a planted symlink, blocks on a FIFO, or loops without bound.
 //
 // Verification (`verify_swap`). A checksum (XXH3-64) is recorded per stripe unit of a tensor
 // whenever a write covers that unit's bytes completely, and checked when a read covers it
@@ -87,6 +100,7 @@
 #include "zinf/storage/file.h"
 #include "zinf/storage/fs.h"
 #include "zinf/storage/io_engine.h"
+#include "zinf/storage/stripe_map.h"
 
 namespace zinf::storage {
 
@@ -103,6 +117,16 @@ struct SwapStoreOptions {
   bool reclaim_stale = false;
   bool verify_swap = false;  // checksum every stripe unit on write, check it on read
   bool direct = true;        // O_DIRECT where supported (falls back to buffered otherwise)
+  // Each path's share of the stripe units: one weight >= 1 per path (StripeMap::FromWeights; a
+  // cycle of at most 64 units). Empty: equal shares, the layout of stores before weights.
+  std::vector<std::uint32_t> path_weights;
+  // Measure each path's bandwidth at Open and use the ratios as the weights (new stores only;
+  // not with path_weights). The probe writes and reads `probe_bytes` per path, one path after
+  // the other, through an engine of `probe_engine` and `probe_aio`.
+  bool probe_path_weights = false;
+  std::uint64_t probe_bytes = 32 << 20;
+  EngineKind probe_engine = EngineKind::kAuto;
+  AioOptions probe_aio;
 };
 
 // A store that no live process holds, found by SwapStore::ReclaimStale.
@@ -147,20 +171,26 @@ class SwapStore {
  public:
   // Validates `options`, then creates (or with `resume`, reopens) the store directories and
   // opens the data files (empty when new; no space is allocated before Reserve()).
+  // With probe_path_weights (and a new store), measures every path first (see "Weights").
   // Errors: InvalidArgument (bad job_id, empty or duplicate paths, stripe unit not a multiple of
-  // the alignment, negative rank); NotFound (a path does not exist); FailedPrecondition (a path,
+  // the alignment, negative rank, path_weights not one valid weight per path or given together
+  // with probe_path_weights); NotFound (a path does not exist); FailedPrecondition (a path,
   // the job or rank directory or a file is a symlink or not a directory/file, a store directory
   // or file is owned by another uid, a resumed store is incomplete or its manifest disagrees
-  // with `options`); AlreadyExists (the rank directory exists and `resume` is false, or a live
-  // instance holds it); Unavailable (a job directory stayed locked exclusively for 30 s, or was
-  // removed under us again and again; the rank directory was removed while we opened it); errno
-  // errors from mkdir/open. On failure, whatever this call created is removed again.
+  // with `options` on stripe unit or path count); DataLoss (a corrupt manifest, bad weights in
+  // it included); errors of the probe's engine and I/O, naming the path; AlreadyExists (the rank
+  // directory exists and `resume` is false, or a live instance holds it); Unavailable (a job
+  // directory stayed locked exclusively for 30 s, or was removed under us again and again; the rank
+  // directory was removed while we opened it); errno errors from mkdir/open. On failure, whatever
+  // this call created is removed again.
   static Result<std::unique_ptr<SwapStore>> Open(const SwapStoreOptions& options);
 
   // The space a fresh store with `specs` (reserved in this order) needs on each path of
-  // `options`, with the free space there. Reads only the file systems (statvfs/stat); creates
-  // nothing. For a per-node collective check, sum needed_bytes over ranks per device_id.
-  // Errors: InvalidArgument (options as in Open), NotFound / errno errors from stat.
+  // `options`, with the free space there: each path's share under options.path_weights. Reads
+  // only the file systems (statvfs/stat); creates nothing. For a per-node collective check, sum
+  // needed_bytes over ranks per device_id. For an open store (probed or resumed weights), pass
+  // its options(). Errors: InvalidArgument (options as in Open; probe_path_weights set, since
+  // the weights are known only once a store measured them), NotFound / errno errors from stat.
   static Result<std::vector<PathSpace>> PlanSpace(const SwapStoreOptions& options,
                                                   std::span<const TensorSpec> specs);
   // ResourceExhausted if any file system lacks fs_needed_bytes; the message names every short
@@ -269,6 +299,10 @@ class SwapStore {
   bool resumed() const { return resumed_; }
   // Logical stripe units reserved so far.
   std::uint64_t total_units() const { return total_units_; }
+  // Where the units live: the weights in effect (given, probed, or the resumed manifest's).
+  const StripeMap& stripe_map() const { return stripe_map_; }
+  // The options in effect: path_weights holds the weights of stripe_map(), one per path, and
+  // probe_path_weights is false (a later PlanSpace(options()) plans this store's layout).
   const SwapStoreOptions& options() const { return options_; }
 
  private:
@@ -303,6 +337,11 @@ class SwapStore {
   Status OpenJobDirectory(PathState& ps);
   // Writes (keep) or removes (otherwise) the `kept` marker in every rank directory.
   Status MarkKept();
+  // The weights of a new store: probed (probe_path_weights), given, or equal.
+  Status ChooseWeights();
+  // Bytes per second of each path: a timed write and read of probe_bytes through a temporary
+  // file in its rank directory.
+  Result<std::vector<double>> ProbeBandwidths() const;
   Status ReadManifest();
   Status WriteManifest();
   Result<std::size_t> Find(std::string_view name) const;
@@ -319,7 +358,6 @@ class SwapStore {
                        std::span<const std::byte> data, bool invalidate = false);
   Status VerifyChecksums(const Tensor& tensor, std::uint64_t offset_bytes,
                          std::span<const std::byte> data) const;
-  std::uint64_t FileSizeForUnits(std::size_t path_index, std::uint64_t total_units) const;
   // Removes what this instance created (all = false) or the whole store (all = true).
   Status RemoveStore(bool all);
   void CloseDescriptors();
@@ -327,6 +365,8 @@ class SwapStore {
   SwapStoreOptions options_;
   std::vector<PathState> paths_;
   std::uint64_t alignment_ = 1;
+  StripeMap stripe_map_ = StripeMap::Equal(1);
+  std::string weights_source_;  // for the INFO line: "given", "probed: ...", "manifest"
   std::uint64_t total_units_ = 0;
   bool resumed_ = false;
   bool closed_ = false;

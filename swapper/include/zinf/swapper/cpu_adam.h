@@ -147,7 +147,9 @@ class CpuAdam {
 
   // Step() over the q8 state format: block by block, exp_avg (signed map) and exp_avg_sq
   // (unsigned map) are decoded into fp32, stepped by the same kernel as Step() (so the same
-  // bits on every path and thread count), and encoded again (q8.h). `codes` have the param's
+  // bits on every path and thread count), and encoded again (q8.h). The decoded moments exist
+  // one block at a time on each thread's stack (2 x 8 KiB): no scratch grows with the
+  // sub-group, so a q8 step needs no memory beyond its spans. `codes` have the param's
   // size, `scales` q8::NumBlocks of it. Errors: those of Step(); InvalidArgument with amsgrad
   // (no quantized max_exp_avg_sq); FailedPrecondition when a moment becomes non-finite, naming
   // the element (param and the moments are then partly updated: the caller must not keep them).

@@ -15,7 +15,8 @@
 // or synthetic data), and a ParamSink receives the updated weights of each sub-group. Host memory
 // therefore stays bounded by the pool even when the partition gradient is on disk.
 //
-// Store layout and the consistency guarantee. The store holds num_sub_groups + 1 *slots*, each
+// Store layout and the consistency guarantee. The store holds one *slot* per swapped sub-group
+// (those not resident in the host memory tier) plus a spare, each
 // with the slot tensors of the state format (SwapperOptions::state_format) sized for the largest
 // sub-group: fp32: "slot<k>/fp32", "slot<k>/exp_avg", "slot<k>/exp_avg_sq"; q8: "slot<k>/fp32"
 // and "slot<k>/moments" (Q8MomentsLayout: both moments' codes and scales, one I/O), plus
@@ -56,6 +57,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <vector>
 
 #include "zinf/comm/communicator.h"
@@ -63,6 +65,7 @@
 #include "zinf/core/status.h"
 #include "zinf/partition/plan.h"
 #include "zinf/partition/sub_group.h"
+#include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/io_engine.h"
 #include "zinf/storage/swap_store.h"
 #include "zinf/swapper/buffer_pool.h"
@@ -134,7 +137,7 @@ struct SwapperOptions {
   std::uint64_t sub_group_size = partition::kDefaultSubGroupSize;  // elements per sub-group
   // Pool: zinf.pinned_budget_bytes; 0: buffer_count buffers of the largest sub-group.
   std::uint64_t pinned_budget_bytes = 0;
-  std::uint64_t buffer_count = 0;  // DeepSpeed's buffer_count; 0: the mode's minimum (4 or 12)
+  std::uint64_t buffer_count = 0;  // DeepSpeed's buffer_count; 0: the mode's minimum (4, q8 3; pipelined 10, q8 7)
   bool pin_memory = false;         // mlock the pool
   // DeepSpeed's pipeline_read / pipeline_write: either one selects the pipelined swapper.
   bool pipeline_read = false;
@@ -143,6 +146,12 @@ struct SwapperOptions {
   StateFormat state_format = StateFormat::kFp32;  // zinf.optimizer_state
   bool bf16_params = false;  // also hand the ParamSink bf16 weights (round to nearest even)
   // Gradient swapper (created when swap_gradients).
+  // Host memory tier (zinf.host_cache_bytes): the first sub-groups whose whole state fits in
+  // these bytes stay resident in host memory and are stepped there without I/O; the rest are
+  // swapped as usual. 0: none. `all_resident` (offload_optimizer.device "cpu") keeps every
+  // sub-group resident whatever the budget, and opens no swap store unless gradients go to disk.
+  std::uint64_t host_cache_bytes = 0;
+  bool all_resident = false;
   bool swap_gradients = false;
   int gradient_accumulation_steps = 1;  // micro-batches per step, >= 1
   GradientAccumulation accumulation = GradientAccumulation::kAuto;
@@ -246,15 +255,31 @@ class OptimizerSwapper {
   std::size_t num_slot_tensors() const;
   std::string SlotTensorName(std::size_t slot, std::size_t tensor) const;
   std::uint64_t SlotTensorIoBytes(std::size_t sub_group, std::size_t tensor) const;
-  // Bytes one step reads and writes (slot tensors, I/O-aligned; gradients not included), and
-  // those per element of the partition.
+  // Bytes one step reads and writes (slot tensors of the swapped sub-groups, I/O-aligned;
+  // gradients not included), and those per element of the partition.
   std::uint64_t StateIoBytesPerStep() const;
   double StateIoBytesPerElement() const;
+  // The host memory tier: whether a sub-group's state is resident (never swapped), how many are,
+  // and the bytes they hold.
+  bool resident(std::size_t sub_group) const { return !resident_.at(sub_group).empty(); }
+  std::size_t num_resident() const;
+  std::uint64_t resident_bytes() const;
+  // Whether the swapper has a swap store (not with every sub-group resident and gradients in
+  // memory); store() requires one.
+  bool has_store() const { return store_ != nullptr; }
+  // The store's I/O counters, zero without a store.
+  storage::SwapStore::IoCounters io_counters() const;
 
  protected:
   struct Parts;  // what Create builds; see optimizer_swapper.cc
   OptimizerSwapper(std::string_view mode_name, Parts&& parts);
 
+  // What an engine has reported so far to IoBatch::WaitFor: the ids completed, and the first
+  // failure (whose request is not known: an engine reports failures without ids).
+  struct Completions {
+    std::unordered_set<std::uint64_t> ids;
+    std::optional<Error> failure;
+  };
   // The requests one engine has in flight for one sub-group, labelled for error messages.
   class IoBatch {
    public:
@@ -262,43 +287,73 @@ class OptimizerSwapper {
     bool empty() const { return ids_.empty(); }
     // Drains `engine` (every pending request); on failure the error names the failed labels.
     Status Wait(storage::IoEngine& engine);
+    // Waits until this batch's requests have completed, leaving the engine's other requests in
+    // flight; `seen` collects what the engine reports, for the engine's other batches. After a
+    // failure on the engine it drains the engine and fails if any of its requests did not
+    // complete (naming their labels). Empties the batch.
+    Status WaitFor(storage::IoEngine& engine, Completions* seen);
 
    private:
     std::vector<std::uint64_t> ids_;
     std::vector<std::string> labels_;
   };
 
-  // Buffers per sub-group in flight: one per slot tensor (lease buffer t holds slot tensor t),
-  // then the gradient: fp32: fp32, exp_avg, exp_avg_sq, gradient; q8: fp32, moments, gradient.
+  // Buffers per swapped sub-group: one per slot tensor, plus its gradient: fp32: fp32, exp_avg,
+  // exp_avg_sq, gradient; q8: fp32, moments, gradient.
   static constexpr std::size_t kMaxBuffersPerSubGroup = 4;
   static std::size_t BuffersPerSubGroup(StateFormat format);
   std::size_t buffers_per_sub_group() const { return BuffersPerSubGroup(options_.state_format); }
-  std::size_t gradient_buffer() const { return num_slot_tensors(); }
 
-  Status SubmitStateReads(std::size_t sub_group, const PoolLease& lease,
+  // Where one sub-group's slot tensors are while it is stepped or moved: pool buffers (in any
+  // order: the swappers rotate their buffers between roles) or its resident memory.
+  struct StateBuffers {
+    std::array<std::span<std::byte>, kNumStateTensors> tensors;  // slot tensor t
+    std::span<float> floats(std::size_t t) const;
+  };
+  // Buffers 0..num_slot_tensors()-1 of `lease`.
+  StateBuffers LeaseBuffers(const PoolLease& lease) const;
+  // The resident memory of a resident sub-group.
+  StateBuffers ResidentBuffers(std::size_t sub_group) const;
+
+  Status SubmitStateRead(std::size_t sub_group, std::size_t tensor, std::span<std::byte> buffer,
+                         storage::IoEngine& engine, IoBatch* batch);
+  Status SubmitStateReads(std::size_t sub_group, const StateBuffers& buffers,
                           storage::IoEngine& engine, IoBatch* batch);
-  Status VerifyStateReads(std::size_t sub_group, const PoolLease& lease) const;
-  // Takes the spare slot and submits the writes of the slot tensors to it, slot tensor t from
-  // the lease's buffer buffers[t] (by default buffer t).
-  Result<std::size_t> SubmitStateWrites(std::size_t sub_group, const PoolLease& lease,
-                                        storage::IoEngine& engine, IoBatch* batch,
-                                        std::span<const std::size_t> buffers = {});
+  Status VerifyStateReads(std::size_t sub_group, const StateBuffers& buffers) const;
+  // Takes the spare slot and submits the writes of the slot tensors to it, in `order` (default
+  // 0, 1, ...); one request list per tensor goes to `batches[t]` (or all to batches[0]).
+  Result<std::size_t> SubmitStateWrites(std::size_t sub_group, const StateBuffers& buffers,
+                                        storage::IoEngine& engine, std::span<IoBatch> batches,
+                                        std::span<const std::size_t> order = {});
   // Local: reads bytes [begin, begin + buffer.size()) of slot tensor `name` (I/O-aligned) into
   // `buffer` on the read engine, waits and verifies (verify_swap); errors prefixed by `context`.
   Status ReadSlotTensor(const std::string& name, std::uint64_t begin, std::span<std::byte> buffer,
                         const std::string& context);
-  // Writes the slot tensors from the lease (as SubmitStateWrites) and commits them at `step`.
-  Status WriteAndCommit(std::size_t sub_group, std::int64_t step, const PoolLease& lease,
-                        std::span<const std::size_t> buffers, const std::string& context);
+  // Makes `buffers` the committed state of the sub-group at `step`: written to the spare slot
+  // and committed, or copied into its resident memory.
+  Status WriteAndCommit(std::size_t sub_group, std::int64_t step, const StateBuffers& buffers,
+                        const std::string& context);
   // After the writes to `slot` completed: the sub-group's state is now in `slot`.
   void Commit(std::size_t sub_group, std::size_t slot, std::int64_t step);
   // After the writes to `slot` failed: `slot` is spare again.
   void Abandon(std::size_t slot);
-  // Gradient (gradient_buffer()) -> Adam on the slot tensor buffers (optionally bf16 into the
-  // gradient buffer afterwards).
-  Status Compute(std::int64_t step, std::size_t sub_group, const PoolLease& lease,
-                 const StepOptions& options);
-  Status Sink(std::size_t sub_group, const PoolLease& lease, const ParamSink& sink);
+  // Fills `grad` (the sub-group's numel) from `source` (zeros without one).
+  Status FillGradient(std::size_t sub_group, const GradientSource& source, std::span<float> grad);
+  // Adam on the slot tensors in `buffers` with the gradient `grad`.
+  Status Compute(std::int64_t step, std::size_t sub_group, const StateBuffers& buffers,
+                 std::span<const float> grad, const StepOptions& options);
+  // Hands the committed weights `fp32` to the sink (bf16_params: rounded into `scratch`, a buffer
+  // of at least numel * 2 bytes that is free now).
+  Status Sink(std::size_t sub_group, std::span<const float> fp32, std::span<std::byte> scratch,
+              const ParamSink& sink);
+  // Steps every resident sub-group not yet at `step`, in place (q8: through `work`'s first
+  // num_slot_tensors() buffers, copied back on success, since its encoder can fail midway);
+  // `grad` is a free pool buffer for the gradient. Returns at the first failure.
+  Status StepResident(std::int64_t step, const GradientSource& source, const ParamSink& sink,
+                      const StepOptions& options, std::span<float> grad,
+                      const StateBuffers& work);
+  // The swapped sub-groups not yet at `step`, in order.
+  std::vector<std::size_t> SwappedTodo(std::int64_t step) const;
   // Flushes the gradient swapper and agrees on the result (collective).
   Status FlushGradientsCollective(std::int64_t step);
   // "step 3, sub-group 2 of 5 (2 of 5 took the step): "
@@ -307,8 +362,9 @@ class OptimizerSwapper {
   Status FinishStep(std::int64_t step, Status local);
 
   storage::IoEngine& read_engine() { return *read_engine_; }
-  // The pipelined swapper's second engine; the partitioned swapper's only engine otherwise.
-  storage::IoEngine& write_engine() { return write_engine_ ? *write_engine_ : *read_engine_; }
+  // Both swappers read on one engine and write on another (a ring and thread each), so that
+  // reads and writes overlap.
+  storage::IoEngine& write_engine() { return *write_engine_; }
 
   SwapperOptions options_;
   comm::Communicator comm_;
@@ -317,14 +373,19 @@ class OptimizerSwapper {
   std::vector<SubGroupSwapInfo> infos_;
   std::unique_ptr<storage::SwapStore> store_;
   std::unique_ptr<storage::IoEngine> read_engine_;
-  std::unique_ptr<storage::IoEngine> write_engine_;  // pipelined only
+  std::unique_ptr<storage::IoEngine> write_engine_;
   std::unique_ptr<BufferPool> pool_;
   std::unique_ptr<GradientSwapper> gradient_swapper_;
   CpuAdam adam_;
   comm::Timers timers_;
-  std::vector<std::size_t> slot_of_;
+  std::vector<std::size_t> slot_of_;  // swapped sub-groups only
   std::vector<std::size_t> spare_slots_;
   std::vector<std::int64_t> last_step_;
+  // Per sub-group: its slot tensors in host memory when resident, else empty.
+  std::vector<std::vector<storage::AlignedBuffer>> resident_;
+  // A resident sub-group whose in-place WriteState failed: its state is lost until one succeeds.
+  std::vector<bool> damaged_;
+  Status CheckNotDamaged(std::size_t sub_group) const;
 
  private:
   friend Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
@@ -334,8 +395,8 @@ class OptimizerSwapper {
 };
 
 // Collective over `comm`. Builds the swapper for `options`: the PipelinedOptimizerSwapper when
-// pipeline_read or pipeline_write is set and the pool holds 3 sets of BuffersPerSubGroup buffers
-// (fp32: 3 x 4, q8: 3 x 3), else the synchronous PartitionedOptimizerSwapper (with a WARN line
+// pipeline_read or pipeline_write is set and the pool holds PipelinedOptimizerSwapper::MinBuffers
+// (fp32: 10, q8: 7), else the synchronous PartitionedOptimizerSwapper (with a WARN line
 // when a pipeline was asked for but the budget is too small). Steps: sub-group plan of this rank,
 // store Open, pool, engines, collective free-space preflight (bytes summed per file system over the
 // ranks of each node), Reserve. Logs (rank 0) the mode, sub-groups, pool size, engines and store.

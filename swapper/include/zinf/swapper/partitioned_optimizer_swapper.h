@@ -1,9 +1,22 @@
-// PartitionedOptimizerSwapper: the synchronous swapper (DeepSpeed's PartitionedOptimizerSwapper).
-// Step() runs, for each sub-group in order: SwapIn (flush gradients, take 4 pool buffers, read
-// fp32/exp_avg/exp_avg_sq, fill the gradient), CpuAdam::Step, swap-out (write the state to the
-// spare slot, wait, commit, sink, Release). One engine; I/O and compute do not overlap.
+// PartitionedOptimizerSwapper: the swapper of DeepSpeed's PartitionedOptimizerSwapper, in the
+// same memory (one set of buffers: the slot tensors of one sub-group and its gradient, 4 for fp32,
+// 3 for q8), but with reads and writes overlapped by rotating the buffers between roles.
 //
-// SwapIn and Release, the steps Step takes per sub-group, are local, not collective.
+// Step() steps the resident sub-groups (host memory tier) while the first swapped sub-group is
+// read, then for each swapped sub-group i, with n slot tensors in n + 1 buffers:
+//   wait for i's reads; fill its gradient (unless done ahead); Adam;
+//   write i's tensors 1..n-1, then 0 (fp32) to the spare slot, on the write engine;
+//   read the next sub-group j's tensor 1 into the gradient buffer, free now, and each tensor
+//     t >= 2 of j into the buffer of i's tensor t - 1 as soon as that one is written;
+//   once all of i's writes are done: commit, sink (bf16 scratch: the buffer of tensor n - 1),
+//     read j's fp32 into i's fp32 buffer, and fill j's gradient into the buffer of tensor n - 1
+//     while that read runs.
+// So most of the next sub-group's reads run while the previous one is written (a disk moves
+// more both ways at once than one way), and the sink still sees only committed weights: fp32 is
+// written last and its buffer is read into only after the commit. The crash-consistency contract of
+// OptimizerSwapper holds unchanged: one write set in flight, one spare slot.
+//
+// SwapIn and Release (the per-sub-group halves of DeepSpeed's API) are local, not collective.
 // Thread safety: one thread at a time.
 #pragma once
 
@@ -20,10 +33,11 @@ class PartitionedOptimizerSwapper final : public OptimizerSwapper {
   Status Step(std::int64_t step, const GradientSource& source, const ParamSink& sink,
               const StepOptions& options = {}) override;
 
-  // swap_in_optimizer_state: flushes the gradient swapper (locally), takes 4 buffers, reads the
-  // committed state and fills the gradient from `source` (none when `source` is empty: the
-  // gradient buffer is zeroed). Errors: FailedPrecondition (already swapped in),
-  // ResourceExhausted (pool), I/O and callback errors (the buffers are released then).
+  // swap_in_optimizer_state: flushes the gradient swapper (locally), takes 4 buffers (q8: 3),
+  // reads the committed state (a resident sub-group's: copied) and fills the gradient, in the
+  // last buffer, from `source` (none when `source` is empty: the gradient is zeroed). Errors:
+  // FailedPrecondition (already swapped in), ResourceExhausted (pool), I/O and callback errors
+  // (the buffers are released then).
   Status SwapIn(std::size_t sub_group, const GradientSource& source);
   // release_swap_buffers: gives the buffers back without writing. No-op if not swapped in.
   void Release(std::size_t sub_group);
@@ -33,8 +47,8 @@ class PartitionedOptimizerSwapper final : public OptimizerSwapper {
       const comm::Communicator& comm, const partition::PartitionPlan& plan,
       const SwapperOptions& options);
   explicit PartitionedOptimizerSwapper(Parts&& parts);
-  Status StepOne(std::int64_t step, std::size_t sub_group, const GradientSource& source,
-                 const ParamSink& sink, const StepOptions& options);
+  Status StepLocal(std::int64_t step, const GradientSource& source, const ParamSink& sink,
+                   const StepOptions& options);
 
   std::map<std::size_t, PoolLease> swapped_in_;
 };
