@@ -33,6 +33,15 @@ Result<PoolLease> AllocateUpTo(BufferPool& pool, std::uint64_t numel, std::size_
   return pool.Allocate(numel, count);
 }
 
+// Slot tensors per sub-group, and the I/O bytes of slot tensor `tensor` of a sub-group, in a
+// state format (the members num_slot_tensors and SlotTensorIoBytes, before a swapper exists).
+std::size_t NumSlotTensors(StateFormat format) {
+  return format == StateFormat::kQ8 ? 2 : kNumStateTensors;
+}
+std::uint64_t TensorIoBytes(const SubGroupSwapInfo& info, StateFormat format, std::size_t tensor) {
+  return format == StateFormat::kQ8 && tensor == 1 ? info.moments_io_bytes : info.io_size_bytes;
+}
+
 // Zeroes the elements of `sub_group` that no fragment covers (partition padding).
 void ZeroPadding(const partition::SubGroup& sub_group, std::span<float> values) {
   std::uint64_t next = 0;
@@ -194,7 +203,7 @@ std::size_t OptimizerSwapper::BuffersPerSubGroup(StateFormat format) {
 }
 
 std::size_t OptimizerSwapper::num_slot_tensors() const {
-  return options_.state_format == StateFormat::kQ8 ? 2 : kNumStateTensors;
+  return NumSlotTensors(options_.state_format);
 }
 
 std::string OptimizerSwapper::SlotTensorName(std::size_t slot, std::size_t tensor) const {
@@ -205,9 +214,7 @@ std::string OptimizerSwapper::SlotTensorName(std::size_t slot, std::size_t tenso
 }
 
 std::uint64_t OptimizerSwapper::SlotTensorIoBytes(std::size_t sub_group, std::size_t tensor) const {
-  const SubGroupSwapInfo& info = infos_.at(sub_group);
-  return options_.state_format == StateFormat::kQ8 && tensor == 1 ? info.moments_io_bytes
-                                                                  : info.io_size_bytes;
+  return TensorIoBytes(infos_.at(sub_group), options_.state_format, tensor);
 }
 
 OptimizerSwapper::OptimizerSwapper(std::string_view mode_name, Parts&& parts)
@@ -431,16 +438,18 @@ Result<std::size_t> OptimizerSwapper::SubmitStateWrites(std::size_t sub_group,
   return slot;
 }
 
+void OptimizerSwapper::CopyState(std::size_t sub_group, const StateBuffers& from,
+                                 const StateBuffers& to) const {
+  for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
+    if (from.tensors[t].data() == to.tensors[t].data()) continue;
+    std::memcpy(to.tensors[t].data(), from.tensors[t].data(), SlotTensorIoBytes(sub_group, t));
+  }
+}
+
 Status OptimizerSwapper::WriteAndCommit(std::size_t sub_group, std::int64_t step,
                                         const StateBuffers& buffers, const std::string& context) {
   if (resident(sub_group)) {
-    const StateBuffers memory = ResidentBuffers(sub_group);
-    for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
-      if (buffers.tensors[t].data() != memory.tensors[t].data()) {
-        std::memcpy(memory.tensors[t].data(), buffers.tensors[t].data(),
-                    SlotTensorIoBytes(sub_group, t));
-      }
-    }
+    CopyState(sub_group, buffers, ResidentBuffers(sub_group));
     last_step_[sub_group] = step;
     return OkStatus();
   }
@@ -530,9 +539,7 @@ Status OptimizerSwapper::StepResident(std::int64_t step, const GradientSource& s
     if (options_.state_format == StateFormat::kQ8) {
       // The q8 encoder can refuse a non-finite moment after part of the state changed: step a
       // copy, so that a refused step leaves the committed state as it was.
-      for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
-        std::memcpy(work.tensors[t].data(), memory.tensors[t].data(), SlotTensorIoBytes(i, t));
-      }
+      CopyState(i, memory, work);
       ZINF_RETURN_IF_ERROR(Annotate(Compute(step, i, work, grad, options), context));
       ZINF_RETURN_IF_ERROR(WriteAndCommit(i, step, work, context));
     } else {
@@ -841,8 +848,9 @@ Status CheckOptions(const partition::PartitionPlan& plan, const comm::Communicat
 
 // Host memory the state of a resident sub-group takes.
 std::uint64_t ResidentBytes(const SubGroupSwapInfo& info, StateFormat format) {
-  return format == StateFormat::kQ8 ? info.io_size_bytes + info.moments_io_bytes
-                                    : kNumStateTensors * info.io_size_bytes;
+  std::uint64_t bytes = 0;
+  for (std::size_t t = 0; t < NumSlotTensors(format); ++t) bytes += TensorIoBytes(info, format, t);
+  return bytes;
 }
 
 // MemAvailable of /proc/meminfo in bytes, or nullopt when it cannot be read.
@@ -906,12 +914,10 @@ Result<std::vector<std::vector<storage::AlignedBuffer>>> AllocateResident(
   buffer_options.alignment = std::max<std::uint64_t>(alignment, 64);
   buffer_options.register_cuda = false;
   for (std::size_t i : chosen) {
-    const std::size_t tensors = format == StateFormat::kQ8 ? 2 : kNumStateTensors;
-    for (std::size_t t = 0; t < tensors; ++t) {
-      const std::uint64_t size =
-          format == StateFormat::kQ8 && t == 1 ? infos[i].moments_io_bytes : infos[i].io_size_bytes;
+    for (std::size_t t = 0; t < NumSlotTensors(format); ++t) {
       ZINF_ASSIGN_OR_RETURN(storage::AlignedBuffer buffer,
-                            Annotate(storage::AlignedBuffer::Allocate(size, buffer_options),
+                            Annotate(storage::AlignedBuffer::Allocate(
+                                         TensorIoBytes(infos[i], format, t), buffer_options),
                                      fmt::format("resident sub-group {}: ", i)));
       resident[i].push_back(std::move(buffer));
     }

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cstring>
 #include <optional>
 #include <utility>
 
@@ -30,11 +29,7 @@ Status PartitionedOptimizerSwapper::SwapIn(std::size_t sub_group, const Gradient
   const StateBuffers buffers = LeaseBuffers(lease);
   if (resident(sub_group)) {
     ZINF_RETURN_IF_ERROR(CheckNotDamaged(sub_group));
-    const StateBuffers memory = ResidentBuffers(sub_group);
-    for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
-      std::memcpy(buffers.tensors[t].data(), memory.tensors[t].data(),
-                  SlotTensorIoBytes(sub_group, t));
-    }
+    CopyState(sub_group, ResidentBuffers(sub_group), buffers);
   } else {
     comm::ScopedTimer swap_in(timers_, "swap_in_param");
     IoBatch batch;

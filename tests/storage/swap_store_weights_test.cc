@@ -180,6 +180,15 @@ TEST(SwapStoreWeights, PlanSpaceAndPreflightFollowTheShares) {
   EXPECT_TRUE(fs::is_empty(small.path()));
 }
 
+// Every tensor of kTensors reads back as the pattern WriteKeptStore wrote.
+void ExpectPatterns(SwapStore& store) {
+  for (const TensorSpec& spec : kTensors) {
+    std::vector<std::byte> out(spec.size_bytes);
+    ZINF_ASSERT_OK(store.Read(spec.name, out));
+    EXPECT_EQ(out, Pattern(spec.name, spec.size_bytes)) << spec.name;
+  }
+}
+
 // Writes kTensors into a kept store of `options` and closes it.
 void WriteKeptStore(SwapStoreOptions options) {
   options.keep = true;
@@ -205,11 +214,7 @@ TEST(SwapStoreWeights, ResumeUsesTheManifestsWeights) {
     EXPECT_THAT(store->stripe_map().weights(), ElementsAre(1, 3));
     EXPECT_THAT(store->options().path_weights, ElementsAre(1, 3));
     ZINF_ASSERT_OK(store->Reserve(kTensors));
-    for (const TensorSpec& spec : kTensors) {
-      std::vector<std::byte> out(spec.size_bytes);
-      ZINF_ASSERT_OK(store->Read(spec.name, out));
-      EXPECT_EQ(out, Pattern(spec.name, spec.size_bytes)) << spec.name;
-    }
+    ExpectPatterns(*store);
     ZINF_ASSERT_OK(store->Close());
   }
   // Each file must hold its share: path 1 cut to what equal shares would give it (15 of the 31
@@ -240,11 +245,7 @@ TEST(SwapStoreWeights, ManifestOfVersionOneIsEqualShares) {
   ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
   EXPECT_TRUE(store->stripe_map().equal_shares());
   ZINF_ASSERT_OK(store->Reserve(kTensors));
-  for (const TensorSpec& spec : kTensors) {
-    std::vector<std::byte> out(spec.size_bytes);
-    ZINF_ASSERT_OK(store->Read(spec.name, out));
-    EXPECT_EQ(out, Pattern(spec.name, spec.size_bytes)) << spec.name;
-  }
+  ExpectPatterns(*store);
   ZINF_ASSERT_OK(store->Close());
 }
 

@@ -314,6 +314,9 @@ class OptimizerSwapper {
   StateBuffers LeaseBuffers(const PoolLease& lease) const;
   // The resident memory of a resident sub-group.
   StateBuffers ResidentBuffers(std::size_t sub_group) const;
+  // Copies the sub-group's slot tensors (their I/O bytes) from `from` to `to`; a tensor already
+  // in place is left alone.
+  void CopyState(std::size_t sub_group, const StateBuffers& from, const StateBuffers& to) const;
 
   Status SubmitStateRead(std::size_t sub_group, std::size_t tensor, std::span<std::byte> buffer,
                          storage::IoEngine& engine, IoBatch* batch);
