@@ -187,15 +187,14 @@ ZeroEngine::~ZeroEngine() {
   // Local: a garbage collector runs a destructor at different times on different ranks, so it
   // never waits for them. They are told, so that none waits for this rank in a collective.
   if (state_->swapper) {
-    ZINF_LOG_WARN("engine: destroyed without Close(): closed on this rank only; another rank "
-                  "that waits for it in a collective of this engine ends the job");
+    ZINF_LOG_WARN(
+        "engine: destroyed without Close(): closed on this rank only; another rank "
+        "that waits for it in a collective of this engine ends the job");
   }
   CloseLocally("its engine was destroyed without Close()");
 }
 
-const comm::Communicator& ZeroEngine::comm() const {
-  return state_->comm ? *state_->comm : world_;
-}
+const comm::Communicator& ZeroEngine::comm() const { return state_->comm ? *state_->comm : world_; }
 
 void ZeroEngine::CloseLocally(std::string_view reason) {
   closed_ = true;
@@ -620,11 +619,8 @@ Status ZeroEngine::AccumulateGradients() {
 Result<double> ZeroEngine::PartitionGradSquaredSum() {
   State& s = *state_;
   double sum = 0;
-  auto add = [&sum](std::span<const float> g) {
-    double part = 0;
-    for (float v : g) part += static_cast<double>(v) * v;
-    sum += part;
-  };
+  // The Adam threads' SIMD sum: the same bits on every path and thread count (cpu_adam.h).
+  auto add = [&sum, &s](std::span<const float> g) { sum += s.swapper->adam().SquaredL2Norm(g); };
   swapper::GradientSwapper* gradients = s.swapper->gradient_swapper();
   if (gradients == nullptr) {
     add(s.partition_grad);
@@ -690,8 +686,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
     // Skipped: no swap I/O, the weights and the schedule stay; the gradient was consumed.
     info.lr = next_lr();  // what the step would have run at, and the next one will
     ZINF_RETURN_IF_ERROR(scaler.Update(/*overflow=*/true));
-    return FinishStep(info, /*skipped=*/true, io_start, io.io_counters(), io.io_counters(),
-                      0.0);
+    return FinishStep(info, /*skipped=*/true, io_start, io.io_counters(), io.io_counters(), 0.0);
   }
   double clip = 1.0;
   if (config_.gradient_clipping > 0 && info.grad_norm > config_.gradient_clipping) {
@@ -735,10 +730,11 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   const swapper::GradientSource source =
       gradients != nullptr
           ? gradients->Source()
-          : swapper::GradientSource([&s](const partition::SubGroup& sg, std::span<float> g) {
-              std::copy_n(s.partition_grad.data() + sg.partition_offset, sg.numel, g.data());
-              return OkStatus();
-            });
+          : swapper::GradientSource::FromView(
+                [&s](const partition::SubGroup& sg) -> Result<std::span<const float>> {
+                  return std::span<const float>(s.partition_grad)
+                      .subspan(sg.partition_offset, sg.numel);
+                });
   const swapper::ParamSink sink = [&s, rank = world_.rank()](const partition::SubGroup& sg,
                                                              std::span<const float> fp32,
                                                              std::span<const std::uint16_t>) {

@@ -209,10 +209,13 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
     return OkStatus();
   }));
   const double init_seconds = MonotonicSeconds() - init_start;
-  const swapper::GradientSource source = [](const partition::SubGroup&, std::span<float> grad) {
-    std::fill(grad.begin(), grad.end(), 1e-3f);
-    return OkStatus();
-  };
+  // The gradient is lent to the step as the engine lends its in-memory partition gradient (a
+  // view, no copy): one sub-group's worth of it serves every sub-group.
+  const std::vector<float> gradient(swapper->sub_groups().max_sub_group_numel(), 1e-3f);
+  const swapper::GradientSource source = swapper::GradientSource::FromView(
+      [&gradient](const partition::SubGroup& sg) -> Result<std::span<const float>> {
+        return std::span<const float>(gradient).first(sg.numel);
+      });
   const swapper::ParamSink sink = [](const partition::SubGroup&, std::span<const float>,
                                      std::span<const std::uint16_t>) { return OkStatus(); };
   // The engine alone moves what the step moves: nothing without swapped sub-groups.
@@ -269,8 +272,11 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
       {"adam_seconds_per_step", swapper->timers().Elapsed("optimizer_step") / flags.steps},
       {"peak_rss_bytes", peak_rss},
       {"peak_rss_scope", peak_rss_of_mode ? "mode" : "process"},
+      // The gradient is the caller's memory (the engine's partition gradient), not the swapper's.
+      {"gradient_bytes", gradient.size() * sizeof(float)},
       {"peak_rss_minus_pool_bytes", static_cast<std::int64_t>(peak_rss) -
-                                        static_cast<std::int64_t>(swapper->pool().total_bytes())},
+                                        static_cast<std::int64_t>(swapper->pool().total_bytes() +
+                                                                  gradient.size() * sizeof(float))},
       {"host_cache", tier},
       {"host_cache_bytes", options.host_cache_bytes},
       {"resident_sub_groups", swapper->num_resident()},

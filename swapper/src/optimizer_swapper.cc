@@ -474,15 +474,46 @@ void OptimizerSwapper::Commit(std::size_t sub_group, std::size_t slot, std::int6
 
 void OptimizerSwapper::Abandon(std::size_t slot) { spare_slots_.push_back(slot); }
 
-Status OptimizerSwapper::FillGradient(std::size_t sub_group, const GradientSource& source,
-                                      std::span<float> grad) {
-  comm::ScopedTimer gradient(timers_, "swap_in_gradient");
-  grad = grad.first(infos_[sub_group].sub_group.numel);
-  if (!source) {
-    std::fill(grad.begin(), grad.end(), 0.0f);
+GradientSource GradientSource::FromView(View view) {
+  GradientSource source;
+  source.view_ = std::move(view);
+  return source;
+}
+
+Result<std::span<const float>> GradientSource::Get(const partition::SubGroup& sub_group,
+                                                   std::span<float> scratch) const {
+  if (!view_) {
+    ZINF_RETURN_IF_ERROR(FillInto(sub_group, scratch));
+    return std::span<const float>(scratch.first(sub_group.numel));
+  }
+  ZINF_ASSIGN_OR_RETURN(const std::span<const float> grad, view_(sub_group));
+  if (grad.size() != sub_group.numel) {
+    return InvalidArgumentError(
+        fmt::format("the gradient view of sub-group {} has {} elements; the sub-group has {}",
+                    sub_group.index, grad.size(), sub_group.numel));
+  }
+  return grad;
+}
+
+Status GradientSource::FillInto(const partition::SubGroup& sub_group, std::span<float> out) const {
+  out = out.first(sub_group.numel);
+  if (fill_) return fill_(sub_group, out);
+  if (!view_) {
+    std::ranges::fill(out, 0.0f);
     return OkStatus();
   }
-  return Annotate(source(infos_[sub_group].sub_group, grad), "gradient: ");
+  ZINF_ASSIGN_OR_RETURN(const std::span<const float> grad, Get(sub_group, {}));
+  std::ranges::copy(grad, out.begin());
+  return OkStatus();
+}
+
+Result<std::span<const float>> OptimizerSwapper::Gradient(std::size_t sub_group,
+                                                          const GradientSource& source,
+                                                          std::span<float> scratch) {
+  comm::ScopedTimer gradient(timers_, "swap_in_gradient");
+  Result<std::span<const float>> grad = source.Get(infos_[sub_group].sub_group, scratch);
+  if (!grad) return std::move(grad).error().WithContext("gradient: ");
+  return grad;
 }
 
 Status OptimizerSwapper::Compute(std::int64_t step, std::size_t sub_group,
@@ -529,28 +560,37 @@ Status OptimizerSwapper::Sink(std::size_t sub_group, std::span<const float> fp32
 
 Status OptimizerSwapper::StepResident(std::int64_t step, const GradientSource& source,
                                       const ParamSink& sink, const StepOptions& options,
-                                      std::span<float> grad, const StateBuffers& work) {
-  for (std::size_t i = 0; i < infos_.size(); ++i) {
+                                      std::span<float> scratch, const StateBuffers& work,
+                                      std::size_t limit) {
+  for (std::size_t i = 0; i < infos_.size() && limit > 0; ++i) {
     if (!resident(i) || last_step_[i] >= step) continue;
+    --limit;
     const std::string context = StepContext(step, i);
     ZINF_RETURN_IF_ERROR(Annotate(CheckNotDamaged(i), context));
-    ZINF_RETURN_IF_ERROR(Annotate(FillGradient(i, source, grad), context));
+    Result<std::span<const float>> grad = Gradient(i, source, scratch);
+    if (!grad) return std::move(grad).error().WithContext(context);
     const StateBuffers memory = ResidentBuffers(i);
     if (options_.state_format == StateFormat::kQ8) {
       // The q8 encoder can refuse a non-finite moment after part of the state changed: step a
       // copy, so that a refused step leaves the committed state as it was.
       CopyState(i, memory, work);
-      ZINF_RETURN_IF_ERROR(Annotate(Compute(step, i, work, grad, options), context));
+      ZINF_RETURN_IF_ERROR(Annotate(Compute(step, i, work, *grad, options), context));
       ZINF_RETURN_IF_ERROR(WriteAndCommit(i, step, work, context));
     } else {
       // Adam on fp32 checks its arguments before it changes anything: in place is all or nothing.
-      ZINF_RETURN_IF_ERROR(Annotate(Compute(step, i, memory, grad, options), context));
+      ZINF_RETURN_IF_ERROR(Annotate(Compute(step, i, memory, *grad, options), context));
       last_step_[i] = step;
     }
     ZINF_RETURN_IF_ERROR(
-        Annotate(Sink(i, memory.floats(0), std::as_writable_bytes(grad), sink), context));
+        Annotate(Sink(i, memory.floats(0), std::as_writable_bytes(scratch), sink), context));
   }
   return OkStatus();
+}
+
+std::size_t OptimizerSwapper::ResidentTodo(std::int64_t step) const {
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < infos_.size(); ++i) n += resident(i) && last_step_[i] < step ? 1 : 0;
+  return n;
 }
 
 Status OptimizerSwapper::CheckNotDamaged(std::size_t sub_group) const {

@@ -47,7 +47,8 @@ Status PartitionedOptimizerSwapper::SwapIn(std::size_t sub_group, const Gradient
     ZINF_RETURN_IF_ERROR(Annotate(waited, "swap-in "));
     ZINF_RETURN_IF_ERROR(Annotate(VerifyStateReads(sub_group, buffers), "swap-in "));
   }
-  ZINF_RETURN_IF_ERROR(FillGradient(sub_group, source, lease.floats(num_slot_tensors())));
+  ZINF_RETURN_IF_ERROR(
+      Annotate(source.FillInto(info.sub_group, lease.floats(num_slot_tensors())), "gradient: "));
   swapped_in_.emplace(sub_group, std::move(lease));
   return OkStatus();
 }
@@ -85,7 +86,8 @@ Status PartitionedOptimizerSwapper::StepLocal(std::int64_t step, const GradientS
   Completions write_seen;
   std::optional<std::size_t> writing;  // the sub-group whose writes are in flight
   std::size_t write_slot = 0;
-  bool gradient_ready = false;       // the gradient of the sub-group in hand is filled
+  bool gradient_ready = false;  // `gradient` is the gradient of the sub-group in hand
+  std::span<const float> gradient;
   Status write_status = OkStatus();  // the first failure among the writes of `writing`
 
   // Waits for the writes of slot tensor t of `writing`.
@@ -143,12 +145,13 @@ Status PartitionedOptimizerSwapper::StepLocal(std::int64_t step, const GradientS
       ZINF_RETURN_IF_ERROR(
           Annotate(VerifyStateReads(i, buffers()), StepContext(step, i) + "swap-in "));
       if (!gradient_ready) {
-        ZINF_RETURN_IF_ERROR(
-            Annotate(FillGradient(i, source, lease.floats(grad)), StepContext(step, i)));
+        Result<std::span<const float>> g = Gradient(i, source, lease.floats(grad));
+        if (!g) return std::move(g).error().WithContext(StepContext(step, i));
+        gradient = *g;
       }
       gradient_ready = false;
       ZINF_RETURN_IF_ERROR(
-          Annotate(Compute(step, i, buffers(), lease.floats(grad), options), StepContext(step, i)));
+          Annotate(Compute(step, i, buffers(), gradient, options), StepContext(step, i)));
       {
         comm::ScopedTimer swap_out(timers_, "swap_out_param");
         comm::ScopedTimer submit(timers_, "swap_submit_write");
@@ -181,8 +184,9 @@ Status PartitionedOptimizerSwapper::StepLocal(std::int64_t step, const GradientS
       for (std::size_t t = 2; t < n; ++t) next[t] = role[t - 1];
       grad = role[n - 1];
       role = next;
-      ZINF_RETURN_IF_ERROR(
-          Annotate(FillGradient(j, source, lease.floats(grad)), StepContext(step, j)));
+      Result<std::span<const float>> g = Gradient(j, source, lease.floats(grad));
+      if (!g) return std::move(g).error().WithContext(StepContext(step, j));
+      gradient = *g;
       gradient_ready = true;
     }
     return finish_writes();

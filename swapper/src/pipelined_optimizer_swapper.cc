@@ -68,11 +68,21 @@ Status PipelinedOptimizerSwapper::StepLocal(std::int64_t step, const GradientSou
                     StepContext(step, todo[t]) + "swap-in ");
   };
 
+  // The resident sub-groups step while swapped ones move: a share of them before the first
+  // swapped sub-group (while it is read) and after each one (while it is written and the next
+  // read), so that their Adam hides behind the I/O instead of preceding it. `work` is a set free
+  // until the next reads into it: q8's work copy.
+  std::size_t residents = ResidentTodo(step);
+  auto step_residents = [&](std::size_t slots_left, const PoolLease& work) -> Status {
+    const std::size_t share = (residents + slots_left - 1) / slots_left;
+    residents -= share;
+    return StepResident(step, source, sink, options, grad, LeaseBuffers(work), share);
+  };
+
   auto run = [&]() -> Status {
     if (read_ahead && !todo.empty()) ZINF_RETURN_IF_ERROR(submit_reads(0));
-    // The resident sub-groups step while the first swapped one is read (set 1 is free until
-    // iteration 0 reads into it: q8's work copy).
-    ZINF_RETURN_IF_ERROR(StepResident(step, source, sink, options, grad, LeaseBuffers(sets[1])));
+    // Set 1 is free until iteration 0 reads into it (iteration 0 reads set 0 and 1 ahead).
+    ZINF_RETURN_IF_ERROR(step_residents(todo.size() + 1, sets[1]));
     for (std::size_t t = 0; t < todo.size(); ++t) {
       const std::size_t i = todo[t];
       const StateBuffers set = LeaseBuffers(sets[t % kSets]);
@@ -87,8 +97,10 @@ Status PipelinedOptimizerSwapper::StepLocal(std::int64_t step, const GradientSou
         ZINF_RETURN_IF_ERROR(Annotate(VerifyStateReads(i, set), StepContext(step, i) + "swap-in "));
       }
       if (read_ahead && t + 1 < todo.size()) ZINF_RETURN_IF_ERROR(submit_reads(t + 1));
-      ZINF_RETURN_IF_ERROR(Annotate(FillGradient(i, source, grad), StepContext(step, i)));
-      ZINF_RETURN_IF_ERROR(Annotate(Compute(step, i, set, grad, options), StepContext(step, i)));
+      Result<std::span<const float>> gradient = Gradient(i, source, grad);
+      if (!gradient) return std::move(gradient).error().WithContext(StepContext(step, i));
+      ZINF_RETURN_IF_ERROR(
+          Annotate(Compute(step, i, set, *gradient, options), StepContext(step, i)));
       ZINF_RETURN_IF_ERROR(finish_writes());
       {
         comm::ScopedTimer swap_out(timers_, "swap_out_param");
@@ -104,6 +116,9 @@ Status PipelinedOptimizerSwapper::StepLocal(std::int64_t step, const GradientSou
         writing = t;
       }
       if (!write_behind) ZINF_RETURN_IF_ERROR(finish_writes());
+      // Set (t + 2) % 3 held todo[t - 1], whose writes finished above; todo[t + 2] is read into
+      // it at iteration t + 1.
+      ZINF_RETURN_IF_ERROR(step_residents(todo.size() - t, sets[(t + 2) % kSets]));
     }
     return finish_writes();
   };

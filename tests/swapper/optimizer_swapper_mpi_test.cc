@@ -171,11 +171,17 @@ class Harness {
 
   Status SwappedStep(std::int64_t step) {
     GradientSource source;
-    if (mode_ == GradMode::kCopy) {
+    if (mode_ == GradMode::kCopy && step % 2 == 1) {
       source = [this](const partition::SubGroup& sg, std::span<float> grad) {
         std::memcpy(grad.data(), summed_.data() + sg.partition_offset, grad.size() * 4);
         return OkStatus();
       };
+    } else if (mode_ == GradMode::kCopy) {
+      // Even steps lend the summed gradient instead (no copy): the same bits.
+      source = GradientSource::FromView(
+          [this](const partition::SubGroup& sg) -> Result<std::span<const float>> {
+            return std::span<const float>(summed_).subspan(sg.partition_offset, sg.numel);
+          });
     } else {
       source = swapper_->gradient_swapper()->Source();
     }
@@ -444,6 +450,29 @@ TEST(OptimizerSwapper, HostCacheLargerThanTheHostIsRefusedWithTheNumbers) {
                                    HasSubstr("zinf.host_cache_bytes asks for 4096.00 PiB")));
 }
 
+TEST(OptimizerSwapper, AGradientViewOfTheWrongSizeIsRefusedBeforeAnythingChanges) {
+  SharedScratchDir dir("swapper");
+  for (bool pipelined : {false, true}) {
+    Harness h(dir.path(), 2048, pipelined, GradMode::kCopy, 1);
+    h.options().host_cache_bytes = 24576;  // sub-group 0 resident: the first one stepped
+    h.options().store.job_id = fmt::format("view-{}", pipelined);
+    ZINF_ASSERT_OK(h.Create());
+    const std::vector<float> short_gradient(100, 1.0f);
+    const GradientSource view =
+        GradientSource::FromView([&](const partition::SubGroup&) -> Result<std::span<const float>> {
+          return std::span<const float>(short_gradient);
+        });
+    EXPECT_THAT(h.swapper().Step(1, view, {}),
+                StatusIs(ErrorCode::kInvalidArgument,
+                         HasSubstr("the gradient view of sub-group 0 has 100 elements; the "
+                                   "sub-group has 2048")));
+    for (std::size_t i = 0; i < h.swapper().num_sub_groups(); ++i) {
+      EXPECT_EQ(h.swapper().last_step(i), 0) << i;
+    }
+    h.ExpectStateEqualsReference();
+  }
+}
+
 TEST(OptimizerSwapper, Q8MovesHalfTheBytesAndBuysLargerSubGroups) {
   SharedScratchDir dir("swapper");
   // 3 buffers of 8 KiB: one short of an fp32 step, a q8 step's minimum.
@@ -504,6 +533,7 @@ struct FaultCase {
   FaultAt at;
   bool pipelined;
   StateFormat format = StateFormat::kFp32;
+  bool tiered = false;  // sub-group 0 resident in the host memory tier, the rest swapped
 };
 
 class OneRankFails : public ::testing::TestWithParam<FaultCase> {};
@@ -516,15 +546,20 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
   const GradMode mode =
       fault.at == FaultAt::kGradientWrite ? GradMode::kReadAddWrite : GradMode::kCopy;
   Harness h(dir.path(), 2048, fault.pipelined, mode, mode == GradMode::kCopy ? 1 : 2, fault.format);
-  // Initialize writes k blocks per sub-group (every slot tensor is one block here; k = 3 for
-  // fp32, 2 for q8). Step 2's faults: a read of the 3rd sub-group, the second write of the 2nd
-  // sub-group, the first gradient write.
+  // Tiered: sub-group 0 (24 KiB of fp32 state, 16 KiB of q8) stays in memory, does no I/O, and
+  // steps before the first swapped one; the faults then hit the swapped sub-groups one later.
+  const std::size_t resident = fault.tiered ? 1 : 0;
+  if (fault.tiered)
+    h.options().host_cache_bytes = fault.format == StateFormat::kFp32 ? 24576 : 16384;
+  // Initialize writes k blocks per swapped sub-group (every slot tensor is one block here; k = 3
+  // for fp32, 2 for q8). Step 2's faults: a read of the 3rd swapped sub-group, the second write
+  // of the 2nd, the first gradient write.
   const std::size_t k = fault.format == StateFormat::kQ8 ? 2 : 3;
   std::size_t num_sub_groups = 0;
   {
     auto sub_groups = partition::SubGroupPlan::Create(h.plan(), world.rank(), 2048);
     ZINF_ASSERT_OK(sub_groups);
-    num_sub_groups = sub_groups->size();
+    num_sub_groups = sub_groups->size() - resident;  // swapped ones
   }
   ASSERT_GE(num_sub_groups, 3u);
   std::string spec;
@@ -561,6 +596,7 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
   };
   ZINF_ASSERT_OK(h.Create());
   EXPECT_EQ(armed, world.rank() == failing);
+  EXPECT_EQ(h.swapper().num_resident(), resident);
 
   // State faults hit step 2 (step 1 succeeds everywhere); gradient faults hit the first
   // gradient write, in step 1's backward.
@@ -584,10 +620,14 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
   // together, so which tensor's I/O fails varies from run to run; the sub-group does not.
   switch (fault.at) {
     case FaultAt::kSwapIn:
-      EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr("sub-group 2: swap-in ")));
+      EXPECT_THAT(stepped,
+                  StatusIs(ErrorCode::kDataLoss,
+                           HasSubstr(fmt::format("sub-group {}: swap-in ", 2 + resident))));
       break;
     case FaultAt::kSwapOut:
-      EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr("sub-group 1: swap-out ")));
+      EXPECT_THAT(stepped,
+                  StatusIs(ErrorCode::kDataLoss,
+                           HasSubstr(fmt::format("sub-group {}: swap-out ", 1 + resident))));
       break;
     case FaultAt::kGradientWrite:
       EXPECT_THAT(stepped, StatusIs(ErrorCode::kDataLoss, HasSubstr("gradient")));
@@ -608,10 +648,10 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
   if (world.rank() == failing) {
     switch (fault.at) {
       case FaultAt::kSwapIn:
-        EXPECT_EQ(took, 2u);
+        EXPECT_EQ(took, 2u + resident);
         break;
       case FaultAt::kSwapOut:
-        EXPECT_EQ(took, 1u);
+        EXPECT_EQ(took, 1u + resident);
         break;
       case FaultAt::kGradientWrite:
         EXPECT_EQ(took, 0u);
@@ -638,13 +678,18 @@ INSTANTIATE_TEST_SUITE_P(
                       FaultCase{FaultAt::kSwapIn, true, StateFormat::kQ8},
                       FaultCase{FaultAt::kSwapOut, false, StateFormat::kQ8},
                       FaultCase{FaultAt::kSwapOut, true, StateFormat::kQ8},
-                      FaultCase{FaultAt::kGradientWrite, true, StateFormat::kQ8}),
+                      FaultCase{FaultAt::kGradientWrite, true, StateFormat::kQ8},
+                      FaultCase{FaultAt::kSwapIn, false, StateFormat::kFp32, true},
+                      FaultCase{FaultAt::kSwapOut, true, StateFormat::kFp32, true},
+                      FaultCase{FaultAt::kSwapOut, false, StateFormat::kQ8, true},
+                      FaultCase{FaultAt::kSwapIn, true, StateFormat::kQ8, true},
+                      FaultCase{FaultAt::kGradientWrite, true, StateFormat::kFp32, true}),
     [](const ::testing::TestParamInfo<FaultCase>& p) {
       const char* at = p.param.at == FaultAt::kSwapIn    ? "SwapIn"
                        : p.param.at == FaultAt::kSwapOut ? "SwapOut"
                                                          : "GradientWrite";
-      return fmt::format("{}_{}_{}", at, p.param.pipelined ? "Pipelined" : "Sync",
-                         StateFormatName(p.param.format));
+      return fmt::format("{}_{}_{}{}", at, p.param.pipelined ? "Pipelined" : "Sync",
+                         StateFormatName(p.param.format), p.param.tiered ? "_Tiered" : "");
     });
 
 }  // namespace

@@ -11,8 +11,9 @@
 //   }
 //
 // Where the gradient lives does not matter to Step: a GradientSource fills a sub-group's
-// gradient into a pool buffer (a copy from an in-memory partition gradient, the GradientSwapper,
-// or synthetic data), and a ParamSink receives the updated weights of each sub-group. Host memory
+// gradient into a pool buffer (the GradientSwapper, or synthetic data) or lends the memory that
+// holds it (an in-memory partition gradient), and a ParamSink receives the updated weights of
+// each sub-group. Host memory
 // therefore stays bounded by the pool even when the partition gradient is on disk.
 //
 // Store layout and the consistency guarantee. The store holds one *slot* per swapped sub-group
@@ -57,7 +58,9 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "zinf/comm/communicator.h"
@@ -103,19 +106,49 @@ Q8Moments ViewQ8Moments(std::span<std::byte> buffer, const Q8MomentsLayout& layo
 enum class EngineRole { kRead, kWrite, kGradient };
 std::string_view EngineRoleName(EngineRole role);  // "read", "write", "gradient"
 
-// Fills `grad` (sub_group.numel elements, a pool buffer) with the sub-group's gradient. Padding
-// elements should be 0. Called on the Step's thread, once per sub-group, in sub-group order.
-using GradientSource =
-    std::function<Status(const partition::SubGroup& sub_group, std::span<float> grad)>;
+// Where Step takes a sub-group's gradient (sub_group.numel elements; padding elements should be
+// 0), in one of two ways:
+//   - a fill (any callable `Status(const SubGroup&, std::span<float> grad)`) copies it into a pool
+//     buffer: from disk (GradientSwapper::Source), or synthetic data;
+//   - a view (FromView) returns memory that already holds it and stays unchanged until Step
+//     returns (an in-memory partition gradient): Adam reads it there, with no copy.
+// An empty source is a zero gradient. Called on the Step's thread, once per sub-group stepped, in
+// the order the swapper steps them (not necessarily sub-group order: resident sub-groups step
+// between swapped ones, while their I/O is in flight).
+class GradientSource {
+ public:
+  using Fill = std::function<Status(const partition::SubGroup& sub_group, std::span<float> grad)>;
+  using View = std::function<Result<std::span<const float>>(const partition::SubGroup& sub_group)>;
+
+  GradientSource() = default;
+  template <typename F>
+  requires(!std::is_same_v<std::remove_cvref_t<F>, GradientSource> &&
+           std::is_invocable_r_v<Status, F&, const partition::SubGroup&, std::span<float>>)
+      GradientSource(F fill)
+      : fill_(std::move(fill)) {}  // NOLINT: a callable is a source
+  static GradientSource FromView(View view);
+
+  bool empty() const { return !fill_ && !view_; }
+  bool is_view() const { return static_cast<bool>(view_); }
+  // The gradient of `sub_group`: the view, or `scratch` (at least numel elements) filled.
+  // InvalidArgument if a view has another size than the sub-group.
+  Result<std::span<const float>> Get(const partition::SubGroup& sub_group,
+                                     std::span<float> scratch) const;
+  // Copies the gradient into `out` (at least numel elements; a view is copied, empty: zeros).
+  Status FillInto(const partition::SubGroup& sub_group, std::span<float> out) const;
+
+ private:
+  Fill fill_;
+  View view_;
+};
 // Receives the updated weights of a sub-group after its state is committed (see the top of the
 // file); `bf16` is empty unless SwapperOptions::bf16_params. The spans die after the call.
-using ParamSink = std::function<Status(const partition::SubGroup& sub_group,
-                                       std::span<const float> fp32,
-                                       std::span<const std::uint16_t> bf16)>;
+using ParamSink =
+    std::function<Status(const partition::SubGroup& sub_group, std::span<const float> fp32,
+                         std::span<const std::uint16_t> bf16)>;
 // Fills the initial fp32 weights of partition range [partition_offset, partition_offset +
 // out.size()).
-using InitialWeights =
-    std::function<Status(std::uint64_t partition_offset, std::span<float> out)>;
+using InitialWeights = std::function<Status(std::uint64_t partition_offset, std::span<float> out)>;
 // Tests: wraps an engine the swapper created (e.g. in a storage::FaultInjectingEngine).
 using EngineWrapper = std::function<Result<std::unique_ptr<storage::IoEngine>>(
     EngineRole role, std::unique_ptr<storage::IoEngine> engine)>;
@@ -132,13 +165,14 @@ struct SwapperOptions {
   // Store: paths, job_id, stripe_unit_bytes, keep, verify_swap, direct. world_rank is replaced
   // by the rank in `comm`.
   storage::SwapStoreOptions store;
-  storage::AioOptions aio;                                // DeepSpeed's aio section
-  storage::EngineKind engine = storage::EngineKind::kAuto;  // ZINF_IO_ENGINE overrides
+  storage::AioOptions aio;                                         // DeepSpeed's aio section
+  storage::EngineKind engine = storage::EngineKind::kAuto;         // ZINF_IO_ENGINE overrides
   std::uint64_t sub_group_size = partition::kDefaultSubGroupSize;  // elements per sub-group
   // Pool: zinf.pinned_budget_bytes; 0: buffer_count buffers of the largest sub-group.
   std::uint64_t pinned_budget_bytes = 0;
-  std::uint64_t buffer_count = 0;  // DeepSpeed's buffer_count; 0: the mode's minimum (4, q8 3; pipelined 10, q8 7)
-  bool pin_memory = false;         // mlock the pool
+  std::uint64_t buffer_count =
+      0;  // DeepSpeed's buffer_count; 0: the mode's minimum (4, q8 3; pipelined 10, q8 7)
+  bool pin_memory = false;  // mlock the pool
   // DeepSpeed's pipeline_read / pipeline_write: either one selects the pipelined swapper.
   bool pipeline_read = false;
   bool pipeline_write = false;
@@ -155,7 +189,7 @@ struct SwapperOptions {
   bool swap_gradients = false;
   int gradient_accumulation_steps = 1;  // micro-batches per step, >= 1
   GradientAccumulation accumulation = GradientAccumulation::kAuto;
-  std::uint64_t accumulation_memory_limit_bytes = 256ull << 20;  // kAuto: in memory up to this
+  std::uint64_t accumulation_memory_limit_bytes = 256ull << 20;    // kAuto: in memory up to this
   std::uint64_t min_swap_numel = partition::kDefaultMinSwapNumel;  // smaller pieces stay in RAM
   EngineWrapper engine_wrapper;  // tests only: e.g. attach a FaultInjector
 };
@@ -340,8 +374,9 @@ class OptimizerSwapper {
   void Commit(std::size_t sub_group, std::size_t slot, std::int64_t step);
   // After the writes to `slot` failed: `slot` is spare again.
   void Abandon(std::size_t slot);
-  // Fills `grad` (the sub-group's numel) from `source` (zeros without one).
-  Status FillGradient(std::size_t sub_group, const GradientSource& source, std::span<float> grad);
+  // The sub-group's gradient (its numel) from `source`: a view, or filled into `scratch`.
+  Result<std::span<const float>> Gradient(std::size_t sub_group, const GradientSource& source,
+                                          std::span<float> scratch);
   // Adam on the slot tensors in `buffers` with the gradient `grad`.
   Status Compute(std::int64_t step, std::size_t sub_group, const StateBuffers& buffers,
                  std::span<const float> grad, const StepOptions& options);
@@ -349,12 +384,15 @@ class OptimizerSwapper {
   // of at least numel * 2 bytes that is free now).
   Status Sink(std::size_t sub_group, std::span<const float> fp32, std::span<std::byte> scratch,
               const ParamSink& sink);
-  // Steps every resident sub-group not yet at `step`, in place (q8: through `work`'s first
-  // num_slot_tensors() buffers, copied back on success, since its encoder can fail midway);
-  // `grad` is a free pool buffer for the gradient. Returns at the first failure.
+  // Steps up to `limit` resident sub-groups not yet at `step`, in place (q8: through `work`'s
+  // first num_slot_tensors() buffers, copied back on success, since its encoder can fail midway);
+  // `scratch` is a free pool buffer for a filled gradient and bf16 weights. Returns at the first
+  // failure.
   Status StepResident(std::int64_t step, const GradientSource& source, const ParamSink& sink,
-                      const StepOptions& options, std::span<float> grad,
-                      const StateBuffers& work);
+                      const StepOptions& options, std::span<float> scratch,
+                      const StateBuffers& work, std::size_t limit = SIZE_MAX);
+  // The resident sub-groups not yet at `step`.
+  std::size_t ResidentTodo(std::int64_t step) const;
   // The swapped sub-groups not yet at `step`, in order.
   std::vector<std::size_t> SwappedTodo(std::int64_t step) const;
   // Flushes the gradient swapper and agrees on the result (collective).

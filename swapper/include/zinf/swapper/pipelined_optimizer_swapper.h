@@ -5,7 +5,9 @@
 // and one gradient buffer serves them all, so the pool must hold at least 10 (q8: 7) buffers
 // (CreateOptimizerSwapper falls back to the synchronous swapper, with a WARN, when it does not);
 // DeepSpeed needs 9 with the gradients kept outside its pool. The resident sub-groups (host
-// memory tier) step first, while the first swapped one is read. Each engine has at most one
+// memory tier) are spread over the swapped ones: a share steps while the first swapped one is
+// read and a share after each swapped one's writes are submitted, while its writes and the next
+// reads are in flight (q8's work copy: the set free at that moment). Each engine has at most one
 // sub-group's requests in flight, which is what lets a failure be pinned to a sub-group and the
 // consistency rules of optimizer_swapper.h hold: a sub-group is committed (and sunk) only once its
 // writes completed, when the next sub-group's writes are about to be submitted or at the end of
