@@ -50,23 +50,40 @@ StepKernel StepKernelFor(SimdPath path) {
   return internal::AdamStepScalar;
 }
 
-// The q8 block kernels of `path` (q8_kernels.h).
+// The q8 block kernels of `path` (q8_kernels.h, cpu_adam_kernels.h). The vector paths fuse
+// decoding into the Adam pass (`step`, which also finds the block scales) and then encode with
+// those scales; the scalar path decodes, steps and quantizes one pass after the other.
 struct Q8Kernels {
   float (*quantize)(const q8::internal::Tables&, const float*, std::size_t, std::uint8_t*);
   void (*dequantize)(const q8::internal::Tables&, const std::uint8_t*, float, std::size_t, float*);
+  bool (*step)(const AdamScalars&, const AdamArrays&, const internal::Q8BlockIn&, std::size_t,
+               float*, float*);
+  void (*encode)(const q8::internal::Tables&, const float*, std::size_t, float, std::uint8_t*);
 };
 
 Q8Kernels Q8KernelsFor(SimdPath path) {
   switch (path) {
     case SimdPath::kAvx512:
-      return {q8::internal::QuantizeBlockAvx512, q8::internal::DequantizeBlockAvx512};
+      return {q8::internal::QuantizeBlockAvx512, q8::internal::DequantizeBlockAvx512,
+              internal::AdamStepQ8BlockAvx512, q8::internal::EncodeBlockAvx512};
     case SimdPath::kAvx2:
-      return {q8::internal::QuantizeBlockAvx2, q8::internal::DequantizeBlockAvx2};
+      return {q8::internal::QuantizeBlockAvx2, q8::internal::DequantizeBlockAvx2,
+              internal::AdamStepQ8BlockAvx2, q8::internal::EncodeBlockAvx2};
     case SimdPath::kScalar:
     case SimdPath::kAuto:
       break;
   }
-  return {q8::internal::QuantizeBlockScalar, q8::internal::DequantizeBlockScalar};
+  return {q8::internal::QuantizeBlockScalar, q8::internal::DequantizeBlockScalar, nullptr, nullptr};
+}
+
+// A block's codes for its scale (the largest |x|, finite).
+void Encode(const Q8Kernels& codec, const q8::internal::Tables& t, const float* x, std::size_t n,
+            float scale, std::uint8_t* codes) {
+  if (scale == 0.0f) {
+    std::fill(codes, codes + n, t.zero_code);
+  } else {
+    codec.encode(t, x, n, scale, codes);
+  }
 }
 
 NormKernel NormKernelFor(SimdPath path) {
@@ -376,9 +393,6 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
     for (std::size_t begin = c * kChunkNumel; begin < chunk_end; begin += q8::kBlockNumel) {
       const std::size_t len = std::min(q8::kBlockNumel, n - begin);
       const std::size_t b = begin / q8::kBlockNumel;
-      codec.dequantize(signed_map, exp_avg.codes.data() + begin, exp_avg.scales[b], len, m.data());
-      codec.dequantize(unsigned_map, exp_avg_sq.codes.data() + begin, exp_avg_sq.scales[b], len,
-                       v.data());
       const AdamArrays arrays = {
           .param = param.data() + begin,
           .grad = grad.data() + begin,
@@ -387,10 +401,34 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
           .max_exp_avg_sq = nullptr,
           .bf16 = extras.bf16_param.empty() ? nullptr : extras.bf16_param.data() + begin,
       };
-      kernel(scalars, arrays, 0, len);
-      exp_avg.scales[b] = codec.quantize(signed_map, m.data(), len, exp_avg.codes.data() + begin);
-      exp_avg_sq.scales[b] =
-          codec.quantize(unsigned_map, v.data(), len, exp_avg_sq.codes.data() + begin);
+      std::uint8_t* m_codes = exp_avg.codes.data() + begin;
+      std::uint8_t* v_codes = exp_avg_sq.codes.data() + begin;
+      if (codec.step == nullptr) {
+        codec.dequantize(signed_map, m_codes, exp_avg.scales[b], len, m.data());
+        codec.dequantize(unsigned_map, v_codes, exp_avg_sq.scales[b], len, v.data());
+        kernel(scalars, arrays, 0, len);
+        exp_avg.scales[b] = codec.quantize(signed_map, m.data(), len, m_codes);
+        exp_avg_sq.scales[b] = codec.quantize(unsigned_map, v.data(), len, v_codes);
+      } else {
+        const internal::Q8BlockIn in = {
+            .m_codes = m_codes,
+            .v_codes = v_codes,
+            .m_map = signed_map.values.data(),
+            .v_map = unsigned_map.values.data(),
+            .m_scale = exp_avg.scales[b],
+            .v_scale = exp_avg_sq.scales[b],
+        };
+        float m_scale = 0.0f, v_scale = 0.0f;
+        if (codec.step(scalars, arrays, in, len, &m_scale, &v_scale)) {
+          Encode(codec, signed_map, m.data(), len, m_scale, m_codes);
+          Encode(codec, unsigned_map, v.data(), len, v_scale, v_codes);
+          exp_avg.scales[b] = m_scale;
+          exp_avg_sq.scales[b] = v_scale;
+        } else {
+          exp_avg.scales[b] = -1.0f;
+          exp_avg_sq.scales[b] = -1.0f;
+        }
+      }
       if (exp_avg.scales[b] < 0 || exp_avg_sq.scales[b] < 0) {
         std::size_t first = begin;
         while (first < begin + len && std::isfinite(m[first - begin]) &&

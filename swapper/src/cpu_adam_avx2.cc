@@ -8,6 +8,8 @@
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -33,47 +35,116 @@ ZINF_AVX2_TARGET inline __m128i ToBf16(__m256 p) {
 
 }  // namespace
 
+namespace {
+
+struct Avx2Scalars {
+  __m256 beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, grad_scale,
+      l2_decay, param_decay;
+};
+
+ZINF_AVX2_TARGET inline Avx2Scalars Broadcast(const AdamScalars& s) {
+  return {_mm256_set1_ps(s.beta1),     _mm256_set1_ps(s.one_minus_beta1),
+          _mm256_set1_ps(s.beta2),     _mm256_set1_ps(s.one_minus_beta2),
+          _mm256_set1_ps(s.step_size), _mm256_set1_ps(s.bc2_sqrt),
+          _mm256_set1_ps(s.eps),       _mm256_set1_ps(s.grad_scale),
+          _mm256_set1_ps(s.l2_decay),  _mm256_set1_ps(s.param_decay)};
+}
+
+// Eight elements at i with the old moments m_old, v_old: stores param (and bf16,
+// max_exp_avg_sq) and the new moments to a.exp_avg, a.exp_avg_sq; returns them in *m, *v.
+ZINF_AVX2_TARGET inline void Step8(const AdamScalars& s, const Avx2Scalars& k, const AdamArrays& a,
+                                   std::size_t i, __m256 m_old, __m256 v_old, __m256* m_new,
+                                   __m256* v_new) {
+  __m256 g = _mm256_loadu_ps(a.grad + i);
+  if (s.scale_grad) g = _mm256_mul_ps(g, k.grad_scale);
+  __m256 p = _mm256_loadu_ps(a.param + i);
+  if (s.use_l2) g = _mm256_add_ps(g, _mm256_mul_ps(k.l2_decay, p));
+  if (s.use_param_decay) p = _mm256_mul_ps(p, k.param_decay);
+  const __m256 m =
+      _mm256_add_ps(_mm256_mul_ps(k.beta1, m_old), _mm256_mul_ps(k.one_minus_beta1, g));
+  const __m256 v = _mm256_add_ps(_mm256_mul_ps(k.beta2, v_old),
+                                 _mm256_mul_ps(_mm256_mul_ps(k.one_minus_beta2, g), g));
+  _mm256_storeu_ps(a.exp_avg + i, m);
+  _mm256_storeu_ps(a.exp_avg_sq + i, v);
+  *m_new = m;
+  *v_new = v;
+  __m256 v_hat = v;
+  if (a.max_exp_avg_sq != nullptr) {
+    const __m256 old_max = _mm256_loadu_ps(a.max_exp_avg_sq + i);
+    // max_ps(x, y) = x > y ? x : y, y when either is NaN; then a NaN old_max wins too.
+    v_hat = _mm256_blendv_ps(_mm256_max_ps(old_max, v), old_max,
+                             _mm256_cmp_ps(old_max, old_max, _CMP_UNORD_Q));
+    _mm256_storeu_ps(a.max_exp_avg_sq + i, v_hat);
+  }
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v_hat), k.bc2_sqrt), k.eps);
+  p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(k.step_size, m), denom));
+  _mm256_storeu_ps(a.param + i, p);
+  if (a.bf16 != nullptr) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.bf16 + i), ToBf16(p));
+  }
+}
+
+}  // namespace
+
 ZINF_AVX2_TARGET void AdamStepAvx2(const AdamScalars& s, const AdamArrays& a, std::size_t begin,
                                    std::size_t end) {
-  const __m256 beta1 = _mm256_set1_ps(s.beta1);
-  const __m256 one_minus_beta1 = _mm256_set1_ps(s.one_minus_beta1);
-  const __m256 beta2 = _mm256_set1_ps(s.beta2);
-  const __m256 one_minus_beta2 = _mm256_set1_ps(s.one_minus_beta2);
-  const __m256 step_size = _mm256_set1_ps(s.step_size);
-  const __m256 bc2_sqrt = _mm256_set1_ps(s.bc2_sqrt);
-  const __m256 eps = _mm256_set1_ps(s.eps);
-  const __m256 grad_scale = _mm256_set1_ps(s.grad_scale);
-  const __m256 l2_decay = _mm256_set1_ps(s.l2_decay);
-  const __m256 param_decay = _mm256_set1_ps(s.param_decay);
+  const Avx2Scalars k = Broadcast(s);
   std::size_t i = begin;
+  __m256 m, v;
   for (; i + 8 <= end; i += 8) {
-    __m256 g = _mm256_loadu_ps(a.grad + i);
-    if (s.scale_grad) g = _mm256_mul_ps(g, grad_scale);
-    __m256 p = _mm256_loadu_ps(a.param + i);
-    if (s.use_l2) g = _mm256_add_ps(g, _mm256_mul_ps(l2_decay, p));
-    if (s.use_param_decay) p = _mm256_mul_ps(p, param_decay);
-    const __m256 m = _mm256_add_ps(_mm256_mul_ps(beta1, _mm256_loadu_ps(a.exp_avg + i)),
-                                   _mm256_mul_ps(one_minus_beta1, g));
-    const __m256 v = _mm256_add_ps(_mm256_mul_ps(beta2, _mm256_loadu_ps(a.exp_avg_sq + i)),
-                                   _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
-    _mm256_storeu_ps(a.exp_avg + i, m);
-    _mm256_storeu_ps(a.exp_avg_sq + i, v);
-    __m256 v_hat = v;
-    if (a.max_exp_avg_sq != nullptr) {
-      const __m256 old_max = _mm256_loadu_ps(a.max_exp_avg_sq + i);
-      // max_ps(x, y) = x > y ? x : y, y when either is NaN; then a NaN old_max wins too.
-      v_hat = _mm256_blendv_ps(_mm256_max_ps(old_max, v), old_max,
-                               _mm256_cmp_ps(old_max, old_max, _CMP_UNORD_Q));
-      _mm256_storeu_ps(a.max_exp_avg_sq + i, v_hat);
-    }
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v_hat), bc2_sqrt), eps);
-    p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step_size, m), denom));
-    _mm256_storeu_ps(a.param + i, p);
-    if (a.bf16 != nullptr) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.bf16 + i), ToBf16(p));
-    }
+    Step8(s, k, a, i, _mm256_loadu_ps(a.exp_avg + i), _mm256_loadu_ps(a.exp_avg_sq + i), &m, &v);
   }
   if (i < end) AdamStepScalar(s, a, i, end);
+}
+
+ZINF_AVX2_TARGET bool AdamStepQ8BlockAvx2(const AdamScalars& s, const AdamArrays& a,
+                                          const Q8BlockIn& in, std::size_t n, float* m_max,
+                                          float* v_max) {
+  const Avx2Scalars k = Broadcast(s);
+  const __m256 m_scale = _mm256_set1_ps(in.m_scale);
+  const __m256 v_scale = _mm256_set1_ps(in.v_scale);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i max_finite = _mm256_set1_epi32(0x7f7fffff);
+  __m256 m_top = _mm256_setzero_ps();
+  __m256 v_top = _mm256_setzero_ps();
+  __m256i bad = _mm256_setzero_si256();
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i m_code =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.m_codes + i)));
+    const __m256i v_code =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.v_codes + i)));
+    __m256 m, v;
+    Step8(s, k, a, i, _mm256_mul_ps(_mm256_i32gather_ps(in.m_map, m_code, 4), m_scale),
+          _mm256_mul_ps(_mm256_i32gather_ps(in.v_map, v_code, 4), v_scale), &m, &v);
+    const __m256i m_abs = _mm256_and_si256(_mm256_castps_si256(m), abs_mask);
+    const __m256i v_abs = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+    bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi32(m_abs, max_finite),
+                                               _mm256_cmpgt_epi32(v_abs, max_finite)));
+    m_top = _mm256_max_ps(m_top, _mm256_castsi256_ps(m_abs));
+    v_top = _mm256_max_ps(v_top, _mm256_castsi256_ps(v_abs));
+  }
+  alignas(32) float lanes[2][8];
+  _mm256_store_ps(lanes[0], m_top);
+  _mm256_store_ps(lanes[1], v_top);
+  float m_big = *std::max_element(lanes[0], lanes[0] + 8);
+  float v_big = *std::max_element(lanes[1], lanes[1] + 8);
+  bool ok = _mm256_testz_si256(bad, bad);
+  if (i < n) {  // the tail, as the scalar kernel steps it
+    for (std::size_t j = i; j < n; ++j) {
+      a.exp_avg[j] = in.m_map[in.m_codes[j]] * in.m_scale;
+      a.exp_avg_sq[j] = in.v_map[in.v_codes[j]] * in.v_scale;
+    }
+    AdamStepScalar(s, a, i, n);
+    for (std::size_t j = i; j < n; ++j) {
+      ok = ok && std::isfinite(a.exp_avg[j]) && std::isfinite(a.exp_avg_sq[j]);
+      m_big = std::max(m_big, std::fabs(a.exp_avg[j]));
+      v_big = std::max(v_big, std::fabs(a.exp_avg_sq[j]));
+    }
+  }
+  *m_max = m_big;
+  *v_max = v_big;
+  return ok;
 }
 
 ZINF_AVX2_TARGET double SquaredNormBlockAvx2(const float* x, std::size_t n) {

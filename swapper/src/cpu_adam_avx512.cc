@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -35,21 +36,24 @@ struct Avx512Scalars {
       l2_decay, param_decay;
 };
 
-// One vector of 16 elements at i; `mask` selects the lanes that exist.
-ZINF_AVX512_TARGET inline void Step16(const AdamScalars& s, const Avx512Scalars& k,
-                                      const AdamArrays& a, std::size_t i, __mmask16 mask) {
+// One vector of 16 elements at i with the old moments m_old, v_old (already loaded); `mask`
+// selects the lanes that exist. Stores param (and bf16, max_exp_avg_sq); returns the new moments
+// in *m_new, *v_new for the caller to store.
+ZINF_AVX512_TARGET inline void Step16Moments(const AdamScalars& s, const Avx512Scalars& k,
+                                             const AdamArrays& a, std::size_t i, __mmask16 mask,
+                                             __m512 m_old, __m512 v_old, __m512* m_new,
+                                             __m512* v_new) {
   __m512 g = _mm512_maskz_loadu_ps(mask, a.grad + i);
   if (s.scale_grad) g = _mm512_mul_ps(g, k.grad_scale);
   __m512 p = _mm512_maskz_loadu_ps(mask, a.param + i);
   if (s.use_l2) g = _mm512_add_ps(g, _mm512_mul_ps(k.l2_decay, p));
   if (s.use_param_decay) p = _mm512_mul_ps(p, k.param_decay);
-  const __m512 m = _mm512_add_ps(_mm512_mul_ps(k.beta1, _mm512_maskz_loadu_ps(mask, a.exp_avg + i)),
-                                 _mm512_mul_ps(k.one_minus_beta1, g));
-  const __m512 v =
-      _mm512_add_ps(_mm512_mul_ps(k.beta2, _mm512_maskz_loadu_ps(mask, a.exp_avg_sq + i)),
-                    _mm512_mul_ps(_mm512_mul_ps(k.one_minus_beta2, g), g));
-  _mm512_mask_storeu_ps(a.exp_avg + i, mask, m);
-  _mm512_mask_storeu_ps(a.exp_avg_sq + i, mask, v);
+  const __m512 m =
+      _mm512_add_ps(_mm512_mul_ps(k.beta1, m_old), _mm512_mul_ps(k.one_minus_beta1, g));
+  const __m512 v = _mm512_add_ps(_mm512_mul_ps(k.beta2, v_old),
+                                 _mm512_mul_ps(_mm512_mul_ps(k.one_minus_beta2, g), g));
+  *m_new = m;
+  *v_new = v;
   __m512 v_hat = v;
   if (a.max_exp_avg_sq != nullptr) {
     const __m512 old_max = _mm512_maskz_loadu_ps(mask, a.max_exp_avg_sq + i);
@@ -64,18 +68,71 @@ ZINF_AVX512_TARGET inline void Step16(const AdamScalars& s, const Avx512Scalars&
   if (a.bf16 != nullptr) _mm512_mask_cvtepi32_storeu_epi16(a.bf16 + i, mask, ToBf16(p));
 }
 
+// One vector of 16 elements at i; `mask` selects the lanes that exist.
+ZINF_AVX512_TARGET inline void Step16(const AdamScalars& s, const Avx512Scalars& k,
+                                      const AdamArrays& a, std::size_t i, __mmask16 mask) {
+  __m512 m, v;
+  Step16Moments(s, k, a, i, mask, _mm512_maskz_loadu_ps(mask, a.exp_avg + i),
+                _mm512_maskz_loadu_ps(mask, a.exp_avg_sq + i), &m, &v);
+  _mm512_mask_storeu_ps(a.exp_avg + i, mask, m);
+  _mm512_mask_storeu_ps(a.exp_avg_sq + i, mask, v);
+}
+
+ZINF_AVX512_TARGET inline Avx512Scalars Broadcast(const AdamScalars& s) {
+  return {_mm512_set1_ps(s.beta1),     _mm512_set1_ps(s.one_minus_beta1),
+          _mm512_set1_ps(s.beta2),     _mm512_set1_ps(s.one_minus_beta2),
+          _mm512_set1_ps(s.step_size), _mm512_set1_ps(s.bc2_sqrt),
+          _mm512_set1_ps(s.eps),       _mm512_set1_ps(s.grad_scale),
+          _mm512_set1_ps(s.l2_decay),  _mm512_set1_ps(s.param_decay)};
+}
+
 }  // namespace
 
 ZINF_AVX512_TARGET void AdamStepAvx512(const AdamScalars& s, const AdamArrays& a, std::size_t begin,
                                        std::size_t end) {
-  const Avx512Scalars k = {_mm512_set1_ps(s.beta1),     _mm512_set1_ps(s.one_minus_beta1),
-                           _mm512_set1_ps(s.beta2),     _mm512_set1_ps(s.one_minus_beta2),
-                           _mm512_set1_ps(s.step_size), _mm512_set1_ps(s.bc2_sqrt),
-                           _mm512_set1_ps(s.eps),       _mm512_set1_ps(s.grad_scale),
-                           _mm512_set1_ps(s.l2_decay),  _mm512_set1_ps(s.param_decay)};
+  const Avx512Scalars k = Broadcast(s);
   std::size_t i = begin;
   for (; i + 16 <= end; i += 16) Step16(s, k, a, i, 0xffff);
   if (i < end) Step16(s, k, a, i, static_cast<__mmask16>((1u << (end - i)) - 1));
+}
+
+ZINF_AVX512_TARGET bool AdamStepQ8BlockAvx512(const AdamScalars& s, const AdamArrays& a,
+                                              const Q8BlockIn& in, std::size_t n, float* m_max,
+                                              float* v_max) {
+  const Avx512Scalars k = Broadcast(s);
+  const __m512 m_scale = _mm512_set1_ps(in.m_scale);
+  const __m512 v_scale = _mm512_set1_ps(in.v_scale);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i max_finite = _mm512_set1_epi32(0x7f7fffff);
+  __m512 m_top = _mm512_setzero_ps();
+  __m512 v_top = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  for (std::size_t i = 0; i < n; i += 16) {
+    const __mmask16 mask =
+        n - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512i m_code = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, in.m_codes + i));
+    const __m512i v_code = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, in.v_codes + i));
+    __m512 m, v;
+    // Decoding: map[code] * scale. (The 256 values fit in 16 registers for vpermt2ps lookups,
+    // but with the Adam constants they spill: the gathers are faster here.)
+    Step16Moments(s, k, a, i, mask,
+                  _mm512_mul_ps(_mm512_i32gather_ps(m_code, in.m_map, 4), m_scale),
+                  _mm512_mul_ps(_mm512_i32gather_ps(v_code, in.v_map, 4), v_scale), &m, &v);
+    _mm512_mask_storeu_ps(a.exp_avg + i, mask, m);
+    _mm512_mask_storeu_ps(a.exp_avg_sq + i, mask, v);
+    // Lanes past n hold the moments of zeros: finite, and the abs-max ignores them.
+    const __m512i m_abs = _mm512_maskz_and_epi32(mask, _mm512_castps_si512(m), abs_mask);
+    const __m512i v_abs = _mm512_maskz_and_epi32(mask, _mm512_castps_si512(v), abs_mask);
+    bad |= _mm512_cmpgt_epi32_mask(m_abs, max_finite) | _mm512_cmpgt_epi32_mask(v_abs, max_finite);
+    m_top = _mm512_max_ps(m_top, _mm512_castsi512_ps(m_abs));
+    v_top = _mm512_max_ps(v_top, _mm512_castsi512_ps(v_abs));
+  }
+  alignas(64) float lanes[2][16];
+  _mm512_store_ps(lanes[0], m_top);
+  _mm512_store_ps(lanes[1], v_top);
+  *m_max = *std::max_element(lanes[0], lanes[0] + 16);
+  *v_max = *std::max_element(lanes[1], lanes[1] + 16);
+  return bad == 0;
 }
 
 ZINF_AVX512_TARGET double SquaredNormBlockAvx512(const float* x, std::size_t n) {

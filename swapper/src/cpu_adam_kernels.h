@@ -39,6 +39,24 @@ void AdamStepScalar(const AdamScalars& s, const AdamArrays& a, std::size_t begin
 void AdamStepAvx2(const AdamScalars& s, const AdamArrays& a, std::size_t begin, std::size_t end);
 void AdamStepAvx512(const AdamScalars& s, const AdamArrays& a, std::size_t begin, std::size_t end);
 
+// The q8 step of one block of n <= q8::kBlockNumel elements (CpuAdam::StepQ8), decode and Adam
+// fused: the old moments are decoded from their codes (map[code] * scale, q8.h), stepped exactly
+// as the kernels above step them, and written to a.exp_avg / a.exp_avg_sq (the block's scratch,
+// indexed from 0 like a.param, a.grad and a.bf16, which point at the block). *m_max and *v_max
+// get the largest |new moment| (the block scales); false when a new moment is not finite.
+struct Q8BlockIn {
+  const std::uint8_t* m_codes;
+  const std::uint8_t* v_codes;
+  const float* m_map;  // q8::MapValues(kSigned)
+  const float* v_map;  // q8::MapValues(kUnsigned)
+  float m_scale;
+  float v_scale;
+};
+bool AdamStepQ8BlockAvx2(const AdamScalars& s, const AdamArrays& a, const Q8BlockIn& in,
+                         std::size_t n, float* m_max, float* v_max);
+bool AdamStepQ8BlockAvx512(const AdamScalars& s, const AdamArrays& a, const Q8BlockIn& in,
+                           std::size_t n, float* m_max, float* v_max);
+
 // Lanes of the fixed-order norm: element i of a block goes to lane i % kNormLanes; the lanes
 // are added 0..15 in order at the end of the block.
 inline constexpr std::size_t kNormLanes = 16;

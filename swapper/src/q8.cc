@@ -31,7 +31,7 @@ namespace zinf::swapper::q8 {
 namespace internal {
 namespace {
 
-constexpr int kDecades = 7;  // E = 0..6: values in [1e-7, 1)
+constexpr int kDecades = 7;        // E = 0..6: values in [1e-7, 1)
 constexpr float kSlotLow = 1e-8f;  // magnitudes below have no threshold near them
 
 // The map's values, ascending, as the paper's dynamic tree describes them (q8.h).
@@ -56,6 +56,60 @@ std::array<float, 256> BuildValues(MapKind kind) {
                  [](double d) { return static_cast<float>(d); });
   std::sort(values.begin(), values.end());
   return values;
+}
+
+// The vector kernels' table (q8_kernels.h) for the slots shifted by `offset`, or empty when a
+// slot holds two thresholds or one lies within 2 * kNearSteps of a slot edge. count(x) is the
+// exact code of x. A slot without a threshold gets a key no low reaches.
+template <typename Count>
+std::vector<std::uint32_t> Entries(const Count& count, std::uint32_t offset) {
+  const std::uint32_t first = (std::bit_cast<std::uint32_t>(kSlotLow) + offset) >> kSlotShift;
+  // n never exceeds 1 by more than a step: the last slot holds 1 + 2^-23.
+  const std::uint32_t last = (std::bit_cast<std::uint32_t>(1.0f) + 1 + offset) >> kSlotShift;
+  // |n| of the slot (u >> 16) and low bits `low` (unreversed).
+  auto at = [offset](std::uint32_t slot, std::uint32_t low) {
+    return std::bit_cast<float>(((slot << kSlotShift) | low) - offset);
+  };
+  const std::int32_t tiny = count(0.0f);
+  const std::uint32_t never = std::uint32_t{0x1ffff} << 8;
+  std::vector<std::uint32_t> entry((std::size_t{1} << 15) + last + 1, never | tiny);
+  for (std::uint32_t sign : {0u, 1u}) {
+    const float s = sign == 1 ? -1.0f : 1.0f;
+    // The code of the value with `w` = low (n >= 0) or 0xffff - low (n < 0) in `slot`.
+    auto code = [&](std::uint32_t slot, std::uint32_t w) {
+      return count(s * at(slot, sign == 0 ? w : 0xffff - w));
+    };
+    if (count(s * std::nextafter(at(first, 0), 0.0f)) != tiny) return {};
+    for (std::uint32_t slot = first; slot <= last; ++slot) {
+      const std::int32_t base = code(slot, 0);
+      if (code(slot, 0xffff) - base > 1) return {};
+      std::uint32_t lo = 0, hi = 0x10000;  // the smallest w with a larger code
+      while (lo < hi) {
+        const std::uint32_t mid = (lo + hi) / 2;
+        if (code(slot, mid) > base) {
+          hi = mid;
+        } else {
+          lo = mid + 1;
+        }
+      }
+      if (lo == 0x10000) {
+        entry[(sign << 15) + slot] = never | static_cast<std::uint32_t>(base);
+        continue;
+      }
+      if (lo < 2 * kNearSteps || lo > 0x10000 - 2 * kNearSteps) return {};
+      entry[(sign << 15) + slot] = static_cast<std::uint32_t>(base) | (lo - kNearSteps) << 8;
+    }
+  }
+  return entry;
+}
+
+template <typename Count>
+std::uint32_t EntryOffset(const Count& count) {
+  for (std::uint32_t offset = 0; offset < 0x10000; offset += 0x101) {
+    if (!Entries(count, offset).empty()) return offset;
+  }
+  ZINF_CHECK(false, "q8: no slot offset keeps the thresholds away from the slot edges");
+  return 0;
 }
 
 Tables Build(MapKind kind) {
@@ -98,6 +152,9 @@ Tables Build(MapKind kind) {
     t.t_hi.push_back(std::numeric_limits<float>::infinity());
     t.t_lo.push_back(0.0f);
   }
+  ZINF_CHECK(walk == 1, "q8 slots hold up to {} thresholds; the packed table needs 1", walk);
+  t.entry_offset = EntryOffset(count);
+  t.entry = Entries(count, t.entry_offset);
   return t;
 }
 

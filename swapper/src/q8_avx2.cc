@@ -1,6 +1,7 @@
 // AVX2 q8 block kernels (q8_kernels.h): 8 elements at a time, the tail through the scalar rule.
-// They compute the same exact codes as the scalar kernel (no rounding choice is involved: max,
-// division, comparisons and table lookups), so every path gives the same bytes.
+// They compute the same exact codes as the scalar kernel (max, comparisons, table lookups, and
+// x * (1 / scale) only where it provably has the division's code, q8_kernels.h), so every path
+// gives the same bytes.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
@@ -15,6 +16,65 @@
 namespace zinf::swapper::q8::internal {
 
 #define ZINF_AVX2_TARGET __attribute__((target("avx2")))
+
+namespace {
+
+// The vector kernels' table (q8_kernels.h), loaded once: the code stores through uint8_t*,
+// which may alias anything, so reading the Tables inside the loop would reload it each time.
+struct Entries {
+  const int* entry;
+  __m256i offset;
+};
+
+ZINF_AVX2_TARGET inline Entries EntriesOf(const Tables& t) {
+  return {reinterpret_cast<const int*>(t.entry.data()),
+          _mm256_set1_epi32(static_cast<int>(t.entry_offset))};
+}
+
+// The codes of 8 normalized values n (q8_kernels.h: one gather of the packed entries), as 32-bit
+// lanes; *near gets all-ones lanes within kNearSteps of a threshold.
+ZINF_AVX2_TARGET inline __m256i Codes8(const Entries& t, __m256 n, __m256i* near) {
+  const __m256i bits = _mm256_castps_si256(n);
+  const __m256i u = _mm256_add_epi32(bits, t.offset);
+  const __m256i entry = _mm256_i32gather_epi32(t.entry, _mm256_srli_epi32(u, kSlotShift), 4);
+  const __m256i low16 = _mm256_set1_epi32(0xffff);
+  const __m256i low = _mm256_and_si256(_mm256_xor_si256(u, _mm256_srai_epi32(bits, 31)), low16);
+  const __m256i d = _mm256_sub_epi32(low, _mm256_srli_epi32(entry, 8));  // low - key + kNear
+  const __m256i above = _mm256_cmpgt_epi32(d, _mm256_set1_epi32(kNearSteps - 1));
+  // 0 <= d <= 2 * kNearSteps, as unsigned
+  *near = _mm256_cmpeq_epi32(_mm256_min_epu32(d, _mm256_set1_epi32(2 * kNearSteps + 1)), d);
+  return _mm256_sub_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0xff)), above);
+}
+
+ZINF_AVX2_TARGET inline void Store8(__m256i code, std::uint8_t* out) {
+  const __m128i words =
+      _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(words, words));
+}
+
+}  // namespace
+
+ZINF_AVX2_TARGET void EncodeBlockAvx2(const Tables& t, const float* x, std::size_t n, float scale,
+                                      std::uint8_t* codes) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  const Entries e = EntriesOf(t);
+  std::size_t i = 0;
+  __m256i near;
+  if (scale >= kMinReciprocalScale && scale <= kMaxReciprocalScale) {
+    const __m256 reciprocal = _mm256_set1_ps(1.0f / scale);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      __m256i c = Codes8(e, _mm256_mul_ps(v, reciprocal), &near);
+      if (!_mm256_testz_si256(near, near)) c = Codes8(e, _mm256_div_ps(v, vscale), &near);
+      Store8(c, codes + i);
+    }
+  } else {
+    for (; i + 8 <= n; i += 8) {
+      Store8(Codes8(e, _mm256_div_ps(_mm256_loadu_ps(x + i), vscale), &near), codes + i);
+    }
+  }
+  CodesTail(t, x, i, n, scale, codes);
+}
 
 ZINF_AVX2_TARGET float QuantizeBlockAvx2(const Tables& t, const float* x, std::size_t n,
                                          std::uint8_t* codes) {
@@ -37,39 +97,7 @@ ZINF_AVX2_TARGET float QuantizeBlockAvx2(const Tables& t, const float* x, std::s
     std::fill(codes, codes + n, t.zero_code);
     return 0.0f;
   }
-  const __m256 vscale = _mm256_set1_ps(scale);
-  const __m256i first = _mm256_set1_epi32(static_cast<int>(t.first_slot));
-  const __m256i last = _mm256_set1_epi32(static_cast<int>(t.last_slot));
-  const __m256i tiny = _mm256_set1_epi32(t.tiny_start);
-  const __m256 zero = _mm256_setzero_ps();
-  const int* start = t.start.data();
-  for (i = 0; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), vscale);
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i slot = _mm256_srli_epi32(_mm256_and_si256(bits, abs_mask), kSlotShift);
-    const __m256i is_tiny = _mm256_cmpgt_epi32(first, slot);
-    const __m256i s = _mm256_max_epi32(_mm256_sub_epi32(_mm256_min_epi32(slot, last), first),
-                                       _mm256_setzero_si256());
-    const __m256i at_start = _mm256_add_epi32(_mm256_slli_epi32(s, 1), _mm256_srli_epi32(bits, 31));
-    __m256i c = _mm256_i32gather_epi32(start, at_start, 4);
-    c = _mm256_blendv_epi8(c, tiny, is_tiny);
-    __m256i count = c;
-    for (int j = 0; j < t.walk; ++j) {
-      const __m256i at = _mm256_add_epi32(c, _mm256_set1_epi32(j));
-      const __m256 hi = _mm256_i32gather_ps(t.t_hi.data(), at, 4);
-      __m256 above = _mm256_cmp_ps(v, hi, _CMP_GT_OQ);
-      const __m256 equal = _mm256_cmp_ps(v, hi, _CMP_EQ_OQ);
-      if (!_mm256_testz_ps(equal, equal)) {  // exactly on a threshold's float part: its low part
-        const __m256 lo = _mm256_mask_i32gather_ps(zero, t.t_lo.data(), at, equal, 4);
-        above = _mm256_or_ps(above, _mm256_and_ps(equal, _mm256_cmp_ps(lo, zero, _CMP_LT_OQ)));
-      }
-      count = _mm256_sub_epi32(count, _mm256_castps_si256(above));  // true lanes are -1
-    }
-    const __m128i words =
-        _mm_packus_epi32(_mm256_castsi256_si128(count), _mm256_extracti128_si256(count, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(words, words));
-  }
-  CodesTail(t, x, i, n, scale, codes);
+  EncodeBlockAvx2(t, x, n, scale, codes);
   return scale;
 }
 

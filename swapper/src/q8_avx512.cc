@@ -15,6 +15,59 @@ namespace zinf::swapper::q8::internal {
 
 #define ZINF_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
+namespace {
+
+// The vector kernels' table (q8_kernels.h), loaded once: the code stores through uint8_t*,
+// which may alias anything, so reading the Tables inside the loop would reload it each time.
+struct Entries {
+  const std::uint32_t* entry;
+  __m512i offset;
+};
+
+ZINF_AVX512_TARGET inline Entries EntriesOf(const Tables& t) {
+  return {t.entry.data(), _mm512_set1_epi32(static_cast<int>(t.entry_offset))};
+}
+
+// The codes of 16 normalized values n (q8_kernels.h: one gather of the packed entries);
+// *near gets the lanes within kNearSteps of a threshold.
+ZINF_AVX512_TARGET inline __m128i Codes16(const Entries& t, __m512 n, __mmask16* near) {
+  const __m512i bits = _mm512_castps_si512(n);
+  const __m512i u = _mm512_add_epi32(bits, t.offset);
+  const __m512i entry = _mm512_i32gather_epi32(_mm512_srli_epi32(u, kSlotShift), t.entry, 4);
+  // (u ^ (n < 0 ? ~0 : 0)) & 0xffff
+  const __m512i low =
+      _mm512_ternarylogic_epi32(u, _mm512_srai_epi32(bits, 31), _mm512_set1_epi32(0xffff), 0x28);
+  const __m512i d = _mm512_sub_epi32(low, _mm512_srli_epi32(entry, 8));  // low - key + kNear
+  const __mmask16 above = _mm512_cmpge_epi32_mask(d, _mm512_set1_epi32(kNearSteps));
+  *near = _mm512_cmple_epu32_mask(d, _mm512_set1_epi32(2 * kNearSteps));
+  return _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(entry, above, entry, _mm512_set1_epi32(1)));
+}
+
+}  // namespace
+
+ZINF_AVX512_TARGET void EncodeBlockAvx512(const Tables& t, const float* x, std::size_t n,
+                                          float scale, std::uint8_t* codes) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const Entries e = EntriesOf(t);
+  std::size_t i = 0;
+  __mmask16 near;
+  if (scale >= kMinReciprocalScale && scale <= kMaxReciprocalScale) {
+    const __m512 reciprocal = _mm512_set1_ps(1.0f / scale);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      __m128i c = Codes16(e, _mm512_mul_ps(v, reciprocal), &near);
+      if (near != 0) c = Codes16(e, _mm512_div_ps(v, vscale), &near);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), c);
+    }
+  } else {
+    for (; i + 16 <= n; i += 16) {
+      const __m128i c = Codes16(e, _mm512_div_ps(_mm512_loadu_ps(x + i), vscale), &near);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), c);
+    }
+  }
+  CodesTail(t, x, i, n, scale, codes);
+}
+
 ZINF_AVX512_TARGET float QuantizeBlockAvx512(const Tables& t, const float* x, std::size_t n,
                                              std::uint8_t* codes) {
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
@@ -34,37 +87,7 @@ ZINF_AVX512_TARGET float QuantizeBlockAvx512(const Tables& t, const float* x, st
     std::fill(codes, codes + n, t.zero_code);
     return 0.0f;
   }
-  const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512i first = _mm512_set1_epi32(static_cast<int>(t.first_slot));
-  const __m512i last = _mm512_set1_epi32(static_cast<int>(t.last_slot));
-  const __m512i tiny = _mm512_set1_epi32(t.tiny_start);
-  const __m512i one = _mm512_set1_epi32(1);
-  const __m512 zero = _mm512_setzero_ps();
-  for (i = 0; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), vscale);
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i slot = _mm512_srli_epi32(_mm512_and_si512(bits, abs_mask), kSlotShift);
-    const __mmask16 is_tiny = _mm512_cmplt_epi32_mask(slot, first);
-    const __m512i s = _mm512_max_epi32(_mm512_sub_epi32(_mm512_min_epi32(slot, last), first),
-                                       _mm512_setzero_si512());
-    const __m512i at_start = _mm512_add_epi32(_mm512_slli_epi32(s, 1), _mm512_srli_epi32(bits, 31));
-    __m512i c = _mm512_i32gather_epi32(at_start, t.start.data(), 4);
-    c = _mm512_mask_mov_epi32(c, is_tiny, tiny);
-    __m512i count = c;
-    for (int j = 0; j < t.walk; ++j) {
-      const __m512i at = _mm512_add_epi32(c, _mm512_set1_epi32(j));
-      const __m512 hi = _mm512_i32gather_ps(at, t.t_hi.data(), 4);
-      __mmask16 above = _mm512_cmp_ps_mask(v, hi, _CMP_GT_OQ);
-      const __mmask16 equal = _mm512_cmp_ps_mask(v, hi, _CMP_EQ_OQ);
-      if (equal != 0) {  // exactly on a threshold's float part: its low part decides
-        const __m512 lo = _mm512_mask_i32gather_ps(zero, equal, at, t.t_lo.data(), 4);
-        above |= equal & _mm512_cmp_ps_mask(lo, zero, _CMP_LT_OQ);
-      }
-      count = _mm512_mask_add_epi32(count, above, count, one);
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtusepi32_epi8(count));
-  }
-  CodesTail(t, x, i, n, scale, codes);
+  EncodeBlockAvx512(t, x, n, scale, codes);
   return scale;
 }
 

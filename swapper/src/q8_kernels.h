@@ -9,6 +9,25 @@
 // lie within a slot, so code(n) = start + the number of the `walk` thresholds from there that
 // are below n (the arrays are padded with +inf). Every path computes exactly this, so all give
 // the same codes.
+//
+// The vector kernels use a second table, one packed 32-bit entry per (slot, sign), gathered once
+// per value. Their slots are shifted: u = bits(n) + offset (offset < 2^16, chosen per map when
+// the tables are built), slot = u >> 16 (the sign lands in bit 15 of the slot, so one index
+// covers both signs, and the table spans 2^15 + the slot of 1), low = the low 16 bits of u,
+// reversed (0xffff - low) for n < 0 so that a larger low is always nearer +inf. The offset is
+// chosen so that every slot holds at most one threshold and no threshold lies within
+// 2 * kNearSteps of a slot edge. Then code(n) = base + (low >= key), where key is the smallest
+// low with the code base + 1 (0x10000 for a slot without a threshold; slots of |n| < kSlotLow
+// have the code of 0 and a key no low reaches): entry = base | (key - kNearSteps) << 8.
+//
+// n = x / scale by division costs as much as the rest of the encoding, so the vector kernels
+// first use n' = x * (1 / scale), when 1 / scale is a normal float: n' is within 4 steps (of
+// the float grid, counted as integers) of the exact n: 1 / scale and the product are each
+// rounded with a relative error of at most 2^-24, n itself too. So code(n') == code(n) unless
+// a threshold lies within 4 steps of n', i.e. unless |low - key| <= kNearSteps (no threshold is
+// near a slot edge, so one lying in the next slot is farther): the kernels test exactly that
+// and recompute such a vector with the division. The codes are therefore the division's codes
+// on every input; only the time depends on how many values lie that close to a threshold.
 #pragma once
 
 #include <algorithm>
@@ -23,7 +42,11 @@
 
 namespace zinf::swapper::q8::internal {
 
-inline constexpr int kSlotShift = 16;  // a binade in 128 slots
+inline constexpr int kSlotShift = 16;           // a binade in 128 slots
+inline constexpr std::int32_t kNearSteps = 32;  // see the top: 8 x the reciprocal's error
+// 1 / scale is a normal float with at most half a unit of rounding error in this range.
+inline constexpr float kMinReciprocalScale = 0x1p-125f;
+inline constexpr float kMaxReciprocalScale = 0x1p+125f;
 
 struct Tables {
   std::array<float, 256> values;
@@ -33,6 +56,9 @@ struct Tables {
   std::int32_t tiny_start;              // |n| below the first slot
   int walk;
   std::uint8_t zero_code;
+  // The vector kernels' table (see the top): entry[(bits(n) + entry_offset) >> 16].
+  std::vector<std::uint32_t> entry;
+  std::uint32_t entry_offset;
 };
 
 const Tables& TablesFor(MapKind kind);
@@ -42,6 +68,12 @@ const Tables& TablesFor(MapKind kind);
 float QuantizeBlockScalar(const Tables& t, const float* x, std::size_t n, std::uint8_t* codes);
 float QuantizeBlockAvx2(const Tables& t, const float* x, std::size_t n, std::uint8_t* codes);
 float QuantizeBlockAvx512(const Tables& t, const float* x, std::size_t n, std::uint8_t* codes);
+// The codes of x[0, n) / scale (scale > 0, finite; every x finite), as QuantizeBlock* writes
+// them after its abs-max pass.
+void EncodeBlockAvx2(const Tables& t, const float* x, std::size_t n, float scale,
+                     std::uint8_t* codes);
+void EncodeBlockAvx512(const Tables& t, const float* x, std::size_t n, float scale,
+                       std::uint8_t* codes);
 void DequantizeBlockScalar(const Tables& t, const std::uint8_t* codes, float scale, std::size_t n,
                            float* out);
 void DequantizeBlockAvx2(const Tables& t, const std::uint8_t* codes, float scale, std::size_t n,

@@ -340,6 +340,85 @@ TEST(StepQ8, MatchesTheReferenceBitForBitOnEveryPath) {
   }
 }
 
+// With beta1 = beta2 = 0 a step's moments are exactly grad and grad * grad: the vector paths'
+// encoders (which multiply by 1 / scale and fall back to the division near a threshold) must
+// give the scalar codec's codes on inputs built to sit on, and a few steps around, every
+// threshold times the scale, for scales where 1 / scale is and is not a normal float, with tiny
+// values, denormals and signed zeros, and the block maximum at every position of a block.
+std::vector<float> AdversarialGrad() {
+  std::vector<float> g;
+  const auto& values = MapValues(MapKind::kSigned);
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  // 1 / scale is normal for scales in [2^-125, 2^125]; the squares (exp_avg_sq) must stay finite.
+  for (float scale : {1.0f, 0.7f, 3e-5f, 0x1p-125f, 1e-39f, 0x1p-63f, 0x1p+62f, 1e19f}) {
+    std::vector<float> block;
+    for (int c = 0; c + 1 < 256; ++c) {
+      const double t = (static_cast<double>(values[c]) + values[c + 1]) / 2;
+      const float on = static_cast<float>(t * scale);
+      for (int k : {0, 1, 2, 3, 4, 5, 8, 16, 31, 32, 33, 40, 64}) {
+        for (float toward :
+             {-std::numeric_limits<float>::max(), std::numeric_limits<float>::max()}) {
+          float x = on;
+          for (int j = 0; j < k; ++j) x = std::nextafter(x, toward);
+          if (std::fabs(x) < scale) block.push_back(x);
+        }
+      }
+    }
+    for (float tiny : {0.0f, -0.0f, 1e-45f, -1e-45f, 1e-40f, 1e-38f, -3e-39f}) {
+      block.push_back(tiny);
+      block.push_back(tiny * scale);
+    }
+    // The maximum (with either sign) at a different place in each block.
+    for (std::size_t begin = 0; begin < block.size(); begin += kBlockNumel) {
+      const std::size_t len = std::min(kBlockNumel, block.size() - begin);
+      block[begin + (begin / kBlockNumel * 997) % len] = (begin / kBlockNumel) % 2 ? -scale : scale;
+    }
+    while (block.size() % kBlockNumel != 0) block.push_back(unit(rng) * scale);
+    g.insert(g.end(), block.begin(), block.end());
+  }
+  // A block with its maximum at each position, then a short block.
+  for (std::size_t pos = 0; pos < kBlockNumel; ++pos) {
+    for (std::size_t i = 0; i < kBlockNumel; ++i) g.push_back(unit(rng) * 0.5f);
+    g[g.size() - kBlockNumel + pos] = pos % 3 == 0 ? -0.75f : 0.75f;
+  }
+  for (int i = 0; i < 77; ++i) g.push_back(unit(rng) * 1e-3f);
+  return g;
+}
+
+TEST(StepQ8, VectorEncodersGiveTheScalarCodesOnAdversarialMoments) {
+  const std::vector<float> grad = AdversarialGrad();
+  const std::size_t n = grad.size();
+  std::vector<float> squared(n);
+  for (std::size_t i = 0; i < n; ++i) squared[i] = grad[i] * grad[i];
+  std::vector<std::uint8_t> want_m(n), want_v(n);
+  std::vector<float> want_m_scales(NumBlocks(n)), want_v_scales(NumBlocks(n));
+  ZINF_ASSERT_OK(Quantize(MapKind::kSigned, grad, want_m, want_m_scales));
+  ZINF_ASSERT_OK(Quantize(MapKind::kUnsigned, squared, want_v, want_v_scales));
+  int paths = 0;
+  for (SimdPath path : {SimdPath::kScalar, SimdPath::kAvx2, SimdPath::kAvx512}) {
+    if (!SimdPathSupported(path)) continue;
+    ++paths;
+    SCOPED_TRACE(::testing::Message() << "path=" << SimdPathName(path));
+    ZINF_ASSERT_OK_AND_ASSIGN(
+        CpuAdam adam,
+        CpuAdam::Create({.lr = 0.0, .beta1 = 0.0, .beta2 = 0.0, .threads = 2, .simd = path}));
+    std::vector<float> param(n, 1.0f);
+    std::vector<std::uint8_t> m(n, ZeroCode(MapKind::kSigned)), v(n, ZeroCode(MapKind::kUnsigned));
+    std::vector<float> m_scales(NumBlocks(n)), v_scales(NumBlocks(n));
+    ZINF_ASSERT_OK(adam.StepQ8(1, param, grad, {m, m_scales}, {v, v_scales}));
+    ASSERT_EQ(m_scales, want_m_scales);
+    ASSERT_EQ(v_scales, want_v_scales);
+    for (std::size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(m[i], want_m[i]) << "exp_avg element " << i << " = " << grad[i] << ", scale "
+                                 << want_m_scales[i / kBlockNumel];
+      ASSERT_EQ(v[i], want_v[i]) << "exp_avg_sq element " << i << " = " << squared[i] << ", scale "
+                                 << want_v_scales[i / kBlockNumel];
+    }
+  }
+  EXPECT_GE(paths, 1);
+}
+
 TEST(StepQ8, BadArgumentsAndNonFiniteMoments) {
   ZINF_ASSERT_OK_AND_ASSIGN(CpuAdam adam, CpuAdam::Create({.threads = 1}));
   std::vector<float> param(10, 1.0f), grad(10, 0.1f), scales(1), short_scales;

@@ -146,8 +146,9 @@ class CpuAdam {
               std::span<float> exp_avg, std::span<float> exp_avg_sq, const StepExtras& extras = {});
 
   // Step() over the q8 state format: block by block, exp_avg (signed map) and exp_avg_sq
-  // (unsigned map) are decoded into fp32, stepped by the same kernel as Step() (so the same
-  // bits on every path and thread count), and encoded again (q8.h). The decoded moments exist
+  // (unsigned map) are decoded into fp32, stepped with Step()'s operations in Step()'s order
+  // (the vector paths decode inside that pass and find the block scales in it), and encoded
+  // again (q8.h): the same bits on every path and thread count. The new moments exist
   // one block at a time on each thread's stack (2 x 8 KiB): no scratch grows with the
   // sub-group, so a q8 step needs no memory beyond its spans. `codes` have the param's
   // size, `scales` q8::NumBlocks of it. Errors: those of Step(); InvalidArgument with amsgrad
