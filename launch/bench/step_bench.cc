@@ -152,12 +152,7 @@ std::uint64_t HostCacheBytes(double fraction, std::uint64_t numel, std::uint64_t
   const std::uint64_t sub_groups = (numel + sub_group_numel - 1) / sub_group_numel;
   const auto resident =
       static_cast<std::uint64_t>(fraction * static_cast<double>(sub_groups) + 0.5);
-  const std::uint64_t fp32 = AlignUp(sub_group_numel * sizeof(float), 4096);
-  const std::uint64_t per_sub_group =
-      format == StateFormat::kQ8
-          ? fp32 + AlignUp(swapper::Q8MomentsLayout::For(sub_group_numel).bytes, 4096)
-          : 3 * fp32;
-  return resident * per_sub_group;
+  return resident * swapper::SubGroupStateBytes(sub_group_numel, format, 4096);
 }
 
 Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags& flags,

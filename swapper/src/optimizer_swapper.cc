@@ -14,6 +14,7 @@
 #include "optimizer_swapper_internal.h"
 #include "zinf/core/check.h"
 #include "zinf/core/log.h"
+#include "zinf/core/process_stats.h"
 #include "zinf/core/units.h"
 #include "zinf/swapper/gradient_swapper.h"
 #include "zinf/swapper/partitioned_optimizer_swapper.h"
@@ -196,6 +197,14 @@ Q8Moments ViewQ8Moments(std::span<std::byte> buffer, const Q8MomentsLayout& layo
       .exp_avg = {.codes = {codes, layout.numel}, .scales = {scales, layout.num_blocks}},
       .exp_avg_sq = {.codes = {codes + layout.numel, layout.numel},
                      .scales = {scales + layout.num_blocks, layout.num_blocks}}};
+}
+
+std::uint64_t SubGroupStateBytes(std::uint64_t numel, StateFormat format, std::uint64_t alignment) {
+  const std::uint64_t fp32 = AlignUp(numel * sizeof(float), alignment);
+  if (format == StateFormat::kQ8) {
+    return fp32 + AlignUp(Q8MomentsLayout::For(numel).bytes, alignment);
+  }
+  return kNumStateTensors * fp32;
 }
 
 std::size_t OptimizerSwapper::BuffersPerSubGroup(StateFormat format) {
@@ -886,45 +895,21 @@ Status CheckOptions(const partition::PartitionPlan& plan, const comm::Communicat
   return OkStatus();
 }
 
-// Host memory the state of a resident sub-group takes.
-std::uint64_t ResidentBytes(const SubGroupSwapInfo& info, StateFormat format) {
-  std::uint64_t bytes = 0;
-  for (std::size_t t = 0; t < NumSlotTensors(format); ++t) bytes += TensorIoBytes(info, format, t);
-  return bytes;
-}
-
-// MemAvailable of /proc/meminfo in bytes, or nullopt when it cannot be read.
-std::optional<std::uint64_t> AvailableHostMemory() {
-  std::FILE* file = std::fopen("/proc/meminfo", "re");
-  if (file == nullptr) return std::nullopt;
-  char line[256];
-  std::optional<std::uint64_t> bytes;
-  for (int lines = 0; lines < 256 && std::fgets(line, sizeof(line), file) != nullptr; ++lines) {
-    unsigned long long kib = 0;
-    if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1 && kib < (1ull << 50)) {
-      bytes = static_cast<std::uint64_t>(kib) * 1024;
-      break;
-    }
-  }
-  std::fclose(file);
-  return bytes;
-}
-
 // Refuses host memory for the resident state (`what`) beyond what this node has available,
 // counting every rank of the node, which all keep as much.
 Status CheckHostMemory(const comm::Communicator& comm, std::uint64_t bytes_per_rank,
                        const std::string& what) {
-  const std::optional<std::uint64_t> available = AvailableHostMemory();
-  if (!available || bytes_per_rank == 0) return OkStatus();
+  const std::uint64_t available = AvailableMemoryBytes();
+  if (available == 0 || bytes_per_rank == 0) return OkStatus();
   const auto ranks = static_cast<std::uint64_t>(std::max(comm.topology().local_size, 1));
   std::uint64_t total = 0;
-  if (!CheckedMul(bytes_per_rank, ranks, &total) || total > *available) {
+  if (!CheckedMul(bytes_per_rank, ranks, &total) || total > available) {
     return ResourceExhaustedError(fmt::format(
         "{} asks for {} ({} bytes) of host memory per rank, {} for the {} ranks of host {}; it "
         "has {} ({} bytes) available (MemAvailable)",
         what, FormatBytes(bytes_per_rank), bytes_per_rank,
         total >= bytes_per_rank ? FormatBytes(total) : std::string("more than 16 EiB"), ranks,
-        comm.topology().hostname, FormatBytes(*available), *available));
+        comm.topology().hostname, FormatBytes(available), available));
   }
   return OkStatus();
 }
@@ -938,7 +923,7 @@ Result<std::vector<std::vector<storage::AlignedBuffer>>> AllocateResident(
   std::vector<std::size_t> chosen;
   std::uint64_t bytes = 0;
   for (std::size_t i = 0; i < infos.size(); ++i) {
-    const std::uint64_t need = ResidentBytes(infos[i], format);
+    const std::uint64_t need = SubGroupStateBytes(infos[i].sub_group.numel, format, alignment);
     if (!options.all_resident && need > options.host_cache_bytes - bytes) break;
     chosen.push_back(i);
     bytes += need;
@@ -1170,8 +1155,9 @@ Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communica
   setup->accumulation = ResolveAccumulation(options, plan.partition_numel());
   const bool gradients_on_disk =
       options.swap_gradients && setup->accumulation == GradientAccumulation::kReadAddWrite;
-  // Every rank decides alike (one config): a store unless nothing is ever swapped.
-  if (!options.all_resident || gradients_on_disk) {
+  // Every rank decides alike (one config): a store unless nothing is ever swapped (device cpu
+  // keeps the gradient in memory too: ResolveAccumulation).
+  if (!options.all_resident) {
     ZINF_ASSIGN_OR_RETURN(parts.store, storage::SwapStore::Open(parts.options.store));
   }
   const std::uint64_t alignment =

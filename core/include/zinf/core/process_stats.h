@@ -15,13 +15,13 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 
 namespace zinf {
 
 // Seconds on the steady clock (arbitrary origin): only differences mean something.
 inline double MonotonicSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // The peak resident set size of this process so far (getrusage's ru_maxrss), in bytes.
@@ -49,6 +49,24 @@ inline std::uint64_t MachineMemoryBytes() {
   struct sysinfo info {};
   if (sysinfo(&info) != 0) return 0;
   return (static_cast<std::uint64_t>(info.totalram) + info.totalswap) * info.mem_unit;
+}
+
+// The memory the kernel estimates new allocations can take without swapping (MemAvailable in
+// /proc/meminfo), in bytes. 0 if unknown.
+inline std::uint64_t AvailableMemoryBytes() {
+  std::FILE* file = std::fopen("/proc/meminfo", "re");
+  if (file == nullptr) return 0;
+  char line[256];
+  std::uint64_t bytes = 0;
+  for (int lines = 0; lines < 256 && std::fgets(line, sizeof(line), file) != nullptr; ++lines) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1 && kib < (1ull << 50)) {
+      bytes = static_cast<std::uint64_t>(kib) * 1024;
+      break;
+    }
+  }
+  std::fclose(file);
+  return bytes;
 }
 
 }  // namespace zinf

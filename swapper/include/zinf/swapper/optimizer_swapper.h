@@ -101,6 +101,10 @@ struct Q8Moments {
   Q8Moment exp_avg_sq;
 };
 Q8Moments ViewQ8Moments(std::span<std::byte> buffer, const Q8MomentsLayout& layout);
+// Bytes of the state of a sub-group of `numel` elements, each slot tensor aligned up to
+// `alignment`: one slot on disk, or its resident memory (fp32: 3 x 4 x numel; q8: 4 x numel
+// plus Q8MomentsLayout's bytes).
+std::uint64_t SubGroupStateBytes(std::uint64_t numel, StateFormat format, std::uint64_t alignment);
 
 // Which engine an EngineWrapper is asked to wrap.
 enum class EngineRole { kRead, kWrite, kGradient };
@@ -183,7 +187,8 @@ struct SwapperOptions {
   // Host memory tier (zinf.host_cache_bytes): the first sub-groups whose whole state fits in
   // these bytes stay resident in host memory and are stepped there without I/O; the rest are
   // swapped as usual. 0: none. `all_resident` (offload_optimizer.device "cpu") keeps every
-  // sub-group resident whatever the budget, and opens no swap store unless gradients go to disk.
+  // sub-group resident whatever the budget, and opens no swap store (gradients accumulate in
+  // memory).
   std::uint64_t host_cache_bytes = 0;
   bool all_resident = false;
   bool swap_gradients = false;
@@ -298,8 +303,7 @@ class OptimizerSwapper {
   bool resident(std::size_t sub_group) const { return !resident_.at(sub_group).empty(); }
   std::size_t num_resident() const;
   std::uint64_t resident_bytes() const;
-  // Whether the swapper has a swap store (not with every sub-group resident and gradients in
-  // memory); store() requires one.
+  // Whether the swapper has a swap store (not with all_resident); store() requires one.
   bool has_store() const { return store_ != nullptr; }
   // The store's I/O counters, zero without a store.
   storage::SwapStore::IoCounters io_counters() const;
