@@ -40,21 +40,33 @@ target=0.85
 weightings=equal,given,probe
 block_size=1M
 queue_depth=16
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --fast) fast=$2; shift 2 ;;
-    --slow) slow=$2; shift 2 ;;
-    --state) state=$2; shift 2 ;;
-    --size) size=$2; shift 2 ;;
-    --sub-group-size) sub_group=$2; shift 2 ;;
-    --rounds) rounds=$2; shift 2 ;;
-    --mode) mode=$2; shift 2 ;;
-    --bin) bin=$2; shift 2 ;;
-    --out) out=$2; shift 2 ;;
-    --target) target=$2; shift 2 ;;
-    --weightings) weightings=$2; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
-    *) echo "bench-paths: unknown argument '$1'" >&2; exit 2 ;;
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
+die() {
+  echo "bench-paths: $*" >&2
+  exit 2
+}
+while (($# > 0)); do
+  case $1 in
+    --fast | --slow | --state | --size | --sub-group-size | --rounds | --mode | --bin | --out | \
+      --target | --weightings)
+      (($# >= 2)) || die "$1 needs a value"
+      case $1 in
+        --fast) fast=$2 ;;
+        --slow) slow=$2 ;;
+        --state) state=$2 ;;
+        --size) size=$2 ;;
+        --sub-group-size) sub_group=$2 ;;
+        --rounds) rounds=$2 ;;
+        --mode) mode=$2 ;;
+        --bin) bin=$2 ;;
+        --out) out=$2 ;;
+        --target) target=$2 ;;
+        --weightings) weightings=$2 ;;
+      esac
+      shift 2
+      ;;
+    -h | --help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
 
@@ -63,17 +75,17 @@ if [[ -z $bin ]]; then
     if [[ -x $candidate ]]; then bin=$candidate; break; fi
   done
 fi
-[[ -n $bin && -x $bin ]] || { echo "bench-paths: zinf-bench not found; pass --bin" >&2; exit 2; }
-command -v python3 >/dev/null || { echo "bench-paths: python3 is not installed" >&2; exit 2; }
+[[ -n $bin && -x $bin ]] || die "zinf-bench not found; pass --bin"
+command -v python3 >/dev/null || die "python3 is not installed"
 [[ $mode == pipeline || $mode == sync ]] ||
-  { echo "bench-paths: --mode is pipeline or sync, not '$mode'" >&2; exit 2; }
-[[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "bench-paths: --rounds '$rounds'" >&2; exit 2; }
+  die "--mode is pipeline or sync, not '$mode'"
+[[ $rounds =~ ^[1-9][0-9]*$ ]] || die "--rounds '$rounds'"
 for weighting in ${weightings//,/ }; do
   [[ $weighting =~ ^(equal|given|probe)$ ]] ||
-    { echo "bench-paths: --weightings takes equal, given, probe, not '$weighting'" >&2; exit 2; }
+    die "--weightings takes equal, given, probe, not '$weighting'"
 done
 for dir in "$fast" "$slow"; do
-  [[ -d $dir ]] || { echo "bench-paths: $dir is not a directory" >&2; exit 2; }
+  [[ -d $dir ]] || die "$dir is not a directory"
 done
 
 # The runs' files live in directories made for this run (removed at the end): nothing else in
