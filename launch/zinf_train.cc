@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include "train/train_config.h"
 #include "train/trainer.h"
@@ -93,7 +93,8 @@ int Main(int argc, char** argv) {
                    "train until global step N (zinf.steps), also after a resume");
     app.add_option("--nvme-path", nvme_path,
                    "swap directories, comma-separated; {local_rank} and {node} are expanded per "
-                   "rank (offload_optimizer.nvme_path; sets device nvme)");
+                   "rank (offload_optimizer.nvme_path, and offload_param.nvme_path when the "
+                   "config gives one; sets the optimizer's device nvme)");
     app.add_option("--checkpoint-dir", o.checkpoint_dir,
                    "directory of step-<N>.h5 and latest (zinf.checkpoint.dir)");
     app.add_option("--checkpoint-every", o.checkpoint_every,
@@ -157,10 +158,9 @@ int Main(int argc, char** argv) {
       zinf::engine::LogEffectiveConfig(*config);
     } else {
       zinf::engine::LogEffectiveConfig(*config);
-      zinf::Result<zinf::train::TrainSummary> summary =
-          zinf::train::Train(world, *config,
-                             {.metrics_path = metrics_path,
-                              .create_nvme_paths = config_path.empty() && !o.nvme_path});
+      zinf::Result<zinf::train::TrainSummary> summary = zinf::train::Train(
+          world, *config,
+          {.metrics_path = metrics_path, .create_nvme_paths = config_path.empty() && !o.nvme_path});
       if (!summary) {
         rc = Fail(summary.error());
       } else if (summary->interrupted) {

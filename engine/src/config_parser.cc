@@ -74,6 +74,7 @@ class Parser {
     ZINF_RETURN_IF_ERROR(CheckAliases());
     ZINF_RETURN_IF_ERROR(CheckScheduler());
     ZINF_RETURN_IF_ERROR(CheckOffload());
+    ZINF_RETURN_IF_ERROR(CheckOffloadParam());
     ZINF_RETURN_IF_ERROR(CheckPathWeights());
     ZINF_RETURN_IF_ERROR(CheckZinf());
     ZINF_RETURN_IF_ERROR(CheckPrecision());
@@ -447,6 +448,48 @@ class Parser {
           "optimizer.params.amsgrad: true is not supported with offload_optimizer.device "
           "\"{}\" (the optimizer state and checkpoints keep no max_exp_avg_sq); set it to false",
           OffloadDeviceName(o.device)));
+    }
+    return OkStatus();
+  }
+
+  // offload_param.device nvme reads each shard from the fp32 master weights in the optimizer's
+  // swap store, so it needs partitioned parameters (stage 3) and that store, and names no
+  // directory of its own. With another device nvme_path has no effect (accepted, as DeepSpeed
+  // does).
+  Status CheckOffloadParam() {
+    const ZeroConfig& z = config_.zero_optimization;
+    const OffloadParamConfig& p = z.offload_param;
+    if (p.device != OffloadDevice::kNvme) return OkStatus();
+    constexpr std::string_view kDevice = "zero_optimization.offload_param.device";
+    if (z.stage != 3) {
+      return InvalidArgumentError(fmt::format(
+          "{}: \"nvme\" needs zero_optimization.stage 3, not {} (parameters are partitioned only "
+          "at stage 3); set stage 3, or give device \"cpu\"",
+          kDevice, z.stage));
+    }
+    if (z.offload_optimizer.device != OffloadDevice::kNvme) {
+      return InvalidArgumentError(fmt::format(
+          "{}: \"nvme\" needs zero_optimization.offload_optimizer.device \"nvme\", not \"{}\" "
+          "(each rank's shard of the parameters is read from the fp32 master weights in the "
+          "optimizer's swap store); put the optimizer state on nvme, or give device \"cpu\"",
+          kDevice, OffloadDeviceName(z.offload_optimizer.device)));
+    }
+    constexpr std::string_view kPath = "zero_optimization.offload_param.nvme_path";
+    const std::vector<std::string>& optimizer_paths = z.offload_optimizer.nvme_path;
+    for (std::size_t i = 0; i < p.nvme_path.size(); ++i) {
+      if (std::find(optimizer_paths.begin(), optimizer_paths.end(), p.nvme_path[i]) !=
+          optimizer_paths.end()) {
+        continue;
+      }
+      const std::string element =
+          p.nvme_path.size() > 1 ? fmt::format("{}[{}]", kPath, i) : std::string(kPath);
+      const std::vector<std::string_view> paths(optimizer_paths.begin(), optimizer_paths.end());
+      return InvalidArgumentError(fmt::format(
+          "{}: {} is not one of zero_optimization.offload_optimizer.nvme_path ({}): zinf keeps no "
+          "second copy of the parameters on disk, it reads them from the fp32 master weights in "
+          "the optimizer's swap store; give one of those paths as written, or leave nvme_path "
+          "out",
+          element, Shown(Json(p.nvme_path[i])), JoinQuoted(paths, "\"")));
     }
     return OkStatus();
   }

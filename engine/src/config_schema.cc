@@ -75,15 +75,6 @@ bool IsMinusOne(const Json& v) { return IsNumber(v, -1); }
 bool NotEnabled(const Json& v) {
   return v.is_object() && (!v.contains("enabled") || IsFalse(v.at("enabled")));
 }
-// offload_param that keeps the parameters where zinf keeps them (host memory) or nowhere.
-bool DeviceNotNvme(const Json& v) {
-  if (!v.is_object()) return false;
-  if (!v.contains("device")) return true;
-  const Json& device = v.at("device");
-  return device.is_null() ||
-         (device.is_string() && (EqualsIgnoreCase(device.get<std::string>(), "cpu") ||
-                                 EqualsIgnoreCase(device.get<std::string>(), "none")));
-}
 bool GradAccumFp32(const Json& v) {
   if (!v.is_object()) return false;
   for (const auto& [key, value] : v.items()) {
@@ -106,8 +97,12 @@ constexpr std::string_view kGpuHint = "a GPU performance hint; zinf's reduction 
 constexpr std::string_view kGpuOverlap =
     "a GPU stream overlap; zinf overlaps the reduction with the backward pass on its own thread "
     "(ZeroEngine::GradientReady)";
-constexpr std::string_view kParamResidency =
-    "stage 3 parameter residency on the GPU; in zinf the training loop holds the whole model";
+constexpr std::string_view kHostGather =
+    "zinf gathers the partitioned parameters in host memory, with all-gathers of the ranks' "
+    "shards when the training loop asks for them (ZeroEngine::Gather) or they are prefetched";
+constexpr std::string_view kExport =
+    "zinf checkpoints hold the fp32 master weights whatever the stage; zinf-ckpt export writes "
+    "the whole model's weights from them (fp32, one tensor per parameter, HDF5 or safetensors)";
 constexpr std::string_view kOtherOptimizer =
     "zinf steps Adam and AdamW only (optimizer.type); remove it";
 constexpr std::string_view kStairs =
@@ -134,6 +129,7 @@ const std::vector<KeySpec>& EngineSchema() {
   using S = SchedulerConfig;
   using Z = ZeroConfig;
   using OO = OffloadOptimizerConfig;
+  using OP = OffloadParamConfig;
   using A = AioConfig;
   using F = Fp16Config;
   using ZC = ZinfConfig;
@@ -598,12 +594,40 @@ const std::vector<KeySpec>& EngineSchema() {
        .harmless_text = "1"},
       {.path = "zero_optimization.offload_param",
        .field = {},
-       .description = "Where the parameters live",
-       .kind = KeyKind::kRefused,
-       .why = "zinf does not swap parameters: the working weights stay in the host buffers the "
-              "training loop registered; give device \"cpu\" or \"none\", or leave it out",
-       .harmless = DeviceNotNvme,
-       .harmless_text = "device cpu or none"},
+       .description = "Where a rank keeps its shard of the partitioned working weights (stage 3, "
+                      "parameters registered without weights)"},
+      {.path = "zero_optimization.offload_param.device",
+       .field = Leaf<&T::zero_optimization, &Z::offload_param, &OP::device>(),
+       .description = "none or cpu: the shard in host memory; nvme: the shard read from the fp32 "
+                      "master weights in the optimizer's swap store when gathered (no second "
+                      "copy on disk), but for those kept in memory by max_in_cpu; nvme needs "
+                      "stage 3 and offload_optimizer.device nvme",
+       .choices = kDeviceNames},
+      {.path = "zero_optimization.offload_param.nvme_path",
+       .field = PathList<&T::zero_optimization, &Z::offload_param, &OP::nvme_path>(),
+       .description = "Optional: the shards live in the optimizer's swap store, so with device "
+                      "nvme each entry must be one of offload_optimizer.nvme_path (as written); "
+                      "unused with another device",
+       .default_text = "none"},
+      {.path = "zero_optimization.offload_param.buffer_count",
+       .field = Leaf<&T::zero_optimization, &Z::offload_param, &OP::buffer_count>(),
+       .description = "Device nvme: at most this many parameters read from NVMe ahead of use "
+                      "(prefetch)",
+       .range = Between(1, 1024)},
+      {.path = "zero_optimization.offload_param.buffer_size",
+       .field = Leaf<&T::zero_optimization, &Z::offload_param, &OP::buffer_size>(),
+       .description = "Device nvme: elements of the largest shard read from NVMe (checked when "
+                      "the engine is created)",
+       .range = AtLeast(1)},
+      {.path = "zero_optimization.offload_param.max_in_cpu",
+       .field = Leaf<&T::zero_optimization, &Z::offload_param, &OP::max_in_cpu>(),
+       .description = "Device nvme: elements of shards kept in host memory (the first shards, "
+                      "in registration order, that fit together), gathered without NVMe reads",
+       .range = AtLeast(0)},
+      {.path = "zero_optimization.offload_param.pin_memory",
+       .field = Leaf<&T::zero_optimization, &Z::offload_param, &OP::pin_memory>(),
+       .description = "Accepted, no effect: the shards are read through the optimizer's buffer "
+                      "pool (offload_optimizer.pin_memory pins it)"},
       {.path = "zero_optimization.cpu_offload",
        .field = {},
        .description = "Old switch for optimizer offload to CPU",
@@ -615,7 +639,7 @@ const std::vector<KeySpec>& EngineSchema() {
        .field = {},
        .description = "Old switch for parameter offload to CPU",
        .kind = KeyKind::kRefused,
-       .why = "zinf does not offload parameters (they stay in the training loop's buffers)",
+       .why = "give zero_optimization.offload_param {device: cpu} instead",
        .harmless = IsFalse,
        .harmless_text = "false"},
       {.path = "zero_optimization.cpu_offload_use_pin_memory",
@@ -645,26 +669,41 @@ const std::vector<KeySpec>& EngineSchema() {
               "zinf always all-gathers the updated partitions"),
       Ignored("zero_optimization.round_robin_gradients", "Spread gradient copies over ranks",
               kGpuHint),
-      Ignored("zero_optimization.stage3_max_live_parameters",
-              "Parameters resident on the GPU at once", kParamResidency),
-      Ignored("zero_optimization.stage3_max_reuse_distance",
-              "Keep a parameter that is reused this soon", kParamResidency),
-      Ignored("zero_optimization.stage3_prefetch_bucket_size", "Parameters fetched ahead",
-              kParamResidency),
-      Ignored("zero_optimization.stage3_param_persistence_threshold",
-              "Parameters below this size are not partitioned", kParamResidency),
-      Ignored("zero_optimization.stage3_model_persistence_threshold",
-              "Total size of unpartitioned parameters", kParamResidency),
+      {.path = "zero_optimization.stage3_prefetch_bucket_size",
+       .field = Leaf<&T::zero_optimization, &Z::stage3_prefetch_bucket_size>(),
+       .description = "Stage 3: elements gathered ahead of use, following the order the previous "
+                      "step's Gather calls recorded; 0: no prefetch",
+       .range = AtLeast(0)},
+      {.path = "zero_optimization.stage3_max_live_parameters",
+       .field = Leaf<&T::zero_optimization, &Z::stage3_max_live_parameters>(),
+       .description = "Stage 3: prefetching and keeping released parameters gathered stop at "
+                      "this many elements gathered at once",
+       .range = AtLeast(0)},
+      {.path = "zero_optimization.stage3_max_reuse_distance",
+       .field = Leaf<&T::zero_optimization, &Z::stage3_max_reuse_distance>(),
+       .description = "Stage 3: a released parameter stays gathered when the recorded order uses "
+                      "it again within this many elements; 0: released at once",
+       .range = AtLeast(0)},
+      {.path = "zero_optimization.stage3_param_persistence_threshold",
+       .field = Leaf<&T::zero_optimization, &Z::stage3_param_persistence_threshold>(),
+       .description = "Stage 3: parameters of at most this many elements are not partitioned: "
+                      "they stay whole on every rank; 0: none",
+       .range = AtLeast(0)},
+      {.path = "zero_optimization.stage3_model_persistence_threshold",
+       .field = Leaf<&T::zero_optimization, &Z::stage3_model_persistence_threshold>(),
+       .description = "Stage 3: elements of all the parameters kept whole together (in "
+                      "registration order); the rest are partitioned",
+       .range = AtLeast(0)},
       Ignored("zero_optimization.stage3_use_all_reduce_for_fetch_params",
-              "Fetch parameters with all-reduce", kParamResidency),
+              "Fetch parameters with all-reduce", kHostGather),
       Ignored("zero_optimization.stage3_module_granularity_threshold",
-              "Fetch small modules as a whole", kParamResidency),
+              "Fetch small modules as a whole",
+              "zinf traces no modules: it gathers the parameters the training loop names in "
+              "each ZeroEngine::Gather call"),
       Ignored("zero_optimization.stage3_gather_16bit_weights_on_model_save",
-              "Gather 16-bit weights when the model is saved",
-              "zinf checkpoints hold the fp32 master weights; zinf-ckpt export writes them"),
+              "Gather 16-bit weights when the model is saved", kExport),
       Ignored("zero_optimization.stage3_gather_fp16_weights_on_model_save",
-              "Old name of stage3_gather_16bit_weights_on_model_save",
-              "zinf checkpoints hold the fp32 master weights; zinf-ckpt export writes them"),
+              "Old name of stage3_gather_16bit_weights_on_model_save", kExport),
       Ignored("zero_optimization.elastic_checkpoint",
               "Checkpoints that restore on other world sizes",
               "zinf checkpoints always restore on any number of ranks"),
@@ -711,17 +750,17 @@ const std::vector<KeySpec>& EngineSchema() {
               "the training loop hands gradients with GradientReady (or at AccumulateGradients "
               "and Step)"),
       Ignored("zero_optimization.stage3_allgather_sequential", "Gather parameters one by one",
-              kParamResidency),
+              kHostGather),
       Ignored("zero_optimization.stage3_partition_stream_chunk_size",
-              "Chunk size of parameter partitioning", kParamResidency),
+              "Chunk size of parameter partitioning",
+              "zinf partitions the parameters in host memory, with no GPU stream to chunk"),
       Ignored("zero_optimization.enable_sanity_checks", "Extra stage-3 checks",
               "zinf checks its inputs and every I/O always"),
       Ignored("zero_optimization.leaf_module", "Stage-3 leaf modules", "zinf traces no modules"),
       Ignored("zero_optimization.save_muon_momentum_buffer_in_memory",
               "Muon momentum buffers in memory", kOtherOptimizer),
       Refused("zero_optimization.cpu_offload_param", "Old switch for parameter offload to CPU",
-              "zinf does not offload parameters (they stay in the training loop's buffers)",
-              IsFalse, "false"),
+              "give zero_optimization.offload_param {device: cpu} instead", IsFalse, "false"),
       Refused("zero_optimization.zenflow", "ZenFlow stall-free offload",
               "zinf's pipelined swapper overlaps the swap with the step instead", nullptr, {}),
       Ignored("zero_optimization.offload_optimizer.convert_grad_on_cpu",

@@ -27,6 +27,7 @@
 #include "zinf/comm/collective_backend.h"
 #include "zinf/comm/mpi_session.h"
 #include "zinf/comm/timers.h"
+#include "zinf/core/check.h"
 #include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/core/process_stats.h"
@@ -51,6 +52,9 @@ using comm::ReduceOp;
 // Partitions and sub-groups are multiples of 1024 elements (4 KiB of fp32): the direct-I/O
 // alignment of every file system we have seen, so no sub-group needs a padded tail on disk.
 constexpr std::uint64_t kPartitionAlignmentElems = 1024;
+
+// Stage 3 with offload_param nvme: shards are read from the swap store in pieces of this size.
+constexpr std::uint64_t kShardStagingBytes = std::uint64_t{4} << 20;
 
 // ---- Stop signals ----
 
@@ -104,14 +108,59 @@ float RoundToBf16(float x) {
   return x;
 }
 
+// Where stage 3 keeps this rank's shards, for the log.
+std::string ShardWhereabouts(const Config& config, std::uint64_t in_memory,
+                             std::uint64_t partition_numel) {
+  if (config.zero_optimization.offload_param.device != OffloadDevice::kNvme) {
+    return "in host memory";
+  }
+  if (in_memory == 0) return "read from the swap store when gathered";
+  return fmt::format(
+      "in host memory up to partition element {} of {} (offload_param.max_in_cpu), beyond it "
+      "read from the swap store when gathered",
+      in_memory, partition_numel);
+}
+
 // The checkpoint's trainer JSON: the engine's own state, and the user's under "user".
 constexpr const char* kUserStateKey = "user";
 
 }  // namespace
 
+// How a parameter's working weights are held (engine.h, "Stage 3").
+enum class Holding : std::uint8_t {
+  kLoop,        // whole, in the loop's weights buffer
+  kPersistent,  // whole, in the engine's (stage 3, at most the persistence threshold)
+  kPartitioned  // this rank's shard only; whole while gathered
+};
+
 // Everything the engine builds in Create.
 struct ZeroEngine::State {
   std::vector<Param> params;
+  // Stage 3 (engine.h, "Stage 3"), per parameter: how it is held; the engine's whole weights
+  // (kPersistent: always; kPartitioned: while gathered, world x shard elements with the
+  // shards' padding); the live Gathered scopes holding it.
+  std::vector<Holding> holding;
+  std::vector<std::vector<float>> whole;
+  std::vector<int> refs;
+  std::size_t num_partitioned = 0;
+  std::uint64_t held_refs = 0;    // sum of refs: Gathered scopes alive
+  std::uint64_t live_elems = 0;   // kPartitioned elements gathered now
+  std::vector<std::size_t> kept;  // gathered, held by no scope (prefetched or kept), oldest first
+  // This rank's fp32 shards in host memory: partition elements [0, shard.size()) (all of the
+  // partition, or with offload_param nvme the prefix that max_in_cpu allows; beyond it they
+  // are read from the swap store's committed fp32 weights).
+  std::vector<float> shard;
+  std::uint64_t shard_numel = 0;         // shard's size once allocated
+  storage::AlignedBuffer shard_staging;  // ReadShard's, allocated at its first use
+  // The partition ranges of the parameters held whole, merged (the same on every rank): what
+  // Step gathers after the optimizer step. The whole partition at stages 1 and 2.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> whole_ranges;
+  // The order of the Gather asks: the previous step's (`trace`, followed up to `trace_at`
+  // while this step repeats it) and this step's so far.
+  std::vector<std::size_t> trace, recording;
+  std::size_t trace_at = 0;
+  bool following = false;
+  GatherCounters counters;
   std::optional<partition::PartitionPlan> plan;
   std::optional<comm::Communicator> comm;  // the engine's own dup of the world
   std::unique_ptr<comm::CollectiveBackend> backend;
@@ -142,36 +191,158 @@ struct ZeroEngine::State {
   // Last: destroyed first (its worker uses the backend, the swapper and the timers).
   std::unique_ptr<GradientBuckets> buckets;
 
-  // Rank `rank`'s partition elements [partition_offset, + out.size()) from the parameters'
-  // weights (padding 0).
-  void PackWeights(int rank, std::uint64_t partition_offset, std::span<float> out) const {
+  // Decides how each parameter is held (engine.h, "Stage 3") and where the shards live; sizes
+  // shard_numel. Local, the same on every rank; allocates nothing.
+  Status PlanHolding(const Config& config) {
+    const ZeroConfig& zero = config.zero_optimization;
+    const partition::ParamLayout& layout = plan->layout();
+    holding.assign(params.size(), Holding::kLoop);
+    whole.assign(params.size(), {});
+    refs.assign(params.size(), 0);
+    std::uint64_t persistent = 0;
+    for (std::size_t p = 0; p < params.size(); ++p) {
+      if (!params[p].weights.empty()) continue;
+      const std::uint64_t numel = layout.param(p).numel;
+      if (numel <= zero.stage3_param_persistence_threshold &&
+          persistent + numel <= zero.stage3_model_persistence_threshold) {
+        holding[p] = Holding::kPersistent;
+        persistent += numel;
+      } else {
+        holding[p] = Holding::kPartitioned;
+        ++num_partitioned;
+      }
+    }
+    const bool nvme = zero.offload_param.device == OffloadDevice::kNvme;
+    if (nvme && num_partitioned == 0) {
+      return InvalidArgumentError(
+          "zero_optimization.offload_param.device: \"nvme\", but no parameter is partitioned: "
+          "register the parameters without weights (Param::init gives their first values) and "
+          "above stage3_param_persistence_threshold elements, or set the device to \"cpu\"");
+    }
+    whole_ranges.clear();
+    if (plan->kind() == partition::PlanKind::kFlat) {
+      whole_ranges.emplace_back(0, partition_numel);
+    } else {
+      for (std::size_t p = 0; p < params.size(); ++p) {
+        if (holding[p] == Holding::kPartitioned) continue;
+        const std::uint64_t begin = plan->ShardPartitionOffset(p);
+        const std::uint64_t end = begin + plan->ShardNumel(p);
+        if (!whole_ranges.empty() && whole_ranges.back().second == begin) {
+          whole_ranges.back().second = end;
+        } else {
+          whole_ranges.emplace_back(begin, end);
+        }
+      }
+    }
+    shard_numel = 0;
+    if (num_partitioned == 0) return OkStatus();
+    if (!nvme) {
+      shard_numel = partition_numel;
+      return OkStatus();
+    }
+    // offload_param nvme: the first shards up to max_in_cpu elements stay in memory; each of
+    // the others must fit offload_param.buffer_size (DeepSpeed's check).
+    std::uint64_t in_cpu = 0;
+    bool full = false;
+    for (std::size_t p = 0; p < params.size(); ++p) {
+      if (holding[p] != Holding::kPartitioned) continue;
+      const std::uint64_t n = plan->ShardNumel(p);
+      if (!full && in_cpu + n <= zero.offload_param.max_in_cpu) {
+        in_cpu += n;
+        shard_numel = plan->ShardPartitionOffset(p) + n;
+        continue;
+      }
+      full = true;
+      if (n > zero.offload_param.buffer_size) {
+        return InvalidArgumentError(fmt::format(
+            "zero_optimization.offload_param.buffer_size: parameter '{}' has a shard of {} "
+            "elements per rank to read from NVMe, more than buffer_size {}; raise it",
+            EscapeForTerminal(layout.param(p).name), n, zero.offload_param.buffer_size));
+      }
+    }
+    return OkStatus();
+  }
+
+  // Whether parameter p's shard is read from the swap store (not in `shard`).
+  bool ShardOnDisk(std::size_t p) const {
+    return plan->ShardPartitionOffset(p) + plan->ShardNumel(p) > shard.size();
+  }
+
+  // A gathered partitioned parameter no scope holds any more: dropped.
+  void Drop(std::size_t p) {
+    live_elems -= plan->layout().param(p).numel;
+    std::vector<float>().swap(whole[p]);
+  }
+
+  // After a step: the gathered weights are stale (dropped) and this step's asks are the
+  // order the next one is expected to repeat.
+  void NextStep() {
+    for (std::size_t p : kept) Drop(p);
+    kept.clear();
+    if (!recording.empty()) trace = std::move(recording);
+    recording.clear();
+    trace_at = 0;
+    following = !trace.empty();
+  }
+
+  // Whether the recorded order asks for `p` again within `distance` elements of gathers.
+  bool ReusedWithin(std::size_t p, std::uint64_t distance) const {
+    if (!following) return false;
+    std::uint64_t ahead = 0;
+    for (std::size_t i = trace_at; i < trace.size() && ahead <= distance; ++i) {
+      if (trace[i] == p) return true;
+      if (holding[trace[i]] == Holding::kPartitioned) ahead += plan->layout().param(trace[i]).numel;
+    }
+    return false;
+  }
+
+  // A parameter held whole: its weights.
+  std::span<float> WholeWeights(std::size_t p) {
+    return holding[p] == Holding::kLoop ? params[p].weights : std::span<float>(whole[p]);
+  }
+
+  // Rank `rank`'s partition elements [partition_offset, + out.size()) from the weights of the
+  // parameters held whole (padding and partitioned parameters' elements 0).
+  void PackWeights(int rank, std::uint64_t partition_offset, std::span<float> out) {
     std::fill(out.begin(), out.end(), 0.0f);
     for (const partition::Fragment& f :
          plan->FragmentsInPartitionRange(rank, partition_offset, out.size())) {
-      std::copy_n(params[f.param_index].weights.data() + f.param_offset, f.numel,
+      if (holding[f.param_index] == Holding::kPartitioned) continue;
+      std::copy_n(WholeWeights(f.param_index).data() + f.param_offset, f.numel,
                   out.data() + (f.partition_offset - partition_offset));
     }
   }
 
   // The reverse: rank `rank`'s partition elements [partition_offset, + in.size()) into the
-  // parameters' weights, rounded to the working precision.
+  // weights of the parameters held whole, rounded to the working precision, and this rank's
+  // own into the shards it keeps in memory (fp32: a gather rounds them).
   void UnpackWeights(int rank, std::uint64_t partition_offset, std::span<const float> in,
-                     Working working) const {
+                     Working working, int my_rank) {
     for (const partition::Fragment& f :
          plan->FragmentsInPartitionRange(rank, partition_offset, in.size())) {
-      float* dst = params[f.param_index].weights.data() + f.param_offset;
       const float* src = in.data() + (f.partition_offset - partition_offset);
-      switch (working) {
-        case Working::kBf16:
-          for (std::uint64_t k = 0; k < f.numel; ++k) dst[k] = RoundToBf16(src[k]);
-          break;
-        case Working::kFp16:
-          for (std::uint64_t k = 0; k < f.numel; ++k) dst[k] = RoundToFp16(src[k]);
-          break;
-        case Working::kFp32:
-          std::copy_n(src, f.numel, dst);
-          break;
+      if (holding[f.param_index] == Holding::kPartitioned) {
+        if (rank == my_rank && f.partition_offset + f.numel <= shard.size()) {
+          std::copy_n(src, f.numel, shard.data() + f.partition_offset);
+        }
+        continue;
       }
+      Round(std::span<const float>(src, f.numel),
+            WholeWeights(f.param_index).subspan(f.param_offset, f.numel), working);
+    }
+  }
+
+  static void Round(std::span<const float> in, std::span<float> out, Working working) {
+    switch (working) {
+      case Working::kBf16:
+        for (std::size_t k = 0; k < in.size(); ++k) out[k] = RoundToBf16(in[k]);
+        break;
+      case Working::kFp16:
+        for (std::size_t k = 0; k < in.size(); ++k) out[k] = RoundToFp16(in[k]);
+        break;
+      case Working::kFp32:
+        std::copy_n(in.data(), in.size(), out.data());
+        break;
     }
   }
 };
@@ -231,23 +402,47 @@ double ZeroEngine::loss_scale() const { return state_->scaler->scale(); }
 
 namespace {
 
-// The parameters as a layout, after checking every buffer against its shape.
-Result<partition::ParamLayout> LayoutOf(const std::vector<Param>& params) {
+// The parameters as a layout, after checking every buffer against its shape and the stage.
+Result<partition::ParamLayout> LayoutOf(const std::vector<Param>& params, int stage) {
   if (params.empty()) return InvalidArgumentError("engine: no parameters");
   std::vector<partition::ParamSpec> specs;
   specs.reserve(params.size());
   for (const Param& p : params) specs.push_back({p.name, p.shape});
   ZINF_ASSIGN_OR_RETURN(partition::ParamLayout layout,
                         Annotate(partition::ParamLayout::Create(std::move(specs)), "engine: "));
+  const bool lent = params[0].grads.empty();
   for (std::size_t i = 0; i < params.size(); ++i) {
     const partition::ParamInfo& info = layout.params()[i];
-    if (params[i].weights.size() != info.numel || params[i].grads.size() != info.numel) {
+    const std::string name = EscapeForTerminal(info.name);
+    const bool no_weights = params[i].weights.empty();
+    const bool no_grads = params[i].grads.empty();
+    if ((!no_weights && params[i].weights.size() != info.numel) ||
+        (!no_grads && params[i].grads.size() != info.numel)) {
       return InvalidArgumentError(fmt::format(
           "engine: parameter {} '{}' of shape {} has {} elements, but its weights buffer holds "
           "{} and its grads buffer {}",
-          i, EscapeForTerminal(info.name), partition::FormatShape(info.shape), info.numel,
-          params[i].weights.size(), params[i].grads.size()));
+          i, name, partition::FormatShape(info.shape), info.numel, params[i].weights.size(),
+          params[i].grads.size()));
     }
+    if (no_weights && stage != 3) {
+      return InvalidArgumentError(fmt::format(
+          "engine: parameter {} '{}' has no weights buffer: only zero_optimization.stage 3 "
+          "partitions parameters (this config has stage {})",
+          i, name, stage));
+    }
+    if (no_grads != lent) {
+      return InvalidArgumentError(fmt::format(
+          "engine: parameter {} '{}' {} a grads buffer and parameter 0 '{}' {}: register "
+          "grads for every parameter, or for none and lend them with GradientReady(index, grad)",
+          i, name, no_grads ? "has no" : "has", EscapeForTerminal(layout.params()[0].name),
+          lent ? "has none" : "has one"));
+    }
+  }
+  if (lent && stage < 2) {
+    return InvalidArgumentError(
+        "engine: the parameters have no grads buffers: lent gradients (GradientReady(index, "
+        "grad)) are partitioned as they arrive, which needs zero_optimization.stage 2 or 3 "
+        "(stage 1 keeps the whole gradient)");
   }
   // A buffer registered twice (two names, or weights and grads alike) would be written twice
   // per step: its parameters would silently train on each other's values.
@@ -314,7 +509,7 @@ Status ZeroEngine::Build(std::vector<Param> params) {
         config_.world_size, world_.size())));
   }
   // Every rank checks its own buffers; agree before the first collective.
-  Result<partition::ParamLayout> layout = LayoutOf(params);
+  Result<partition::ParamLayout> layout = LayoutOf(params, config_.zero_optimization.stage);
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(layout ? OkStatus() : Status(layout.error())));
   s.params = std::move(params);
   // The engine's own failure domain (comm/communicator.h): its agreements wait at most
@@ -333,17 +528,36 @@ Status ZeroEngine::Build(std::vector<Param> params) {
         "ranks",
         s.partition_numel, std::numeric_limits<int>::max())));
   }
-  const std::uint64_t padded = s.partition_numel * static_cast<std::uint64_t>(world_.size());
-  // The all-gather runs in rounds of allgather_bucket_size elements over all ranks.
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(s.PlanHolding(config_)));
+  std::uint64_t whole_numel = 0;
+  for (const auto& [begin, end] : s.whole_ranges) whole_numel += end - begin;
+  // The all-gather of the parameters held whole runs in rounds of allgather_bucket_size
+  // elements over all ranks.
   const std::uint64_t round = std::clamp<std::uint64_t>(
       config_.zero_optimization.allgather_bucket_size / static_cast<std::uint64_t>(world_.size()),
-      1, s.partition_numel);
-  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(CheckHostMemory(padded, round)));
+      1, std::max<std::uint64_t>(whole_numel, 1));
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(CheckHostMemory(round)));
   ZINF_LOG_INFO(
-      "engine: {} parameters in {} tensors; partition {} elements per rank; weights gathered in "
-      "{} round(s) of {} elements per rank",
-      s.total_numel, s.params.size(), s.partition_numel, (s.partition_numel + round - 1) / round,
-      round);
+      "engine: {} parameters in {} tensors; partition {} elements per rank; weights held whole "
+      "gathered in {} round(s) of {} elements per rank",
+      s.total_numel, s.params.size(), s.partition_numel, (whole_numel + round - 1) / round, round);
+  if (config_.zero_optimization.stage == 3) {
+    std::size_t loop = 0, persistent = 0;
+    for (Holding h : s.holding) {
+      loop += h == Holding::kLoop ? 1 : 0;
+      persistent += h == Holding::kPersistent ? 1 : 0;
+    }
+    ZINF_LOG_INFO(
+        "engine: stage 3: {} parameter(s) partitioned (shards {}), {} persistent (whole on every "
+        "rank, at most {} elements each), {} whole in the loop's weights buffers",
+        s.num_partitioned, ShardWhereabouts(config_, s.shard.size(), s.partition_numel), persistent,
+        config_.zero_optimization.stage3_param_persistence_threshold, loop);
+  }
+  s.shard.assign(s.shard_numel, 0.0f);
+  for (std::size_t p = 0; p < s.params.size(); ++p) {
+    if (s.holding[p] == Holding::kPersistent)
+      s.whole[p].assign(s.plan->layout().param(p).numel, 0.0f);
+  }
   s.gather_send.assign(round, 0.0f);
   s.gather_recv.assign(round * static_cast<std::uint64_t>(world_.size()), 0.0f);
   ZINF_ASSIGN_OR_RETURN(s.backend, comm::CreateCollectiveBackend(*s.comm, comm::BackendKind::kMpi));
@@ -386,21 +600,31 @@ Status ZeroEngine::Build(std::vector<Param> params) {
 
 // The engine's own buffers against the machine's RAM + swap shared by this node's ranks: what
 // cannot fit is ResourceExhausted before it is allocated, not a std::bad_alloc half-way.
-Status ZeroEngine::CheckHostMemory(std::uint64_t padded_numel, std::uint64_t round) const {
+Status ZeroEngine::CheckHostMemory(std::uint64_t round) const {
+  const State& s = *state_;
   const std::uint64_t machine = MachineMemoryBytes();
   if (machine == 0) return OkStatus();
   const auto local = static_cast<std::uint64_t>(std::max(world_.topology().local_size, 1));
-  // The user's weights and gradients, the partition's gradient and the all-gather buffers.
+  // The loop's weights and gradients, the engine's whole and sharded weights, the partition's
+  // gradient and the all-gather buffers (the stage-3 gathers come on top, bounded by
+  // stage3_max_live_parameters and the loop's own asks).
+  std::uint64_t floats =
+      s.partition_numel + s.shard_numel + round * (1 + static_cast<std::uint64_t>(world_.size()));
+  for (std::size_t p = 0; p < s.params.size(); ++p) {
+    floats += s.params[p].weights.size() + s.params[p].grads.size();
+    if (s.holding[p] == Holding::kPersistent) floats += s.plan->layout().param(p).numel;
+  }
   std::uint64_t need = 0;
-  const std::uint64_t floats = 2 * padded_numel + state_->partition_numel +
-                               round * (1 + static_cast<std::uint64_t>(world_.size()));
   if (!CheckedMul(floats, sizeof(float), &need)) need = UINT64_MAX;
   if (need <= machine / local) return OkStatus();
   return ResourceExhaustedError(fmt::format(
-      "the engine needs at least {} of host memory per rank for the replicated weights and "
-      "gradients of {} parameters, more than its share of this machine: {} of RAM + swap over {} "
-      "rank(s); run on more nodes or fewer ranks per node",
-      FormatBytes(need), state_->total_numel, FormatBytes(machine), local));
+      "the engine needs at least {} of host memory per rank for the weights and gradients of {} "
+      "parameters, more than its share of this machine: {} of RAM + swap over {} rank(s); run "
+      "on more nodes or fewer ranks per node{}",
+      FormatBytes(need), s.total_numel, FormatBytes(machine), local,
+      config_.zero_optimization.stage == 3 && s.num_partitioned < s.params.size()
+          ? ", or register the parameters without weights at stage 3 (engine.h, \"Stage 3\")"
+          : ""));
 }
 
 Status ZeroEngine::InitializeOrRestore() {
@@ -433,7 +657,7 @@ Status ZeroEngine::InitializeOrRestore() {
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(
       Annotate(ReadPartition(), resumed_from_.empty() ? "reading the initial weights back: "
                                                       : "reading the restored weights back: ")));
-  ZINF_RETURN_IF_ERROR(Gather());
+  ZINF_RETURN_IF_ERROR(GatherWholeWeights());
   // Rank 0 appends to the metrics of a resumed run and starts a fresh file otherwise.
   Status opened = OkStatus();
   if (world_.rank() == 0 && !options_.metrics_path.empty()) {
@@ -456,10 +680,29 @@ Status ZeroEngine::InitializeOrRestore() {
 Status ZeroEngine::Initialize() {
   State& s = *state_;
   const double start = MonotonicSeconds();
-  // Each rank writes its partition of the user's initial weights, slice by slice.
+  // Parameters without weights get their first values from Param::init, or from a checkpoint.
+  Status inits = OkStatus();
+  for (std::size_t p = 0; p < s.params.size() && inits; ++p) {
+    if (s.holding[p] != Holding::kLoop && !s.params[p].init) {
+      inits = InvalidArgumentError(fmt::format(
+          "engine: parameter {} '{}' has neither weights nor init, and no checkpoint is "
+          "restored (zinf.checkpoint.load): give Param::init its first values",
+          p, EscapeForTerminal(s.params[p].name)));
+    }
+  }
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(inits));
+  // Each rank writes its partition of the initial weights, slice by slice.
   const swapper::InitialWeights initial = [&](std::uint64_t partition_offset,
                                               std::span<float> out) -> Status {
     s.PackWeights(world_.rank(), partition_offset, out);
+    for (const partition::Fragment& f :
+         s.plan->FragmentsInPartitionRange(world_.rank(), partition_offset, out.size())) {
+      const Param& param = s.params[f.param_index];
+      if (s.holding[f.param_index] == Holding::kLoop) continue;
+      ZINF_RETURN_IF_ERROR(Annotate(
+          param.init(f.param_offset, out.subspan(f.partition_offset - partition_offset, f.numel)),
+          fmt::format("engine: parameter '{}' init: ", EscapeForTerminal(param.name))));
+    }
     return OkStatus();
   };
   ZINF_RETURN_IF_ERROR(s.swapper->Initialize(initial));
@@ -523,29 +766,53 @@ Status ZeroEngine::ReadPartition() {
       const std::span<float> piece =
           buffer.first(std::min<std::uint64_t>(buffer.size(), sg.numel - at));
       ZINF_RETURN_IF_ERROR(s.swapper->ReadState(i, swapper::StateTensor::kFp32, at, piece));
-      s.UnpackWeights(world_.rank(), sg.partition_offset + at, piece, Working::kFp32);
+      s.UnpackWeights(world_.rank(), sg.partition_offset + at, piece, Working::kFp32,
+                      world_.rank());
     }
   }
   return OkStatus();
 }
 
-// Every rank's part of the parameters' weights (its partition's updated values, written there by
-// the step's sink or ReadPartition) to every rank, in rounds of gather_send.size() elements per
-// rank: the engine never holds a copy of the model.
-Status ZeroEngine::Gather() {
+// Every rank's part of the weights of the parameters held whole (its partition's updated values,
+// written there by the step's sink or ReadPartition) to every rank, in rounds of
+// gather_send.size() elements per rank over whole_ranges: the engine never holds a copy of the
+// model, and at stage 3 the partitioned parameters are not gathered here (Gather does).
+Status ZeroEngine::GatherWholeWeights() {
   State& s = *state_;
   comm::ScopedTimer timer(s.timers, "allgather");
   const std::uint64_t round = s.gather_send.size();
   const int world = world_.size();
-  for (std::uint64_t at = 0; at < s.partition_numel; at += round) {
-    const std::uint64_t n = std::min(round, s.partition_numel - at);
+  // One round: pieces (partition offset, elements) of whole_ranges, at most `round` in all.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> pieces;
+  std::size_t range = 0;
+  std::uint64_t at = s.whole_ranges.empty() ? 0 : s.whole_ranges[0].first;
+  while (range < s.whole_ranges.size()) {
+    pieces.clear();
+    std::uint64_t n = 0;
+    while (n < round && range < s.whole_ranges.size()) {
+      const std::uint64_t take = std::min(round - n, s.whole_ranges[range].second - at);
+      pieces.emplace_back(at, take);
+      n += take;
+      at += take;
+      if (at == s.whole_ranges[range].second && ++range < s.whole_ranges.size()) {
+        at = s.whole_ranges[range].first;
+      }
+    }
     const std::span<float> send(s.gather_send.data(), n);
     const std::span<float> recv(s.gather_recv.data(), n * static_cast<std::uint64_t>(world));
-    s.PackWeights(world_.rank(), at, send);
+    std::uint64_t packed = 0;
+    for (const auto& [offset, count] : pieces) {
+      s.PackWeights(world_.rank(), offset, send.subspan(packed, count));
+      packed += count;
+    }
     ZINF_RETURN_IF_ERROR(s.backend->Allgather(send, recv));
     for (int r = 0; r < world; ++r) {
-      s.UnpackWeights(r, at, recv.subspan(static_cast<std::uint64_t>(r) * n, n),
-                      WorkingOf(config_));
+      std::uint64_t unpacked = static_cast<std::uint64_t>(r) * n;
+      for (const auto& [offset, count] : pieces) {
+        s.UnpackWeights(r, offset, recv.subspan(unpacked, count), WorkingOf(config_),
+                        world_.rank());
+        unpacked += count;
+      }
     }
   }
   return OkStatus();
@@ -564,8 +831,11 @@ Status ZeroEngine::CreateBuckets() {
   for (std::size_t i = 0; i < s.swapper->num_sub_groups(); ++i) {
     target.sub_groups.push_back(s.swapper->swap_info(i).sub_group);
   }
+  // Lent gradients (no grads buffers): none; GradientReady(index, grad) copies each in.
   std::vector<std::span<float>> grads;
-  for (const Param& p : s.params) grads.push_back(p.grads);
+  if (!s.params[0].grads.empty()) {
+    for (const Param& p : s.params) grads.push_back(p.grads);
+  }
   // A worker thread may call MPI while the caller's thread runs its backward pass only when MPI
   // allows calls from several threads, one at a time.
   const comm::ThreadLevel level = comm::ProvidedThreadLevel();
@@ -595,6 +865,11 @@ Status ZeroEngine::GradientReady(std::size_t index) {
   return state_->buckets->Ready(index, state_->micro_batches);
 }
 
+Status ZeroEngine::GradientReady(std::size_t index, std::span<const float> grad) {
+  if (closed_) return FailedPreconditionError("engine: GradientReady after Close");
+  return state_->buckets->Ready(index, state_->micro_batches, grad);
+}
+
 Status ZeroEngine::AccumulateGradients() {
   State& s = *state_;
   if (closed_) return FailedPreconditionError("engine: AccumulateGradients after Close");
@@ -613,6 +888,300 @@ Status ZeroEngine::AccumulateGradients() {
   ZINF_RETURN_IF_ERROR(handed);
   ++s.micro_batches;
   return OkStatus();
+}
+
+// ---- Stage 3: Gather (engine.h, "Stage 3") ----
+
+const GatherCounters& ZeroEngine::gather_counters() const { return state_->counters; }
+
+std::size_t ZeroEngine::num_partitioned_params() const { return state_->num_partitioned; }
+
+Result<Gathered> ZeroEngine::Gather(std::initializer_list<std::string_view> names) {
+  return Gather(std::vector<std::string>(names.begin(), names.end()));
+}
+
+Result<Gathered> ZeroEngine::Gather(std::span<const std::string> names) {
+  if (closed_) return FailedPreconditionError("engine: Gather after Close");
+  std::vector<std::size_t> indices;
+  indices.reserve(names.size());
+  for (const std::string& name : names) {
+    const std::optional<std::size_t> index = layout().FindParam(name);
+    if (!index) {
+      // Agreed with the other ranks' Gather (GatherParams), which fail alike.
+      Status agreed = AgreeOnCall(
+          "Gather", InvalidArgumentError(fmt::format("engine: Gather: no parameter is called '{}'",
+                                                     EscapeForTerminal(name))));
+      return std::move(agreed).error();
+    }
+    indices.push_back(*index);
+  }
+  return GatherByIndex(indices);
+}
+
+Result<Gathered> ZeroEngine::GatherByIndex(std::span<const std::size_t> params) {
+  if (closed_) return FailedPreconditionError("engine: Gather after Close");
+  ZINF_RETURN_IF_ERROR(GatherParams(params));
+  State& s = *state_;
+  Gathered gathered;
+  gathered.engine_ = this;
+  gathered.params_.assign(params.begin(), params.end());
+  for (std::size_t p : params) {
+    const std::uint64_t numel = s.plan->layout().param(p).numel;
+    gathered.weights_.push_back(s.holding[p] == Holding::kPartitioned
+                                    ? std::span<const float>(s.whole[p]).first(numel)
+                                    : std::span<const float>(s.WholeWeights(p)));
+  }
+  return gathered;
+}
+
+namespace {
+
+// FNV-1a over a list of parameter indices: what a rank is about to gather.
+std::uint64_t HashIndices(std::span<const std::size_t> a, std::span<const std::size_t> b) {
+  std::uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  for (std::size_t v : a) mix(v);
+  mix(UINT64_MAX);
+  for (std::size_t v : b) mix(v);
+  return h;
+}
+
+}  // namespace
+
+// Collective. Checks the asks, decides what to all-gather (the asks not gathered yet and what the
+// recorded order says comes next), agrees on it, reads the shards kept on disk, and all-gathers
+// each parameter into its whole buffer. On success every asked parameter is held once more.
+Status ZeroEngine::GatherParams(std::span<const std::size_t> asked) {
+  State& s = *state_;
+  const ZeroConfig& zero = config_.zero_optimization;
+  const partition::ParamLayout& layout = s.plan->layout();
+  Status local = OkStatus();
+  std::vector<bool> seen(s.params.size(), false);
+  for (std::size_t p : asked) {
+    if (p >= s.params.size()) {
+      local = InvalidArgumentError(fmt::format(
+          "engine: Gather: parameter index {} (there are {} parameters)", p, s.params.size()));
+      break;
+    }
+    if (seen[p]) {
+      local = InvalidArgumentError(fmt::format("engine: Gather: parameter '{}' asked twice",
+                                               EscapeForTerminal(layout.param(p).name)));
+      break;
+    }
+    seen[p] = true;
+  }
+  // What to all-gather: the asks not gathered now, then ahead of use.
+  std::vector<std::size_t> todo;
+  std::uint64_t todo_elems = 0;
+  std::size_t ahead = 0;
+  if (local) {
+    for (std::size_t p : asked) {
+      if (s.holding[p] != Holding::kPartitioned || !s.whole[p].empty()) continue;
+      todo.push_back(p);
+      todo_elems += layout.param(p).numel;
+    }
+    if (s.following && s.trace_at + asked.size() <= s.trace.size() &&
+        std::equal(asked.begin(), asked.end(), s.trace.begin() + s.trace_at)) {
+      s.trace_at += asked.size();
+    } else {
+      s.following = false;
+    }
+    std::uint64_t prefetch = 0;
+    std::int64_t disk_ahead = 0;
+    for (std::size_t i = s.trace_at; s.following && i < s.trace.size(); ++i) {
+      const std::size_t p = s.trace[i];
+      if (s.holding[p] != Holding::kPartitioned || !s.whole[p].empty() ||
+          std::find(todo.begin(), todo.end(), p) != todo.end()) {
+        continue;
+      }
+      const std::uint64_t numel = layout.param(p).numel;
+      const bool disk = s.ShardOnDisk(p);
+      if (prefetch + numel > zero.stage3_prefetch_bucket_size ||
+          s.live_elems + todo_elems + numel > zero.stage3_max_live_parameters ||
+          (disk && disk_ahead >= zero.offload_param.buffer_count)) {
+        break;
+      }
+      todo.push_back(p);
+      todo_elems += numel;
+      prefetch += numel;
+      disk_ahead += disk ? 1 : 0;
+      ++ahead;
+    }
+  }
+  // Every rank must gather the same parameters: the asks and the decision are agreed (ranks
+  // whose Gathered scopes were released at different points decide differently).
+  ZINF_RETURN_IF_ERROR(AgreeOnCall("Gather", local));
+  std::array<std::uint64_t, 2> hash = {HashIndices(asked, todo), ~HashIndices(asked, todo)};
+  ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<std::uint64_t>(hash, ReduceOp::kMax));
+  if (hash[0] != ~hash[1]) {
+    return FailedPreconditionError(
+        "engine: Gather: the ranks ask for different parameters (or released their Gathered "
+        "scopes at different points): every rank must make the same Gather calls in the same "
+        "order");
+  }
+  s.recording.insert(s.recording.end(), asked.begin(), asked.end());
+  // Make room: gathered parameters no scope holds go, oldest first, except those asked now.
+  for (std::size_t i = 0;
+       i < s.kept.size() && s.live_elems + todo_elems > zero.stage3_max_live_parameters;) {
+    const std::size_t p = s.kept[i];
+    if (seen[p]) {
+      ++i;
+      continue;
+    }
+    s.Drop(p);
+    s.kept.erase(s.kept.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  // This rank's shards: from memory, or read from the swap store (agreed before any
+  // all-gather, so that a failed read leaves no rank waiting in one).
+  std::vector<std::vector<float>> from_disk(todo.size());
+  Status read = OkStatus();
+  try {
+    for (std::size_t i = 0; i < todo.size() && read; ++i) {
+      const std::size_t p = todo[i];
+      s.whole[p].assign(s.plan->ShardNumel(p) * static_cast<std::uint64_t>(world_.size()), 0.0f);
+      if (!s.ShardOnDisk(p)) continue;
+      from_disk[i].assign(s.plan->ShardNumel(p), 0.0f);
+      read = Annotate(ReadShard(p, from_disk[i]),
+                      fmt::format("engine: Gather: reading the shard of parameter '{}': ",
+                                  EscapeForTerminal(layout.param(p).name)));
+      ++s.counters.disk_reads;
+    }
+  } catch (const std::bad_alloc&) {
+    read = ResourceExhaustedError(
+        fmt::format("engine: Gather: no host memory for {} gathered elements (lower "
+                    "stage3_prefetch_bucket_size or stage3_max_live_parameters)",
+                    todo_elems));
+  }
+  read = comm().AgreeOnStatus(read);
+  if (!read) {
+    for (std::size_t p : todo) std::vector<float>().swap(s.whole[p]);
+    return read;
+  }
+  {
+    comm::ScopedTimer timer(s.timers, "param_allgather");
+    for (std::size_t i = 0; i < todo.size(); ++i) {
+      const std::size_t p = todo[i];
+      const std::uint64_t n = s.plan->ShardNumel(p);
+      const std::span<const float> mine =
+          s.ShardOnDisk(p)
+              ? std::span<const float>(from_disk[i])
+              : std::span<const float>(s.shard).subspan(s.plan->ShardPartitionOffset(p), n);
+      Status gathered = s.backend->Allgather(mine, s.whole[p]);
+      if (!gathered) {
+        for (std::size_t q : todo) std::vector<float>().swap(s.whole[q]);
+        return gathered;
+      }
+      if (WorkingOf(config_) != Working::kFp32) {
+        const std::span<float> weights = std::span<float>(s.whole[p]).first(layout.param(p).numel);
+        State::Round(weights, weights, WorkingOf(config_));
+      }
+    }
+  }
+  for (std::size_t i = 0; i < todo.size(); ++i) {
+    s.live_elems += layout.param(todo[i]).numel;
+    // Gathered ahead of use: held by no scope until asked.
+    if (i >= todo.size() - ahead) s.kept.push_back(todo[i]);
+  }
+  for (std::size_t p : asked) {
+    if (++s.refs[p] == 1 && s.holding[p] == Holding::kPartitioned) {
+      std::erase(s.kept, p);
+    }
+  }
+  s.held_refs += asked.size();
+  s.counters.calls += 1;
+  s.counters.asked += asked.size();
+  s.counters.gathered += todo.size();
+  s.counters.prefetched += ahead;
+  s.counters.served += asked.size() - (todo.size() - ahead);
+  s.counters.peak_live_elems = std::max(s.counters.peak_live_elems, s.live_elems);
+  return OkStatus();
+}
+
+// This rank's fp32 shard of parameter `p` from the swap store's committed weights (the
+// sub-groups it spans), in pieces through the engine's own staging buffer: in the middle of a
+// micro-batch the gradient swapper may hold every pool buffer. Local.
+Status ZeroEngine::ReadShard(std::size_t p, std::span<float> out) {
+  State& s = *state_;
+  if (s.shard_staging.empty()) {
+    const std::uint64_t alignment = std::max<std::uint64_t>(s.swapper->store().alignment(), 4096);
+    ZINF_ASSIGN_OR_RETURN(s.shard_staging, storage::AlignedBuffer::Allocate(
+                                               kShardStagingBytes + 2 * alignment,
+                                               {.alignment = alignment, .register_cuda = false}));
+  }
+  constexpr std::uint64_t kPiece = kShardStagingBytes / sizeof(float);
+  const std::uint64_t begin = s.plan->ShardPartitionOffset(p);
+  const std::uint64_t end = begin + out.size();
+  for (std::size_t i = 0; i < s.swapper->num_sub_groups(); ++i) {
+    const partition::SubGroup& sg = s.swapper->swap_info(i).sub_group;
+    const std::uint64_t lo = std::max(begin, sg.partition_offset);
+    const std::uint64_t hi = std::min(end, sg.partition_offset + sg.numel);
+    for (std::uint64_t at = lo; at < hi; at += kPiece) {
+      const std::uint64_t n = std::min(kPiece, hi - at);
+      ZINF_RETURN_IF_ERROR(
+          s.swapper->ReadState(i, swapper::StateTensor::kFp32, at - sg.partition_offset,
+                               out.subspan(at - begin, n), s.shard_staging.span()));
+    }
+  }
+  return OkStatus();
+}
+
+// Local: the scopes of `params` end; a parameter no scope holds stays gathered while the
+// recorded order uses it again within stage3_max_reuse_distance elements (and
+// stage3_max_live_parameters allows), else its whole weights go.
+void ZeroEngine::ReleaseParams(std::span<const std::size_t> params) {
+  if (closed_) return;
+  State& s = *state_;
+  const ZeroConfig& zero = config_.zero_optimization;
+  for (std::size_t p : params) {
+    --s.held_refs;
+    if (--s.refs[p] > 0 || s.holding[p] != Holding::kPartitioned) continue;
+    if (s.live_elems <= zero.stage3_max_live_parameters &&
+        s.ReusedWithin(p, zero.stage3_max_reuse_distance)) {
+      s.kept.push_back(p);
+    } else {
+      s.Drop(p);
+    }
+  }
+}
+
+Gathered::Gathered(Gathered&& other) noexcept
+    : engine_(std::exchange(other.engine_, nullptr)),
+      params_(std::move(other.params_)),
+      weights_(std::move(other.weights_)) {}
+
+Gathered& Gathered::operator=(Gathered&& other) noexcept {
+  if (this != &other) {
+    Release();
+    engine_ = std::exchange(other.engine_, nullptr);
+    params_ = std::move(other.params_);
+    weights_ = std::move(other.weights_);
+  }
+  return *this;
+}
+
+std::span<const float> Gathered::operator[](std::size_t i) const {
+  ZINF_CHECK(i < weights_.size(), "Gathered[{}]: {} parameters", i, weights_.size());
+  return weights_[i];
+}
+
+std::span<const float> Gathered::Find(std::string_view name) const {
+  if (engine_ == nullptr) return {};
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (engine_->layout().param(params_[i]).name == name) return weights_[i];
+  }
+  return {};
+}
+
+void Gathered::Release() {
+  if (engine_ != nullptr) engine_->ReleaseParams(params_);
+  engine_ = nullptr;
+  params_.clear();
+  weights_.clear();
 }
 
 // The squared L2 norm of this rank's reduced partition gradient.
@@ -657,6 +1226,12 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
                     "gradient_accumulation_steps {} call it {} times per step, or not at all",
                     step, s.micro_batches, gas, gas - 1));
   }
+  if (calls && s.held_refs > 0) {
+    calls = FailedPreconditionError(fmt::format(
+        "engine: step {}: {} gathered parameter(s) are still held by a Gathered scope; release "
+        "them before Step (the step changes their weights)",
+        step, s.held_refs));
+  }
   const swapper::OptimizerSwapper& io = *s.swapper;
   StepInfo info;
   info.step = step;
@@ -666,6 +1241,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   const Status handed = HandGradient(s.micro_batches);
   s.micro_batches = 0;
   ZINF_RETURN_IF_ERROR(comm().AgreeOnCall("Step", calls));
+  s.NextStep();
   ZINF_RETURN_IF_ERROR(handed);
   // 2: the global norm of the averaged gradient, the loss and the stop flag, in one allreduce.
   // With fp16 the gradient is of the loss times the scale: the norm is divided by it, and a
@@ -738,7 +1314,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   const swapper::ParamSink sink = [&s, rank = world_.rank()](const partition::SubGroup& sg,
                                                              std::span<const float> fp32,
                                                              std::span<const std::uint16_t>) {
-    s.UnpackWeights(rank, sg.partition_offset, fp32.first(sg.numel), Working::kFp32);
+    s.UnpackWeights(rank, sg.partition_offset, fp32.first(sg.numel), Working::kFp32, rank);
     return OkStatus();
   };
   const double optimizer_start = MonotonicSeconds();
@@ -758,7 +1334,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   ZINF_RETURN_IF_ERROR(scaler.Update(/*overflow=*/false));
   // 4: the updated partitions into every parameter's weights.
   step_ = step;
-  ZINF_RETURN_IF_ERROR(Gather());
+  ZINF_RETURN_IF_ERROR(GatherWholeWeights());
   return FinishStep(info, /*skipped=*/false, io_start, io_optimizer_start, io_optimizer_end,
                     optimizer_seconds);
 }

@@ -47,6 +47,7 @@ Status GradientBuckets::Build(const partition::PartitionPlan& plan, int rank,
   const auto& params = plan.layout().params();
   const auto world = static_cast<std::size_t>(plan.world_size());
   bucket_of_.resize(params.size());
+  for (const partition::ParamInfo& info : params) sizes_.push_back(info.numel);
   std::uint64_t in_bucket = 0;
   for (std::size_t p = 0; p < params.size(); ++p) {
     if (buckets_.empty() || in_bucket >= bucket_elems) {
@@ -59,11 +60,14 @@ Status GradientBuckets::Build(const partition::PartitionPlan& plan, int rank,
     buckets_.back().end_param = p + 1;
     in_bucket += params[p].numel;
   }
+  if (lent()) pieces_of_.resize(params.size());
   for (int r = 0; r < plan.world_size(); ++r) {
     for (const partition::Fragment& f : plan.RankFragments(r)) {
       Bucket& bucket = buckets_[bucket_of_[f.param_index]];
-      const Piece piece{f.param_index, f.param_offset, f.numel, f.partition_offset};
+      const Piece piece{f.param_index, f.param_offset, f.numel, f.partition_offset, bucket.total};
+      if (lent()) pieces_of_[f.param_index].push_back(bucket.send.size());
       bucket.send.push_back(piece);
+      bucket.total += f.numel;
       bucket.counts[static_cast<std::size_t>(r)] += static_cast<std::int64_t>(f.numel);
       if (r == rank) bucket.mine.push_back(piece);
     }
@@ -74,8 +78,7 @@ Status GradientBuckets::Build(const partition::PartitionPlan& plan, int rank,
   std::uint64_t largest = 0, largest_mine = 0;
   for (std::size_t i = 0; i < buckets_.size(); ++i) {
     Bucket& bucket = buckets_[i];
-    std::uint64_t total = 0;
-    for (std::int64_t c : bucket.counts) total += static_cast<std::uint64_t>(c);
+    const std::uint64_t total = bucket.total;
     if (total > static_cast<std::uint64_t>(std::numeric_limits<int>::max())) {
       return InvalidArgumentError(fmt::format(
           "zero_optimization.reduce_bucket_size: gradient bucket {} holds {} elements, more than "
@@ -107,7 +110,10 @@ Status GradientBuckets::Build(const partition::PartitionPlan& plan, int rank,
       sub_group_total_[s] += per_sub_group[s];
     }
   }
-  send_.assign(largest, 0.0f);
+  // Lent gradients are packed into the buckets' own buffers as they arrive.
+  max_bucket_elems_ = largest;
+  if (!lent()) send_.assign(largest, 0.0f);
+  lent_send_.resize(lent() ? buckets_.size() : 0);
   recv_.assign(largest_mine, 0.0f);
   ready_.assign(params.size(), false);
   missing_.assign(buckets_.size(), 0);
@@ -133,6 +139,8 @@ void GradientBuckets::Begin(int micro_batch) {
   }
   pending_ = sub_group_total_;
   collective_error_.reset();
+  // What a failed micro-batch left unreduced.
+  for (std::vector<float>& buffer : lent_send_) std::vector<float>().swap(buffer);
   {
     std::lock_guard<std::mutex> lock(mu_);
     complete_ = 0;
@@ -157,6 +165,50 @@ bool GradientBuckets::HasLocalError() {
 }
 
 Status GradientBuckets::Ready(std::size_t param, int micro_batch) {
+  if (lent()) {
+    Status wrong = FailedPreconditionError(fmt::format(
+        "engine: GradientReady({}) without a gradient: the parameters were registered without "
+        "grads buffers; hand each gradient with GradientReady(index, grad)",
+        param));
+    RecordLocal(wrong);
+    return wrong;
+  }
+  ZINF_RETURN_IF_ERROR(Accept(param, micro_batch));
+  Handed(param);
+  return OkStatus();
+}
+
+Status GradientBuckets::Ready(std::size_t param, int micro_batch, std::span<const float> grad) {
+  Status bad = OkStatus();
+  if (!lent()) {
+    bad = FailedPreconditionError(fmt::format(
+        "engine: GradientReady({}, grad): the parameters were registered with grads buffers; "
+        "call GradientReady({}) once the gradient is in its buffer",
+        param, param));
+  } else if (param < ready_.size() && grad.size() != sizes_[param]) {
+    bad = InvalidArgumentError(
+        fmt::format("engine: GradientReady({}, grad): the gradient has {} elements, the "
+                    "parameter {}",
+                    param, grad.size(), sizes_[param]));
+  }
+  if (!bad) {
+    RecordLocal(bad);
+    return bad;
+  }
+  ZINF_RETURN_IF_ERROR(Accept(param, micro_batch));
+  const std::size_t b = bucket_of_[param];
+  const Bucket& bucket = buckets_[b];
+  std::vector<float>& send = lent_send_[b];
+  if (send.empty()) send.assign(bucket.total, 0.0f);
+  for (std::size_t i : pieces_of_[param]) {
+    const Piece& piece = bucket.send[i];
+    std::copy_n(grad.data() + piece.in_param, piece.numel, send.data() + piece.send_at);
+  }
+  Handed(param);
+  return OkStatus();
+}
+
+Status GradientBuckets::Accept(std::size_t param, int micro_batch) {
   if (param >= ready_.size()) {
     Status bad = InvalidArgumentError(
         fmt::format("engine: GradientReady({}): there are {} parameters", param, ready_.size()));
@@ -170,9 +222,13 @@ Status GradientBuckets::Ready(std::size_t param, int micro_batch) {
     RecordLocal(twice);
     return twice;
   }
+  return OkStatus();
+}
+
+void GradientBuckets::Handed(std::size_t param) {
   ready_[param] = true;
   const std::size_t bucket = bucket_of_[param];
-  if (--missing_[bucket] > 0) return OkStatus();
+  if (--missing_[bucket] > 0) return;
   // The order reduces the last bucket first: how many of it are complete now.
   std::size_t complete;
   {
@@ -185,10 +241,9 @@ Status GradientBuckets::Ready(std::size_t param, int micro_batch) {
   }
   if (background_) {
     work_cv_.notify_one();
-    return OkStatus();
+    return;
   }
   while (reduced_ < complete) Reduce(reduced_++);
-  return OkStatus();
 }
 
 void GradientBuckets::WaitIdle() {
@@ -237,22 +292,30 @@ void GradientBuckets::Work() {
 
 void GradientBuckets::Reduce(std::size_t k) {
   if (collective_error_) return;  // every rank stops at the same collective
-  const Bucket& bucket = buckets_[buckets_.size() - 1 - k];
-  std::size_t at = 0;
-  for (const Piece& piece : bucket.send) {
-    std::copy_n(grads_[piece.param].data() + piece.in_param, piece.numel, send_.data() + at);
-    at += piece.numel;
-  }
-  for (std::size_t p = bucket.first_param; p < bucket.end_param; ++p) {
-    std::fill(grads_[p].begin(), grads_[p].end(), 0.0f);
+  const std::size_t b = buckets_.size() - 1 - k;
+  const Bucket& bucket = buckets_[b];
+  std::span<const float> send;
+  if (lent()) {
+    // A bucket none of whose parameters was handed sends zeros.
+    if (lent_send_[b].empty()) lent_send_[b].assign(bucket.total, 0.0f);
+    send = lent_send_[b];
+  } else {
+    for (const Piece& piece : bucket.send) {
+      std::copy_n(grads_[piece.param].data() + piece.in_param, piece.numel,
+                  send_.data() + piece.send_at);
+    }
+    for (std::size_t p = bucket.first_param; p < bucket.end_param; ++p) {
+      std::fill(grads_[p].begin(), grads_[p].end(), 0.0f);
+    }
+    send = std::span<const float>(send_).first(bucket.total);
   }
   const auto mine = static_cast<std::size_t>(bucket.counts[static_cast<std::size_t>(rank_)]);
   Status reduced;
   {
     comm::ScopedTimer timer(*timers_, "reduce_scatter");
-    reduced = backend_->ReduceScatterVSum(std::span<const float>(send_).first(at), bucket.counts,
-                                          std::span<float>(recv_).first(mine));
+    reduced = backend_->ReduceScatterVSum(send, bucket.counts, std::span<float>(recv_).first(mine));
   }
+  if (lent()) std::vector<float>().swap(lent_send_[b]);
   if (!reduced) {
     collective_error_ = std::move(reduced).error();
     return;

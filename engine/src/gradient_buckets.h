@@ -9,6 +9,12 @@
 // partition from which each sub-group goes to the gradient swapper as soon as all of its elements
 // of the micro-batch have arrived. The user's gradients of a reduced bucket are zeroed.
 //
+// Two ways the gradients arrive. Registered: every parameter's buffer is known at Create and read
+// when its bucket is reduced. Lent (Create without buffers): Ready gets the gradient and copies
+// it into its bucket's send buffer at once, so the caller's buffer is free when Ready returns; a
+// bucket's send buffer exists from its first parameter handed until it is reduced, so the
+// memory is the buckets in flight, not the model (a parameter never handed sends zeros).
+//
 // Order: the buckets of a micro-batch are always reduced last bucket first, and bucket k only
 // after every bucket above it: the same sequence of collectives on every rank whatever order the
 // parameters were handed in, so ranks that hand gradients differently (or not at all: Finish
@@ -60,8 +66,9 @@ class GradientBuckets {
     std::vector<partition::SubGroup> sub_groups;  // this rank's, in partition order
   };
 
-  // `grads`: every parameter's gradient buffer, in layout order. InvalidArgument when a bucket
-  // exceeds what one MPI collective moves (2^31 - 1 elements).
+  // `grads`: every parameter's gradient buffer, in layout order; empty: the gradients are lent
+  // (Ready with a span). InvalidArgument when a bucket exceeds what one MPI collective moves
+  // (2^31 - 1 elements).
   static Result<std::unique_ptr<GradientBuckets>> Create(
       const partition::PartitionPlan& plan, int rank, std::vector<std::span<float>> grads,
       std::uint64_t bucket_elems, comm::CollectiveBackend* backend, Target target,
@@ -71,13 +78,17 @@ class GradientBuckets {
   GradientBuckets& operator=(const GradientBuckets&) = delete;
 
   std::size_t num_buckets() const { return buckets_.size(); }
-  std::uint64_t max_bucket_elems() const { return send_.size(); }
+  std::uint64_t max_bucket_elems() const { return max_bucket_elems_; }
   bool background() const { return background_; }
+  bool lent() const { return grads_.empty(); }
 
   // Parameter `param`'s gradient of micro-batch `micro_batch` is complete in its buffer. Local.
   // Errors (also recorded for Finish): InvalidArgument (no such parameter), FailedPrecondition
   // (handed twice in the micro-batch).
   Status Ready(std::size_t param, int micro_batch);
+  // Lent gradients: the same, with the gradient (the parameter's numel elements), copied before
+  // the call returns. Errors also InvalidArgument (a wrong size).
+  Status Ready(std::size_t param, int micro_batch, std::span<const float> grad);
   // Collective over the backend: reduces every bucket of micro-batch `micro_batch` not reduced
   // yet and ends the micro-batch. Returns the collective error (the same everywhere) or this
   // rank's recorded local error.
@@ -92,6 +103,7 @@ class GradientBuckets {
     std::size_t param;
     std::uint64_t in_param, numel;
     std::uint64_t partition_offset;  // in the owning rank's partition
+    std::uint64_t send_at = 0;       // in the bucket's send buffer
   };
   struct Bucket {
     std::size_t first_param = 0, end_param = 0;
@@ -99,11 +111,16 @@ class GradientBuckets {
     std::vector<Piece> send;           // every rank's pieces, rank-major, partition order
     std::vector<Piece> mine;           // this rank's, in the order it receives them
     std::vector<std::pair<std::size_t, std::uint64_t>> sub_group_elems;  // (sub-group, count)
+    std::uint64_t total = 0;                                             // elements sent, all ranks
   };
 
   GradientBuckets() = default;
   Status Build(const partition::PartitionPlan& plan, int rank, std::uint64_t bucket_elems);
   void Begin(int micro_batch);
+  // Ready's checks (a failure is also recorded for Finish); begins the micro-batch.
+  Status Accept(std::size_t param, int micro_batch);
+  // Marks `param` handed and reduces (or has the worker reduce) the buckets now complete.
+  void Handed(std::size_t param);
   // Reduces the k-th bucket of the micro-batch's order (bucket num_buckets - 1 - k).
   void Reduce(std::size_t k);
   void Unpack(const Bucket& bucket);
@@ -121,8 +138,14 @@ class GradientBuckets {
   int rank_ = 0;
   std::vector<Bucket> buckets_;
   std::vector<std::size_t> bucket_of_;          // per parameter
+  std::vector<std::uint64_t> sizes_;            // per parameter, elements
   std::vector<std::uint64_t> sub_group_total_;  // parameter elements per sub-group
   std::vector<float> send_, recv_;
+  std::uint64_t max_bucket_elems_ = 0;  // all ranks' elements of the largest bucket
+  // Lent: per parameter its pieces (indices into its bucket's `send`); per bucket its send
+  // buffer, allocated by the first Ready of a micro-batch and freed once reduced.
+  std::vector<std::vector<std::size_t>> pieces_of_;
+  std::vector<std::vector<float>> lent_send_;
 
   // Per micro-batch (the caller's thread, and the worker under mu_ as noted).
   bool active_ = false;

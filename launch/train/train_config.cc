@@ -144,6 +144,12 @@ void ApplyOverrides(const ConfigOverrides& o, Json& root) {
   if (o.nvme_path) {
     Set(root, {"zero_optimization", "offload_optimizer"}, "device", "nvme");
     Set(root, {"zero_optimization", "offload_optimizer"}, "nvme_path", *o.nvme_path);
+    // offload_param reads the shards from the optimizer's store: a path it names moves too.
+    if (const Json* zero = ObjectAt(root, {"zero_optimization"});
+        zero != nullptr && zero->contains("offload_param") &&
+        zero->at("offload_param").is_object() && zero->at("offload_param").contains("nvme_path")) {
+      Set(root, {"zero_optimization", "offload_param"}, "nvme_path", *o.nvme_path);
+    }
   }
   if (o.checkpoint_dir) Set(root, {"zinf", "checkpoint"}, "dir", *o.checkpoint_dir);
   if (o.checkpoint_every) Set(root, {"zinf", "checkpoint"}, "every", *o.checkpoint_every);

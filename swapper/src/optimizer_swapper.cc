@@ -704,7 +704,8 @@ Status OptimizerSwapper::Initialize(const InitialWeights& initial_fp32) {
 }
 
 Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
-                                   std::uint64_t offset_elems, std::span<float> out) {
+                                   std::uint64_t offset_elems, std::span<float> out,
+                                   std::span<std::byte> staging) {
   if (sub_group >= infos_.size()) {
     return InvalidArgumentError(
         fmt::format("ReadState: sub-group {} of {}", sub_group, infos_.size()));
@@ -745,8 +746,17 @@ Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
   const std::uint64_t begin = AlignDown(offset_elems * sizeof(float), alignment);
   const std::uint64_t end =
       std::min(AlignUp((offset_elems + out.size()) * sizeof(float), alignment), info.io_size_bytes);
-  ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(1, 1));
-  std::span<std::byte> buffer = lease.bytes(0).first(end - begin);
+  std::optional<PoolLease> lease;
+  std::span<std::byte> buffer;
+  if (staging.empty()) {
+    ZINF_ASSIGN_OR_RETURN(lease, pool_->Allocate(1, 1));
+    buffer = lease->bytes(0).first(end - begin);
+  } else if (staging.size() < end - begin) {
+    return InvalidArgumentError(fmt::format(
+        "ReadState: a staging buffer of {} bytes for a read of {}", staging.size(), end - begin));
+  } else {
+    buffer = staging.first(end - begin);
+  }
   ZINF_RETURN_IF_ERROR(
       ReadSlotTensor(SlotTensorName(slot_of_[sub_group], static_cast<std::size_t>(which)), begin,
                      buffer, fmt::format("read state of sub-group {}: ", sub_group)));

@@ -3,7 +3,10 @@
 # (cmake --install), checks what was installed, then builds examples/cpp outside the zinf tree
 # with nothing but CMAKE_PREFIX_PATH (and once more with pkg-config), and runs it under mpirun:
 #   - 1, 2 and 3 ranks from scratch: exit 0, and the loss falls to below half of the first;
-#   - a checkpoint saved on 2 ranks resumes on 3: steps continue from it, the loss stays low.
+#   - a checkpoint saved on 2 ranks resumes on 3: steps continue from it, the loss stays low;
+#   - mlp_stage3 (ZeRO stage 3, ds_stage3.json) on 1, 2 and 3 ranks: exit 0, the loss falls below
+#     half and matches mlp's on as many ranks (the same model, data and steps), fc1.weight alone
+#     is partitioned and its shards are read from NVMe.
 #
 #   example_test.sh BUILD_DIR SOURCE_DIR MPIEXEC
 set -euo pipefail
@@ -48,11 +51,16 @@ if grep -q -- "$src" "$work/example/build/build.ninja"; then
   fail "the example's build refers to the zinf source tree $src"
 fi
 mlp=$work/example/build/mlp
+mlp_stage3=$work/example/build/mlp_stage3
 
 check "examples/cpp builds with pkg-config zinf"
 PKG_CONFIG_PATH=$prefix/lib/pkgconfig g++ -O1 -o "$work/mlp-pc" "$src/examples/cpp/mlp.cc" \
   $(PKG_CONFIG_PATH=$prefix/lib/pkgconfig pkg-config --cflags --libs zinf) ||
   fail "pkg-config build failed"
+PKG_CONFIG_PATH=$prefix/lib/pkgconfig g++ -O1 -o "$work/mlp_stage3-pc" \
+  "$src/examples/cpp/mlp_stage3.cc" \
+  $(PKG_CONFIG_PATH=$prefix/lib/pkgconfig pkg-config --cflags --libs zinf) ||
+  fail "pkg-config build of mlp_stage3 failed"
 
 # run DIR NP LAST_STEP: the example in DIR (its ds.json, relative swap and checkpoint paths).
 run() {
@@ -61,7 +69,7 @@ run() {
   sed 's/"steps_per_print": 50/"steps_per_print": 20/' "$src/examples/cpp/ds.json" > "$dir/ds.json"
   (cd "$dir" && timeout --kill-after=10 120 "${mpi[@]}" -np "$np" "$mlp" ds.json "$last") \
     > "$dir/out.txt" 2> "$dir/err.txt" ||
-    { tail -20 "$dir/err.txt"; fail "mlp on $np ranks to step $last exited with $?"; }
+    { rc=$?; tail -20 "$dir/err.txt"; fail "mlp on $np ranks to step $last exited with $rc"; }
   grep '^mlp: ' "$dir/out.txt" || fail "no summary line: $(cat "$dir/out.txt")"
 }
 # losses DIR: "first last" from the summary line.
@@ -91,4 +99,26 @@ read -r first3 last3 < <(losses "$work/resume")
 awk -v a="$first2" -v b="$first3" 'BEGIN { exit !(b < a / 2) }' ||
   fail "resumed loss $first3 is not below half the fresh 2-rank start $first2 (was the state lost?)"
 echo "  2 ranks: $first2 -> $last2; resumed on 3: $first3 -> $last3"
+
+for np in 1 2 3; do
+  check "mlp_stage3 on $np rank(s), 60 steps: the loss falls below half, as mlp's does"
+  dir=$work/stage3-np$np
+  mkdir -p "$dir"
+  (cd "$dir" && timeout --kill-after=10 120 "${mpi[@]}" -np "$np" "$mlp_stage3" \
+     "$src/examples/cpp/ds_stage3.json" 60) > "$dir/out.txt" 2> "$dir/err.txt" ||
+    { rc=$?; tail -20 "$dir/err.txt"; fail "mlp_stage3 on $np ranks exited with $rc"; }
+  cat "$dir/out.txt"
+  read -r first last < <(sed -n 's/^mlp_stage3: .*loss \([0-9.e+-]*\) -> \([0-9.e+-]*\)$/\1 \2/p' \
+                         "$dir/out.txt") || true
+  [[ -n ${last:-} ]] || fail "mlp_stage3: no loss line"
+  falls "$first" "$last" || fail "mlp_stage3 on $np ranks: loss $first -> $last did not fall"
+  # Stage 3 changes where the weights live, not the arithmetic: mlp's losses, up to rounding.
+  read -r mlp_first mlp_last < <(losses "$work/np$np")
+  awk -v a="$first $last" -v b="$mlp_first $mlp_last" 'BEGIN {
+        split(a, x); split(b, y)
+        for (i = 1; i <= 2; ++i) if ((x[i] - y[i])^2 > (1e-3 * y[i])^2) exit 1 }' ||
+    fail "mlp_stage3 on $np ranks: loss $first -> $last, mlp's $mlp_first -> $mlp_last"
+  grep -Eq '^mlp_stage3: 1 of 4 parameter\(s\) partitioned; .* [1-9][0-9]* shard reads from NVMe' \
+    "$dir/out.txt" || fail "mlp_stage3 on $np ranks: not 1 partitioned parameter read from NVMe"
+done
 echo "PASS"

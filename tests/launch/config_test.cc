@@ -929,5 +929,250 @@ TEST(TrainConfig, NvmePathWeightsReachTheSwapStore) {
   // The typed errors are the corpus's: bad_configs/9*-nvme-path-weights-*.json.
 }
 
+// ---- Stage 3: offload_param and the stage3_* keys (engine.h, "Stage 3") ----
+
+TEST(Stage3Config, DefaultsAreDeepSpeeds) {
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c,
+                            ParseTrainConfig(R"({"train_micro_batch_size_per_gpu": 4})", {}));
+  const ZeroConfig& z = c.zero_optimization;
+  EXPECT_EQ(z.offload_param.device, OffloadDevice::kNone);
+  EXPECT_TRUE(z.offload_param.nvme_path.empty());
+  EXPECT_EQ(z.offload_param.buffer_count, 5);
+  EXPECT_EQ(z.offload_param.buffer_size, 100'000'000u);
+  EXPECT_EQ(z.offload_param.max_in_cpu, 1'000'000'000u);
+  EXPECT_FALSE(z.offload_param.pin_memory);
+  EXPECT_EQ(z.stage3_prefetch_bucket_size, 50'000'000u);
+  EXPECT_EQ(z.stage3_max_live_parameters, 1'000'000'000u);
+  EXPECT_EQ(z.stage3_max_reuse_distance, 1'000'000'000u);
+  EXPECT_EQ(z.stage3_param_persistence_threshold, 100'000u);
+  EXPECT_EQ(z.stage3_model_persistence_threshold, 9'223'372'036'854'775'807u);  // sys.maxsize
+  EXPECT_TRUE(c.ignored_keys.empty());
+  // Printed with the other zero_optimization keys (no nvme_path when none is given), and
+  // --help lists them with their defaults and ranges.
+  const std::string effective = EffectiveConfigJson(c);
+  EXPECT_THAT(effective, HasSubstr(R"("stage3_prefetch_bucket_size": 50000000)"));
+  EXPECT_THAT(effective, HasSubstr(R"("stage3_model_persistence_threshold": 9223372036854775807)"));
+  EXPECT_THAT(effective, HasSubstr(R"("offload_param": {
+      "device": "none",
+      "buffer_count": 5,
+      "buffer_size": 100000000,
+      "max_in_cpu": 1000000000,
+      "pin_memory": false
+    })"));
+  const std::string help = DescribeConfigKeys();
+  EXPECT_THAT(help, HasSubstr("zero_optimization.offload_param.buffer_count (integer, default 5, "
+                              "range [1, 1024])"));
+  EXPECT_THAT(help, HasSubstr("zero_optimization.stage3_max_reuse_distance (integer, default "
+                              "1000000000, range [0, inf))"));
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig again, ParseTrainConfig(effective, {}));
+  EXPECT_EQ(ConfigHash(again), ConfigHash(c));
+}
+
+TEST(Stage3Config, EveryKeyIsReadAsWrittenAndIntegralFloatsToo) {
+  // DeepSpeed's reference example writes these as floats (1e9, 1e8).
+  const char* json = R"({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {
+      "stage": 3,
+      "offload_optimizer": {"device": "nvme", "nvme_path": ["/nvme{local_rank}/a", "/b"]},
+      "offload_param": {"device": "nvme", "nvme_path": ["/b", "/nvme{local_rank}/a"],
+                        "buffer_count": 7, "buffer_size": 1e8, "max_in_cpu": 2.5e9,
+                        "pin_memory": true},
+      "stage3_prefetch_bucket_size": 5e8,
+      "stage3_max_live_parameters": 3e9,
+      "stage3_max_reuse_distance": 0,
+      "stage3_param_persistence_threshold": 1e6,
+      "stage3_model_persistence_threshold": 123456789}})";
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c,
+                            ParseTrainConfig(json, {.world_size = 2, .local_rank = 1}));
+  const ZeroConfig& z = c.zero_optimization;
+  EXPECT_EQ(z.offload_param.device, OffloadDevice::kNvme);
+  EXPECT_THAT(z.offload_param.nvme_path, ::testing::ElementsAre("/b", "/nvme{local_rank}/a"));
+  EXPECT_EQ(z.offload_param.buffer_count, 7);
+  EXPECT_EQ(z.offload_param.buffer_size, 100'000'000u);
+  EXPECT_EQ(z.offload_param.max_in_cpu, 2'500'000'000u);
+  EXPECT_TRUE(z.offload_param.pin_memory);
+  EXPECT_EQ(z.stage3_prefetch_bucket_size, 500'000'000u);
+  EXPECT_EQ(z.stage3_max_live_parameters, 3'000'000'000u);
+  EXPECT_EQ(z.stage3_max_reuse_distance, 0u);
+  EXPECT_EQ(z.stage3_param_persistence_threshold, 1'000'000u);
+  EXPECT_EQ(z.stage3_model_persistence_threshold, 123'456'789u);
+  EXPECT_TRUE(c.ignored_keys.empty());
+  // The effective config carries them (nvme_path as written), round-trips, and each value is
+  // part of the hash every rank compares.
+  const std::string effective = EffectiveConfigJson(c);
+  EXPECT_THAT(effective, HasSubstr(R"("stage3_max_live_parameters": 3000000000)"));
+  EXPECT_THAT(effective, HasSubstr(R"("/nvme{local_rank}/a")"));
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig again,
+                            ParseTrainConfig(effective, {.world_size = 2, .local_rank = 1}));
+  EXPECT_EQ(EffectiveConfigJson(again), effective);
+  EXPECT_EQ(ConfigHash(again), ConfigHash(c));
+  for (const char* changed : {R"("buffer_count": 8)", R"("max_in_cpu": 0)"}) {
+    nlohmann::ordered_json other = nlohmann::ordered_json::parse(effective);
+    const auto one = nlohmann::ordered_json::parse(std::string("{") + changed + "}");
+    other["zero_optimization"]["offload_param"].update(one);
+    ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig d,
+                              ParseTrainConfig(other.dump(), {.world_size = 2, .local_rank = 1}));
+    EXPECT_NE(ConfigHash(d), ConfigHash(c)) << changed;
+  }
+  nlohmann::ordered_json other = nlohmann::ordered_json::parse(effective);
+  other["zero_optimization"]["stage3_max_reuse_distance"] = 1;
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig d,
+                            ParseTrainConfig(other.dump(), {.world_size = 2, .local_rank = 1}));
+  EXPECT_NE(ConfigHash(d), ConfigHash(c));
+
+  // The largest value DeepSpeed's default allows, as an integer; no float reaches it exactly.
+  ZINF_ASSERT_OK_AND_ASSIGN(c, ParseTrainConfig(R"({"train_batch_size": 1, "zero_optimization":
+                             {"stage3_model_persistence_threshold": 9223372036854775807}})",
+                                                {}));
+  EXPECT_EQ(c.zero_optimization.stage3_model_persistence_threshold, 9'223'372'036'854'775'807u);
+}
+
+TEST(Stage3Config, ValuesOutOfRangeAndWrongTypesNameTheKey) {
+  auto zero = [](const std::string& body) {
+    return ParseTrainConfig(R"({"train_batch_size": 1, "zero_optimization": {)" + body + "}}", {});
+  };
+  struct Case {
+    std::string body, error;
+  };
+  for (const Case& c : {
+           Case{R"("offload_param": {"buffer_count": 0})",
+                "zero_optimization.offload_param.buffer_count: 0 is out of range [1, 1024]"},
+           Case{R"("offload_param": {"buffer_count": 1025})",
+                "zero_optimization.offload_param.buffer_count: 1025 is out of range"},
+           Case{R"("offload_param": {"buffer_size": 0})",
+                "zero_optimization.offload_param.buffer_size: 0 is out of range [1, inf)"},
+           Case{R"("offload_param": {"max_in_cpu": -1})",
+                "zero_optimization.offload_param.max_in_cpu: -1 is out of range [0, inf)"},
+           Case{R"("offload_param": {"buffer_size": 1.5})",
+                "zero_optimization.offload_param.buffer_size: expected an integer"},
+           Case{R"("offload_param": {"device": "NVMe"})",
+                R"(zero_optimization.offload_param.device: "NVMe" is not one of "none", "cpu", )"
+                R"("nvme"; did you mean "nvme"?)"},
+           Case{R"("offload_param": {"pin_memory": "true"})",
+                "zero_optimization.offload_param.pin_memory: expected a boolean"},
+           Case{R"("offload_param": {"nvme_path": []})",
+                "zero_optimization.offload_param.nvme_path: empty list"},
+           Case{R"("offload_param": {"nvme_path": 3})",
+                "zero_optimization.offload_param.nvme_path: expected a string or a list"},
+           Case{R"("offload_param": "cpu")", "zero_optimization.offload_param: expected an object"},
+           Case{R"("stage3_prefetch_bucket_size": -1)",
+                "zero_optimization.stage3_prefetch_bucket_size: -1 is out of range [0, inf)"},
+           Case{R"("stage3_max_live_parameters": 1e19)",
+                "zero_optimization.stage3_max_live_parameters: 1e+19 is out of range"},
+           Case{R"("stage3_param_persistence_threshold": "auto")",
+                "zero_optimization.stage3_param_persistence_threshold: \"auto\" is a "
+                "placeholder"},
+           Case{R"("stage3_max_reuse_distance": 2.5)",
+                "zero_optimization.stage3_max_reuse_distance: expected an integer"},
+       }) {
+    EXPECT_THAT(zero(c.body), StatusIs(ErrorCode::kInvalidArgument, HasSubstr(c.error))) << c.body;
+  }
+}
+
+TEST(Stage3Config, UnknownKeyInOffloadParamNamesTheNearest) {
+  EXPECT_THAT(
+      ParseTrainConfig(R"({"train_batch_size": 1, "zero_optimization": {"offload_param":
+                           {"device": "cpu", "buffer_cuont": 4}}})",
+                       {}),
+      StatusIs(ErrorCode::kInvalidArgument,
+               HasSubstr("zero_optimization.offload_param.buffer_cuont: unknown key; did you "
+                         "mean 'buffer_count'?")));
+  EXPECT_THAT(
+      ParseTrainConfig(R"({"train_batch_size": 1, "zero_optimization": {"offload_param":
+                           {"ratio": 1}}})",
+                       {}),
+      StatusIs(ErrorCode::kInvalidArgument,
+               HasSubstr("zero_optimization.offload_param.ratio: unknown key; valid keys in "
+                         "zero_optimization.offload_param: 'device', 'nvme_path', "
+                         "'buffer_count', 'buffer_size', 'max_in_cpu', 'pin_memory'")));
+  EXPECT_THAT(ParseTrainConfig(R"({"train_batch_size": 1, "zero_optimization":
+                                   {"stage3_prefetch_bucket_sise": 1}})",
+                               {}),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("did you mean 'stage3_prefetch_bucket_size'?")));
+}
+
+TEST(Stage3Config, OffloadParamNvmeNeedsStage3AndTheOptimizersStore) {
+  auto parse = [](const std::string& zero) {
+    return ParseTrainConfig(R"({"train_batch_size": 1, "zero_optimization": {)" + zero + "}}", {});
+  };
+  // Parameters are partitioned only at stage 3.
+  for (const char* stage : {"1", "2"}) {
+    EXPECT_THAT(
+        parse(std::string(R"("stage": )") + stage +
+              R"(, "offload_optimizer": {"device": "nvme",)"
+              R"( "nvme_path": "/n"}, "offload_param": {"device": "nvme"})"),
+        StatusIs(ErrorCode::kInvalidArgument,
+                 HasSubstr(std::string("zero_optimization.offload_param.device: \"nvme\" needs "
+                                       "zero_optimization.stage 3, not ") +
+                           stage + " (parameters are partitioned only at stage 3)")))
+        << stage;
+  }
+  // The shards are read from the optimizer's swap store: the optimizer state must be on NVMe.
+  for (const char* device : {"cpu", "none"}) {
+    EXPECT_THAT(parse(std::string(R"("stage": 3, "offload_optimizer": {"device": ")") + device +
+                      R"("}, "offload_param": {"device": "nvme"})"),
+                StatusIs(ErrorCode::kInvalidArgument,
+                         HasSubstr(std::string("zero_optimization.offload_param.device: \"nvme\" "
+                                               "needs zero_optimization.offload_optimizer.device "
+                                               "\"nvme\", not \"") +
+                                   device + "\"")))
+        << device;
+  }
+  EXPECT_THAT(parse(R"("stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/n"})"),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("zero_optimization.offload_param.device: \"nvme\" needs "
+                                 "zero_optimization.offload_optimizer.device \"nvme\", not "
+                                 "\"none\"")));
+  // Each nvme_path is one of the optimizer's, as written (no second copy on disk).
+  EXPECT_THAT(
+      parse(R"("stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"},)"
+            R"( "offload_param": {"device": "nvme", "nvme_path": "/params"})"),
+      StatusIs(ErrorCode::kInvalidArgument,
+               HasSubstr("zero_optimization.offload_param.nvme_path: \"/params\" is not one of "
+                         "zero_optimization.offload_optimizer.nvme_path (\"/n\"): zinf keeps no "
+                         "second copy of the parameters on disk")));
+  EXPECT_THAT(
+      parse(R"("stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ["/a", "/b"]},)"
+            R"( "offload_param": {"device": "nvme", "nvme_path": ["/b", "/c"]})"),
+      StatusIs(ErrorCode::kInvalidArgument,
+               HasSubstr("zero_optimization.offload_param.nvme_path[1]: \"/c\" is not one of "
+                         "zero_optimization.offload_optimizer.nvme_path (\"/a\", \"/b\")")));
+  // As written: the same directory spelled another way, or its expansion, is not the same entry.
+  EXPECT_THAT(
+      parse(R"("stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n{local_rank}"},)"
+            R"( "offload_param": {"device": "nvme", "nvme_path": "/n0"})"),
+      StatusIs(ErrorCode::kInvalidArgument,
+               HasSubstr("zero_optimization.offload_param.nvme_path: \"/n0\" is not one of")));
+  // What loads: nvme_path left out, or the optimizer's own.
+  ZINF_ASSERT_OK(parse(R"("stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"},)"
+                       R"( "offload_param": {"device": "nvme"})"));
+  ZINF_ASSERT_OK(
+      parse(R"("stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n{node}"},)"
+            R"( "offload_param": {"device": "nvme", "nvme_path": "/n{node}"})"));
+}
+
+TEST(Stage3Config, OffloadParamNvmePathWithAnotherDeviceIsAcceptedUnused) {
+  // DeepSpeed accepts a path it does not use; so does zinf, at any stage and for any device.
+  for (const char* device : {"cpu", "none"}) {
+    ZINF_ASSERT_OK_AND_ASSIGN(
+        TrainConfig c,
+        ParseTrainConfig(std::string(R"({"train_batch_size": 1, "zero_optimization": {"stage": 2,)"
+                                     R"( "offload_param": {"device": ")") +
+                             device + R"(", "nvme_path": "/elsewhere"}}})",
+                         {}));
+    EXPECT_THAT(c.zero_optimization.offload_param.nvme_path, ::testing::ElementsAre("/elsewhere"));
+    EXPECT_TRUE(c.ignored_keys.empty());
+  }
+  // The old switches name the new block.
+  for (const char* old : {"cpu_offload_param", "cpu_offload_params"}) {
+    EXPECT_THAT(ParseTrainConfig(std::string(R"({"train_batch_size": 1, "zero_optimization": {")") +
+                                     old + R"(": true}})",
+                                 {}),
+                StatusIs(ErrorCode::kInvalidArgument,
+                         HasSubstr("give zero_optimization.offload_param {device: cpu} instead")))
+        << old;
+  }
+}
+
 }  // namespace
 }  // namespace zinf::train

@@ -81,7 +81,6 @@ Json HarmlessValue(const std::string& text) {
       {"1", 1},
       {"\"mean\"", "mean"},
       {"enabled false or absent", Json{{"enabled", false}}},
-      {"device cpu or none", Json{{"device", "cpu"}, {"pin_memory", true}}},
       {"grad_accum_dtype fp32 or absent", Json{{"grad_accum_dtype", "fp32"}}},
       {"autotp_size 1 or absent", Json{{"autotp_size", 1}}},
   };
@@ -156,25 +155,18 @@ std::string CorpusFile(const std::string& name) {
   return ReadFile(std::filesystem::path(ZINF_DEEPSPEED_CONFIG_DIR) / name);
 }
 
-// `text` with zero_optimization.offload_param.device set to `device`.
-std::string WithParamDevice(const std::string& text, const std::string& device) {
+// `text` with zero_optimization.offload_param.`key` set to `value`.
+std::string WithParam(const std::string& text, const std::string& key, const Json& value) {
   Json config = Json::parse(text);
-  config["zero_optimization"]["offload_param"]["device"] = device;
+  config["zero_optimization"]["offload_param"][key] = value;
   return config.dump();
 }
 
 TEST(DeepSpeedConfigs, ConfigReferenceNvmeExample) {
   const std::string text = CorpusFile("config-json-nvme.json");
-  // Parameters on NVMe: zinf does not swap parameters, and says what it does instead.
-  EXPECT_THAT(ParseConfig(text, {}),
-              StatusIs(ErrorCode::kInvalidArgument,
-                       HasSubstr("zero_optimization.offload_param: {\"device\":\"nvme\"")));
-  EXPECT_THAT(ParseConfig(text, {}),
-              StatusIs(ErrorCode::kInvalidArgument,
-                       HasSubstr("zinf does not swap parameters: the working weights stay in "
-                                 "the host buffers the training loop registered")));
-  // With the parameters in host memory (where zinf keeps them) it loads, every hint ignored.
-  ZINF_ASSERT_OK_AND_ASSIGN(Config c, ParseConfig(WithParamDevice(text, "cpu"), {}));
+  // Parameters on NVMe, in the optimizer's directory: the stage 3 keys are read (the sizes
+  // written as floats), the GPU hints ignored.
+  ZINF_ASSERT_OK_AND_ASSIGN(Config c, ParseConfig(text, {}));
   EXPECT_TRUE(c.fp16.enabled);
   EXPECT_EQ(c.fp16.loss_scale, 0.0);
   EXPECT_EQ(c.fp16.initial_scale_power, 16);
@@ -185,16 +177,38 @@ TEST(DeepSpeedConfigs, ConfigReferenceNvmeExample) {
   EXPECT_EQ(c.zero_optimization.offload_optimizer.device, OffloadDevice::kNvme);
   EXPECT_EQ(c.zero_optimization.offload_optimizer.buffer_count, 4);
   EXPECT_EQ(c.gradient_clipping, 1.0);
+  const OffloadParamConfig& param = c.zero_optimization.offload_param;
+  EXPECT_EQ(param.device, OffloadDevice::kNvme);
+  EXPECT_THAT(param.nvme_path, ::testing::ElementsAre("/local_nvme"));
+  EXPECT_TRUE(param.pin_memory);
+  EXPECT_EQ(param.buffer_count, 5);
+  EXPECT_EQ(param.buffer_size, 100'000'000u);
+  EXPECT_EQ(param.max_in_cpu, 1'000'000'000u);
+  EXPECT_EQ(c.zero_optimization.stage3_max_live_parameters, 1'000'000'000u);
+  EXPECT_EQ(c.zero_optimization.stage3_max_reuse_distance, 1'000'000'000u);
+  EXPECT_EQ(c.zero_optimization.stage3_prefetch_bucket_size, 500'000'000u);
+  EXPECT_EQ(c.zero_optimization.stage3_param_persistence_threshold, 1'000'000u);
   EXPECT_THAT(
       c.ignored_keys,
-      IsSupersetOf(
-          {"activation_checkpointing", "dump_state", "flops_profiler", "fp16.auto_cast",
-           "fp16.fp16_master_weights_and_grads", "tensorboard",
-           "zero_optimization.allgather_partitions", "zero_optimization.contiguous_gradients",
-           "zero_optimization.offload_optimizer.fast_init",
-           "zero_optimization.offload_optimizer.ratio", "zero_optimization.offload_param",
-           "zero_optimization.overlap_comm", "zero_optimization.stage3_prefetch_bucket_size",
-           "zero_optimization.zero_hpz_partition_size"}));
+      IsSupersetOf({"activation_checkpointing", "dump_state", "flops_profiler", "fp16.auto_cast",
+                    "fp16.fp16_master_weights_and_grads", "tensorboard",
+                    "zero_optimization.allgather_partitions",
+                    "zero_optimization.contiguous_gradients",
+                    "zero_optimization.offload_optimizer.fast_init",
+                    "zero_optimization.offload_optimizer.ratio", "zero_optimization.overlap_comm",
+                    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                    "zero_optimization.zero_hpz_partition_size"}));
+  EXPECT_THAT(c.ignored_keys,
+              ::testing::Not(Contains(::testing::StartsWith("zero_optimization.offload_param"))));
+  // Parameters in another directory than the optimizer state: zinf keeps no second copy.
+  EXPECT_THAT(ParseConfig(WithParam(text, "nvme_path", "/other_nvme"), {}),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("zero_optimization.offload_param.nvme_path: \"/other_nvme\" is "
+                                 "not one of zero_optimization.offload_optimizer.nvme_path "
+                                 "(\"/local_nvme\"): zinf keeps no second copy")));
+  // The parameters' shards in host memory: the NVMe knobs are recorded, unused.
+  ZINF_ASSERT_OK_AND_ASSIGN(Config cpu, ParseConfig(WithParam(text, "device", "cpu"), {}));
+  EXPECT_EQ(cpu.zero_optimization.offload_param.device, OffloadDevice::kCpu);
 }
 
 TEST(DeepSpeedConfigs, ZeroTutorialsLoad) {
@@ -202,12 +216,12 @@ TEST(DeepSpeedConfigs, ZeroTutorialsLoad) {
                             ParseConfig(CorpusFile("zero-infinity-tutorial.json"), {}));
   EXPECT_EQ(infinity.zero_optimization.reduce_bucket_size, 10'000'000u);
   EXPECT_THAT(infinity.ignored_keys,
-              ::testing::ElementsAre("zero_optimization.contiguous_gradients",
-                                     "zero_optimization.offload_param",
-                                     "zero_optimization.stage3_max_live_parameters",
-                                     "zero_optimization.stage3_max_reuse_distance",
-                                     "zero_optimization.stage3_param_persistence_threshold",
-                                     "zero_optimization.stage3_prefetch_bucket_size"));
+              ::testing::ElementsAre("zero_optimization.contiguous_gradients"));
+  EXPECT_EQ(infinity.zero_optimization.offload_param.device, OffloadDevice::kCpu);
+  EXPECT_EQ(infinity.zero_optimization.stage3_max_live_parameters, 1'000'000'000u);
+  EXPECT_EQ(infinity.zero_optimization.stage3_max_reuse_distance, 1'000'000'000u);
+  EXPECT_EQ(infinity.zero_optimization.stage3_prefetch_bucket_size, 10'000'000u);
+  EXPECT_EQ(infinity.zero_optimization.stage3_param_persistence_threshold, 100'000u);
   // The optimizer state in host memory is recorded; ZeroEngine::Create then asks for nvme.
   EXPECT_EQ(infinity.zero_optimization.offload_optimizer.device, OffloadDevice::kCpu);
   ZINF_ASSERT_OK_AND_ASSIGN(Config offload,
@@ -217,14 +231,33 @@ TEST(DeepSpeedConfigs, ZeroTutorialsLoad) {
                                                            "zero_optimization.overlap_comm"));
 }
 
-TEST(DeepSpeedConfigs, WhatZinfDoesNotDoIsNamed) {
+// ZeRO-Infinity: optimizer state and parameters on NVMe, in the same directory (zinf reads the
+// parameters' shards from the optimizer's swap store).
+TEST(DeepSpeedConfigs, ZeroInfinityNvmeConfigsLoad) {
+  ZINF_ASSERT_OK_AND_ASSIGN(Config zero3, ParseConfig(CorpusFile("zero3-nvme.json"), {}));
+  EXPECT_EQ(zero3.zero_optimization.offload_param.device, OffloadDevice::kNvme);
+  EXPECT_THAT(zero3.zero_optimization.offload_param.nvme_path,
+              ::testing::ElementsAre("/nvme_data"));
+  EXPECT_TRUE(zero3.ignored_keys.empty());
+  ZINF_ASSERT_OK_AND_ASSIGN(Config test,
+                            ParseConfig(CorpusFile("nvme-checkpointing-test.json"), {}));
+  EXPECT_EQ(test.zero_optimization.offload_param.device, OffloadDevice::kNvme);
+  EXPECT_EQ(test.zero_optimization.stage3_max_live_parameters, 100u);
+  EXPECT_EQ(test.zero_optimization.stage3_param_persistence_threshold, 0u);
+  EXPECT_TRUE(test.ignored_keys.empty());
   for (const char* name : {"zero3-nvme.json", "nvme-checkpointing-test.json"}) {
     SCOPED_TRACE(name);
-    const std::string text = CorpusFile(name);
-    EXPECT_THAT(ParseConfig(text, {}), StatusIs(ErrorCode::kInvalidArgument,
-                                                HasSubstr("zero_optimization.offload_param")));
-    ZINF_ASSERT_OK(ParseConfig(WithParamDevice(text, "none"), {}));
+    // Each needs what DeepSpeed's ZeRO-Infinity needs in zinf: the optimizer state on NVMe.
+    Json config = Json::parse(CorpusFile(name));
+    config["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+    EXPECT_THAT(ParseConfig(config.dump(), {}),
+                StatusIs(ErrorCode::kInvalidArgument,
+                         HasSubstr("zero_optimization.offload_param.device: \"nvme\" needs "
+                                   "zero_optimization.offload_optimizer.device \"nvme\"")));
   }
+}
+
+TEST(DeepSpeedConfigs, WhatZinfDoesNotDoIsNamed) {
   EXPECT_THAT(ParseConfig(CorpusFile("offloadpp-ratio-test.json"), {}),
               StatusIs(ErrorCode::kInvalidArgument,
                        HasSubstr("zero_optimization.offload_optimizer.ratio: 0.3 is not "

@@ -13,13 +13,16 @@
 //     optimizer (Adam, AdamW), scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle,
 //     LRRangeTest), zero_optimization {stage, sub_group_size, reduce_bucket_size,
 //     allgather_bucket_size, offload_optimizer {device, nvme_path, buffer_count, pin_memory,
-//     pipeline_read, pipeline_write}}, aio;
-//   - accepted with no effect in zinf (GPU performance hints such as overlap_comm or
-//     stage3_prefetch_bucket_size, monitors, profilers): any value, named in one INFO line
-//     "ignored, no effect in zinf: ..." and kept in Config::ignored_keys;
-//   - refused with an error that says what zinf does instead (offload_param to nvme, amp,
-//     zero_quantized_weights, ...); many are refused only for values that ask for something
-//     (e.g. "amp": {"enabled": false} is accepted with no effect).
+//     pipeline_read, pipeline_write}, offload_param {device, nvme_path, buffer_count,
+//     buffer_size, max_in_cpu, pin_memory}, stage3_prefetch_bucket_size,
+//     stage3_max_live_parameters, stage3_max_reuse_distance, stage3_param_persistence_threshold,
+//     stage3_model_persistence_threshold}, aio;
+//   - accepted with no effect in zinf (GPU performance hints such as overlap_comm, monitors,
+//     profilers): any value, named in one INFO line "ignored, no effect in zinf: ..." and kept
+//     in Config::ignored_keys;
+//   - refused with an error that says what zinf does instead (amp, zero_quantized_weights,
+//     ...); many are refused only for values that ask for something (e.g. "amp": {"enabled":
+//     false} is accepted with no effect).
 // What DeepSpeed lacks lives in the `zinf` section: pinned budget, io engine, optimizer_state,
 // verify_swap, keep_swap, nvme_path_weights, swap_gradients, adam_threads, job_id, checkpoint
 // {dir, every, keep_last, load}. An application adds its own keys (AppKey: zinf-train's model,
@@ -166,6 +169,35 @@ struct OffloadOptimizerConfig {
   bool pipeline_write = false;
 };
 
+// zero_optimization.offload_param: where a rank keeps its shard of the partitioned working
+// weights. DeepSpeed's names and defaults. It matters only at stage 3 and only for the parameters
+// the loop registers without weights (engine.h, "Stage 3"), which are partitioned; elsewhere it is
+// recorded and has no effect.
+struct OffloadParamConfig {
+  // "none" / "cpu": each rank keeps its shard in host memory (zinf has no GPU copy, so the two
+  // are the same). "nvme": the shard is not kept: a gather reads it from the fp32 master weights
+  // in the optimizer's swap store, which the step has just written (no second copy of the
+  // parameters on disk), except the shards kept in memory under max_in_cpu. Needs stage 3 and
+  // offload_optimizer.device "nvme".
+  OffloadDevice device = OffloadDevice::kNone;
+  // As written (a string or a list, like offload_optimizer.nvme_path); optional, since the shards
+  // live in the optimizer's store. With device nvme each entry must be one of
+  // offload_optimizer.nvme_path as written; with another device it is accepted and unused.
+  std::vector<std::string> nvme_path;
+  // [1, 1024]. With device nvme: at most this many parameters are read from NVMe ahead of their
+  // use (prefetch; stage3_prefetch_bucket_size bounds the elements).
+  std::int64_t buffer_count = 5;
+  // Elements, >= 1. With device nvme: the largest shard read from NVMe (ZeroEngine::Create
+  // refuses a partitioned parameter whose shard is larger).
+  std::uint64_t buffer_size = 100'000'000;
+  // Elements, >= 0. With device nvme: shards (in registration order) whose elements fit in this
+  // many in all stay in host memory and are gathered without reading NVMe.
+  std::uint64_t max_in_cpu = 1'000'000'000;
+  // Accepted; no effect: zinf reads the shards through the optimizer's buffer pool, which
+  // offload_optimizer.pin_memory pins.
+  bool pin_memory = false;
+};
+
 // zero_optimization.
 struct ZeroConfig {
   int stage = 1;  // [1, 3]; 1 and 2: flat partition plan, 3: per-parameter plan
@@ -177,6 +209,25 @@ struct ZeroConfig {
   // partitions into the parameters in rounds of at most this many elements (all ranks).
   std::uint64_t allgather_bucket_size = 500'000'000;
   OffloadOptimizerConfig offload_optimizer;
+  OffloadParamConfig offload_param;
+  // Stage 3 (engine.h, "Stage 3"): DeepSpeed's names and defaults, in elements, for the
+  // partitioned parameters (those registered without weights); recorded and unused at stages 1
+  // and 2. ZeroEngine::Gather records the order of a step's gathers; while the next step repeats
+  // it, the engine gathers the parameters that follow ahead of their use, up to this many
+  // elements (0: no prefetch).
+  std::uint64_t stage3_prefetch_bucket_size = 50'000'000;
+  // Prefetching and keeping released parameters gathered never bring the elements gathered at
+  // once beyond this.
+  std::uint64_t stage3_max_live_parameters = 1'000'000'000;
+  // A released parameter stays gathered when the recorded order uses it again within this many
+  // elements of gathers (0: released at once).
+  std::uint64_t stage3_max_reuse_distance = 1'000'000'000;
+  // Parameters of at most this many elements are not partitioned: they stay whole on every rank
+  // (their Gather moves nothing; Step gathers their new values as at stages 1 and 2). 0: none.
+  std::uint64_t stage3_param_persistence_threshold = 100'000;
+  // The elements of all such whole parameters together, in registration order: once the next
+  // one would exceed this, the rest are partitioned. Default: no limit (DeepSpeed's sys.maxsize).
+  std::uint64_t stage3_model_persistence_threshold = 0x7fff'ffff'ffff'ffff;
 };
 
 // aio: DeepSpeed's names and defaults (storage::AioOptions). `thread_count` is accepted as the old
@@ -296,6 +347,9 @@ struct AppKey {
 //     batch: gas 1; all three must agree; neither train_batch_size nor the micro batch: error.
 //   - offload_optimizer.device "nvme" needs nvme_path; a WarmupDecayLR / WarmupCosineLR
 //     scheduler needs total_num_steps (WarmupCosineLR: more than max(2, warmup_num_steps)).
+//   - offload_param.device "nvme" needs zero_optimization.stage 3 and offload_optimizer.device
+//     "nvme", and each of its nvme_path entries must be one of offload_optimizer.nvme_path (as
+//     written).
 // Logs a WARN line (every rank) for `aio.thread_count` and for questionable but valid values,
 // and one INFO line naming the keys accepted with no effect (Config::ignored_keys).
 // Errors: InvalidArgument whose message starts with the key path (see the top of the file).

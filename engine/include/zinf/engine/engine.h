@@ -43,6 +43,46 @@
 // (DeepSpeed's batch rule): AccumulateGradients() may be called gradient_accumulation_steps - 1
 // times per step, or not at all.
 //
+// Stage 3 (zero_optimization.stage 3): a parameter registered without weights is partitioned:
+// each rank keeps only its shard of the working weights (1/N of the parameter,
+// partition/plan.h kPerParam) — in host memory, or with zero_optimization.offload_param.device
+// nvme read from the fp32 master weights in the swap store, which the step has just written (no
+// second copy) — and the whole weights exist only while the loop uses them:
+//   std::vector<zinf::engine::Param> params = {
+//       {.name = "fc1.weight", .shape = {512, 256}, .init = FillRandom},  // no buffers: lent
+//       {.name = "fc1.bias", .shape = {512}, .init = FillZero}};
+//   ...
+//   {
+//     ZINF_ASSIGN_OR_RETURN(zinf::engine::Gathered fc1, engine->Gather({"fc1.weight",
+//                                                                        "fc1.bias"}));
+//     Forward(fc1[0], fc1[1]);          // std::span<const float>: the whole parameters
+//   }                                   // released here
+//   ... backward, gathering again; each gradient as soon as it is complete:
+//   ZINF_RETURN_IF_ERROR(engine->GradientReady(0, grad_w1));  // copied: grad_w1 is free again
+//   ZINF_ASSIGN_OR_RETURN(zinf::engine::StepInfo info, engine->Step(loss));
+// Gather is collective: every rank asks for the same parameters in the same order (agreed on
+// each call; a rank that asks for others gets FailedPrecondition, as every rank does). The
+// engine records the order of one step's Gather calls and, while the next step repeats it,
+// gathers the parameters that follow ahead of use, in the same collective: up to
+// zero_optimization.stage3_prefetch_bucket_size elements (with offload_param nvme, at most
+// offload_param.buffer_count parameters read from disk ahead), never beyond
+// stage3_max_live_parameters elements gathered at once. A released parameter stays gathered
+// when the recorded order uses it again within stage3_max_reuse_distance elements. A step that
+// departs from the recording gathers what it asks for and is recorded anew. Parameters of at
+// most stage3_param_persistence_threshold elements (in registration order, up to
+// stage3_model_persistence_threshold elements in all) stay whole on every rank: their Gather
+// moves nothing, and Step gathers their new values as it does at stages 1 and 2. Parameters
+// registered with weights stay whole in them at every stage. Step refuses to run while a
+// Gathered scope is alive (its weights are about to change); released gathers are dropped by
+// Step. The gathered weights are rounded to the working precision (bf16 / fp16) as at stages 1
+// and 2.
+// Gradients lent (stages 2 and 3, parameters registered without grads): GradientReady(index,
+// grad) copies the micro-batch's gradient into its bucket before it returns, and the bucket is
+// reduce-scattered once complete, so no rank holds the whole model's gradient: only the buckets
+// that are being handed or reduced (about two when gradients are handed in reverse
+// registration order, as a backward pass produces them). A parameter not handed in a
+// micro-batch has a zero gradient in it.
+//
 // Checkpoints (collective): SaveCheckpoint writes one parallel-HDF5 file per step into
 // zinf.checkpoint.dir with the commit protocol of swapper/checkpoint.h (keep_last applied), the
 // engine's state and the user's JSON. Create restores one when zinf.checkpoint.load says so
@@ -69,6 +109,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <span>
@@ -86,13 +128,54 @@
 
 namespace zinf::engine {
 
+// Fills elements [offset, offset + out.size()) of one parameter's initial values (row-major).
+using ParamInit = std::function<Status(std::uint64_t offset, std::span<float> out)>;
+
 // One parameter of the user's model. The buffers are the user's and must outlive the engine;
-// both hold exactly the shape's number of elements.
+// each holds exactly the shape's number of elements, or is empty where allowed.
 struct Param {
   std::string name;                 // unique; [A-Za-z0-9_.:/-] (partition::ParamLayout)
   std::vector<std::int64_t> shape;  // each dimension > 0; {} is a scalar
-  std::span<float> weights;         // working weights, the same on every rank; Step writes them
-  std::span<float> grads;           // this rank's accumulated gradient; Step reads and zeroes it
+  // The working weights, the same on every rank; Step writes them. Empty (stage 3 only): the
+  // parameter is partitioned (see "Stage 3" above) and `init` gives its first values.
+  std::span<float> weights = {};
+  // This rank's accumulated gradient; Step reads and zeroes it. Empty (stages 2 and 3, for
+  // every parameter or none): the gradient is lent with GradientReady(index, grad).
+  std::span<float> grads = {};
+  // A parameter without weights: its initial values, asked only for the elements this rank
+  // owns; it must give the same values for the same elements on every rank. Required unless a
+  // checkpoint is restored; unused for a parameter with weights.
+  ParamInit init = nullptr;
+};
+
+class ZeroEngine;
+
+// Parameters gathered whole for the loop's use (ZeroEngine::Gather); released when destroyed.
+// Move-only. The engine must outlive it; after the engine's Close it holds nothing.
+class Gathered {
+ public:
+  Gathered() = default;
+  ~Gathered() { Release(); }
+  Gathered(Gathered&& other) noexcept;
+  Gathered& operator=(Gathered&& other) noexcept;
+  Gathered(const Gathered&) = delete;
+  Gathered& operator=(const Gathered&) = delete;
+
+  std::size_t size() const { return weights_.size(); }
+  // The i-th requested parameter's whole weights (its numel elements, row-major).
+  // Precondition (checked): i < size().
+  std::span<const float> operator[](std::size_t i) const;
+  // The weights of the requested parameter called `name`; empty if it was not requested.
+  std::span<const float> Find(std::string_view name) const;
+  // Local: gives the parameters back (they may stay gathered for reuse, see "Stage 3").
+  // Idempotent.
+  void Release();
+
+ private:
+  friend class ZeroEngine;
+  ZeroEngine* engine_ = nullptr;
+  std::vector<std::size_t> params_;
+  std::vector<std::span<const float>> weights_;
 };
 
 struct EngineOptions {
@@ -117,12 +200,12 @@ struct EngineOptions {
 
 // What one Step did. Figures summed or maximized over the ranks are the same on every rank.
 struct StepInfo {
-  std::int64_t step = 0;         // the optimizer step just applied (1-based)
-  double lr = 0;                 // its learning rate
-  double loss = 0;               // the mean over ranks of the loss passed to Step (NaN if none)
-  double grad_norm = 0;          // the global norm of the averaged gradient, before clipping
-                                 // (unscaled with fp16; Inf or NaN when the step overflowed)
-  bool clipped = false;          // the gradient was scaled down to gradient_clipping
+  std::int64_t step = 0;  // the optimizer step just applied (1-based)
+  double lr = 0;          // its learning rate
+  double loss = 0;        // the mean over ranks of the loss passed to Step (NaN if none)
+  double grad_norm = 0;   // the global norm of the averaged gradient, before clipping
+                          // (unscaled with fp16; Inf or NaN when the step overflowed)
+  bool clipped = false;   // the gradient was scaled down to gradient_clipping
   // fp16: the loss scale the step's gradient carried, and the one for the next step (1 and 1
   // without fp16). A skipped step (an Inf or NaN in the gradient on some rank) did no swap I/O
   // of the optimizer state and changed no weight; it counts as a step (StepInfo::step, step())
@@ -131,8 +214,8 @@ struct StepInfo {
   double next_loss_scale = 1;
   bool skipped = false;
   std::int64_t skipped_steps = 0;  // skipped steps so far, this one included
-  double step_seconds = 0;       // since the previous Step returned (or Create), slowest rank
-  double optimizer_seconds = 0;  // the swapped Adam step, slowest rank
+  double step_seconds = 0;         // since the previous Step returned (or Create), slowest rank
+  double optimizer_seconds = 0;    // the swapped Adam step, slowest rank
   // Read and written by the swap stores since the previous Step returned, all ranks: the
   // micro-batches' gradient write-behind included, a checkpoint save's reads not.
   std::uint64_t swap_read_bytes = 0;
@@ -148,6 +231,19 @@ struct StepInfo {
   int stop_signal = 0;               // which (this rank's; 0 if none here)
 };
 
+// Stage 3: what Gather did since Create (this rank's; the same on every rank).
+struct GatherCounters {
+  std::uint64_t calls = 0;       // Gather calls
+  std::uint64_t asked = 0;       // parameters asked for
+  std::uint64_t gathered = 0;    // parameters all-gathered (asked or ahead of use)
+  std::uint64_t prefetched = 0;  // of them, gathered ahead of being asked
+  // Asks served without an all-gather: a parameter still gathered (prefetched, kept for reuse
+  // or held by another scope), persistent, or registered with weights.
+  std::uint64_t served = 0;
+  std::uint64_t disk_reads = 0;       // shards read from the swap store (offload_param nvme)
+  std::uint64_t peak_live_elems = 0;  // the most elements gathered at once
+};
+
 struct SavedCheckpointInfo {
   std::string path;  // the committed <dir>/step-<N>.h5
   std::uint64_t state_bytes = 0;
@@ -159,15 +255,15 @@ class ZeroEngine {
  public:
   // Collective over `world`. Checks the parameters (names unique and valid, shapes positive,
   // buffer sizes equal to the shapes, no buffer shared by two parameters or by weights and
-  // grads), builds the partition plan (ZeRO stage 1/2: flat; 3: per
-  // parameter), the swapper (store on nvme_path, pool, I/O engines, CpuAdam) and the collective
-  // backend, then either restores a checkpoint (EngineOptions::load, else zinf.checkpoint.load)
-  // or swaps the parameters' current weights in as the initial state (exp_avg = exp_avg_sq = 0).
-  // Errors: InvalidArgument (bad parameters, offload device not nvme), NotFound (a missing
-  // nvme_path or checkpoint), ResourceExhausted (host memory, disk space, pool), the swapper's
-  // and the checkpoint's errors (a mismatched checkpoint names the first differing parameter;
-  // a trainer state no writer produces is DataLoss, a loss scale outside this config's fp16
-  // range FailedPrecondition: engine/trainer_state.h), all before the store is written.
+  // grads; empty buffers only where Param allows them), builds the partition plan (ZeRO stage 1/2:
+  // flat; 3: per parameter), the swapper (store on nvme_path, pool, I/O engines, CpuAdam) and the
+  // collective backend, then either restores a checkpoint (EngineOptions::load, else
+  // zinf.checkpoint.load) or swaps the parameters' current weights in as the initial state (exp_avg
+  // = exp_avg_sq = 0). Errors: InvalidArgument (bad parameters, offload device not nvme), NotFound
+  // (a missing nvme_path or checkpoint), ResourceExhausted (host memory, disk space, pool), the
+  // swapper's and the checkpoint's errors (a mismatched checkpoint names the first differing
+  // parameter; a trainer state no writer produces is DataLoss, a loss scale outside this config's
+  // fp16 range FailedPrecondition: engine/trainer_state.h), all before the store is written.
   static Result<std::unique_ptr<ZeroEngine>> Create(const comm::Communicator& world,
                                                     const Config& config, std::vector<Param> params,
                                                     const EngineOptions& options = {});
@@ -199,6 +295,21 @@ class ZeroEngine {
   // InvalidArgument (no such parameter), FailedPrecondition (handed twice in a micro-batch,
   // after Close). A failed reduction or swap-out is reported there too.
   Status GradientReady(std::size_t index);
+  // The same for a lent gradient (parameters registered without grads): `grad` (the parameter's
+  // numel elements) is copied before the call returns. Errors as above, plus InvalidArgument
+  // for a `grad` of the wrong size and FailedPrecondition for an engine whose parameters have
+  // grads buffers (and the other way round for the overload above).
+  Status GradientReady(std::size_t index, std::span<const float> grad);
+
+  // Collective (stage 3; see "Stage 3" above). Gathers the whole weights of the parameters
+  // named, in that order (a name at most once), with what the recorded order says comes next.
+  // Errors: InvalidArgument (an unknown or repeated name), FailedPrecondition (ranks that ask
+  // for different parameters, after Close), ResourceExhausted (host memory), the swap store's
+  // I/O errors with offload_param nvme; every rank gets the same one.
+  Result<Gathered> Gather(std::initializer_list<std::string_view> names);
+  Result<Gathered> Gather(std::span<const std::string> names);
+  // The same by index in Create's params.
+  Result<Gathered> GatherByIndex(std::span<const std::size_t> params);
 
   // Collective. One optimizer step (see the top of the file); `loss` is this rank's loss, for
   // the log, the metrics and StepInfo (optional). With fp16 a gradient holding an Inf or NaN on
@@ -206,7 +317,10 @@ class ZeroEngine {
   // Errors, nothing stepped: FailedPrecondition for a non-finite loss or gradient norm without
   // fp16, for an fp16 overflow at fp16.min_loss_scale, for a gradient that is zero on every rank
   // (Step before any gradient was written), and for AccumulateGradients called a number of times
-  // other than 0 or gradient_accumulation_steps - 1; the swapper's errors.
+  // other than 0 or gradient_accumulation_steps - 1, for a Gathered scope still alive; the
+  // swapper's errors. A Step refused for the calls it follows (the count, a live scope) has
+  // still reduced the micro-batch's gradient, so that no rank is left in a collective: hand it
+  // again before the next Step.
   Result<StepInfo> Step(std::optional<double> loss = std::nullopt);
 
   // Collective. Saves checkpoint step() into `dir` (empty: zinf.checkpoint.dir) with keep_last
@@ -248,6 +362,9 @@ class ZeroEngine {
   bool closed() const { return closed_; }
   // The last step applied (0 before the first; the checkpoint's step after a restore).
   std::int64_t step() const { return step_; }
+  // Stage 3: Gather's counters; the number of parameters kept partitioned.
+  const GatherCounters& gather_counters() const;
+  std::size_t num_partitioned_params() const;
   // The learning rate the next Step will use.
   double next_lr() const;
   // fp16 (config fp16.enabled): the factor the loop multiplies its loss by before the backward
@@ -266,18 +383,24 @@ class ZeroEngine {
   const comm::Communicator& world() const { return world_; }
 
  private:
+  friend class Gathered;
   struct State;
   ZeroEngine(const comm::Communicator& world, const Config& config, const EngineOptions& options);
 
   // The parts of Create, Step and the rest (engine.cc); each collective unless said otherwise.
   Status Build(std::vector<Param> params);
-  Status CheckHostMemory(std::uint64_t padded_numel, std::uint64_t round) const;  // local
+  Status CheckHostMemory(std::uint64_t round) const;  // local
   Status InitializeOrRestore();
   Status Initialize();
   Status Restore(const std::string& path);
   Status ReadPartition();  // local
-  Status Gather();
-  Status CreateBuckets();  // local
+  // The updated partitions into the parameters kept whole (the loop's weights, persistent ones).
+  Status GatherWholeWeights();
+  // Gather's parts (engine.cc, "Stage 3").
+  Status GatherParams(std::span<const std::size_t> asked);
+  void ReleaseParams(std::span<const std::size_t> params);    // local
+  Status ReadShard(std::size_t param, std::span<float> out);  // local
+  Status CreateBuckets();                                     // local
   Status HandGradient(int micro_batch);
   Result<double> PartitionGradSquaredSum();
   Result<StepInfo> FinishStep(StepInfo info, bool skipped,

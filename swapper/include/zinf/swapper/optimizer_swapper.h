@@ -244,10 +244,13 @@ class OptimizerSwapper {
   Status FlushGradients();
 
   // Local. Reads elements [offset_elems, offset_elems + out.size()) of a sub-group's committed
-  // state tensor through one pool buffer. Errors: InvalidArgument (range), ResourceExhausted (no
-  // free buffer), I/O errors.
+  // state tensor through one pool buffer, or through `staging` when given (aligned to 4 KiB and
+  // at least out.size() * 4 + 2 x the store's alignment bytes: for a reader whose pool buffers
+  // may all be leased, e.g. by the gradient swapper in the middle of a micro-batch).
+  // Errors: InvalidArgument (range, staging too small), ResourceExhausted (no free buffer), I/O
+  // errors.
   Status ReadState(std::size_t sub_group, StateTensor which, std::uint64_t offset_elems,
-                   std::span<float> out);
+                   std::span<float> out, std::span<std::byte> staging = {});
   // (q8: the moments are dequantized from the sub-group's whole moments tensor.)
   // Local. Writes a whole new state of a sub-group (e.g. restored from a checkpoint):
   // `fill(which, span)` fills each state tensor (sub-group numel elements), the state goes to the
