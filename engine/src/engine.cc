@@ -49,10 +49,6 @@ namespace {
 using Json = nlohmann::json;
 using comm::ReduceOp;
 
-// Partitions and sub-groups are multiples of 1024 elements (4 KiB of fp32): the direct-I/O
-// alignment of every file system we have seen, so no sub-group needs a padded tail on disk.
-constexpr std::uint64_t kPartitionAlignmentElems = 1024;
-
 // Stage 3 with offload_param nvme: shards are read from the swap store in pieces of this size.
 constexpr std::uint64_t kShardStagingBytes = std::uint64_t{4} << 20;
 

@@ -10,6 +10,13 @@ trains on its own random windows of it; the optimizer reduces the gradients over
 Checkpoints go to --checkpoint-dir every --checkpoint-every steps and at the end (and on
 SIGUSR1/SIGTERM/Ctrl-C, which stop the run after saving); --resume continues from the latest,
 on any number of ranks. Only the optimizer line and the launch differ from a plain PyTorch loop.
+
+--stage3 trains at ZeRO stage 3: the model is built inside zinf.torch.init, so each rank keeps
+only its shard of every weight matrix (with --offload-param nvme, the default, not even that in
+memory: the shards are read from the swap store when a module needs them), and the optimizer's
+hooks gather each module's weights around its forward and backward. The loop is the same.
+
+    mpirun -np 3 python3 examples/torch/train_charlm.py --stage3 --steps 100
 """
 
 import argparse
@@ -40,7 +47,20 @@ def config(args):
                               "offload_optimizer": {"device": "nvme",
                                                     "nvme_path": args.swap_dir}},
         "zinf": {"checkpoint": {"keep_last": 2}},
-    }
+    } | (stage3(args) if args.stage3 else {})
+
+
+def stage3(args):
+    """The stage 3 keys: the weight matrices partitioned (the biases and LayerNorms, at most
+    1000 elements, stay whole on every rank), their shards on NVMe with --offload-param nvme."""
+    offload = {"device": args.offload_param}
+    if args.offload_param == "nvme":
+        offload.update(nvme_path=args.swap_dir, max_in_cpu=0)
+    return {"zero_optimization": {"stage": 3, "sub_group_size": 100_000,
+                                  "stage3_param_persistence_threshold": 1000,
+                                  "offload_param": offload,
+                                  "offload_optimizer": {"device": "nvme",
+                                                        "nvme_path": args.swap_dir}}}
 
 
 class Block(torch.nn.Module):
@@ -140,6 +160,10 @@ def main():
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--resume", action="store_true", help="continue from the latest")
     parser.add_argument("--print-every", type=int, default=25)
+    parser.add_argument("--stage3", action="store_true",
+                        help="ZeRO stage 3: the model built partitioned (zinf.torch.init)")
+    parser.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="nvme",
+                        help="with --stage3: where each rank's weight shards live (default nvme)")
     args = parser.parse_args()
 
     facts = zinf.init()
@@ -150,9 +174,14 @@ def main():
     train_text, test_text = text[:split], text[split:]
 
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = CharGPT(context=args.context)
-    params = sum(p.numel() for p in model.parameters())
-    zinf.log(f"model: CharGPT, {params} parameters; text {len(text)} bytes; {world} rank(s)")
+    if args.stage3:  # each module's parameters partitioned as soon as it is built
+        with zinf.torch.init(config(args)):
+            model = CharGPT(context=args.context)
+    else:
+        model = CharGPT(context=args.context)
+    params = sum(math.prod(zinf.torch.partitioned_shape(p)) for p in model.parameters())
+    zinf.log(f"model: CharGPT, {params} parameters{' (stage 3)' if args.stage3 else ''}; text "
+             f"{len(text)} bytes; {world} rank(s)")
 
     opt = zinf.torch.ZeroOptimizer(
         model.named_parameters(), config=config(args), create_nvme_paths=True,

@@ -12,6 +12,7 @@
 //
 // Thread safety: the GIL is released during the engine's calls; one Python thread at a time
 // may use an Engine (the engine's contract), which the GIL-holding entry points check.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -112,11 +113,12 @@ const comm::Communicator& World() {
   return rt.session->world();
 }
 
-// A float32, C-contiguous, writable buffer of exactly `numel` elements; `what` names it.
-// (buffer.request raises a Python error for a read-only or non-buffer object.)
+// A float32, C-contiguous buffer of exactly `numel` elements (writable unless `writable` is
+// false); `what` names it. (buffer.request raises a Python error for a read-only buffer asked
+// writable, or a non-buffer object.)
 Result<std::span<float>> FloatSpan(const py::buffer& buffer, std::int64_t numel,
-                                   const std::string& what) {
-  py::buffer_info info = buffer.request(/*writable=*/true);
+                                   const std::string& what, bool writable = true) {
+  py::buffer_info info = buffer.request(writable);
   if (info.itemsize != sizeof(float) || info.format != py::format_descriptor<float>::format()) {
     return InvalidArgumentError(
         fmt::format("{}: must hold float32 elements, not format '{}' of "
@@ -135,6 +137,38 @@ Result<std::span<float>> FloatSpan(const py::buffer& buffer, std::int64_t numel,
     expected *= info.shape[d];
   }
   return std::span<float>(static_cast<float*>(info.ptr), static_cast<std::size_t>(numel));
+}
+
+// Param::init of a partitioned parameter from this rank's shard: `shard` holds its elements
+// [begin, begin + shard size), the ones the engine's plan gives this rank (zinf.torch computes
+// them with the same rule, partition/plan.h kPerParam). The engine asks only for those; an ask
+// outside them means the two rules differ, an InvalidArgument naming both ranges.
+Result<engine::ParamInit> ShardInit(const py::buffer& shard, std::int64_t begin, std::int64_t numel,
+                                    const std::string& name, std::shared_ptr<const bool> live) {
+  const std::int64_t size = shard.request(/*writable=*/false).size;
+  ZINF_ASSIGN_OR_RETURN(std::span<float> values,
+                        FloatSpan(shard, size, "parameter " + name + " shard", /*writable=*/false));
+  if (begin < 0 || begin + size > numel) {
+    return InvalidArgumentError(fmt::format(
+        "parameter {}: a shard of {} elements from element {} lies outside its {} elements", name,
+        size, begin, numel));
+  }
+  const auto first = static_cast<std::uint64_t>(begin);
+  return [values, first, name, live = std::move(live)](std::uint64_t offset,
+                                                       std::span<float> out) -> Status {
+    if (!*live) {
+      return FailedPreconditionError(
+          fmt::format("parameter {}: init called after the engine was created", name));
+    }
+    if (offset < first || offset + out.size() > first + values.size()) {
+      return InvalidArgumentError(fmt::format(
+          "parameter {}: the engine asks for elements [{}, {}), this rank's shard holds [{}, {}) "
+          "(zinf.torch's ownership rule differs from the engine's partition plan)",
+          name, offset, offset + out.size(), first, first + values.size()));
+    }
+    std::copy_n(values.data() + (offset - first), out.size(), out.data());
+    return OkStatus();
+  };
 }
 
 // Element count of `shape`; -1 for a negative dimension or a count beyond int64.
@@ -174,8 +208,10 @@ py::dict StepInfoDict(const engine::StepInfo& info) {
 // One ZeroEngine and the Python buffers it works in (kept alive as long as it is).
 class EngineHandle {
  public:
-  // `params`: (name, shape, weights buffer, grads buffer) per parameter. `config` is a path or,
-  // with `config_is_text`, JSON text. Collective.
+  // `params`: (name, shape, weights, grads[, shard, shard_begin]) per parameter: weights and
+  // grads are float32 buffers or None (None weights: partitioned at stage 3, its first values
+  // from `shard`, this rank's elements from shard_begin on; None grads: lent, handed with
+  // gradient_ready). `config` is a path or, with `config_is_text`, JSON text. Collective.
   EngineHandle(const std::string& config, bool config_is_text, const py::list& params,
                const py::dict& options) {
     const comm::Communicator& world = World();
@@ -184,6 +220,10 @@ class EngineHandle {
                              : engine::LoadConfig(world, config));
     // Bad parameters are agreed on before Create, so that every rank raises.
     std::vector<engine::Param> list;
+    // The shards Param::init copies from, alive only through Create (it is the one caller);
+    // `init_live` turns a later call into an error instead of a read of freed memory.
+    std::vector<py::object> shards;
+    auto init_live = std::make_shared<bool>(true);
     const Status local = [&]() -> Status {
       try {
         for (const py::handle& item : params) {
@@ -196,12 +236,23 @@ class EngineHandle {
             return InvalidArgumentError(fmt::format(
                 "parameter {}: a dimension is negative or the element count overflows", p.name));
           }
-          ZINF_ASSIGN_OR_RETURN(p.weights, FloatSpan(t[2].cast<py::buffer>(), numel,
-                                                     "parameter " + p.name + " weights"));
-          ZINF_ASSIGN_OR_RETURN(
-              p.grads, FloatSpan(t[3].cast<py::buffer>(), numel, "parameter " + p.name + " grads"));
-          buffers_.push_back(py::reinterpret_borrow<py::object>(t[2]));
-          buffers_.push_back(py::reinterpret_borrow<py::object>(t[3]));
+          // None: no weights (stage 3: partitioned) or no grads (lent: gradient_ready).
+          if (!t[2].is_none()) {
+            ZINF_ASSIGN_OR_RETURN(p.weights, FloatSpan(t[2].cast<py::buffer>(), numel,
+                                                       "parameter " + p.name + " weights"));
+            buffers_.push_back(py::reinterpret_borrow<py::object>(t[2]));
+          }
+          if (!t[3].is_none()) {
+            ZINF_ASSIGN_OR_RETURN(p.grads, FloatSpan(t[3].cast<py::buffer>(), numel,
+                                                     "parameter " + p.name + " grads"));
+            buffers_.push_back(py::reinterpret_borrow<py::object>(t[3]));
+          }
+          if (t.size() >= 6 && !t[4].is_none()) {
+            ZINF_ASSIGN_OR_RETURN(
+                p.init, ShardInit(t[4].cast<py::buffer>(), t[5].cast<std::int64_t>(), numel, p.name,
+                                  init_live));
+            shards.push_back(py::reinterpret_borrow<py::object>(t[4]));
+          }
           list.push_back(std::move(p));
         }
       } catch (py::error_already_set& e) {
@@ -237,6 +288,7 @@ class EngineHandle {
       py::gil_scoped_release release;
       return engine::ZeroEngine::Create(world, cfg, std::move(list), opts);
     }();
+    *init_live = false;
     engine_ = Value(std::move(created));
     serial_ = GetRuntime().next_serial++;
     GetRuntime().engines.push_back(this);
@@ -292,15 +344,65 @@ class EngineHandle {
     Check(status);
   }
 
+  // Collective (stage 3): the whole weights of the parameters `indices` (positions in the
+  // registration), as new float32 arrays of their numel elements. The engine's Gathered scope is
+  // released before the call returns: the arrays are copies the caller owns.
+  py::list Gather(const std::vector<std::size_t>& indices) {
+    engine::ZeroEngine& engine = Open();  // raises with the GIL held
+    Result<engine::Gathered> result = [&] {
+      py::gil_scoped_release release;
+      return engine.GatherByIndex(indices);
+    }();
+    engine::Gathered gathered = Value(std::move(result));
+    py::list out;
+    for (std::size_t i = 0; i < gathered.size(); ++i) {
+      const std::span<const float> weights = gathered[i];
+      py::array_t<float> array(static_cast<py::ssize_t>(weights.size()));
+      std::copy(weights.begin(), weights.end(), array.mutable_data());
+      out.append(std::move(array));
+    }
+    gathered.Release();
+    return out;
+  }
+
+  // Local: parameter `index`'s lent gradient of this micro-batch (copied before the call
+  // returns). Its errors are this rank's (the next step reports them on every rank).
+  void GradientReady(std::size_t index, const py::buffer& grad) {
+    engine::ZeroEngine& engine = Open();  // raises with the GIL held
+    const std::int64_t numel = grad.request(/*writable=*/false).size;
+    Result<std::span<float>> span =
+        FloatSpan(grad, numel, fmt::format("gradient_ready({})", index), /*writable=*/false);
+    if (!span) Raise(span.error(), /*agreed=*/false);
+    Status status = [&] {
+      py::gil_scoped_release release;
+      return engine.GradientReady(index, std::span<const float>(*span));
+    }();
+    if (!status) Raise(status.error(), /*agreed=*/false);
+  }
+
+  py::dict GatherCounters() {
+    const engine::GatherCounters& c = Open().gather_counters();
+    py::dict d;
+    d["calls"] = c.calls;
+    d["asked"] = c.asked;
+    d["gathered"] = c.gathered;
+    d["prefetched"] = c.prefetched;
+    d["served"] = c.served;
+    d["disk_reads"] = c.disk_reads;
+    d["peak_live_elems"] = c.peak_live_elems;
+    return d;
+  }
+
+  std::size_t num_partitioned_params() { return Open().num_partitioned_params(); }
+
   // `user_state`: JSON text of an object (or "null").
   py::dict SaveCheckpoint(const std::string& user_state, const std::string& dir) {
     // Bounded (depth, size, duplicate keys), as everything from outside the process.
     Result<Json> parsed = ParseJson(user_state);
-    const Status local =
-        parsed ? OkStatus()
-               : Status(InvalidArgumentError(
-                     fmt::format("save_checkpoint: client_state is not valid JSON: {}",
-                                 parsed.error().message())));
+    const Status local = parsed ? OkStatus()
+                                : Status(InvalidArgumentError(fmt::format(
+                                      "save_checkpoint: client_state is not valid JSON: {}",
+                                      parsed.error().message())));
     const Json state = parsed ? std::move(*parsed) : Json();
     engine::ZeroEngine& engine = Open();  // raises with the GIL held
     Result<engine::SavedCheckpointInfo> saved = [&]() -> Result<engine::SavedCheckpointInfo> {
@@ -405,9 +507,9 @@ void Finalize() {
     auto handle = std::max_element(
         rt.engines.begin(), rt.engines.end(),
         [](const EngineHandle* a, const EngineHandle* b) { return a->serial() < b->serial(); });
-    auto orphan = std::max_element(
-        rt.orphans.begin(), rt.orphans.end(),
-        [](const Orphan& a, const Orphan& b) { return a.serial < b.serial; });
+    auto orphan =
+        std::max_element(rt.orphans.begin(), rt.orphans.end(),
+                         [](const Orphan& a, const Orphan& b) { return a.serial < b.serial; });
     if (handle == rt.engines.end() && orphan == rt.orphans.end()) break;
     if (orphan == rt.orphans.end() ||
         (handle != rt.engines.end() && (*handle)->serial() > orphan->serial)) {
@@ -425,8 +527,8 @@ void Finalize() {
     py::gil_scoped_release release;
     Status closed = dropped.engine->Close();
     if (!closed) {
-      LogLine(LogLevel::kWarn,
-              fmt::format("zinf: closing a dropped optimizer at exit: {}", closed.error().ToString()));
+      LogLine(LogLevel::kWarn, fmt::format("zinf: closing a dropped optimizer at exit: {}",
+                                           closed.error().ToString()));
     }
     dropped.engine.reset();
   }
@@ -469,6 +571,43 @@ void AgreeSame(const std::string& code, const std::string& message, const std::s
   Agree(code, root_text == text ? "" : message);
 }
 
+// Collective over the world: `recv` (float32, sum(counts) elements) gets every rank's `send`
+// (counts[rank] elements) in rank order. For zinf.torch's partitioned parameters before an
+// optimizer owns them (zinf.torch.gathered).
+void Allgatherv(const py::buffer& send, const py::buffer& recv,
+                const std::vector<std::int64_t>& counts) {
+  const comm::Communicator& world = World();
+  std::int64_t total = 0;
+  for (std::int64_t c : counts) total += c;
+  Result<std::span<float>> in =
+      counts.size() == static_cast<std::size_t>(world.size())
+          ? FloatSpan(send, counts[world.rank()], "allgatherv send", /*writable=*/false)
+          : InvalidArgumentError(
+                fmt::format("allgatherv: {} counts for {} ranks", counts.size(), world.size()));
+  Result<std::span<float>> out = in ? FloatSpan(recv, total, "allgatherv recv") : in;
+  const Status local = out ? OkStatus() : Status(out.error());
+  Status status = [&]() -> Status {
+    py::gil_scoped_release release;
+    ZINF_RETURN_IF_ERROR(world.AgreeOnStatus(local));
+    return world.Allgatherv<float>(*in, *out, counts);
+  }();
+  Check(status);
+}
+
+// Collective over the world: rank `root`'s float32 `data` into every rank's (the same size).
+void Broadcast(const py::buffer& data, int root) {
+  const comm::Communicator& world = World();
+  const std::int64_t numel = data.request(/*writable=*/true).size;
+  Result<std::span<float>> span = FloatSpan(data, numel, "broadcast data");
+  const Status local = span ? OkStatus() : Status(span.error());
+  Status status = [&]() -> Status {
+    py::gil_scoped_release release;
+    ZINF_RETURN_IF_ERROR(world.AgreeOnStatus(local));
+    return world.Broadcast<float>(*span, root);
+  }();
+  Check(status);
+}
+
 void Log(const std::string& level, const std::string& message) {
   LogLevel l = LogLevel::kInfo;
   if (!ParseLogLevel(level, &l)) {
@@ -484,6 +623,8 @@ PYBIND11_MODULE(_zinf, m) {
   using zinf::python::EngineHandle;
   m.doc() = "zinf's engine (use zinf.torch.ZeroOptimizer; docs/python.md)";
   m.def("init", &zinf::python::Init, "Initializes or adopts MPI; returns the rank facts.");
+  // Stage 3's shard rule (engine.h): zinf.torch.init partitions before any engine exists.
+  m.attr("PARTITION_ALIGNMENT") = zinf::engine::kPartitionAlignmentElems;
   m.def("finalize", &zinf::python::Finalize,
         "Closes the open engines and finalizes MPI if init() initialized it.");
   m.def("agree", &zinf::python::Agree, py::arg("code"), py::arg("message"),
@@ -492,6 +633,10 @@ PYBIND11_MODULE(_zinf, m) {
         py::arg("text"),
         "Collective: raises `message` on every rank, naming the lowest rank whose text differs "
         "from rank 0's, when some rank's does.");
+  m.def("allgatherv", &zinf::python::Allgatherv, py::arg("send"), py::arg("recv"),
+        py::arg("counts"), "Collective: every rank's float32 `send` into `recv`, in rank order.");
+  m.def("broadcast", &zinf::python::Broadcast, py::arg("data"), py::arg("root"),
+        "Collective: rank root's float32 `data` into every rank's.");
   m.def("log", &zinf::python::Log, py::arg("level"), py::arg("message"));
   m.def("abort_job", &zinf::python::AbortJob, py::arg("message"),
         "Logs an ERROR line and ends every process of the job (MPI_Abort).");
@@ -501,6 +646,10 @@ PYBIND11_MODULE(_zinf, m) {
       .def("agree", &EngineHandle::Agree, py::arg("call"), py::arg("code"), py::arg("message"))
       .def("step", &EngineHandle::Step, py::arg("loss") = py::none())
       .def("accumulate_gradients", &EngineHandle::AccumulateGradients)
+      .def("gather", &EngineHandle::Gather, py::arg("indices"))
+      .def("gradient_ready", &EngineHandle::GradientReady, py::arg("index"), py::arg("grad"))
+      .def("gather_counters", &EngineHandle::GatherCounters)
+      .def_property_readonly("num_partitioned_params", &EngineHandle::num_partitioned_params)
       .def("save_checkpoint", &EngineHandle::SaveCheckpoint, py::arg("user_state"), py::arg("dir"))
       .def("log_summary", &EngineHandle::LogSummary)
       .def("close", &EngineHandle::Close)

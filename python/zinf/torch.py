@@ -14,19 +14,27 @@
             opt.save_checkpoint("ckpt"); break
 
 launched with ``mpirun -np N python3 train.py`` (or ``zinf-run -np N -- python3 train.py``).
+At ZeRO stage 3 the model is built inside ``with zinf.torch.init(config): model = MyModel()``
+(each rank keeps its shard of every parameter; the optimizer's hooks gather them around each
+module's forward and backward) and read whole inside ``zinf.torch.gathered(params)``.
 The config is a DeepSpeed JSON file or dict (docs/deepspeed-keys.md); the optimizer, learning-rate
 schedule, gradient clipping and batch sizes come from it. docs/python.md teaches the rest.
 """
 
+import contextlib
+import functools
 import json
+import math
 import os
+import weakref
 
 import torch
 
 import zinf
 from zinf import _zinf
 
-__all__ = ["ZeroOptimizer", "StepInfo", "log"]
+__all__ = ["ZeroOptimizer", "StepInfo", "log", "init", "gathered", "is_partitioned",
+           "partitioned_shape"]
 
 
 def log(*args, level="info"):
@@ -68,21 +76,30 @@ class StepInfo:
 class _Registered:
     """One parameter as the engine sees it: the tensor, its name and the host buffers."""
 
-    def __init__(self, name, param, weights, grads):
+    def __init__(self, name, param, weights, grads, part=None):
         self.name = name
         self.param = param
-        self.shape = tuple(param.shape)
+        self.part = part  # stage 3: the parameter's _Partition (no weights buffer), else None
+        self.shape = part.shape if part is not None else tuple(param.shape)
         self.dtype = param.dtype
         self.device = param.device
         # Staged: a CUDA or a float16/bfloat16 parameter, copied through fp32 host buffers
         # around every step. Otherwise (float32 on the CPU) used in place.
-        self.staged = _staged(param)
-        self.weights = weights  # in place: param.detach(), its memory; staged: an fp32 copy
-        self.grads = grads      # private: an in-place parameter's .grad is a view of it
+        self.staged = part is None and _staged(param)
+        self.weights = weights  # in place: param.detach(), its memory; staged: an fp32 copy;
+        #                         partitioned: None
+        self.grads = grads      # private: an in-place parameter's .grad is a view of it; lent
+        #                         gradients (stage 3): None
         # The parameter's memory and layout as registered (held, so that no later tensor takes
         # its address), and the addresses the engine was given.
-        self.view = param.detach()
-        self.addresses = (weights.data_ptr(), grads.data_ptr())
+        self.view = None if part is not None else param.detach()
+        self.addresses = tuple(None if b is None else b.data_ptr() for b in (weights, grads))
+        # Lent gradients: the engine's index, the AccumulateGrad node and its hook, and whether
+        # this micro-batch's gradient was handed already.
+        self.index = -1
+        self.node = None
+        self.hook = None
+        self.handed = False
 
 
 # Parameter dtypes besides float32, and the config block that must enable them: the engine
@@ -120,6 +137,455 @@ def _overlaps(a, b):
         return False
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
+
+
+# --- Stage 3: partitioned parameters (docs/python.md, "Stage 3") -------------------------------
+
+# The alignment of a parameter's shards in elements (engine.h's kPartitionAlignmentElems, the
+# partition/plan.h kPerParam rule): init() partitions before any engine exists.
+_SHARD_ALIGNMENT = _zinf.PARTITION_ALIGNMENT
+
+
+def _shard_range(numel, rank, world):
+    """Elements [begin, end) of a parameter of `numel` elements that `rank` of `world` owns:
+    rank r owns [r * S, (r + 1) * S) clipped to numel, S = AlignUp(ceil(numel / world), 1024)."""
+    per = -(-numel // world)
+    per = -(-per // _SHARD_ALIGNMENT) * _SHARD_ALIGNMENT
+    begin = min(rank * per, numel)
+    return begin, min(begin + per, numel)
+
+
+class _Partition:
+    """What zinf.torch.init leaves on a parameter (as p._zinf_part): its shape, this rank's
+    shard of its values until an optimizer owns it, and whether p.data holds it whole now."""
+
+    __slots__ = ("shape", "numel", "rank", "world", "begin", "end", "shard", "full", "uses",
+                 "owner", "index")
+
+    def __init__(self, shape, rank, world, shard):
+        self.shape = tuple(shape)
+        self.numel = math.prod(self.shape)
+        self.rank, self.world = rank, world
+        self.begin, self.end = _shard_range(self.numel, rank, world)
+        self.shard = shard  # float32 [end - begin]; None once an optimizer holds the values
+        self.full = False   # p.data holds the whole weights (a torch-owned copy)
+        self.uses = 0       # forward passes and gathered() scopes inside which it stays whole
+        self.owner = None   # weakref to the ZeroOptimizer that registered it
+        self.index = -1     # its index in that optimizer's engine
+
+    def optimizer(self):
+        return None if self.owner is None else self.owner()
+
+
+def _part(p):
+    return getattr(p, "_zinf_part", None)
+
+
+def is_partitioned(param):
+    """Whether `param` was partitioned by zinf.torch.init (its .data is empty outside forward,
+    backward and gathered(); partitioned_shape(param) is its shape)."""
+    return _part(param) is not None
+
+
+def partitioned_shape(param):
+    """The shape of a partitioned parameter (param.shape is (0,) while it is not gathered)."""
+    part = _part(param)
+    return tuple(param.shape) if part is None else part.shape
+
+
+def _empty(p):
+    return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def _release(p):
+    """p.data back to an empty tensor; torch frees the whole weights unless autograd saved a
+    view of them for the backward pass."""
+    p.data = _empty(p)
+    _part(p).full = False
+
+
+def _partition(p, rank, world):
+    if p.dtype != torch.float32 or p.device.type != "cpu":
+        raise TypeError(f"zinf.torch.init: a parameter of shape {_shape(p.shape)} is {p.dtype} on "
+                        f"{p.device}; stage 3 partitions float32 CPU parameters (build the model "
+                        "in float32 on the CPU)")
+    part = _Partition(p.shape, rank, world, None)
+    part.shard = p.detach().reshape(-1)[part.begin:part.end].clone()
+    p._zinf_part = part
+    p.data = _empty(p)
+
+
+def _allgather(p):
+    """Collective over the world: p.data = the whole weights from every rank's shard (before an
+    optimizer owns the parameter)."""
+    part = _part(p)
+    if part.shard is None:
+        raise RuntimeError(f"a partitioned parameter of shape {_shape(part.shape)} has no values: "
+                           "the ZeroOptimizer that held them was dropped without close()")
+    counts = [e - b for b, e in (_shard_range(part.numel, r, part.world)
+                                 for r in range(part.world))]
+    whole = torch.empty(part.numel, dtype=torch.float32)
+    _zinf.allgatherv(part.shard.numpy(), whole.numpy(), counts)
+    p.data = whole.view(part.shape)
+    part.full = True
+
+
+def _gather(params):
+    """Collective: the whole weights into p.data for each of `params` (partitioned, not whole
+    now): through the engine of the optimizer that owns them (one call per optimizer, in
+    registration order), from the shards before one does."""
+    groups = {}
+    for p in params:
+        opt = _part(p).optimizer()
+        groups.setdefault(id(opt), (opt, []))[1].append(p)
+    for opt, ps in groups.values():
+        if opt is None:
+            for p in ps:
+                _allgather(p)
+        else:
+            opt._gather(ps)
+
+
+def _acquire(params):
+    """The partitioned `params` whole until the matching _unuse (forward, gathered())."""
+    need = [p for p in params if not _part(p).full]
+    if need:
+        _gather(need)
+    for p in params:
+        _part(p).uses += 1
+
+
+def _unuse(params):
+    for p in params:
+        part = _part(p)
+        part.uses -= 1
+        if part.uses == 0 and part.full:
+            _release(p)
+
+
+def _partitioned_of(module):
+    return [p for p in module._parameters.values() if p is not None and _part(p) is not None]
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _pre_forward(module, inputs):
+    params = _partitioned_of(module)
+    if params:
+        _acquire(params)
+
+
+def _post_forward(module, inputs, output):
+    params = _partitioned_of(module)
+    if not params:
+        return
+    _unuse(params)
+    outputs = [t for t in _tensors(output) if t.requires_grad]
+    if not outputs:
+        return
+    # torch 1.13 has no module backward pre-hook: a hook on the outputs' gradients runs before
+    # the module's own backward nodes, which may read the parameters (a leaf saved for the
+    # backward pass, layer_norm's weight, is read from p.data then). Once per forward call.
+    pending = [True]
+
+    def before_backward(grad):
+        if pending[0]:
+            pending[0] = False
+            need = [p for p in params if not _part(p).full]
+            if need:
+                _gather(need)
+        return None
+
+    for t in outputs:
+        t.register_hook(before_backward)
+
+
+_module_hooks = None
+
+
+def _install_module_hooks():
+    """Global forward hooks (every module, once per process): a module whose own parameters are
+    partitioned gathers them before its forward and releases them after it. They do nothing for
+    other modules."""
+    global _module_hooks
+    if _module_hooks is None:
+        from torch.nn.modules import module as nn_module
+        _module_hooks = (nn_module.register_module_forward_pre_hook(_pre_forward),
+                         nn_module.register_module_forward_hook(_post_forward))
+
+
+class _PartitionedLinear(torch.autograd.Function):
+    """F.linear with a partitioned weight. F.linear saves a view of the weight for its backward
+    (weight.t() for addmm), and that view would keep the whole gathered weights alive from the
+    module's forward to its backward: every layer's at once at the end of a forward pass. This
+    saves the parameter itself: a saved leaf is read through the parameter when the backward
+    runs, by which time the hook on the module outputs' gradients has gathered it again (and
+    its AccumulateGrad hook, after every use, empties it). param.data assignments keep the
+    parameter's version counter, so the saved-tensor check passes."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias):
+        ctx.save_for_backward(input, weight, bias)
+        ctx.weight_shape = tuple(weight.shape)
+        return _original_linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, bias = ctx.saved_tensors
+        if tuple(weight.shape) != ctx.weight_shape:
+            raise RuntimeError(f"a partitioned linear weight of shape {_shape(ctx.weight_shape)} "
+                               f"is {_shape(weight.shape)} in its backward pass: it was not "
+                               "gathered again (is the optimizer that owns it still open?)")
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.matmul(weight)  # [..., out] @ [out, in]; 1-D input too
+        # The weight and bias gradients sum over every leading (batch) dimension.
+        rows = grad_output.reshape(-1, grad_output.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_weight = rows.t().matmul(input.reshape(-1, input.shape[-1]))
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+_original_linear = torch.nn.functional.linear  # what the patch falls back to (and restores)
+_linear_users = 0  # open optimizers that hold partitioned parameters
+
+
+def _linear(input, weight, bias=None):
+    """torch.nn.functional.linear while a ZeroOptimizer holds partitioned parameters: a
+    partitioned 2-D weight under autograd goes through _PartitionedLinear, anything else (no
+    gradient, autocast, a tensor subclass with __torch_function__) to torch's own."""
+    part = _part(weight)
+    if (part is None or len(part.shape) != 2 or not torch.is_grad_enabled()
+            or not weight.requires_grad or torch.is_autocast_enabled()
+            or torch.is_autocast_cpu_enabled()
+            or torch.overrides.has_torch_function((input, weight, bias))):
+        return _original_linear(input, weight, bias)
+    return _PartitionedLinear.apply(input, weight, bias)
+
+
+def _patch_linear():
+    """torch.nn.functional.linear becomes _linear until the matching _unpatch_linear (nn.Linear
+    looks F.linear up at each call). Counted: one per open optimizer."""
+    global _original_linear, _linear_users
+    if _linear_users == 0 and torch.nn.functional.linear is not _linear:
+        _original_linear = torch.nn.functional.linear
+        torch.nn.functional.linear = _linear
+    _linear_users += 1
+
+
+def _unpatch_linear():
+    global _linear_users
+    _linear_users -= 1
+    # Restored only if it is still ours: a later patch by someone else wraps ours, and stays.
+    if _linear_users == 0 and torch.nn.functional.linear is _linear:
+        torch.nn.functional.linear = _original_linear
+
+
+def _stage_of(config):
+    """The config's zero_optimization.stage (None when it cannot be read here)."""
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None
+    if not isinstance(config, dict):
+        return None
+    zero = config.get("zero_optimization", {})
+    return zero.get("stage", 0) if isinstance(zero, dict) else None
+
+
+class _InitContext:
+    """zinf.torch.init's work: every nn.Module subclass's __init__ wrapped, so that the
+    parameters of a module (and of its submodules not yet partitioned) are partitioned when the
+    outermost __init__ of that instance returns."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+        self.wrapped = {}  # class -> its own __init__
+        self.depth = {}    # id(module) -> __init__ calls of that instance in progress
+        self.subclass_hook = None
+
+    def wrap(self, cls):
+        original = cls.__dict__.get("__init__")
+        if original is None or cls in self.wrapped:
+            return
+        context = self
+
+        @functools.wraps(original)
+        def __init__(module, *args, **kwargs):
+            key = id(module)
+            depth = context.depth.get(key, 0)
+            context.depth[key] = depth + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                if depth == 0:
+                    del context.depth[key]
+                else:
+                    context.depth[key] = depth
+            if depth == 0:
+                context.partition(module)
+
+        self.wrapped[cls] = original
+        cls.__init__ = __init__
+
+    def partition(self, module):
+        if "_modules" not in module.__dict__:
+            return  # its __init__ did not call nn.Module's
+        for m in module.modules():
+            for p in m._parameters.values():
+                if p is not None and p.requires_grad and _part(p) is None:
+                    _partition(p, self.rank, self.world)
+
+    def enter(self):
+        pending = [torch.nn.Module]
+        while pending:
+            cls = pending.pop()
+            self.wrap(cls)
+            pending.extend(cls.__subclasses__())
+        # Classes defined inside the context.
+        previous = torch.nn.Module.__dict__.get("__init_subclass__")
+        self.subclass_hook = previous
+        context = self
+
+        def init_subclass(cls, **kwargs):
+            super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            context.wrap(cls)
+
+        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
+
+    def exit(self):
+        if self.subclass_hook is None:
+            del torch.nn.Module.__init_subclass__
+        else:
+            torch.nn.Module.__init_subclass__ = self.subclass_hook
+        for cls, original in self.wrapped.items():
+            cls.__init__ = original
+        self.wrapped.clear()
+
+
+_active_init = None
+
+
+@contextlib.contextmanager
+def init(config=None):
+    """ZeRO stage 3: modules constructed inside this context have their parameters partitioned
+    over the ranks as soon as each module's __init__ returns (its reset_parameters and custom
+    initialization still see the whole tensors): each rank keeps its shard of the values and
+    param.data becomes an empty tensor, so the whole model never exists on a rank. A
+    ZeroOptimizer created over such parameters gathers them around each module's forward and
+    backward (docs/python.md, "Stage 3"). Float32 CPU parameters that require a gradient are
+    partitioned; buffers and frozen parameters stay whole. `config` (optional, a path or dict)
+    is checked to say zero_optimization.stage 3. Local: needs only the rank and world size
+    (zinf.init()); every rank must build the same model with the same initial values (seed)."""
+    global _active_init
+    stage = _stage_of(config) if config is not None else 3
+    if stage is not None and stage != 3:
+        raise ValueError(f"zinf.torch.init partitions parameters for ZeRO stage 3, but the "
+                         f"config's zero_optimization.stage is {stage}")
+    if _active_init is not None:  # nested: the outer context partitions
+        yield
+        return
+    facts = zinf.init()
+    context = _InitContext(facts["rank"], facts["world_size"])
+    _install_module_hooks()
+    context.enter()
+    _active_init = context
+    try:
+        yield
+    finally:
+        _active_init = None
+        context.exit()
+
+
+@contextlib.contextmanager
+def gathered(params, modify=False):
+    """Inside this context the partitioned parameters among `params` (a module, a parameter, or
+    an iterable of parameters or (name, parameter) pairs) hold their whole weights in .data:
+    for reading (evaluation, export) or, before a ZeroOptimizer owns them, with modify=True, for
+    setting them (load_state_dict of a pretrained model): on exit rank 0's values become every
+    rank's (each keeps its shard of them). Collective: every rank passes the same parameters in
+    the same order. Parameters that are not partitioned are left alone. With modify=False a
+    change is discarded on exit; modify=True on parameters an optimizer owns raises ValueError
+    (the engine holds their fp32 master weights: restore a checkpoint instead)."""
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    elif isinstance(params, torch.Tensor):
+        params = [params]
+    chosen, seen = [], set()
+    for item in params:
+        p = item[1] if isinstance(item, tuple) and len(item) == 2 else item
+        if _part(p) is not None and id(p) not in seen:
+            seen.add(id(p))
+            chosen.append(p)
+    if modify:
+        owned = [p for p in chosen if _part(p).optimizer() is not None]
+        if owned:
+            raise ValueError(
+                f"gathered(modify=True): {len(owned)} parameter(s) (the first of shape "
+                f"{_shape(_part(owned[0]).shape)}) belong to a ZeroOptimizer, whose engine holds "
+                "their fp32 master weights: set the weights before creating the optimizer, or "
+                "restore a checkpoint")
+    _acquire(chosen)
+    try:
+        yield
+        if modify:
+            _broadcast_from_rank0(chosen)
+    finally:
+        _unuse(chosen)
+
+
+def _broadcast_from_rank0(params):
+    """Collective: rank 0's whole weights into every rank's p.data and shard."""
+    problem = ""
+    for p in params:
+        part = _part(p)
+        if tuple(p.shape) != part.shape or p.dtype != torch.float32 or p.device.type != "cpu":
+            problem = (f"gathered(modify=True): a parameter's .data was replaced by a {p.dtype} "
+                       f"tensor of shape {_shape(p.shape)} on {p.device}; set its values in place "
+                       f"(a float32 CPU tensor of shape {_shape(part.shape)})")
+            break
+    _zinf.agree("InvalidArgument", problem)
+    for p in params:
+        part = _part(p)
+        whole = p.detach().reshape(-1).contiguous().clone()
+        _zinf.broadcast(whole.numpy(), 0)
+        part.shard = whole[part.begin:part.end].clone()
+        p.data = whole.view(part.shape)
+        part.full = True
+
+
+def _grad_array(r, g):
+    """A lent gradient as the float32 CPU array the engine copies."""
+    if g.layout != torch.strided:
+        g = g.to_dense()
+    if not g.dtype.is_floating_point or tuple(g.shape) != r.shape:
+        raise ValueError(f"parameter {r.name}: its gradient is {g.dtype} of shape "
+                         f"{_shape(g.shape)}; the engine takes a floating-point gradient of "
+                         f"shape {_shape(r.shape)}")
+    return g.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+
+
+def _on_gradient(optimizer_ref, r):
+    """The AccumulateGrad node's hook of a registered parameter (lent gradients): runs once per
+    backward pass, after every use of the parameter added its part."""
+    def hook(grad_inputs, grad_outputs):
+        opt = optimizer_ref()
+        if opt is not None and opt._engine is not None and not opt._engine.closed:
+            opt._hand(r)
+    return hook
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -183,12 +649,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.local_rank = facts["local_rank"]
         self._engine = None
         self._last_checkpoint = None
+        self._linear_patched = False
         problem = ""
         try:
             named = self._named(params)
             config_text, is_text = self._config(config)
             super().__init__([p for _, p in named], {"lr": 0.0})
-            self._params = [self._register(name, p) for name, p in named]
+            # Stage 3: parameters partitioned by init() have no weights buffer, and then every
+            # gradient is lent (handed to the engine as the backward pass completes it).
+            self._lent = any(_part(p) is not None for _, p in named)
+            self._params = [self._register(name, p, self._lent) for name, p in named]
+            for i, r in enumerate(self._params):
+                r.index = i
         except Exception as e:  # any local failure is agreed on, so that no rank waits alone
             problem = (str(e) if isinstance(e, (TypeError, ValueError))
                        else f"{type(e).__name__}: {e}")
@@ -203,6 +675,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         }
         self._config_source = (config_text, is_text)
         self._open(None if load is None else os.fspath(load))
+        if self._lent:
+            self._own_partitions()
 
     # --- construction -------------------------------------------------------------------------
 
@@ -230,8 +704,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 name, p = f"param.{i}", item
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"params: {name} is a {type(p).__name__}, not a tensor")
+            part = _part(p)
+            if part is not None and not p.requires_grad:
+                raise ValueError(f"parameter {name} is partitioned (built inside "
+                                 "zinf.torch.init) but does not require a gradient; freeze "
+                                 "parameters inside the module's __init__ (frozen ones stay "
+                                 "whole) or leave them trainable")
             if not p.requires_grad:
                 continue  # frozen: not optimized
+            if part is not None and part.optimizer() is not None:
+                raise ValueError(f"parameter {name} is partitioned and belongs to another "
+                                 "ZeroOptimizer (close it first)")
             if id(p) in seen:
                 raise ValueError(f"params: {name} is given twice")
             seen.add(id(p))
@@ -242,7 +725,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if p.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"parameter {name} is on {p.device}; zinf supports CPU and CUDA "
                                  "parameters")
-            if not p.is_contiguous():
+            if part is None and not p.is_contiguous():
                 raise ValueError(f"parameter {name} is not contiguous")
             named.append((str(name), p))
         if not named:
@@ -261,11 +744,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raise TypeError(f"config: expected a path or a dict, got {type(config).__name__}")
 
     @staticmethod
-    def _register(name, p):
+    def _register(name, p, lent):
+        part = _part(p)
+        if part is not None:  # stage 3: the engine holds it; init from this rank's shard
+            return _Registered(name, p, None, None, part)
         # The engine's gradient buffer is private: an in-place parameter's .grad is a view of it,
         # so that a program replacing the view's data (p.grad.data = t, p.grad.set_(t)) never
-        # frees or moves the memory the engine reads.
+        # frees or moves the memory the engine reads. Lent gradients: none (gradient_ready).
         pin = p.device.type == "cuda"
+        if lent:
+            if not _staged(p):
+                return _Registered(name, p, p.detach(), None)
+            weights = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
+            weights.copy_(p.detach())
+            return _Registered(name, p, weights, None)
         grads = torch.zeros(p.shape, dtype=torch.float32, pin_memory=pin)
         if not _staged(p):
             r = _Registered(name, p, p.detach(), grads)
@@ -286,7 +778,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         options = dict(self._options, load=load)
         buffers = []
         for r in self._params:  # NumPy views: the engine's buffers are these tensors' memory
-            buffers.append((r.name, list(r.shape), r.weights.numpy(), r.grads.numpy()))
+            shard = None if r.part is None or r.part.shard is None else r.part.shard.numpy()
+            buffers.append((r.name, list(r.shape),
+                            None if r.weights is None else r.weights.numpy(),
+                            None if r.grads is None else r.grads.numpy(),
+                            shard, 0 if r.part is None else r.part.begin))
         config_text, is_text = self._config_source
         self._engine = _zinf.Engine(config_text, is_text, buffers, options)
         settings = json.loads(self._engine.effective_config)
@@ -305,6 +801,82 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if key in optimizer:
                     group[key] = tuple(optimizer[key]) if key == "betas" else optimizer[key]
         self._lr_set = self._engine.next_lr
+
+    def _own_partitions(self):
+        """Stage 3, once the engine holds the initial values: the partitioned parameters are
+        this optimizer's (their shards dropped), and every parameter's gradient is handed to the
+        engine by a hook on its AccumulateGrad node, which runs once per backward pass after
+        every use of the parameter added its part (tied parameters too)."""
+        me = weakref.ref(self)
+        _install_module_hooks()
+        with torch.enable_grad():
+            for r in self._params:
+                p, part = r.param, r.part
+                if part is not None:
+                    part.owner, part.index, part.shard = me, r.index, None
+                if part is not None and not part.full:
+                    # AccumulateGrad checks each gradient against the shape the parameter had
+                    # when the node was made: make it (and hold it) with the whole shape, from a
+                    # zero-stride tensor that takes no memory.
+                    p.data = torch.empty(1, dtype=p.dtype, device=p.device).expand(part.shape)
+                    r.node = p.expand_as(p).grad_fn.next_functions[0][0]
+                    p.data = _empty(p)
+                else:
+                    r.node = p.expand_as(p).grad_fn.next_functions[0][0]
+                r.hook = r.node.register_hook(_on_gradient(me, r))
+        # F.linear through _PartitionedLinear while this optimizer is open: between a module's
+        # forward and its backward no view keeps its whole weights alive.
+        _patch_linear()
+        self._linear_patched = True
+
+    def _disown_partitions(self):
+        """Before close (collective): each partitioned parameter gets this rank's shard of its
+        current weights back, so the model stays usable (gathered(), a new optimizer)."""
+        for r in self._params:
+            if r.hook is not None:
+                r.hook.remove()
+            r.hook = r.node = None
+        for r in self._params:
+            part = r.part
+            if part is None or part.optimizer() is not self:
+                continue
+            whole = torch.from_numpy(self._engine.gather([r.index])[0])
+            part.shard = whole[part.begin:part.end].clone()
+            if part.full:
+                r.param.data = whole.view(part.shape)
+            part.owner, part.index = None, -1
+
+    def _gather(self, params):
+        """Collective: one engine gather of `params` (partitioned, this optimizer's) in
+        registration order; each p.data becomes a torch-owned copy of its whole weights (the
+        engine's scope is released at once: autograd may keep views of them until backward)."""
+        params = sorted(params, key=lambda p: _part(p).index)
+        arrays = self._open_engine().gather([_part(p).index for p in params])
+        for p, array in zip(params, arrays):
+            part = _part(p)
+            p.data = torch.from_numpy(array).view(part.shape)
+            part.full = True
+
+    def _hand(self, r):
+        """Lent gradients: r's .grad to the engine (copied), then .grad None and, for a
+        partitioned parameter no forward or gathered() holds, .data empty again."""
+        p, g = r.param, r.param.grad
+        if g is None:
+            return
+        if r.handed:
+            raise RuntimeError(f"parameter {r.name}: a second gradient in one micro-batch; with "
+                               "partitioned parameters (stage 3) each gradient goes to the engine "
+                               "as the backward pass completes it: call "
+                               "opt.accumulate_gradients() after each micro-batch but the last")
+        self._open_engine().gradient_ready(r.index, _grad_array(r, g))
+        r.handed = True
+        p.grad = None
+        if r.part is not None and r.part.uses == 0 and r.part.full:
+            _release(p)
+
+    def _end_micro_batch(self):
+        for r in self._params:
+            r.handed = False
 
     def _check_precision(self, settings):
         """float16/bfloat16 parameters need the config block that rounds the working weights
@@ -333,6 +905,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The factor the loss is multiplied by before the backward pass for the next step:
         fp16's dynamic (or static) loss scale, 1.0 without fp16. backward() applies it."""
         return self._open_engine().loss_scale
+
+    @property
+    def num_partitioned_params(self):
+        """Stage 3: the parameters the engine keeps partitioned (the others partitioned by init
+        are small enough for stage3_param_persistence_threshold: whole inside the engine)."""
+        return self._open_engine().num_partitioned_params
+
+    def gather_counters(self):
+        """Stage 3: what the engine's gathers did since creation (calls, asked, gathered,
+        prefetched, served, disk_reads, peak_live_elems); the same on every rank."""
+        return self._open_engine().gather_counters()
 
     @property
     def skipped_steps(self):
@@ -380,6 +963,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if group["lr"] != self._lr_set:
                 return (f"param_groups[...]['lr'] was set to {group['lr']}; the learning rate "
                         "comes from the config's scheduler (read it, do not set it)")
+        if self._lent:
+            for r in self._params:
+                problem = self._parameter_problem(r)
+                if problem:
+                    return problem
+            # A .grad the backward pass did not hand (set by the program), in the order a
+            # backward pass would; then whatever is still gathered (a parameter that got no
+            # gradient) is released.
+            for r in reversed(self._params):
+                self._hand(r)
+            for r in self._params:
+                if r.part is not None and r.part.full and r.part.uses == 0:
+                    _release(r.param)
+            return ""
         for r in self._params:
             problem = self._parameter_problem(r) or self._gradient_in(r)
             if problem:
@@ -392,7 +989,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ("" if nothing): it keeps the weights of the registered tensor, element by element as
         laid out then, and (in place) writes the new ones into that memory."""
         p = r.param
-        if (r.weights.data_ptr(), r.grads.data_ptr()) != r.addresses:
+        if r.part is not None:
+            return ""  # partitioned: .data is the hooks' (empty or a gathered copy)
+        if tuple(None if b is None else b.data_ptr() for b in (r.weights, r.grads)) != r.addresses:
             return (f"parameter {r.name}: the memory the optimizer registered for it was "
                     "reallocated (resize_() or share_memory_() on a tensor or storage sharing "
                     "it); create the optimizer after the model is final")
@@ -451,6 +1050,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _after_step(self):
         # The engine zeroed the registered grads; staged parameters get the new weights (a
         # skipped step left them as they were) and their own .grad zeroed.
+        self._end_micro_batch()
         for r in self._params:
             if r.staged:
                 r.param.data.copy_(r.weights, non_blocking=False)
@@ -486,6 +1086,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine = self._open_engine()
         self._check_and_stage("accumulate_gradients()")
         engine.accumulate_gradients()
+        self._end_micro_batch()
         for r in self._params:
             if r.staged and r.param.grad is not None:
                 r.param.grad.zero_()
@@ -495,7 +1096,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Zeroes the gradients. The engine reads an in-place parameter's .grad where it is, so
         .grad is (again) the registered tensor, zeroed, also with set_to_none=True; a staged
         parameter's .grad is zeroed (a replaced one of another dtype, shape, device or layout
-        becomes zeros like the parameter). step() already leaves them zero."""
+        becomes zeros like the parameter). step() already leaves them zero. With lent gradients
+        (partitioned parameters, stage 3) .grad is None already: each went to the engine as the
+        backward pass completed it, so this only drops a .grad the program set itself."""
+        if self._lent:
+            for r in self._params:
+                r.param.grad = None
+            return
         for r in self._params:
             p, g = r.param, r.param.grad
             r.grads.zero_()
@@ -612,7 +1219,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         rank that waits for it in any other call meanwhile ends the job (docs/python.md, "When
         a rank fails")."""
         if self._engine is not None and not self._engine.closed:
+            if self._lent:
+                self._disown_partitions()
             self._engine.close()
+        if self._linear_patched:
+            self._linear_patched = False
+            _unpatch_linear()
 
     def __enter__(self):
         return self

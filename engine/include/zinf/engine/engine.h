@@ -128,6 +128,12 @@
 
 namespace zinf::engine {
 
+// Partitions, stage-3 shards and sub-groups are multiples of this many elements (4 KiB of fp32:
+// the direct-I/O alignment of every file system we have seen, so no sub-group needs a padded
+// tail on disk). At stage 3, rank r of W owns elements [r * S, min((r + 1) * S, numel)) of a
+// partitioned parameter, S = AlignUp(ceil(numel / W), kPartitionAlignmentElems).
+inline constexpr std::uint64_t kPartitionAlignmentElems = 1024;
+
 // Fills elements [offset, offset + out.size()) of one parameter's initial values (row-major).
 using ParamInit = std::function<Status(std::uint64_t offset, std::span<float> out)>;
 
