@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import common
 import zinf.torch
 
-STEPS = 6
+STEPS = 10
 TOLERANCE = 1e-5
 VOCAB, DIM, HIDDEN, TOKENS = 40, 32, 64, 5
 PERSISTENCE = 100  # elements: the biases and the LayerNorm stay whole inside the engine

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# ZeRO stage 3 with offload_param nvme (zinf-bench offload-param), on 2 ranks:
+#   1. side by side on one model, the order rotated each round: the offload run against the same
+#      model in memory and against the I/O alone; each round prints offload / max(memory, io);
+#   2. the memory run (root, cgroup v1): both ranks inside a memory cgroup whose limit is half the
+#      model's fp32 weights train it with everything on NVMe; it must complete with the loss
+#      falling, and the group's peak usage is reported (memory.max_usage_in_bytes).
+#
+#   launch/bench-param-offload.sh [--path DIR] [--bin build/bin/zinf-bench] [--layers 64]
+#                                 [--hidden 2048] [--rounds 2] [--steps 3] [--np 2]
+#                                 [--no-memory-run] [--no-side-by-side]
+#
+# JSON lines on stdout (zinf-bench's, then one {"bench": "offload-param-memory-run", ...});
+# logs on stderr. Needs free space in --path for about 20 bytes per parameter (state, gradient,
+# spare sub-groups) and, for the side-by-side memory mode, about 16 bytes per parameter of RAM.
+set -euo pipefail
+
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+die() { echo "bench-param-offload.sh: $*" >&2; exit 2; }
+
+path=/tmp/zinf-bench-param
+bin=build/bin/zinf-bench
+layers=64
+hidden=2048
+rounds=2
+steps=3
+np=2
+memory_run=1
+side_by_side=1
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --path|--bin|--layers|--hidden|--rounds|--steps|--np)
+      [[ $# -ge 2 ]] || die "$1 needs a value"
+      case "$1" in
+        --path) path=$2 ;; --bin) bin=$2 ;; --layers) layers=$2 ;; --hidden) hidden=$2 ;;
+        --rounds) rounds=$2 ;; --steps) steps=$2 ;; --np) np=$2 ;;
+      esac
+      shift 2 ;;
+    --no-memory-run) memory_run=0; shift ;;
+    --no-side-by-side) side_by_side=0; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument $1" ;;
+  esac
+done
+for n in "$layers" "$hidden" "$rounds" "$steps" "$np"; do
+  [[ $n =~ ^[1-9][0-9]*$ ]] || die "not a positive integer: $n"
+done
+[[ -x $bin ]] || die "$bin is not an executable (build first: cmake --build --preset default)"
+mkdir -p "$path"
+mpi=(mpirun --oversubscribe)
+[[ $(id -u) == 0 ]] && mpi+=(--allow-run-as-root)
+
+params=$(( layers * (hidden * hidden + hidden) ))
+weights=$(( params * 4 ))
+need=$(( params * 20 ))
+avail=$(( $(df --output=avail -k "$path" | tail -1) * 1024 ))
+(( avail >= need )) || die "needs about $need bytes free in $path, $avail available"
+echo "bench-param-offload: $params parameters ($weights bytes of fp32 weights) on $np ranks" >&2
+
+if [[ $side_by_side == 1 ]]; then
+  "${mpi[@]}" -np "$np" "$bin" offload-param --path "$path" --layers "$layers" --hidden "$hidden" \
+    --steps "$steps" --rounds "$rounds" --json
+fi
+
+if [[ $memory_run == 1 ]]; then
+  root=/sys/fs/cgroup/memory
+  [[ $(id -u) == 0 && -w $root ]] || die "the memory run needs root and the cgroup v1 memory \
+controller at $root (or pass --no-memory-run)"
+  limit=$(( weights / 2 ))
+  group=$root/zinf-bench-param-$$
+  mkdir "$group"
+  trap 'rmdir "$group" 2>/dev/null || true' EXIT
+  echo "$limit" > "$group/memory.limit_in_bytes"
+  [[ -e $group/memory.memsw.limit_in_bytes ]] && echo "$limit" > "$group/memory.memsw.limit_in_bytes"
+  echo "memory run: $weights bytes of weights, group limit $limit bytes" >&2
+  out=$(mktemp)
+  rc=0
+  # The subshell joins the group, then becomes mpirun: every rank is born inside it.
+  ( echo "$BASHPID" > "$group/cgroup.procs"
+    exec "${mpi[@]}" -np "$np" "$bin" offload-param --path "$path" --layers "$layers" \
+      --hidden "$hidden" --steps "$steps" --modes offload --json ) > "$out" || rc=$?
+  peak=$(cat "$group/memory.max_usage_in_bytes")
+  failcnt=$(cat "$group/memory.failcnt")
+  cat "$out"
+  loss=$(grep '"mode":"offload"' "$out" | tail -1 || true)
+  rm -f "$out"
+  first=$(sed -n 's/.*"loss_first":\([^,}]*\).*/\1/p' <<< "$loss")
+  last=$(sed -n 's/.*"loss_last":\([^,}]*\).*/\1/p' <<< "$loss")
+  falls=false
+  [[ -n $first && -n $last ]] && awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a) }' && falls=true
+  printf '{"bench": "offload-param-memory-run", "ranks": %d, "weights_bytes": %d, "limit_bytes": %d, "group_peak_bytes": %d, "failcnt": %d, "exit": %d, "loss_falls": %s}\n' \
+    "$np" "$weights" "$limit" "$peak" "$failcnt" "$rc" "$falls"
+  [[ $rc == 0 && $falls == true ]] || { echo "memory run failed (exit $rc, loss falls: $falls)" >&2; exit 1; }
+fi
