@@ -38,6 +38,7 @@
 #include "zinf/engine/trainer_state.h"
 #include "zinf/partition/plan.h"
 #include "zinf/storage/aligned_buffer.h"
+#include "zinf/storage/checksum.h"
 #include "zinf/storage/fs.h"
 #include "zinf/swapper/checkpoint.h"
 #include "zinf/swapper/gradient_swapper.h"
@@ -932,19 +933,12 @@ Result<Gathered> ZeroEngine::GatherByIndex(std::span<const std::size_t> params) 
 
 namespace {
 
-// FNV-1a over a list of parameter indices: what a rank is about to gather.
-std::uint64_t HashIndices(std::span<const std::size_t> a, std::span<const std::size_t> b) {
-  std::uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](std::uint64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (v >> (8 * i)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  };
-  for (std::size_t v : a) mix(v);
-  mix(UINT64_MAX);
-  for (std::size_t v : b) mix(v);
-  return h;
+// What a rank is about to gather (the asks, then everything it all-gathers), as one checksum.
+std::uint64_t HashIndices(std::span<const std::size_t> asked, std::span<const std::size_t> todo) {
+  std::vector<std::uint64_t> list(asked.begin(), asked.end());
+  list.push_back(UINT64_MAX);  // no other list of indices hashes alike
+  list.insert(list.end(), todo.begin(), todo.end());
+  return storage::Checksum64(std::as_bytes(std::span<const std::uint64_t>(list)));
 }
 
 }  // namespace
@@ -1012,7 +1006,8 @@ Status ZeroEngine::GatherParams(std::span<const std::size_t> asked) {
   // Every rank must gather the same parameters: the asks and the decision are agreed (ranks
   // whose Gathered scopes were released at different points decide differently).
   ZINF_RETURN_IF_ERROR(AgreeOnCall("Gather", local));
-  std::array<std::uint64_t, 2> hash = {HashIndices(asked, todo), ~HashIndices(asked, todo)};
+  const std::uint64_t decided = HashIndices(asked, todo);
+  std::array<std::uint64_t, 2> hash = {decided, ~decided};
   ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<std::uint64_t>(hash, ReduceOp::kMax));
   if (hash[0] != ~hash[1]) {
     return FailedPreconditionError(
