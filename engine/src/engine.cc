@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "gradient_buckets.h"
+#include "shard_reader.h"
 #include "zinf/comm/collective_backend.h"
 #include "zinf/comm/mpi_session.h"
 #include "zinf/comm/timers.h"
@@ -121,6 +122,36 @@ std::string ShardWhereabouts(const Config& config, std::uint64_t in_memory,
 // The checkpoint's trainer JSON: the engine's own state, and the user's under "user".
 constexpr const char* kUserStateKey = "user";
 
+// This rank's fp32 shard of parameter `p` from the swap store's committed weights (the sub-groups
+// it spans), in pieces through `staging` (kShardStagingBytes + 2 x the store's alignment) on
+// `engine` (nullptr: the swapper's read engine). Local.
+Status ReadShardFrom(swapper::OptimizerSwapper& swapper, const partition::PartitionPlan& plan,
+                     std::size_t p, std::span<float> out, std::span<std::byte> staging,
+                     storage::IoEngine* engine) {
+  constexpr std::uint64_t kPiece = kShardStagingBytes / sizeof(float);
+  const std::uint64_t begin = plan.ShardPartitionOffset(p);
+  const std::uint64_t end = begin + out.size();
+  for (std::size_t i = 0; i < swapper.num_sub_groups(); ++i) {
+    const partition::SubGroup& sg = swapper.swap_info(i).sub_group;
+    const std::uint64_t lo = std::max(begin, sg.partition_offset);
+    const std::uint64_t hi = std::min(end, sg.partition_offset + sg.numel);
+    for (std::uint64_t at = lo; at < hi; at += kPiece) {
+      const std::uint64_t n = std::min(kPiece, hi - at);
+      ZINF_RETURN_IF_ERROR(swapper.ReadState(i, swapper::StateTensor::kFp32,
+                                             at - sg.partition_offset, out.subspan(at - begin, n),
+                                             staging, engine));
+    }
+  }
+  return OkStatus();
+}
+
+// A staging buffer for ReadShardFrom.
+Result<storage::AlignedBuffer> AllocateShardStaging(swapper::OptimizerSwapper& swapper) {
+  const std::uint64_t alignment = std::max<std::uint64_t>(swapper.store().alignment(), 4096);
+  return storage::AlignedBuffer::Allocate(kShardStagingBytes + 2 * alignment,
+                                          {.alignment = alignment, .register_cuda = false});
+}
+
 }  // namespace
 
 // How a parameter's working weights are held (engine.h, "Stage 3").
@@ -162,6 +193,9 @@ struct ZeroEngine::State {
   std::optional<comm::Communicator> comm;  // the engine's own dup of the world
   std::unique_ptr<comm::CollectiveBackend> backend;
   std::unique_ptr<swapper::OptimizerSwapper> swapper;
+  // offload_param nvme with shards on disk: reads them ahead of their Gathers (after swapper:
+  // destroyed before it).
+  std::unique_ptr<ShardReader> reader;
   std::optional<StopSignals> stop_signals;
   std::optional<LossScaler> scaler;  // fp16 (scale 1 without)
   std::uint64_t total_numel = 0;
@@ -260,6 +294,49 @@ struct ZeroEngine::State {
     return OkStatus();
   }
 
+  // offload_param nvme with a shard on disk: the reader, with an I/O engine and a staging buffer
+  // of its own (the swapper's read engine belongs to the caller's thread). Local.
+  Status CreateReader(const Config& config) {
+    bool on_disk = false;
+    for (std::size_t p = 0; p < params.size() && !on_disk; ++p) {
+      on_disk = holding[p] == Holding::kPartitioned && ShardOnDisk(p);
+    }
+    if (!on_disk) return OkStatus();
+    struct Io {
+      std::unique_ptr<storage::IoEngine> engine;
+      storage::AlignedBuffer staging;
+    };
+    auto io = std::make_shared<Io>();
+    ZINF_ASSIGN_OR_RETURN(io->engine, swapper->CreateReaderEngine());
+    ZINF_ASSIGN_OR_RETURN(io->staging, AllocateShardStaging(*swapper));
+    const ZeroConfig& zero = config.zero_optimization;
+    reader = std::make_unique<ShardReader>(
+        [io, from = swapper.get(), of = &*plan](std::size_t p, std::span<float> out) {
+          return ReadShardFrom(*from, *of, p, out, io->staging.span(), io->engine.get());
+        },
+        static_cast<std::size_t>(zero.offload_param.buffer_count),
+        zero.stage3_prefetch_bucket_size);
+    return OkStatus();
+  }
+
+  // Queues the reads of the shards on disk that the recorded order asks for next, as far as the
+  // reader's bounds allow (those gathered now are skipped).
+  void ReadAhead() {
+    if (!reader) return;
+    if (!following) {
+      reader->Cancel();
+      return;
+    }
+    for (std::size_t i = trace_at; i < trace.size(); ++i) {
+      const std::size_t p = trace[i];
+      if (holding[p] != Holding::kPartitioned || !whole[p].empty() || !ShardOnDisk(p) ||
+          reader->queued(p)) {
+        continue;
+      }
+      if (!reader->Queue(p, plan->ShardNumel(p))) break;
+    }
+  }
+
   // Whether parameter p's shard is read from the swap store (not in `shard`).
   bool ShardOnDisk(std::size_t p) const {
     return plan->ShardPartitionOffset(p) + plan->ShardNumel(p) > shard.size();
@@ -274,6 +351,7 @@ struct ZeroEngine::State {
   // After a step: the gathered weights are stale (dropped) and this step's asks are the
   // order the next one is expected to repeat.
   void NextStep() {
+    if (reader) reader->Cancel();  // what it read is the master the step is about to change
     for (std::size_t p : kept) Drop(p);
     kept.clear();
     if (!recording.empty()) trace = std::move(recording);
@@ -368,6 +446,7 @@ void ZeroEngine::CloseLocally(std::string_view reason) {
   closed_ = true;
   State& s = *state_;
   s.buckets.reset();  // joins its worker before the swapper goes
+  s.reader.reset();   // likewise
   if (s.comm && !reason.empty()) {
     s.comm->Leave(fmt::format("rank {}: {}", world_.rank(), reason));
   }
@@ -547,7 +626,7 @@ Status ZeroEngine::Build(std::vector<Param> params) {
     ZINF_LOG_INFO(
         "engine: stage 3: {} parameter(s) partitioned (shards {}), {} persistent (whole on every "
         "rank, at most {} elements each), {} whole in the loop's weights buffers",
-        s.num_partitioned, ShardWhereabouts(config_, s.shard.size(), s.partition_numel), persistent,
+        s.num_partitioned, ShardWhereabouts(config_, s.shard_numel, s.partition_numel), persistent,
         config_.zero_optimization.stage3_param_persistence_threshold, loop);
   }
   s.shard.assign(s.shard_numel, 0.0f);
@@ -579,6 +658,7 @@ Status ZeroEngine::Build(std::vector<Param> params) {
   options.accumulation_memory_limit_bytes = options_.gradient_memory_limit_bytes;
   ZINF_LOG_INFO("engine: job id {}", options.store.job_id);
   ZINF_ASSIGN_OR_RETURN(s.swapper, swapper::CreateOptimizerSwapper(*s.comm, *s.plan, options));
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(s.CreateReader(config_)));
   if (s.swapper->gradient_swapper() == nullptr) {
     s.partition_grad.assign(s.partition_numel, 0.0f);
   } else {
@@ -1036,11 +1116,24 @@ Status ZeroEngine::GatherParams(std::span<const std::size_t> asked) {
       const std::size_t p = todo[i];
       s.whole[p].assign(s.plan->ShardNumel(p) * static_cast<std::uint64_t>(world_.size()), 0.0f);
       if (!s.ShardOnDisk(p)) continue;
-      from_disk[i].assign(s.plan->ShardNumel(p), 0.0f);
-      read = Annotate(ReadShard(p, from_disk[i]),
-                      fmt::format("engine: Gather: reading the shard of parameter '{}': ",
-                                  EscapeForTerminal(layout.param(p).name)));
       ++s.counters.disk_reads;
+      bool waited = true;
+      std::optional<Result<std::vector<float>>> read_ahead =
+          s.reader ? s.reader->Take(p, waited) : std::nullopt;
+      s.counters.disk_waits += waited ? 1 : 0;
+      s.counters.read_ahead += read_ahead ? 1 : 0;
+      if (read_ahead && *read_ahead) {
+        from_disk[i] = std::move(**read_ahead);
+        continue;
+      }
+      if (read_ahead) {
+        read = std::move(*read_ahead).error();
+      } else {
+        from_disk[i].assign(s.plan->ShardNumel(p), 0.0f);
+        read = ReadShard(p, from_disk[i]);
+      }
+      read = Annotate(read, fmt::format("engine: Gather: reading the shard of parameter '{}': ",
+                                        EscapeForTerminal(layout.param(p).name)));
     }
   } catch (const std::bad_alloc&) {
     read = ResourceExhaustedError(
@@ -1090,35 +1183,18 @@ Status ZeroEngine::GatherParams(std::span<const std::size_t> asked) {
   s.counters.prefetched += ahead;
   s.counters.served += asked.size() - (todo.size() - ahead);
   s.counters.peak_live_elems = std::max(s.counters.peak_live_elems, s.live_elems);
+  s.ReadAhead();
   return OkStatus();
 }
 
-// This rank's fp32 shard of parameter `p` from the swap store's committed weights (the
-// sub-groups it spans), in pieces through the engine's own staging buffer: in the middle of a
-// micro-batch the gradient swapper may hold every pool buffer. Local.
+// ReadShardFrom in the caller's thread, through the engine's own staging buffer: in the middle of
+// a micro-batch the gradient swapper may hold every pool buffer. Local.
 Status ZeroEngine::ReadShard(std::size_t p, std::span<float> out) {
   State& s = *state_;
   if (s.shard_staging.empty()) {
-    const std::uint64_t alignment = std::max<std::uint64_t>(s.swapper->store().alignment(), 4096);
-    ZINF_ASSIGN_OR_RETURN(s.shard_staging, storage::AlignedBuffer::Allocate(
-                                               kShardStagingBytes + 2 * alignment,
-                                               {.alignment = alignment, .register_cuda = false}));
+    ZINF_ASSIGN_OR_RETURN(s.shard_staging, AllocateShardStaging(*s.swapper));
   }
-  constexpr std::uint64_t kPiece = kShardStagingBytes / sizeof(float);
-  const std::uint64_t begin = s.plan->ShardPartitionOffset(p);
-  const std::uint64_t end = begin + out.size();
-  for (std::size_t i = 0; i < s.swapper->num_sub_groups(); ++i) {
-    const partition::SubGroup& sg = s.swapper->swap_info(i).sub_group;
-    const std::uint64_t lo = std::max(begin, sg.partition_offset);
-    const std::uint64_t hi = std::min(end, sg.partition_offset + sg.numel);
-    for (std::uint64_t at = lo; at < hi; at += kPiece) {
-      const std::uint64_t n = std::min(kPiece, hi - at);
-      ZINF_RETURN_IF_ERROR(
-          s.swapper->ReadState(i, swapper::StateTensor::kFp32, at - sg.partition_offset,
-                               out.subspan(at - begin, n), s.shard_staging.span()));
-    }
-  }
-  return OkStatus();
+  return ReadShardFrom(*s.swapper, *s.plan, p, out, s.shard_staging.span(), nullptr);
 }
 
 // Local: the scopes of `params` end; a parameter no scope holds stays gathered while the
@@ -1372,6 +1448,7 @@ Result<StepInfo> ZeroEngine::FinishStep(StepInfo info, bool skipped,
   ZINF_RETURN_IF_ERROR(Report(info));
   s.last_step_end = MonotonicSeconds();
   s.io_mark = io.io_counters();
+  s.ReadAhead();  // the next step's first shards, while the loop loads its next batch
   return info;
 }
 
@@ -1570,6 +1647,7 @@ Status ZeroEngine::Close() {
   }
   closed_ = true;
   s.buckets.reset();  // joins its worker before the swapper goes
+  s.reader.reset();   // likewise
   Status local = s.metrics.Close(options_.metrics_path);
   if (s.swapper) {
     Status swapper_closed = s.swapper->Close();

@@ -123,7 +123,8 @@ std::string ConfigText(const ParamFlags& f, const std::string& mode, const std::
 struct ModeResult {
   std::vector<double> step, gather, compute, optimizer;
   double loss_first = 0, loss_last = 0;
-  std::uint64_t disk_reads = 0, prefetched = 0, peak_rss = 0;
+  // Gather's counters over the timed steps (after the warm-up).
+  std::uint64_t disk_reads = 0, read_ahead = 0, disk_waits = 0, prefetched = 0, peak_rss = 0;
 };
 
 double Median(std::vector<double> v) {
@@ -176,6 +177,7 @@ Result<ModeResult> RunMode(const comm::Communicator& world, const ParamFlags& f,
   }
   const bool compute = mode != "io";
   ModeResult result;
+  engine::GatherCounters warm;
   for (int step = 0; step <= f.steps; ++step) {  // step 0: warm-up (records the order)
     double gather = 0, work = 0;
     const double start = MonotonicSeconds();
@@ -227,7 +229,10 @@ Result<ModeResult> RunMode(const comm::Communicator& world, const ParamFlags& f,
       ZINF_RETURN_IF_ERROR(engine->GradientReady(std::size_t(2 * l + 1), db));
     }
     ZINF_ASSIGN_OR_RETURN(engine::StepInfo info, engine->Step(loss));
-    if (step == 0) continue;
+    if (step == 0) {
+      warm = engine->gather_counters();
+      continue;
+    }
     result.step.push_back(MonotonicSeconds() - start);
     result.gather.push_back(gather);
     result.compute.push_back(work);
@@ -236,8 +241,11 @@ Result<ModeResult> RunMode(const comm::Communicator& world, const ParamFlags& f,
     result.loss_last = info.loss;
     result.peak_rss = info.peak_rss_bytes;
   }
-  result.disk_reads = engine->gather_counters().disk_reads;
-  result.prefetched = engine->gather_counters().prefetched;
+  const engine::GatherCounters& c = engine->gather_counters();
+  result.disk_reads = c.disk_reads - warm.disk_reads;
+  result.read_ahead = c.read_ahead - warm.read_ahead;
+  result.disk_waits = c.disk_waits - warm.disk_waits;
+  result.prefetched = c.prefetched - warm.prefetched;
   ZINF_RETURN_IF_ERROR(engine->Close());
   return result;
 }
@@ -282,6 +290,8 @@ int RunParam(const ParamFlags& f) {
                                   {"compute_seconds", Median(r->compute)},
                                   {"optimizer_seconds", Median(r->optimizer)},
                                   {"disk_reads", r->disk_reads},
+                                  {"read_ahead", r->read_ahead},
+                                  {"disk_waits", r->disk_waits},
                                   {"prefetched", r->prefetched},
                                   {"loss_first", r->loss_first},
                                   {"loss_last", r->loss_last},
@@ -292,9 +302,11 @@ int RunParam(const ParamFlags& f) {
         } else {
           fmt::print(
               "round {} {:8s} step {:.3f} s (gather {:.3f}, compute {:.3f}, optimizer "
-              "{:.3f}); loss {:.5f} -> {:.5f}; peak RSS {}\n",
+              "{:.3f}); loss {:.5f} -> {:.5f}; peak RSS {}; shard reads {} (read ahead {}, "
+              "waited for {})\n",
               round, mode, step, Median(r->gather), Median(r->compute), Median(r->optimizer),
-              r->loss_first, r->loss_last, FormatBytes(r->peak_rss));
+              r->loss_first, r->loss_last, FormatBytes(r->peak_rss), r->disk_reads, r->read_ahead,
+              r->disk_waits);
         }
         std::fflush(stdout);
       }

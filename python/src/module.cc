@@ -389,6 +389,8 @@ class EngineHandle {
     d["prefetched"] = c.prefetched;
     d["served"] = c.served;
     d["disk_reads"] = c.disk_reads;
+    d["read_ahead"] = c.read_ahead;
+    d["disk_waits"] = c.disk_waits;
     d["peak_live_elems"] = c.peak_live_elems;
     return d;
   }

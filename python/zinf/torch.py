@@ -914,7 +914,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def gather_counters(self):
         """Stage 3: what the engine's gathers did since creation (calls, asked, gathered,
-        prefetched, served, disk_reads, peak_live_elems); the same on every rank."""
+        prefetched, served, disk_reads, read_ahead, disk_waits, peak_live_elems); the same on
+        every rank but disk_waits (the shard reads a gather waited for: a matter of timing)."""
         return self._open_engine().gather_counters()
 
     @property

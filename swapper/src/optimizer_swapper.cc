@@ -705,7 +705,7 @@ Status OptimizerSwapper::Initialize(const InitialWeights& initial_fp32) {
 
 Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
                                    std::uint64_t offset_elems, std::span<float> out,
-                                   std::span<std::byte> staging) {
+                                   std::span<std::byte> staging, storage::IoEngine* engine) {
   if (sub_group >= infos_.size()) {
     return InvalidArgumentError(
         fmt::format("ReadState: sub-group {} of {}", sub_group, infos_.size()));
@@ -759,19 +759,21 @@ Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
   }
   ZINF_RETURN_IF_ERROR(
       ReadSlotTensor(SlotTensorName(slot_of_[sub_group], static_cast<std::size_t>(which)), begin,
-                     buffer, fmt::format("read state of sub-group {}: ", sub_group)));
+                     buffer, fmt::format("read state of sub-group {}: ", sub_group),
+                     engine != nullptr ? *engine : read_engine()));
   std::memcpy(out.data(), buffer.data() + (offset_elems * sizeof(float) - begin),
               out.size() * sizeof(float));
   return OkStatus();
 }
 
 Status OptimizerSwapper::ReadSlotTensor(const std::string& name, std::uint64_t begin,
-                                        std::span<std::byte> buffer, const std::string& context) {
+                                        std::span<std::byte> buffer, const std::string& context,
+                                        storage::IoEngine& engine) {
   IoBatch batch;
   Result<std::vector<std::uint64_t>> ids =
-      store_->SubmitReadRange(name, begin, buffer.size(), buffer, read_engine());
+      store_->SubmitReadRange(name, begin, buffer.size(), buffer, engine);
   if (ids) batch.Add(*ids, name);
-  Status waited = batch.Wait(read_engine());
+  Status waited = batch.Wait(engine);
   if (!ids) return std::move(ids).error().WithContext(context + name + ": ");
   ZINF_RETURN_IF_ERROR(Annotate(waited, context));
   return Annotate(store_->VerifyRead(name, ConstBytes(buffer), begin), context);
@@ -795,7 +797,8 @@ Status OptimizerSwapper::ReadQ8Moments(std::size_t sub_group,
   ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(1, 1));
   std::span<std::byte> buffer = lease.bytes(0).first(info.moments_io_bytes);
   ZINF_RETURN_IF_ERROR(ReadSlotTensor(SlotTensorName(slot_of_[sub_group], 1), 0, buffer,
-                                      fmt::format("read q8 moments of sub-group {}: ", sub_group)));
+                                      fmt::format("read q8 moments of sub-group {}: ", sub_group),
+                                      read_engine()));
   return use(ViewQ8Moments(buffer, Q8MomentsLayout::For(info.sub_group.numel)));
 }
 
@@ -1009,16 +1012,16 @@ Result<std::unique_ptr<BufferPool>> CreatePool(const SwapperOptions& options,
 }
 
 // Creates the engine for `role` (wrapped by options.engine_wrapper) with the pool's buffers
-// registered.
+// registered (none without a pool).
 Result<std::unique_ptr<storage::IoEngine>> MakeEngine(const SwapperOptions& options,
-                                                      EngineRole role, BufferPool& pool) {
+                                                      EngineRole role, BufferPool* pool) {
   ZINF_ASSIGN_OR_RETURN(
       std::unique_ptr<storage::IoEngine> engine,
       storage::CreateIoEngine(options.engine, options.aio, options.store.paths.front()));
   if (options.engine_wrapper) {
     ZINF_ASSIGN_OR_RETURN(engine, options.engine_wrapper(role, std::move(engine)));
   }
-  ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(pool.AllBuffers()));
+  if (pool != nullptr) ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(pool->AllBuffers()));
   return engine;
 }
 
@@ -1153,6 +1156,10 @@ void LogSwapper(OptimizerSwapper& swapper, const std::string& engine_name,
 
 }  // namespace
 
+Result<std::unique_ptr<storage::IoEngine>> OptimizerSwapper::CreateReaderEngine() const {
+  return MakeEngine(options_, EngineRole::kRead, nullptr);
+}
+
 Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communicator& comm,
                                              const partition::PartitionPlan& plan,
                                              const SwapperOptions& options, LocalSetup* setup) {
@@ -1183,12 +1190,14 @@ Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communica
                         CreatePool(options, max_numel, alignment, min_buffers, &setup->pipelined));
   if (parts.store) {
     // Reads and writes each have an engine (ring and thread): both swappers overlap them.
-    ZINF_ASSIGN_OR_RETURN(parts.read_engine, MakeEngine(options, EngineRole::kRead, *parts.pool));
-    ZINF_ASSIGN_OR_RETURN(parts.write_engine, MakeEngine(options, EngineRole::kWrite, *parts.pool));
+    ZINF_ASSIGN_OR_RETURN(parts.read_engine,
+                          MakeEngine(options, EngineRole::kRead, parts.pool.get()));
+    ZINF_ASSIGN_OR_RETURN(parts.write_engine,
+                          MakeEngine(options, EngineRole::kWrite, parts.pool.get()));
   }
   if (gradients_on_disk) {
     ZINF_ASSIGN_OR_RETURN(setup->gradient_engine,
-                          MakeEngine(options, EngineRole::kGradient, *parts.pool));
+                          MakeEngine(options, EngineRole::kGradient, parts.pool.get()));
   }
   std::size_t swapped = 0;
   for (const auto& memory : parts.resident) swapped += memory.empty() ? 1 : 0;

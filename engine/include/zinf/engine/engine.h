@@ -67,7 +67,11 @@
 // zero_optimization.stage3_prefetch_bucket_size elements (with offload_param nvme, at most
 // offload_param.buffer_count parameters read from disk ahead), never beyond
 // stage3_max_live_parameters elements gathered at once. A released parameter stays gathered
-// when the recorded order uses it again within stage3_max_reuse_distance elements. A step that
+// when the recorded order uses it again within stage3_max_reuse_distance elements. With
+// offload_param nvme a thread of the engine reads the shards on disk that the recorded order asks
+// for next (from the end of each Step, and after each Gather; at most offload_param.buffer_count
+// shards and stage3_prefetch_bucket_size shard elements ahead) while the loop computes, with an
+// I/O engine of its own; a Gather waits only for a read still in flight. A step that
 // departs from the recording gathers what it asks for and is recorded anew. Parameters of at
 // most stage3_param_persistence_threshold elements (in registration order, up to
 // stage3_model_persistence_threshold elements in all) stay whole on every rank: their Gather
@@ -237,7 +241,7 @@ struct StepInfo {
   int stop_signal = 0;               // which (this rank's; 0 if none here)
 };
 
-// Stage 3: what Gather did since Create (this rank's; the same on every rank).
+// Stage 3: what Gather did since Create (this rank's; the same on every rank but disk_waits).
 struct GatherCounters {
   std::uint64_t calls = 0;       // Gather calls
   std::uint64_t asked = 0;       // parameters asked for
@@ -246,7 +250,11 @@ struct GatherCounters {
   // Asks served without an all-gather: a parameter still gathered (prefetched, kept for reuse
   // or held by another scope), persistent, or registered with weights.
   std::uint64_t served = 0;
-  std::uint64_t disk_reads = 0;       // shards read from the swap store (offload_param nvme)
+  std::uint64_t disk_reads = 0;  // shards read from the swap store (offload_param nvme)
+  // Of them: read ahead of their Gather on the engine's reader thread (queued in the recorded
+  // order), and those the Gather had to wait for (not read ahead, or still in flight).
+  std::uint64_t read_ahead = 0;
+  std::uint64_t disk_waits = 0;
   std::uint64_t peak_live_elems = 0;  // the most elements gathered at once
 };
 

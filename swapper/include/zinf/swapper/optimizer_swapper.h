@@ -248,9 +248,16 @@ class OptimizerSwapper {
   // at least out.size() * 4 + 2 x the store's alignment bytes: for a reader whose pool buffers
   // may all be leased, e.g. by the gradient swapper in the middle of a micro-batch).
   // Errors: InvalidArgument (range, staging too small), ResourceExhausted (no free buffer), I/O
-  // errors.
+  // errors. `engine` (default: the swapper's read engine) is one from CreateReaderEngine for a
+  // reader on another thread: with it, ReadState of the fp32 weights may run there while this
+  // thread makes any call but Step, WriteState, WriteQ8State and Close (those change what the
+  // committed state is).
   Status ReadState(std::size_t sub_group, StateTensor which, std::uint64_t offset_elems,
-                   std::span<float> out, std::span<std::byte> staging = {});
+                   std::span<float> out, std::span<std::byte> staging = {},
+                   storage::IoEngine* engine = nullptr);
+  // Local: an engine like the swapper's own (kind, options, options.engine_wrapper as a read
+  // engine) for ReadState on another thread; no pool buffers are registered with it.
+  Result<std::unique_ptr<storage::IoEngine>> CreateReaderEngine() const;
   // (q8: the moments are dequantized from the sub-group's whole moments tensor.)
   // Local. Writes a whole new state of a sub-group (e.g. restored from a checkpoint):
   // `fill(which, span)` fills each state tensor (sub-group numel elements), the state goes to the
@@ -370,9 +377,9 @@ class OptimizerSwapper {
                                         storage::IoEngine& engine, std::span<IoBatch> batches,
                                         std::span<const std::size_t> order = {});
   // Local: reads bytes [begin, begin + buffer.size()) of slot tensor `name` (I/O-aligned) into
-  // `buffer` on the read engine, waits and verifies (verify_swap); errors prefixed by `context`.
+  // `buffer` on `engine`, waits and verifies (verify_swap); errors prefixed by `context`.
   Status ReadSlotTensor(const std::string& name, std::uint64_t begin, std::span<std::byte> buffer,
-                        const std::string& context);
+                        const std::string& context, storage::IoEngine& engine);
   // Makes `buffers` the committed state of the sub-group at `step`: written to the spare slot
   // and committed, or copied into its resident memory.
   Status WriteAndCommit(std::size_t sub_group, std::int64_t step, const StateBuffers& buffers,
