@@ -1141,11 +1141,13 @@ Status ZeroEngine::GatherParams(std::span<const std::size_t> asked) {
                     "stage3_prefetch_bucket_size or stage3_max_live_parameters)",
                     todo_elems));
   }
-  read = comm().AgreeOnStatus(read);
-  if (!read) {
+  // On failure nothing of this call stays gathered.
+  auto fail = [&](Status failed) {
     for (std::size_t p : todo) std::vector<float>().swap(s.whole[p]);
-    return read;
-  }
+    return failed;
+  };
+  read = comm().AgreeOnStatus(read);
+  if (!read) return fail(std::move(read));
   {
     comm::ScopedTimer timer(s.timers, "param_allgather");
     for (std::size_t i = 0; i < todo.size(); ++i) {
@@ -1156,10 +1158,7 @@ Status ZeroEngine::GatherParams(std::span<const std::size_t> asked) {
               ? std::span<const float>(from_disk[i])
               : std::span<const float>(s.shard).subspan(s.plan->ShardPartitionOffset(p), n);
       Status gathered = s.backend->Allgather(mine, s.whole[p]);
-      if (!gathered) {
-        for (std::size_t q : todo) std::vector<float>().swap(s.whole[q]);
-        return gathered;
-      }
+      if (!gathered) return fail(std::move(gathered));
       if (WorkingOf(config_) != Working::kFp32) {
         const std::span<float> weights = std::span<float>(s.whole[p]).first(layout.param(p).numel);
         State::Round(weights, weights, WorkingOf(config_));

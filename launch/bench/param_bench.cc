@@ -251,7 +251,10 @@ Result<ModeResult> RunMode(const comm::Communicator& world, const ParamFlags& f,
 }
 
 int RunParam(const ParamFlags& f) {
-  Result<comm::MpiSession> session = comm::MpiSession::Init(nullptr, nullptr);
+  // As a training loop does (examples/cpp): the gradient buckets reduce on the engine's worker
+  // thread, overlapping the backward pass.
+  Result<comm::MpiSession> session =
+      comm::MpiSession::Init(nullptr, nullptr, comm::ThreadLevel::kSerialized);
   if (!session) {
     std::fprintf(stderr, "zinf-bench offload-param: %s\n", session.error().ToString().c_str());
     return 1;
