@@ -374,6 +374,12 @@ class Parser {
       }
     }
     if (s.type == SchedulerType::kWarmupLR || s.type == SchedulerType::kWarmupDecayLR) {
+      // DeepSpeed >= 0.17.2: without warmup_max_lr the warmup ends at the optimizer's lr (each
+      // parameter group's own).
+      if (!Given("scheduler.params.warmup_max_lr")) {
+        s.warmup_max_lr = config_.optimizer.lr;
+        s.warmup_to_group_lr = true;
+      }
       if (s.warmup_min_lr > s.warmup_max_lr) {
         ZINF_LOG_WARN(
             "config: scheduler.params.warmup_min_lr {} > warmup_max_lr {}: the warmup "

@@ -320,7 +320,8 @@ const std::vector<KeySpec>& EngineSchema() {
       {.path = "optimizer.params", .field = {}, .description = "Optimizer hyper-parameters"},
       {.path = "optimizer.params.lr",
        .field = Leaf<&T::optimizer, &O::lr>(),
-       .description = "Learning rate (the base of WarmupCosineLR; constant without a scheduler)",
+       .description = "Learning rate (the base of WarmupCosineLR, the end of WarmupLR and "
+                      "WarmupDecayLR without warmup_max_lr; constant without a scheduler)",
        .range = AtLeast(0)},
       {.path = "optimizer.params.betas",
        .field = Leaf<&T::optimizer, &O::betas>(),
@@ -418,8 +419,10 @@ const std::vector<KeySpec>& EngineSchema() {
        .scheduler_types = kWarmupLRBit | kWarmupDecayLRBit},
       {.path = "scheduler.params.warmup_max_lr",
        .field = Leaf<&T::scheduler, &S::warmup_max_lr>(),
-       .description = "Learning rate at the end of the warmup (absolute)",
+       .description = "Learning rate at the end of the warmup (absolute); not given: the "
+                      "optimizer's lr, each parameter group's own (DeepSpeed >= 0.17.2)",
        .range = AtLeast(0),
+       .default_text = "optimizer.params.lr",
        .scheduler_types = kWarmupLRBit | kWarmupDecayLRBit},
       {.path = "scheduler.params.warmup_min_ratio",
        .field = Leaf<&T::scheduler, &S::warmup_min_ratio>(),

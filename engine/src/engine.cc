@@ -119,6 +119,13 @@ std::string ShardWhereabouts(const Config& config, std::uint64_t in_memory,
       in_memory, partition_numel);
 }
 
+// A group's values at the scheduler's last_batch_iteration `position` (lr_schedule.h).
+HyperParams Scheduled(const SchedulerConfig& scheduler, HyperParams h, std::int64_t position) {
+  h.betas = AdamBetas(scheduler, h.betas, position);
+  h.lr = LearningRate(scheduler, h.lr, position);
+  return h;
+}
+
 // The checkpoint's trainer JSON: the engine's own state, and the user's under "user".
 constexpr const char* kUserStateKey = "user";
 
@@ -183,6 +190,9 @@ struct ZeroEngine::State {
   // The partition ranges of the parameters held whole, merged (the same on every rank): what
   // Step gathers after the optimizer step. The whole partition at stages 1 and 2.
   std::vector<std::pair<std::uint64_t, std::uint64_t>> whole_ranges;
+  // Parameter groups: where each run of one group's elements begins in this rank's partition
+  // (partition order; padding belongs to the run before it), for the step's Adam segments.
+  std::vector<std::pair<std::uint64_t, std::size_t>> group_runs;
   // The order of the Gather asks: the previous step's (`trace`, followed up to `trace_at`
   // while this step repeats it) and this step's so far.
   std::vector<std::size_t> trace, recording;
@@ -470,8 +480,95 @@ Status ZeroEngine::AgreeOnCall(std::string_view call, const Status& local) {
 
 const partition::ParamLayout& ZeroEngine::layout() const { return state_->plan->layout(); }
 
-double ZeroEngine::next_lr() const {
-  return LearningRate(config_.scheduler, config_.optimizer.lr, step_ - skipped_steps_ - 1);
+double ZeroEngine::next_lr() const { return next_hyper_params(0).lr; }
+
+HyperParams ZeroEngine::next_hyper_params(std::size_t g) const {
+  ZINF_CHECK(g < groups_.size(), "parameter group {} of {}", g, groups_.size());
+  return Scheduled(config_.scheduler, groups_[g], step_ - skipped_steps_ - 1);
+}
+
+Status ZeroEngine::SetHyperParams(std::span<const HyperParams> groups) {
+  if (closed_) return FailedPreconditionError("engine: SetHyperParams after Close");
+  if (config_.scheduler.type != SchedulerType::kNone) {
+    return FailedPreconditionError(
+        "engine: SetHyperParams: the config's scheduler block sets the learning rate; schedule "
+        "it either there or in the loop, not both (remove the scheduler block to set it here)");
+  }
+  if (groups.size() != groups_.size()) {
+    return InvalidArgumentError(
+        fmt::format("engine: SetHyperParams: {} group(s) given, the engine has {}", groups.size(),
+                    groups_.size()));
+  }
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    ZINF_RETURN_IF_ERROR(Annotate(swapper::ValidateAdamHyperParams(groups[g]),
+                                  fmt::format("engine: SetHyperParams: group {}: ", g)));
+  }
+  groups_.assign(groups.begin(), groups.end());
+  return OkStatus();
+}
+
+// Step's agreement on the groups' values: a rank whose loop set others must not diverge
+// silently. One allreduce of the values and their negations (max and -min).
+Status ZeroEngine::AgreeOnGroups(std::int64_t step) {
+  constexpr std::array<const char*, 5> kNames = {"lr", "beta1", "beta2", "eps", "weight_decay"};
+  const std::size_t n = groups_.size() * kNames.size();
+  std::vector<double> values(2 * n);
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const HyperParams& h = groups_[g];
+    const std::array<double, 5> mine = {h.lr, h.betas[0], h.betas[1], h.eps, h.weight_decay};
+    for (std::size_t k = 0; k < mine.size(); ++k) {
+      values[g * kNames.size() + k] = mine[k];
+      values[n + g * kNames.size() + k] = -mine[k];
+    }
+  }
+  ZINF_RETURN_IF_ERROR(state_->comm->AllreduceInPlace<double>(values, ReduceOp::kMax));
+  for (std::size_t i = 0; i < n; ++i) {
+    if (values[i] != -values[n + i]) {
+      return FailedPreconditionError(fmt::format(
+          "engine: step {}: parameter group {}'s {} differs between the ranks ({} to {}); every "
+          "rank must set the same values; nothing was stepped",
+          step, i / kNames.size(), kNames[i % kNames.size()], -values[n + i], values[i]));
+    }
+  }
+  return OkStatus();
+}
+
+// The checkpoint's "param_groups" (trainer_state.h): each group's values and parameters.
+nlohmann::json ZeroEngine::GroupsJson() const {
+  Json groups = Json::array();
+  for (const HyperParams& h : groups_) {
+    groups.push_back({{"lr", h.lr},
+                      {"betas", {h.betas[0], h.betas[1]}},
+                      {"eps", h.eps},
+                      {"weight_decay", h.weight_decay},
+                      {"params", Json::array()}});
+  }
+  for (const Param& p : state_->params) groups[p.group]["params"].push_back(p.name);
+  return groups;
+}
+
+// A restore's check of the checkpoint's groups against this engine's, by parameter name.
+Status ZeroEngine::CheckGroups(const TrainerState& saved,
+                               const swapper::CheckpointInfo& info) const {
+  const std::size_t count = saved.param_groups.empty() ? 1 : saved.param_groups.size();
+  for (const Param& p : state_->params) {
+    const std::optional<std::size_t> at = info.layout->FindParam(p.name);
+    if (!at) continue;  // the layout check names it
+    const std::size_t was = saved.group_of.empty() ? 0 : saved.group_of[*at];
+    if (was != p.group) {
+      return FailedPreconditionError(fmt::format(
+          "{}: parameter '{}' is in parameter group {} of the checkpoint but in group {} here; "
+          "a checkpoint restores into the same groups",
+          info.path, EscapeForTerminal(p.name), was, p.group));
+    }
+  }
+  if (count != groups_.size()) {
+    return FailedPreconditionError(
+        fmt::format("{}: the checkpoint has {} parameter group(s), this model {}; a checkpoint "
+                    "restores into the same groups",
+                    info.path, count, groups_.size()));
+  }
+  return OkStatus();
 }
 
 double ZeroEngine::loss_scale() const { return state_->scaler->scale(); }
@@ -551,6 +648,41 @@ Result<partition::ParamLayout> LayoutOf(const std::vector<Param>& params, int st
   return layout;
 }
 
+// The groups' values (EngineOptions::param_groups over the config optimizer's), with every
+// parameter's group in range.
+Result<std::vector<HyperParams>> ResolveGroups(const OptimizerConfig& optimizer,
+                                               const std::vector<ParamGroup>& groups,
+                                               const std::vector<Param>& params) {
+  const HyperParams config = {.lr = optimizer.lr,
+                              .betas = optimizer.betas,
+                              .eps = optimizer.eps,
+                              .weight_decay = optimizer.weight_decay};
+  if (groups.size() > kMaxParamGroups) {
+    return InvalidArgumentError(
+        fmt::format("engine: {} param_groups; at most {}", groups.size(), kMaxParamGroups));
+  }
+  std::vector<HyperParams> out;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const HyperParams h = {.lr = groups[g].lr.value_or(config.lr),
+                           .betas = groups[g].betas.value_or(config.betas),
+                           .eps = groups[g].eps.value_or(config.eps),
+                           .weight_decay = groups[g].weight_decay.value_or(config.weight_decay)};
+    ZINF_RETURN_IF_ERROR(Annotate(swapper::ValidateAdamHyperParams(h),
+                                  fmt::format("engine: param_groups[{}]: ", g)));
+    out.push_back(h);
+  }
+  if (out.empty()) out.push_back(config);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].group >= out.size()) {
+      return InvalidArgumentError(fmt::format(
+          "engine: parameter {} '{}' is in group {}, but there {} {} parameter group(s)", i,
+          EscapeForTerminal(params[i].name), params[i].group, out.size() == 1 ? "is" : "are",
+          out.size()));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<ZeroEngine>> ZeroEngine::Create(const comm::Communicator& world,
@@ -586,7 +718,12 @@ Status ZeroEngine::Build(std::vector<Param> params) {
   }
   // Every rank checks its own buffers; agree before the first collective.
   Result<partition::ParamLayout> layout = LayoutOf(params, config_.zero_optimization.stage);
-  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(layout ? OkStatus() : Status(layout.error())));
+  Result<std::vector<HyperParams>> groups =
+      ResolveGroups(config_.optimizer, options_.param_groups, params);
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(!layout   ? Status(layout.error())
+                                            : !groups ? Status(groups.error())
+                                                      : OkStatus()));
+  groups_ = std::move(*groups);
   s.params = std::move(params);
   // The engine's own failure domain (comm/communicator.h): its agreements wait at most
   // zinf.collective_timeout_seconds, and end at once when a rank destroys its engine.
@@ -598,6 +735,15 @@ Status ZeroEngine::Build(std::vector<Param> params) {
                                               .alignment_elems = kPartitionAlignmentElems}));
   s.total_numel = s.plan->layout().total_numel();
   s.partition_numel = s.plan->partition_numel();
+  for (const partition::Fragment& f : s.plan->RankFragments(world_.rank())) {
+    const std::size_t g = s.params[f.param_index].group;
+    if (s.group_runs.empty()) {
+      s.group_runs.emplace_back(0, g);
+    } else if (s.group_runs.back().second != g) {
+      s.group_runs.emplace_back(f.partition_offset, g);
+    }
+  }
+  if (s.group_runs.empty()) s.group_runs.emplace_back(0, 0);  // a rank of padding only
   if (s.partition_numel > static_cast<std::uint64_t>(std::numeric_limits<int>::max())) {
     return comm().AgreeOnStatus(InvalidArgumentError(fmt::format(
         "engine: {} parameters per rank exceed what one MPI collective moves ({}); run on more "
@@ -729,7 +875,7 @@ Status ZeroEngine::InitializeOrRestore() {
   } else if (!load.empty()) {
     path = load;
   }
-  Status restored = path.empty() ? Initialize() : Restore(path);
+  Status restored = path.empty() ? Initialize() : Restore(path, /*verify_before_write=*/false);
   ZINF_RETURN_IF_ERROR(restored);
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(
       Annotate(ReadPartition(), resumed_from_.empty() ? "reading the initial weights back: "
@@ -789,7 +935,7 @@ Status ZeroEngine::Initialize() {
   return OkStatus();
 }
 
-Status ZeroEngine::Restore(const std::string& path) {
+Status ZeroEngine::Restore(const std::string& path, bool verify_before_write) {
   State& s = *state_;
   // The trainer state is checked on every rank once the file's structure has been, before any
   // state is read: what zinf-ckpt verify checks (ReadTrainerState), then this run's fp16
@@ -801,10 +947,11 @@ Status ZeroEngine::Restore(const std::string& path) {
   // with it on error, so the verify-first pass (which keeps a live store untouched by reading
   // the file twice) would only cost time.
   const swapper::CheckpointRestoreOptions restore_options{
-      .verify_before_write = false,
+      .verify_before_write = verify_before_write,
       .progress = options_.progress,
       .check_info = [&](const swapper::CheckpointInfo& info) -> Status {
         ZINF_ASSIGN_OR_RETURN(TrainerState read, ReadTrainerState(info));
+        ZINF_RETURN_IF_ERROR(CheckGroups(read, info));
         ZINF_RETURN_IF_ERROR(Annotate(scaler.Restore(read.loss_scaler), info.path + ": "));
         trainer = std::move(read);
         return OkStatus();
@@ -820,6 +967,11 @@ Status ZeroEngine::Restore(const std::string& path) {
   skipped_steps_ = trainer->skipped_steps;
   *s.scaler = scaler;
   user_state_ = std::move(trainer->user);
+  // Without a config scheduler the groups go on with the values they were saved with (as
+  // torch's load_state_dict); under one, the schedule runs from this run's values.
+  if (config_.scheduler.type == SchedulerType::kNone && !trainer->param_groups.empty()) {
+    groups_ = trainer->param_groups;
+  }
   ZINF_LOG_INFO("resumed from {} (step {}, saved on {} ranks, now {}) in {:.2f} s", restored.path,
                 restored.step, restored.world_size, world_.size(), restored.seconds);
   return OkStatus();
@@ -1309,6 +1461,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   ZINF_RETURN_IF_ERROR(comm().AgreeOnCall("Step", calls));
   s.NextStep();
   ZINF_RETURN_IF_ERROR(handed);
+  ZINF_RETURN_IF_ERROR(AgreeOnGroups(step));
   // 2: the global norm of the averaged gradient, the loss and the stop flag, in one allreduce.
   // With fp16 the gradient is of the loss times the scale: the norm is divided by it, and a
   // non-finite sum (an Inf or NaN anywhere, on any rank: the same sum everywhere) is an overflow.
@@ -1357,16 +1510,22 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   // neither Adam's step count nor the schedule (DeepSpeed).
   // The k-th applied step runs at the scheduler's last_batch_iteration k - 2 (lr_schedule.h).
   const std::int64_t applied = step - skipped_steps_;
-  info.lr = LearningRate(config_.scheduler, config_.optimizer.lr, applied - 2);
-  const std::array<double, 2> betas =
-      AdamBetas(config_.scheduler, config_.optimizer.betas, applied - 2);
-  if (!(betas[0] < 1.0)) {
-    // DeepSpeed's OneCycle multiplies beta1 after the cycle, without a bound.
-    return FailedPreconditionError(fmt::format(
-        "step {}: OneCycle's momentum decay made beta1 {} (cycle_max_mom * (1 + decay_mom_rate "
-        "* intervals), DeepSpeed's formula); Adam needs beta1 < 1: lower "
-        "scheduler.params.decay_mom_rate; nothing was stepped",
-        step, betas[0]));
+  std::vector<HyperParams> hyper;
+  for (const HyperParams& group : groups_) {
+    hyper.push_back(Scheduled(config_.scheduler, group, applied - 2));
+    if (!(hyper.back().betas[0] < 1.0)) {
+      // DeepSpeed's OneCycle multiplies beta1 after the cycle, without a bound.
+      return FailedPreconditionError(fmt::format(
+          "step {}: OneCycle's momentum decay made beta1 {} (cycle_max_mom * (1 + "
+          "decay_mom_rate * intervals), DeepSpeed's formula); Adam needs beta1 < 1: lower "
+          "scheduler.params.decay_mom_rate; nothing was stepped",
+          step, hyper.back().betas[0]));
+    }
+  }
+  info.lr = hyper[0].lr;
+  std::vector<swapper::AdamSegment> segments;
+  for (const auto& [begin, g] : s.group_runs) {
+    segments.push_back({.begin = begin, .hyper = hyper[g]});
   }
   swapper::GradientSwapper* gradients = s.swapper->gradient_swapper();
   const swapper::GradientSource source =
@@ -1388,10 +1547,9 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   {
     comm::ScopedTimer timer(s.timers, "optimizer_step");
     ZINF_RETURN_IF_ERROR(s.swapper->Step(step, source, sink,
-                                         {.lr = info.lr,
-                                          .grad_scale = static_cast<float>(average * clip / scale),
-                                          .betas = betas,
-                                          .adam_step = applied}));
+                                         {.grad_scale = static_cast<float>(average * clip / scale),
+                                          .adam_step = applied,
+                                          .segments = segments}));
   }
   const double optimizer_seconds = MonotonicSeconds() - optimizer_start;
   const storage::SwapStore::IoCounters io_optimizer_end = io.io_counters();
@@ -1554,17 +1712,17 @@ Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& use
   const Json effective = Json::parse(EffectiveConfigJson(config_));
   options.optimizer = effective.at("optimizer");
   options.config = effective;
-  options.trainer = Json{
-      {"step", step_},
-      {"world_size", world_.size()},
-      {"train_batch_size", config_.train_batch_size},
-      {"train_micro_batch_size_per_gpu", config_.train_micro_batch_size_per_gpu},
-      {"gradient_accumulation_steps", config_.gradient_accumulation_steps},
-      {"lr", LearningRate(config_.scheduler, config_.optimizer.lr, step_ - skipped_steps_ - 1)},
-      {"scheduler_last_batch_iteration", step_ - skipped_steps_ - 1},
-      {"skipped_steps", skipped_steps_},
-      {"loss_scaler", s.scaler->ToJson()},
-      {kUserStateKey, user_state.is_null() ? Json::object() : user_state}};
+  options.trainer = Json{{"step", step_},
+                         {"world_size", world_.size()},
+                         {"train_batch_size", config_.train_batch_size},
+                         {"train_micro_batch_size_per_gpu", config_.train_micro_batch_size_per_gpu},
+                         {"gradient_accumulation_steps", config_.gradient_accumulation_steps},
+                         {"lr", next_lr()},
+                         {"scheduler_last_batch_iteration", step_ - skipped_steps_ - 1},
+                         {"skipped_steps", skipped_steps_},
+                         {"loss_scaler", s.scaler->ToJson()},
+                         {"param_groups", GroupsJson()},
+                         {kUserStateKey, user_state.is_null() ? Json::object() : user_state}};
   options.progress = options_.progress;
   comm::ScopedTimer timer(s.timers, "checkpoint");
   ZINF_ASSIGN_OR_RETURN(swapper::SavedCheckpoint saved,
@@ -1578,6 +1736,32 @@ Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& use
                              .state_bytes = saved.state_bytes,
                              .seconds = saved.seconds,
                              .removed = std::move(saved.removed)};
+}
+
+Status ZeroEngine::Load(const std::string& path) {
+  State& s = *state_;
+  if (closed_) return FailedPreconditionError("engine: Load after Close");
+  Status calls = OkStatus();
+  if (s.micro_batches != 0 || s.buckets->in_micro_batch()) {
+    calls = FailedPreconditionError(
+        "engine: Load in the middle of a step (gradients were handed since the last Step); "
+        "load between steps");
+  } else if (s.held_refs > 0) {
+    calls = FailedPreconditionError(fmt::format(
+        "engine: Load while {} gathered parameter(s) are held by a Gathered scope; release them "
+        "first (the load changes their weights)",
+        s.held_refs));
+  }
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnCall("Load", calls));
+  s.NextStep();  // what is gathered or read ahead is of the weights about to be replaced
+  // Verified whole before the live store is written: a bad file changes nothing.
+  ZINF_RETURN_IF_ERROR(Restore(path, /*verify_before_write=*/true));
+  ZINF_RETURN_IF_ERROR(
+      comm().AgreeOnStatus(Annotate(ReadPartition(), "reading the restored weights back: ")));
+  ZINF_RETURN_IF_ERROR(GatherWholeWeights());
+  s.io_mark = s.swapper->io_counters();
+  s.last_step_end = MonotonicSeconds();
+  return OkStatus();
 }
 
 Status ZeroEngine::LogSummary() {

@@ -81,6 +81,8 @@ class GradientBuckets {
   std::uint64_t max_bucket_elems() const { return max_bucket_elems_; }
   bool background() const { return background_; }
   bool lent() const { return grads_.empty(); }
+  // Whether a micro-batch has begun (a parameter was handed) and not finished. Local.
+  bool in_micro_batch() const { return active_; }
 
   // Parameter `param`'s gradient of micro-batch `micro_batch` is complete in its buffer. Local.
   // Errors (also recorded for Finish): InvalidArgument (no such parameter), FailedPrecondition

@@ -53,6 +53,7 @@ double LearningRate(const SchedulerConfig& s, double base_lr, std::int64_t itera
   }
   const auto warmup = static_cast<double>(std::max<std::int64_t>(2, s.warmup_num_steps));
   const auto total = static_cast<double>(s.total_num_steps);
+  const double max_lr = s.warmup_to_group_lr ? base_lr : s.warmup_max_lr;
   auto warm = [&] {
     return s.warmup_type == WarmupType::kLog ? std::log(i + 1.0) / std::log(warmup) : i / warmup;
   };
@@ -61,12 +62,12 @@ double LearningRate(const SchedulerConfig& s, double base_lr, std::int64_t itera
       return base_lr;
     case SchedulerType::kWarmupLR: {
       const double gamma = i < warmup ? warm() : 1.0;
-      return s.warmup_min_lr + (s.warmup_max_lr - s.warmup_min_lr) * gamma;
+      return s.warmup_min_lr + (max_lr - s.warmup_min_lr) * gamma;
     }
     case SchedulerType::kWarmupDecayLR: {
       const double gamma =
           i < warmup ? warm() : std::max(0.0, (total - i) / std::max(1.0, total - warmup));
-      return s.warmup_min_lr + (s.warmup_max_lr - s.warmup_min_lr) * gamma;
+      return s.warmup_min_lr + (max_lr - s.warmup_min_lr) * gamma;
     }
     case SchedulerType::kWarmupCosineLR: {
       double ratio = 0.0;

@@ -7,11 +7,13 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
 #include "saved_json.h"
 #include "zinf/core/json.h"
+#include "zinf/core/log.h"
 #include "zinf/core/units.h"
 
 namespace zinf::engine {
@@ -20,6 +22,71 @@ namespace {
 using Json = nlohmann::json;
 
 std::string Shown(const Json& value) { return DumpJsonForDisplay(value).substr(0, 200); }
+
+// The trainer state's "param_groups" (trainer_state.h) against the file's layout.
+Status ReadParamGroups(const Json& groups, const swapper::CheckpointInfo& info,
+                       const std::string& where, TrainerState* state) {
+  auto bad = [&](const std::string& what) {
+    return DataLossError(fmt::format("{} param_groups: {}", where, what));
+  };
+  if (!groups.is_array() || groups.empty() || groups.size() > kMaxParamGroups) {
+    return bad(
+        fmt::format("expected an array of 1 to {} groups, got {}", kMaxParamGroups, Shown(groups)));
+  }
+  const partition::ParamLayout& layout = *info.layout;
+  constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+  state->group_of.assign(layout.num_params(), kNone);
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const Json& group = groups[g];
+    auto number = [&](const char* key) -> std::optional<double> {
+      if (!group.is_object() || !group.contains(key) || !group.at(key).is_number()) {
+        return std::nullopt;
+      }
+      return group.at(key).get<double>();
+    };
+    const std::optional<double> lr = number("lr"), eps = number("eps"), wd = number("weight_decay");
+    const Json* betas = group.is_object() && group.contains("betas") ? &group.at("betas") : nullptr;
+    const Json* names =
+        group.is_object() && group.contains("params") ? &group.at("params") : nullptr;
+    if (!lr || !eps || !wd || betas == nullptr || !betas->is_array() || betas->size() != 2 ||
+        !(*betas)[0].is_number() || !(*betas)[1].is_number() || names == nullptr ||
+        !names->is_array()) {
+      return bad(
+          fmt::format("group {} is {}, expected {{\"lr\", \"betas\": [2 numbers], "
+                      "\"eps\", \"weight_decay\", \"params\": [names]}}",
+                      g, Shown(group)));
+    }
+    const swapper::AdamHyperParams hyper = {
+        .lr = *lr,
+        .betas = {(*betas)[0].get<double>(), (*betas)[1].get<double>()},
+        .eps = *eps,
+        .weight_decay = *wd};
+    if (Status valid = swapper::ValidateAdamHyperParams(hyper); !valid) {
+      return bad(fmt::format("group {}: {}", g, valid.error().message()));
+    }
+    state->param_groups.push_back(hyper);
+    for (const Json& name : *names) {
+      const std::optional<std::size_t> p =
+          name.is_string() ? layout.FindParam(name.get<std::string>()) : std::nullopt;
+      if (!p) {
+        return bad(
+            fmt::format("group {} names {}, not a parameter of the checkpoint", g, Shown(name)));
+      }
+      if (state->group_of[*p] != kNone) {
+        return bad(fmt::format("parameter {} is in groups {} and {}", Shown(name),
+                               state->group_of[*p], g));
+      }
+      state->group_of[*p] = g;
+    }
+  }
+  for (std::size_t p = 0; p < layout.num_params(); ++p) {
+    if (state->group_of[p] == kNone) {
+      return bad(
+          fmt::format("parameter '{}' is in no group", EscapeForTerminal(layout.param(p).name)));
+    }
+  }
+  return OkStatus();
+}
 
 }  // namespace
 
@@ -143,6 +210,9 @@ Result<TrainerState> ReadTrainerState(const swapper::CheckpointInfo& info) {
                                             : writer_dynamic ? "with a dynamic loss scale"
                                                              : "with a static loss scale"));
     }
+  }
+  if (trainer.contains("param_groups")) {
+    ZINF_RETURN_IF_ERROR(ReadParamGroups(trainer.at("param_groups"), info, where, &state));
   }
   // A checkpoint of ZeroEngine holds the loop's JSON under "user" (an object, SaveCheckpoint
   // checks); one of an older zinf-train holds the trainer's state itself.

@@ -196,26 +196,32 @@ SimdPath BestSimdPath() {
   return SimdPath::kScalar;
 }
 
-Status ValidateAdamOptions(const AdamOptions& o) {
+Status ValidateAdamHyperParams(const AdamHyperParams& h) {
   // Written as !(ok) so that NaN fails every check.
-  if (!(o.lr >= 0.0) || !std::isfinite(o.lr)) {
-    return InvalidArgumentError(fmt::format("adam lr must be finite and >= 0, got {}", o.lr));
+  if (!(h.lr >= 0.0) || !std::isfinite(h.lr)) {
+    return InvalidArgumentError(fmt::format("adam lr must be finite and >= 0, got {}", h.lr));
   }
-  if (!(o.beta1 >= 0.0 && o.beta1 < 1.0)) {
-    return InvalidArgumentError(fmt::format("adam beta1 must be in [0, 1), got {}", o.beta1));
-  }
-  if (!(o.beta2 >= 0.0 && o.beta2 < 1.0)) {
-    return InvalidArgumentError(fmt::format("adam beta2 must be in [0, 1), got {}", o.beta2));
+  for (std::size_t k = 0; k < 2; ++k) {
+    if (!(h.betas[k] >= 0.0 && h.betas[k] < 1.0)) {
+      return InvalidArgumentError(
+          fmt::format("adam beta{} must be in [0, 1), got {}", k + 1, h.betas[k]));
+    }
   }
   // eps is added in float: it must stay > 0 there too.
-  if (!(o.eps > 0.0) || !std::isfinite(o.eps) || static_cast<float>(o.eps) <= 0.0f) {
+  if (!(h.eps > 0.0) || !std::isfinite(h.eps) || static_cast<float>(h.eps) <= 0.0f) {
     return InvalidArgumentError(
-        fmt::format("adam eps must be finite and > 0 (as a float), got {}", o.eps));
+        fmt::format("adam eps must be finite and > 0 (as a float), got {}", h.eps));
   }
-  if (!(o.weight_decay >= 0.0) || !std::isfinite(o.weight_decay)) {
+  if (!(h.weight_decay >= 0.0) || !std::isfinite(h.weight_decay)) {
     return InvalidArgumentError(
-        fmt::format("adam weight_decay must be finite and >= 0, got {}", o.weight_decay));
+        fmt::format("adam weight_decay must be finite and >= 0, got {}", h.weight_decay));
   }
+  return OkStatus();
+}
+
+Status ValidateAdamOptions(const AdamOptions& o) {
+  ZINF_RETURN_IF_ERROR(ValidateAdamHyperParams(
+      {.lr = o.lr, .betas = {o.beta1, o.beta2}, .eps = o.eps, .weight_decay = o.weight_decay}));
   if (o.threads < 0 || o.threads > kMaxThreads) {
     return InvalidArgumentError(fmt::format(
         "adam threads must be in [0, {}] (0 = all cores), got {}", kMaxThreads, o.threads));
@@ -273,8 +279,14 @@ CpuAdam::CpuAdam(CpuAdam&&) noexcept = default;
 CpuAdam& CpuAdam::operator=(CpuAdam&&) noexcept = default;
 CpuAdam::~CpuAdam() = default;
 
+struct CpuAdam::Segment {
+  std::size_t begin;
+  std::size_t end;
+  AdamScalars scalars;
+};
+
 Status CpuAdam::Prepare(std::int64_t step, std::size_t n, std::size_t grad_size,
-                        const StepExtras& extras, AdamScalars* scalars) const {
+                        const StepExtras& extras, std::vector<Segment>* segments) const {
   if (pool_ == nullptr) return FailedPreconditionError("adam step on a moved-from CpuAdam");
   if (step < 1) {
     return InvalidArgumentError(
@@ -292,40 +304,55 @@ Status CpuAdam::Prepare(std::int64_t step, std::size_t n, std::size_t grad_size,
     return InvalidArgumentError(
         fmt::format("adam grad_scale must be finite and >= 0, got {}", extras.grad_scale));
   }
-  const double lr = extras.lr.value_or(options_.lr);
-  if (!(lr >= 0.0) || !std::isfinite(lr)) {
-    return InvalidArgumentError(
-        fmt::format("adam lr override must be finite and >= 0, got {}", lr));
-  }
-  const std::array<double, 2> betas =
-      extras.betas.value_or(std::array<double, 2>{options_.beta1, options_.beta2});
-  for (std::size_t k = 0; k < 2; ++k) {
-    if (!(betas[k] >= 0.0 && betas[k] < 1.0)) {
-      return InvalidArgumentError(
-          fmt::format("adam beta{} override must be in [0, 1), got {}", k + 1, betas[k]));
-    }
-  }
-  const double beta1 = betas[0];
-  const double beta2 = betas[1];
-  // The per-step scalars, in double as torch's Python code computes them.
-  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  const bool decay = options_.weight_decay != 0.0;
-  *scalars = {
-      .beta1 = static_cast<float>(beta1),
-      .one_minus_beta1 = static_cast<float>(1.0 - beta1),
-      .beta2 = static_cast<float>(beta2),
-      .one_minus_beta2 = static_cast<float>(1.0 - beta2),
-      .step_size = static_cast<float>(lr / bc1),
-      .bc2_sqrt = static_cast<float>(std::sqrt(bc2)),
-      .eps = static_cast<float>(options_.eps),
-      .grad_scale = extras.grad_scale,
-      .l2_decay = static_cast<float>(options_.weight_decay),
-      .param_decay = static_cast<float>(1.0 - lr * options_.weight_decay),
-      .scale_grad = extras.grad_scale != 1.0f,
-      .use_l2 = decay && !options_.adamw,
-      .use_param_decay = decay && options_.adamw,
+  // The per-step scalars of one set of hyper-parameters, in double as torch's Python code
+  // computes them.
+  auto scalars_for = [&](const AdamHyperParams& h) {
+    const double bc1 = 1.0 - std::pow(h.betas[0], static_cast<double>(step));
+    const double bc2 = 1.0 - std::pow(h.betas[1], static_cast<double>(step));
+    const bool decay = h.weight_decay != 0.0;
+    return AdamScalars{
+        .beta1 = static_cast<float>(h.betas[0]),
+        .one_minus_beta1 = static_cast<float>(1.0 - h.betas[0]),
+        .beta2 = static_cast<float>(h.betas[1]),
+        .one_minus_beta2 = static_cast<float>(1.0 - h.betas[1]),
+        .step_size = static_cast<float>(h.lr / bc1),
+        .bc2_sqrt = static_cast<float>(std::sqrt(bc2)),
+        .eps = static_cast<float>(h.eps),
+        .grad_scale = extras.grad_scale,
+        .l2_decay = static_cast<float>(h.weight_decay),
+        .param_decay = static_cast<float>(1.0 - h.lr * h.weight_decay),
+        .scale_grad = extras.grad_scale != 1.0f,
+        .use_l2 = decay && !options_.adamw,
+        .use_param_decay = decay && options_.adamw,
+    };
   };
+  segments->clear();
+  if (extras.segments.empty()) {
+    const AdamHyperParams h = {
+        .lr = extras.lr.value_or(options_.lr),
+        .betas = extras.betas.value_or(std::array<double, 2>{options_.beta1, options_.beta2}),
+        .eps = options_.eps,
+        .weight_decay = options_.weight_decay};
+    ZINF_RETURN_IF_ERROR(Annotate(ValidateAdamHyperParams(h), "step override: "));
+    segments->push_back({.begin = 0, .end = n, .scalars = scalars_for(h)});
+    return OkStatus();
+  }
+  if (extras.lr || extras.betas) {
+    return InvalidArgumentError("adam: an lr or betas override together with segments");
+  }
+  for (std::size_t i = 0; i < extras.segments.size(); ++i) {
+    const AdamSegment& seg = extras.segments[i];
+    const std::size_t end = i + 1 < extras.segments.size() ? extras.segments[i + 1].begin : n;
+    if ((i == 0 && seg.begin != 0) || seg.begin >= end || end > n) {
+      return InvalidArgumentError(fmt::format(
+          "adam segment {} spans [{}, {}) of {} elements; segments start at 0 and their begins "
+          "increase strictly below the size",
+          i, seg.begin, end, n));
+    }
+    ZINF_RETURN_IF_ERROR(
+        Annotate(ValidateAdamHyperParams(seg.hyper), fmt::format("segment {}: ", i)));
+    segments->push_back({.begin = seg.begin, .end = end, .scalars = scalars_for(seg.hyper)});
+  }
   return OkStatus();
 }
 
@@ -338,8 +365,8 @@ Status CpuAdam::Step(std::int64_t step, std::span<float> param, std::span<const 
     return InvalidArgumentError(
         fmt::format("adam {} has {} elements, param has {}", name, size, n));
   };
-  AdamScalars scalars{};
-  ZINF_RETURN_IF_ERROR(Prepare(step, n, grad.size(), extras, &scalars));
+  std::vector<Segment> segments;
+  ZINF_RETURN_IF_ERROR(Prepare(step, n, grad.size(), extras, &segments));
   ZINF_RETURN_IF_ERROR(check_size("exp_avg", exp_avg.size()));
   ZINF_RETURN_IF_ERROR(check_size("exp_avg_sq", exp_avg_sq.size()));
   if (options_.amsgrad) {
@@ -356,10 +383,26 @@ Status CpuAdam::Step(std::int64_t step, std::span<float> param, std::span<const 
       .bf16 = extras.bf16_param.empty() ? nullptr : extras.bf16_param.data(),
   };
   const StepKernel kernel = StepKernelFor(path_);
-  const std::size_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
-  pool_->Run(chunks, [&](std::size_t c) {
-    const std::size_t begin = c * kChunkNumel;
-    kernel(scalars, arrays, begin, std::min(n, begin + kChunkNumel));
+  if (segments.size() == 1) {
+    const std::size_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
+    pool_->Run(chunks, [&](std::size_t c) {
+      const std::size_t begin = c * kChunkNumel;
+      kernel(segments[0].scalars, arrays, begin, std::min(n, begin + kChunkNumel));
+    });
+    return OkStatus();
+  }
+  // Chunks never cross a segment: each runs with one segment's scalars.
+  struct Chunk {
+    std::size_t segment, begin, end;
+  };
+  std::vector<Chunk> chunks;
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    for (std::size_t b = segments[i].begin; b < segments[i].end; b += kChunkNumel) {
+      chunks.push_back({i, b, std::min(segments[i].end, b + kChunkNumel)});
+    }
+  }
+  pool_->Run(chunks.size(), [&](std::size_t c) {
+    kernel(segments[chunks[c].segment].scalars, arrays, chunks[c].begin, chunks[c].end);
   });
   return OkStatus();
 }
@@ -367,8 +410,8 @@ Status CpuAdam::Step(std::int64_t step, std::span<float> param, std::span<const 
 Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<const float> grad,
                        Q8Moment exp_avg, Q8Moment exp_avg_sq, const StepExtras& extras) {
   const std::size_t n = param.size();
-  AdamScalars scalars{};
-  ZINF_RETURN_IF_ERROR(Prepare(step, n, grad.size(), extras, &scalars));
+  std::vector<Segment> segments;
+  ZINF_RETURN_IF_ERROR(Prepare(step, n, grad.size(), extras, &segments));
   if (options_.amsgrad || !extras.max_exp_avg_sq.empty()) {
     return InvalidArgumentError("adam: amsgrad is not supported with the q8 state format");
   }
@@ -403,10 +446,17 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
       };
       std::uint8_t* m_codes = exp_avg.codes.data() + begin;
       std::uint8_t* v_codes = exp_avg_sq.codes.data() + begin;
-      if (codec.step == nullptr) {
+      // The segment of the block's first element, and whether the block ends inside it.
+      const auto home = std::ranges::upper_bound(segments, begin, {}, &Segment::begin) - 1;
+      const bool whole = home->end >= begin + len;
+      if (codec.step == nullptr || !whole) {
+        // Decoded, stepped (segment by segment where groups meet in the block), encoded.
         codec.dequantize(signed_map, m_codes, exp_avg.scales[b], len, m.data());
         codec.dequantize(unsigned_map, v_codes, exp_avg_sq.scales[b], len, v.data());
-        kernel(scalars, arrays, 0, len);
+        for (auto seg = home; seg != segments.end() && seg->begin < begin + len; ++seg) {
+          kernel(seg->scalars, arrays, std::max(seg->begin, begin) - begin,
+                 std::min(seg->end, begin + len) - begin);
+        }
         exp_avg.scales[b] = codec.quantize(signed_map, m.data(), len, m_codes);
         exp_avg_sq.scales[b] = codec.quantize(unsigned_map, v.data(), len, v_codes);
       } else {
@@ -419,7 +469,7 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
             .v_scale = exp_avg_sq.scales[b],
         };
         float m_scale = 0.0f, v_scale = 0.0f;
-        if (codec.step(scalars, arrays, in, len, &m_scale, &v_scale)) {
+        if (codec.step(home->scalars, arrays, in, len, &m_scale, &v_scale)) {
           Encode(codec, signed_map, m.data(), len, m_scale, m_codes);
           Encode(codec, unsigned_map, v.data(), len, v_scale, v_codes);
           exp_avg.scales[b] = m_scale;

@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <set>
 #include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -531,8 +533,23 @@ Status OptimizerSwapper::Compute(std::int64_t step, std::size_t sub_group,
   comm::ScopedTimer timer(timers_, "optimizer_step");
   const std::size_t numel = infos_[sub_group].sub_group.numel;
   grad = grad.first(numel);
-  const StepExtras extras{
-      .grad_scale = options.grad_scale, .lr = options.lr, .betas = options.betas};
+  // The groups' segments that meet [offset, offset + numel), from the sub-group's start.
+  std::vector<AdamSegment> segments;
+  if (!options.segments.empty()) {
+    const std::uint64_t offset = infos_[sub_group].sub_group.partition_offset;
+    auto it = std::ranges::upper_bound(options.segments, offset, {}, &AdamSegment::begin);
+    if (it == options.segments.begin()) {
+      return InvalidArgumentError("step segments do not start at partition offset 0");
+    }
+    segments.push_back({.begin = 0, .hyper = std::prev(it)->hyper});
+    for (; it != options.segments.end() && it->begin < offset + numel; ++it) {
+      segments.push_back({.begin = it->begin - offset, .hyper = it->hyper});
+    }
+  }
+  const StepExtras extras{.grad_scale = options.grad_scale,
+                          .lr = options.lr,
+                          .betas = options.betas,
+                          .segments = segments};
   const std::int64_t adam_step = options.adam_step > 0 ? options.adam_step : step;
   if (options_.state_format == StateFormat::kQ8) {
     const Q8Moments moments = ViewQ8Moments(buffers.tensors[1], Q8MomentsLayout::For(numel));

@@ -3,12 +3,12 @@
 // learning-rate schedule, computed independently of the engine's code. Plus the engine's
 // argument errors and a checkpoint restore into mismatched parameters.
 #include <algorithm>
-#include <thread>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -348,6 +348,118 @@ TEST(ZeroEngine, RestoreNamesTheMismatchedParameter) {
     EXPECT_THAT(ZeroEngine::Create(World(), config, reshaped.Params(), resume),
                 StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("fc1.weight")));
   }
+}
+
+// Parameter groups through the C++ API: each Param names its group, bad groups are refused
+// before anything is built, a config scheduler schedules every group from its own values, the
+// loop's SetHyperParams is agreed on at Step, and a checkpoint restores only into the same
+// groups (naming the first parameter that moved) and then goes on with the saved values.
+TEST(ZeroEngine, ParamGroups) {
+  SharedScratchDir dir("engine-groups");
+  const Case c;
+  ZINF_ASSERT_OK_AND_ASSIGN(Config scheduled, ParseFor(c, dir));
+  Config constant = scheduled;
+  constant.scheduler.type = SchedulerType::kNone;
+  EngineOptions options = {.progress = false, .stop_signals = false, .create_nvme_paths = true};
+  options.param_groups = {{}, {.lr = 0.004, .weight_decay = 0.0}};
+  auto grouped = [](Model& model, std::size_t moved) {
+    std::vector<Param> params = model.Params();
+    params[1].group = 1;  // fc1.bias
+    params[moved].group = 1;
+    return params;
+  };
+  {
+    Model model = MakeModel();
+    std::vector<Param> params = grouped(model, 3);
+    params[2].group = 2;
+    EXPECT_THAT(ZeroEngine::Create(World(), scheduled, params, options),
+                StatusIs(ErrorCode::kInvalidArgument,
+                         HasSubstr("parameter 2 'emb' is in group 2, but there are 2")));
+    EngineOptions bad = options;
+    bad.param_groups[1].eps = 0.0;
+    EXPECT_THAT(ZeroEngine::Create(World(), scheduled, grouped(model, 3), bad),
+                StatusIs(ErrorCode::kInvalidArgument, HasSubstr("param_groups[1]: adam eps")));
+  }
+  {
+    Model model = MakeModel();
+    ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
+                              ZeroEngine::Create(World(), scheduled, grouped(model, 3), options));
+    ASSERT_EQ(engine->num_param_groups(), 2u);
+    // WarmupLR with warmup_max_lr: every group's lr alike (DeepSpeed); the rest its own.
+    EXPECT_EQ(engine->next_hyper_params(1).lr, engine->next_lr());
+    EXPECT_EQ(engine->next_hyper_params(1).weight_decay, 0.0);
+    EXPECT_EQ(engine->next_hyper_params(0).weight_decay, 0.01);
+    EXPECT_THAT(engine->SetHyperParams(std::vector<HyperParams>(2)),
+                StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("scheduler")));
+    ZINF_ASSERT_OK(engine->Close());
+  }
+  Model model = MakeModel();
+  const std::vector<HyperParams> values = {
+      {.lr = 0.01, .betas = {0.9, 0.99}, .eps = 1e-8, .weight_decay = 0.01},
+      {.lr = 0.003, .betas = {0.8, 0.9}, .eps = 1e-6, .weight_decay = 0.0}};
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
+                              ZeroEngine::Create(World(), constant, grouped(model, 3), options));
+    EXPECT_THAT(engine->SetHyperParams(std::span(values).first(1)),
+                StatusIs(ErrorCode::kInvalidArgument, HasSubstr("1 group(s) given")));
+    std::vector<HyperParams> nan = values;
+    nan[1].lr = std::nan("");
+    EXPECT_THAT(engine->SetHyperParams(nan),
+                StatusIs(ErrorCode::kInvalidArgument, HasSubstr("group 1: adam lr")));
+    ZINF_ASSERT_OK(engine->SetHyperParams(values));
+    ZINF_ASSERT_OK(RunStep(*engine, model, c, 1));
+    if (World().size() > 1) {
+      std::vector<HyperParams> mine = values;
+      if (World().rank() == 1) mine[1].weight_decay = 0.5;
+      ZINF_ASSERT_OK(engine->SetHyperParams(mine));
+      const std::vector<float> before = model.w[1];
+      EXPECT_THAT(RunStep(*engine, model, c, 2),
+                  StatusIs(ErrorCode::kFailedPrecondition,
+                           HasSubstr("parameter group 1's weight_decay differs between the ranks "
+                                     "(0 to 0.5)")));
+      EXPECT_EQ(model.w[1], before);
+      for (std::vector<float>& g : model.g) std::ranges::fill(g, 0.0f);  // handed already
+      ZINF_ASSERT_OK(engine->SetHyperParams(values));
+    }
+    ZINF_ASSERT_OK(RunStep(*engine, model, c, 2));
+    ZINF_ASSERT_OK(engine->SaveCheckpoint());
+    ZINF_ASSERT_OK(engine->Close());
+  }
+  EngineOptions resume = options;
+  resume.load = "latest";
+  Model other = MakeModel();
+  EXPECT_THAT(ZeroEngine::Create(World(), constant, grouped(other, 2), resume),
+              StatusIs(ErrorCode::kFailedPrecondition,
+                       HasSubstr("parameter 'emb' is in parameter group 0 of the checkpoint but "
+                                 "in group 1 here")));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
+                            ZeroEngine::Create(World(), constant, grouped(other, 3), resume));
+  EXPECT_EQ(engine->next_hyper_params(0), values[0]);
+  EXPECT_EQ(engine->next_hyper_params(1), values[1]);
+  for (std::size_t i = 0; i < model.w.size(); ++i) EXPECT_EQ(other.w[i], model.w[i]);
+  ZINF_ASSERT_OK(engine->Close());
+
+  // Load into a live engine: refused mid-step and for a missing file, changing nothing; then
+  // the checkpoint's step, weights and values, and the loop goes on.
+  Model live = MakeModel();
+  ZINF_ASSERT_OK_AND_ASSIGN(engine,
+                            ZeroEngine::Create(World(), constant, grouped(live, 3), options));
+  ZINF_ASSERT_OK(RunStep(*engine, live, c, 1));
+  const std::vector<std::vector<float>> stepped = live.w;
+  ZINF_ASSERT_OK(engine->GradientReady(0));
+  EXPECT_THAT(engine->Load(dir.Join("ckpt")),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("in the middle of a step")));
+  for (std::vector<float>& g : live.g) std::ranges::fill(g, 0.0f);
+  ZINF_ASSERT_OK(RunStep(*engine, live, c, 2));  // ends the micro-batch
+  EXPECT_THAT(engine->Load(dir.Join("none")), StatusIs(ErrorCode::kNotFound));
+  EXPECT_EQ(engine->step(), 2);
+  ZINF_ASSERT_OK(engine->Load(dir.Join("ckpt")));
+  EXPECT_EQ(engine->step(), 2);
+  EXPECT_EQ(engine->next_hyper_params(1), values[1]);
+  for (std::size_t i = 0; i < model.w.size(); ++i) EXPECT_EQ(live.w[i], model.w[i]);
+  ZINF_ASSERT_OK(RunStep(*engine, live, c, 3));
+  EXPECT_EQ(engine->step(), 3);
+  ZINF_ASSERT_OK(engine->Close());
 }
 
 class EngineErrors : public ::testing::Test {

@@ -384,6 +384,30 @@ TEST(LearningRate, WarmupLRMatchesDeepSpeed) {
   EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 1), 1e-4 + (0.01 - 1e-4) * 0.5);
 }
 
+// DeepSpeed >= 0.17.2: WarmupLR and WarmupDecayLR without warmup_max_lr warm up to the
+// optimizer's lr, each parameter group to its own; the effective config shows that value.
+TEST(LearningRate, WarmupWithoutMaxEndsAtTheOptimizersLr) {
+  for (const char* type : {"WarmupLR", "WarmupDecayLR"}) {
+    SCOPED_TRACE(type);
+    ZINF_ASSERT_OK_AND_ASSIGN(
+        TrainConfig c,
+        ParseTrainConfig(
+            fmt::format(R"({{"train_micro_batch_size_per_gpu": 2,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.002}}}},
+            "scheduler": {{"type": "{}", "params": {{"warmup_num_steps": 4,
+                "warmup_type": "linear"{}}}}}}})",
+                        type,
+                        std::string_view(type) == "WarmupLR" ? "" : R"(, "total_num_steps": 100)"),
+            {}));
+    const SchedulerConfig& s = c.scheduler;
+    EXPECT_TRUE(s.warmup_to_group_lr);
+    EXPECT_EQ(s.warmup_max_lr, 0.002);
+    EXPECT_DOUBLE_EQ(LearningRate(s, 0.002, 4), 0.002);
+    EXPECT_DOUBLE_EQ(LearningRate(s, 0.0005, 2), 0.00025);  // another group's lr, half-way
+    EXPECT_THAT(EffectiveConfigJson(c), HasSubstr(R"("warmup_max_lr": 0.002)"));
+  }
+}
+
 // What DeepSpeed's constructors set for the first step (last_batch_iteration -1).
 TEST(LearningRate, FirstStepIsTheConstructorsValue) {
   SchedulerConfig s{.type = SchedulerType::kWarmupLR, .warmup_min_lr = 2e-4};

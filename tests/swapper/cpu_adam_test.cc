@@ -483,6 +483,21 @@ TEST(CpuAdam, RejectsBadStepArgumentsWithoutTouchingState) {
   EXPECT_THAT(adam.Step(1, p, g, m, v, {.grad_scale = NAN}),
               StatusIs(kInvalid, HasSubstr("grad_scale")));
   EXPECT_THAT(adam.Step(1, p, g, m, v, {.lr = -1.0}), StatusIs(kInvalid, HasSubstr("lr")));
+  // Segments: starting at 0, strictly increasing below the size, valid values, no override.
+  const AdamHyperParams h;
+  const std::vector<AdamSegment> late = {{.begin = 1, .hyper = h}};
+  const std::vector<AdamSegment> repeated = {{.begin = 0, .hyper = h}, {.begin = 0, .hyper = h}};
+  const std::vector<AdamSegment> beyond = {{.begin = 0, .hyper = h}, {.begin = 8, .hyper = h}};
+  const std::vector<AdamSegment> bad_eps = {{.begin = 0, .hyper = {.eps = 0.0}}};
+  const std::vector<AdamSegment> fine = {{.begin = 0, .hyper = h}, {.begin = 5, .hyper = h}};
+  for (const auto* segments : {&late, &repeated, &beyond}) {
+    EXPECT_THAT(adam.Step(1, p, g, m, v, {.segments = *segments}),
+                StatusIs(kInvalid, HasSubstr("segment")));
+  }
+  EXPECT_THAT(adam.Step(1, p, g, m, v, {.segments = bad_eps}),
+              StatusIs(kInvalid, HasSubstr("segment 0: adam eps")));
+  EXPECT_THAT(adam.Step(1, p, g, m, v, {.lr = 1e-3, .segments = fine}),
+              StatusIs(kInvalid, HasSubstr("override together with segments")));
   EXPECT_EQ(p, std::vector<float>(8, 1.0f));
   EXPECT_EQ(m, std::vector<float>(8, 0.0f));
   EXPECT_EQ(v, std::vector<float>(8, 0.0f));
@@ -490,6 +505,53 @@ TEST(CpuAdam, RejectsBadStepArgumentsWithoutTouchingState) {
   // The same spans are fine once the arguments are right.
   ZINF_EXPECT_OK(adam.Step(1, p, g, m, v, {.bf16_param = bf16}));
   ZINF_EXPECT_OK(ams.Step(1, p, g, m, v, {.max_exp_avg_sq = max_v}));
+}
+
+// Parameter groups: a step over segments is, bit for bit, the step of each segment's elements
+// with that segment's lr, betas, eps and weight_decay, also where a segment begins inside a
+// work chunk and on several threads.
+TEST(CpuAdam, SegmentsStepEachRunWithItsOwnHyperParameters) {
+  const std::size_t n = 2 * CpuAdam::kChunkNumel + 333;
+  const std::vector<AdamSegment> segments = {
+      {.begin = 0, .hyper = {.lr = 1e-2, .betas = {0.9, 0.99}, .eps = 1e-8, .weight_decay = 0.1}},
+      {.begin = 1000, .hyper = {.lr = 5e-3, .betas = {0.8, 0.999}, .eps = 1e-6}},
+      {.begin = CpuAdam::kChunkNumel + 17,
+       .hyper = {.lr = 2e-2, .betas = {0.95, 0.9}, .eps = 1e-7, .weight_decay = 0.01}},
+  };
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> p0(n), g(n);
+  for (float& x : p0) x = normal(rng);
+  for (float& x : g) x = normal(rng);
+  for (bool adamw : {true, false}) {
+    std::vector<float> want_p = p0, want_m(n), want_v(n);
+    for (std::size_t i = 0; i < segments.size(); ++i) {
+      const std::size_t begin = segments[i].begin;
+      const std::size_t end = i + 1 < segments.size() ? segments[i + 1].begin : n;
+      const AdamHyperParams& h = segments[i].hyper;
+      ZINF_ASSERT_OK_AND_ASSIGN(CpuAdam one, CpuAdam::Create({.lr = h.lr,
+                                                              .beta1 = h.betas[0],
+                                                              .beta2 = h.betas[1],
+                                                              .eps = h.eps,
+                                                              .weight_decay = h.weight_decay,
+                                                              .adamw = adamw,
+                                                              .threads = 1}));
+      for (std::int64_t step = 1; step <= 2; ++step) {
+        auto span = [&](std::vector<float>& x) { return std::span(x).subspan(begin, end - begin); };
+        ZINF_ASSERT_OK(one.Step(step, span(want_p),
+                                std::span<const float>(g).subspan(begin, end - begin), span(want_m),
+                                span(want_v)));
+      }
+    }
+    ZINF_ASSERT_OK_AND_ASSIGN(CpuAdam adam, CpuAdam::Create({.adamw = adamw, .threads = 3}));
+    std::vector<float> p = p0, m(n), v(n);
+    for (std::int64_t step = 1; step <= 2; ++step) {
+      ZINF_ASSERT_OK(adam.Step(step, p, g, m, v, {.segments = segments}));
+    }
+    EXPECT_EQ(0, std::memcmp(p.data(), want_p.data(), n * sizeof(float))) << "adamw " << adamw;
+    EXPECT_EQ(0, std::memcmp(m.data(), want_m.data(), n * sizeof(float))) << "adamw " << adamw;
+    EXPECT_EQ(0, std::memcmp(v.data(), want_v.data(), n * sizeof(float))) << "adamw " << adamw;
+  }
 }
 
 TEST(CpuAdam, MovedFromObjectFailsCleanly) {

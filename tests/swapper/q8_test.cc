@@ -231,34 +231,67 @@ void RefEncode(MapKind kind, const std::vector<float>& x, std::size_t begin, std
   }
 }
 
-void RefStepQ8(RefState& s, std::int64_t step, double lr, double beta1, double beta2, double eps,
-               double wd, bool adamw, float grad_scale) {
+// n normal weights and zero moments (the state a swapper initializes).
+RefState Fresh(std::size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  RefState s;
+  s.param.resize(n);
+  for (float& p : s.param) p = normal(rng);
+  s.m_codes.assign(n, ZeroCode(MapKind::kSigned));
+  s.v_codes.assign(n, ZeroCode(MapKind::kUnsigned));
+  s.m_scales.assign(NumBlocks(n), 0.0f);
+  s.v_scales.assign(NumBlocks(n), 0.0f);
+  s.bf16.assign(n, 0);
+  return s;
+}
+
+// One step of the reference; element e takes the hyper-parameters of the last segment that
+// begins at or before it (cpu_adam.h, StepExtras::segments).
+void RefStepQ8(RefState& s, std::int64_t step, std::span<const AdamSegment> segments, bool adamw,
+               float grad_scale) {
   const auto& ms = MapValues(MapKind::kSigned);
   const auto& vs = MapValues(MapKind::kUnsigned);
-  const float b1 = static_cast<float>(beta1), b2 = static_cast<float>(beta2);
-  const float omb1 = static_cast<float>(1.0 - beta1), omb2 = static_cast<float>(1.0 - beta2);
-  const float step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, step)));
-  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
-  const float feps = static_cast<float>(eps), fwd = static_cast<float>(wd);
-  const float decay = static_cast<float>(1.0 - lr * wd);
+  struct Scalars {
+    float b1, b2, omb1, omb2, step_size, bc2_sqrt, eps, wd, decay;
+    bool use_wd;
+  };
+  std::vector<Scalars> scalars;
+  for (const AdamSegment& seg : segments) {
+    const AdamHyperParams& h = seg.hyper;
+    scalars.push_back({
+        .b1 = static_cast<float>(h.betas[0]),
+        .b2 = static_cast<float>(h.betas[1]),
+        .omb1 = static_cast<float>(1.0 - h.betas[0]),
+        .omb2 = static_cast<float>(1.0 - h.betas[1]),
+        .step_size = static_cast<float>(h.lr / (1.0 - std::pow(h.betas[0], step))),
+        .bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(h.betas[1], step))),
+        .eps = static_cast<float>(h.eps),
+        .wd = static_cast<float>(h.weight_decay),
+        .decay = static_cast<float>(1.0 - h.lr * h.weight_decay),
+        .use_wd = h.weight_decay != 0,
+    });
+  }
   const std::size_t n = s.param.size();
+  std::size_t at = 0;  // the segment of element e
   for (std::size_t begin = 0; begin < n; begin += kBlockNumel) {
     const std::size_t len = std::min(kBlockNumel, n - begin);
     const std::size_t b = begin / kBlockNumel;
     std::vector<float> m(len), v(len);
     for (std::size_t i = 0; i < len; ++i) {
       const std::size_t e = begin + i;
+      while (at + 1 < segments.size() && segments[at + 1].begin <= e) ++at;
+      const Scalars& c = scalars[at];
       float mi = ms[s.m_codes[e]] * s.m_scales[b];
       float vi = vs[s.v_codes[e]] * s.v_scales[b];
       float g = s.grad[e];
       if (grad_scale != 1.0f) g = g * grad_scale;
       float p = s.param[e];
-      if (wd != 0 && !adamw) g = g + fwd * p;
-      if (wd != 0 && adamw) p = p * decay;
-      mi = b1 * mi + omb1 * g;
-      vi = b2 * vi + (omb2 * g) * g;
-      const float denom = std::sqrt(vi) / bc2_sqrt + feps;
-      p = p - (step_size * mi) / denom;
+      if (c.use_wd && !adamw) g = g + c.wd * p;
+      if (c.use_wd && adamw) p = p * c.decay;
+      mi = c.b1 * mi + c.omb1 * g;
+      vi = c.b2 * vi + (c.omb2 * g) * g;
+      const float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
+      p = p - (c.step_size * mi) / denom;
       s.param[e] = p;
       s.bf16[e] = FloatBitsToBf16(std::bit_cast<std::uint32_t>(p));
       m[i] = mi;
@@ -267,6 +300,13 @@ void RefStepQ8(RefState& s, std::int64_t step, double lr, double beta1, double b
     RefEncode(MapKind::kSigned, m, begin, len, s.m_codes, s.m_scales[b]);
     RefEncode(MapKind::kUnsigned, v, begin, len, s.v_codes, s.v_scales[b]);
   }
+}
+
+void RefStepQ8(RefState& s, std::int64_t step, double lr, double beta1, double beta2, double eps,
+               double wd, bool adamw, float grad_scale) {
+  const AdamSegment one = {
+      .begin = 0, .hyper = {.lr = lr, .betas = {beta1, beta2}, .eps = eps, .weight_decay = wd}};
+  RefStepQ8(s, step, std::span(&one, 1), adamw, grad_scale);
 }
 
 // Three steps over two chunks (the second short, with a short last block), AdamW on 1 and 3
@@ -284,14 +324,7 @@ TEST(StepQ8, MatchesTheReferenceBitForBitOnEveryPath) {
       if (!adamw && threads == 1) continue;
       std::mt19937 rng(3);
       std::normal_distribution<float> normal(0.0f, 1.0f);
-      RefState ref;
-      ref.param.resize(n);
-      for (float& p : ref.param) p = normal(rng);
-      ref.m_codes.assign(n, ZeroCode(MapKind::kSigned));
-      ref.v_codes.assign(n, ZeroCode(MapKind::kUnsigned));
-      ref.m_scales.assign(NumBlocks(n), 0.0f);
-      ref.v_scales.assign(NumBlocks(n), 0.0f);
-      ref.bf16.assign(n, 0);
+      RefState ref = Fresh(n, rng);
       const RefState initial = ref;
       std::vector<std::vector<float>> grads;
       std::vector<RefState> after;  // the reference after each step
@@ -334,6 +367,59 @@ TEST(StepQ8, MatchesTheReferenceBitForBitOnEveryPath) {
           ASSERT_EQ(0, std::memcmp(got.param.data(), want.param.data(), n * sizeof(float)))
               << "step " << step;
           ASSERT_EQ(got.bf16, want.bf16) << "step " << step;
+        }
+      }
+    }
+  }
+}
+
+// Parameter groups: segments that begin inside a block, on a block boundary and inside the
+// second chunk switch the hyper-parameters element by element; a block holding two groups keeps
+// one scale (the reference's), on every path and thread count.
+TEST(StepQ8, SegmentsSwitchHyperParametersInsideBlocks) {
+  const std::size_t n = CpuAdam::kChunkNumel + 2 * kBlockNumel + 77;
+  const std::vector<AdamSegment> segments = {
+      {.begin = 0, .hyper = {.lr = 1e-2, .betas = {0.9, 0.99}, .eps = 1e-8, .weight_decay = 0.1}},
+      {.begin = kBlockNumel + 100, .hyper = {.lr = 3e-3, .betas = {0.8, 0.999}, .eps = 1e-6}},
+      {.begin = 3 * kBlockNumel,
+       .hyper = {.lr = 2e-2, .betas = {0.95, 0.9}, .eps = 1e-8, .weight_decay = 0.01}},
+      {.begin = CpuAdam::kChunkNumel + 5, .hyper = {.lr = 0.0, .weight_decay = 0.5}},
+  };
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const RefState initial = Fresh(n, rng);
+  std::vector<std::vector<float>> grads(3, std::vector<float>(n));
+  for (auto& g : grads) {
+    for (float& x : g) x = normal(rng);
+  }
+  for (bool adamw : {true, false}) {
+    RefState want = initial;
+    std::vector<RefState> after;
+    for (int step = 1; step <= 3; ++step) {
+      want.grad = grads[static_cast<std::size_t>(step - 1)];
+      RefStepQ8(want, step, segments, adamw, 1.0f);
+      after.push_back(want);
+    }
+    for (SimdPath path : {SimdPath::kScalar, SimdPath::kAvx2, SimdPath::kAvx512}) {
+      if (!SimdPathSupported(path)) continue;
+      for (int threads : {1, 3}) {
+        SCOPED_TRACE(::testing::Message() << "adamw=" << adamw << " threads=" << threads
+                                          << " path=" << SimdPathName(path));
+        ZINF_ASSERT_OK_AND_ASSIGN(
+            CpuAdam adam, CpuAdam::Create({.adamw = adamw, .threads = threads, .simd = path}));
+        RefState got = initial;
+        for (int step = 1; step <= 3; ++step) {
+          const RefState& expected = after[static_cast<std::size_t>(step - 1)];
+          got.grad = grads[static_cast<std::size_t>(step - 1)];
+          ZINF_ASSERT_OK(adam.StepQ8(step, got.param, got.grad, {got.m_codes, got.m_scales},
+                                     {got.v_codes, got.v_scales},
+                                     {.bf16_param = got.bf16, .segments = segments}));
+          ASSERT_EQ(got.m_scales, expected.m_scales) << "step " << step;
+          ASSERT_EQ(got.v_scales, expected.v_scales) << "step " << step;
+          ASSERT_EQ(got.m_codes, expected.m_codes) << "step " << step;
+          ASSERT_EQ(got.v_codes, expected.v_codes) << "step " << step;
+          ASSERT_EQ(0, std::memcmp(got.param.data(), expected.param.data(), n * sizeof(float)))
+              << "step " << step;
         }
       }
     }

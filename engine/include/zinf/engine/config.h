@@ -126,8 +126,11 @@ struct OptimizerConfig {
 // (zinf resumes a schedule from the checkpoint's step).
 struct SchedulerConfig {
   SchedulerType type = SchedulerType::kNone;
-  double warmup_min_lr = 0.0;            // >= 0, absolute lr (WarmupLR, WarmupDecayLR)
-  double warmup_max_lr = 1e-3;           // >= 0, absolute lr (WarmupLR, WarmupDecayLR)
+  double warmup_min_lr = 0.0;   // >= 0, absolute lr (WarmupLR, WarmupDecayLR)
+  double warmup_max_lr = 1e-3;  // >= 0, absolute lr (WarmupLR, WarmupDecayLR)
+  // warmup_max_lr not given: each parameter group warms up to its own lr (DeepSpeed >= 0.17.2),
+  // and warmup_max_lr holds optimizer.params.lr (the effective config shows that value).
+  bool warmup_to_group_lr = false;
   std::int64_t warmup_num_steps = 1000;  // >= 0; DeepSpeed uses max(2, warmup_num_steps)
   WarmupType warmup_type = WarmupType::kLog;
   std::int64_t total_num_steps = 0;  // >= 1 where required; 0 = not given

@@ -87,6 +87,18 @@
 // registration order, as a backward pass produces them). A parameter not handed in a
 // micro-batch has a zero gradient in it.
 //
+// Parameter groups: each Param names its group (Param::group, an index into
+// EngineOptions::param_groups), whose lr, betas, eps and weight_decay its elements step with;
+// a sub-group holding elements of several groups steps each run of them with its own in the
+// same pass over memory. A config scheduler schedules every group from its own values: lr
+// (WarmupLR and WarmupDecayLR without warmup_max_lr warm up to it, WarmupCosineLR scales it;
+// OneCycle and LRRangeTest give every group the same absolute lr, as DeepSpeed) and betas
+// (OneCycle's momentum). Without one, the groups keep their values until the loop sets new
+// ones (SetHyperParams: a schedule of its own, e.g. torch's lr_scheduler). Checkpoints keep
+// every parameter's group by name and the groups' values; a restore refuses a checkpoint
+// whose groups differ, naming the first parameter, and without a config scheduler goes on
+// with the saved values.
+//
 // Checkpoints (collective): SaveCheckpoint writes one parallel-HDF5 file per step into
 // zinf.checkpoint.dir with the commit protocol of swapper/checkpoint.h (keep_last applied), the
 // engine's state and the user's JSON. Create restores one when zinf.checkpoint.load says so
@@ -112,6 +124,7 @@
 // SIGUSR1, SIGUSR2) for the engine's lifetime unless EngineOptions::stop_signals is false.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
@@ -129,6 +142,11 @@
 #include "zinf/engine/config.h"
 #include "zinf/partition/layout.h"
 #include "zinf/storage/swap_store.h"
+#include "zinf/swapper/cpu_adam.h"
+
+namespace zinf::swapper {
+struct CheckpointInfo;  // checkpoint.h
+}  // namespace zinf::swapper
 
 namespace zinf::engine {
 
@@ -137,6 +155,19 @@ namespace zinf::engine {
 // tail on disk). At stage 3, rank r of W owns elements [r * S, min((r + 1) * S, numel)) of a
 // partitioned parameter, S = AlignUp(ceil(numel / W), kPartitionAlignmentElems).
 inline constexpr std::uint64_t kPartitionAlignmentElems = 1024;
+
+// One parameter group's lr, betas, eps and weight_decay, all set.
+using HyperParams = swapper::AdamHyperParams;
+
+// A parameter group's hyper-parameters (torch's param_groups: e.g. no weight decay for biases
+// and norms); the unset ones are the config optimizer's. The optimizer type, adam_w_mode and
+// amsgrad are the config's for every group.
+struct ParamGroup {
+  std::optional<double> lr = std::nullopt;
+  std::optional<std::array<double, 2>> betas = std::nullopt;
+  std::optional<double> eps = std::nullopt;
+  std::optional<double> weight_decay = std::nullopt;
+};
 
 // Fills elements [offset, offset + out.size()) of one parameter's initial values (row-major).
 using ParamInit = std::function<Status(std::uint64_t offset, std::span<float> out)>;
@@ -156,9 +187,12 @@ struct Param {
   // owns; it must give the same values for the same elements on every rank. Required unless a
   // checkpoint is restored; unused for a parameter with weights.
   ParamInit init = nullptr;
+  // Its parameter group: an index into EngineOptions::param_groups (0 when that is empty).
+  std::size_t group = 0;
 };
 
 class ZeroEngine;
+struct TrainerState;  // trainer_state.h
 
 // Parameters gathered whole for the loop's use (ZeroEngine::Gather); released when destroyed.
 // Move-only. The engine must outlive it; after the engine's Close it holds nothing.
@@ -206,12 +240,14 @@ struct EngineOptions {
   // Restore from this checkpoint instead of zinf.checkpoint.load ("latest", "auto", a path);
   // unset: the config's.
   std::optional<std::string> load = std::nullopt;
+  // Parameter groups (see "Parameter groups" above); empty: one group, the config optimizer's.
+  std::vector<ParamGroup> param_groups = {};
 };
 
 // What one Step did. Figures summed or maximized over the ranks are the same on every rank.
 struct StepInfo {
   std::int64_t step = 0;  // the optimizer step just applied (1-based)
-  double lr = 0;          // its learning rate
+  double lr = 0;          // its learning rate (parameter group 0's)
   double loss = 0;        // the mean over ranks of the loss passed to Step (NaN if none)
   double grad_norm = 0;   // the global norm of the averaged gradient, before clipping
                           // (unscaled with fp16; Inf or NaN when the step overflowed)
@@ -347,6 +383,18 @@ class ZeroEngine {
   Result<SavedCheckpointInfo> SaveCheckpoint(const nlohmann::json& user_state = nullptr,
                                              const std::string& dir = {});
 
+  // Collective. Restores checkpoint `path` (a file, or a directory's `latest`) into this open
+  // engine, as Create does with zinf.checkpoint.load: the swapped state, the step, the
+  // schedule's position, the loss scale, the parameter groups' values (without a config
+  // scheduler), the user state, and the weights (every `weights` buffer, the stage-3 shards).
+  // Between steps only. The file is read and verified whole before anything changes, so every
+  // error of the file or the model (NotFound, DataLoss, a layout or groups that differ:
+  // FailedPrecondition) leaves the engine as it was and usable; an I/O error of the swap store
+  // while the restored state is written leaves it partly restored (load again, or close).
+  // Errors also FailedPrecondition in the middle of a step (AccumulateGradients or
+  // GradientReady called since the last Step, a Gathered scope alive) and after Close.
+  Status Load(const std::string& path);
+
   // Collective: the timers (min/mean/max over ranks) and the swap bandwidth per node, logged
   // by rank 0. For the end of a run.
   // Errors: FailedPrecondition after Close.
@@ -379,8 +427,19 @@ class ZeroEngine {
   // Stage 3: Gather's counters; the number of parameters kept partitioned.
   const GatherCounters& gather_counters() const;
   std::size_t num_partitioned_params() const;
-  // The learning rate the next Step will use.
+  // The learning rate the next Step will use (parameter group 0's).
   double next_lr() const;
+  // Parameter groups: how many, and the hyper-parameters the next Step uses for group `g`
+  // (checked: < num_param_groups()).
+  std::size_t num_param_groups() const { return groups_.size(); }
+  HyperParams next_hyper_params(std::size_t g) const;
+  // Local. The loop's own schedule (torch's lr_scheduler): every group's hyper-parameters for
+  // the Steps from the next one on, in group order. Step agrees on them: values that differ
+  // between the ranks make it FailedPrecondition on every rank, naming the group (the
+  // micro-batch's gradient is reduced by then: hand it again). Errors: FailedPrecondition
+  // with a config scheduler (the two would fight), after Close; InvalidArgument for another
+  // number of groups or a value out of its range (nothing changed then).
+  Status SetHyperParams(std::span<const HyperParams> groups);
   // fp16 (config fp16.enabled): the factor the loop multiplies its loss by before the backward
   // pass, for the next Step (DeepSpeed's engine.backward does this); 1 without fp16. The
   // gradients handed to the engine are of the scaled loss; the engine divides the scale out.
@@ -406,7 +465,7 @@ class ZeroEngine {
   Status CheckHostMemory(std::uint64_t round) const;  // local
   Status InitializeOrRestore();
   Status Initialize();
-  Status Restore(const std::string& path);
+  Status Restore(const std::string& path, bool verify_before_write);
   Status ReadPartition();  // local
   // The updated partitions into the parameters kept whole (the loop's weights, persistent ones).
   Status GatherWholeWeights();
@@ -423,6 +482,11 @@ class ZeroEngine {
                               const storage::SwapStore::IoCounters& io_optimizer_end,
                               double optimizer_seconds);
   Status Report(const StepInfo& info);
+  // Parameter groups (engine.cc): Step's agreement on their values, the checkpoint's record
+  // of them, and a restore's check of it (local).
+  Status AgreeOnGroups(std::int64_t step);
+  nlohmann::json GroupsJson() const;
+  Status CheckGroups(const TrainerState& saved, const swapper::CheckpointInfo& info) const;
   Status LogPerNode();
   // The engine's private communicator once built (the caller's `world` before).
   const comm::Communicator& comm() const;
@@ -433,6 +497,10 @@ class ZeroEngine {
   Config config_;
   EngineOptions options_;
   std::unique_ptr<State> state_;
+  // Each parameter group's hyper-parameters: under a config scheduler the base it schedules
+  // from, otherwise what the next Step uses (EngineOptions::param_groups, SetHyperParams, a
+  // restored checkpoint's).
+  std::vector<HyperParams> groups_;
   std::int64_t step_ = 0;
   std::int64_t skipped_steps_ = 0;
   std::string resumed_from_;

@@ -20,7 +20,8 @@ namespace zinf::engine {
 // overflow do not step the schedule). With w = max(2, warmup_num_steps), warm(L) = log(L + 1) /
 // log(w) ("log") or L / w ("linear"), for L >= 0:
 //   kNone:           base_lr
-//   WarmupLR:        min + (max - min) * (L < w ? warm(L) : 1)                (absolute lrs)
+//   WarmupLR:        min + (max - min) * (L < w ? warm(L) : 1)                (absolute lrs;
+//                    max = base_lr when warmup_max_lr was not given: DeepSpeed >= 0.17.2)
 //   WarmupDecayLR:   min + (max - min) * (L < w ? warm(L)
 //                                         : max(0, (T - L) / max(1, T - w)))  (T = total)
 //   WarmupCosineLR:  base_lr * ratio, r0 = warmup_min_ratio, c = cos_min_ratio,

@@ -38,6 +38,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "zinf/core/status.h"
 
@@ -75,6 +76,25 @@ struct AdamOptions {
 // Checks the hyper-parameters. Errors: InvalidArgument naming the field and value.
 Status ValidateAdamOptions(const AdamOptions& options);
 
+// The hyper-parameters that may differ from one parameter group to another (torch's
+// param_groups) and from step to step (schedules), with AdamOptions' ranges.
+struct AdamHyperParams {
+  double lr = 1e-3;
+  std::array<double, 2> betas = {0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool operator==(const AdamHyperParams&) const = default;
+};
+
+// Checks them as ValidateAdamOptions does. Errors: InvalidArgument naming the field and value.
+Status ValidateAdamHyperParams(const AdamHyperParams& hyper);
+
+// Elements [begin, the next segment's begin or the end) of a step's spans take `hyper`.
+struct AdamSegment {
+  std::size_t begin = 0;
+  AdamHyperParams hyper;
+};
+
 // DeepSpeed's mapping of optimizer `type` and `adam_w_mode` to the AdamOptions::adamw flag:
 // "AdamW" -> true (whatever adam_w_mode says); "Adam" -> adam_w_mode, which defaults to true in
 // DeepSpeed (so a DeepSpeed "Adam" is AdamW math unless adam_w_mode is false). Case-insensitive.
@@ -90,6 +110,11 @@ struct StepExtras {
   // Override AdamOptions::beta1 and beta2 for this step (OneCycle's momentum), each in [0, 1);
   // the bias corrections use them too (1 - beta^step, as torch with a changed group beta).
   std::optional<std::array<double, 2>> betas = std::nullopt;
+  // Parameter groups: when non-empty, each segment's hyper-parameters replace AdamOptions' lr,
+  // betas, eps and weight_decay (and the overrides above, which must then be unset) for its
+  // elements, in the same pass over memory. Begins strictly increasing, the first 0, each
+  // below the spans' size.
+  std::span<const AdamSegment> segments = {};
 };
 
 // torch.nn.utils.clip_grad_norm_: max_norm / (global_norm + 1e-6), clamped to at most 1. Pass
@@ -141,7 +166,7 @@ class CpuAdam {
   // (and extras.max_exp_avg_sq, extras.bf16_param) in place. Spans must have equal sizes and
   // must not overlap each other. On error nothing has been modified.
   // Errors: InvalidArgument for step < 1, size mismatches, a missing or unexpected amsgrad
-  // span, a bad grad_scale or lr override (each naming what is wrong).
+  // span, a bad grad_scale, lr or betas override or segment (each naming what is wrong).
   Status Step(std::int64_t step, std::span<float> param, std::span<const float> grad,
               std::span<float> exp_avg, std::span<float> exp_avg_sq, const StepExtras& extras = {});
 
@@ -150,10 +175,13 @@ class CpuAdam {
   // (the vector paths decode inside that pass and find the block scales in it), and encoded
   // again (q8.h): the same bits on every path and thread count. The new moments exist
   // one block at a time on each thread's stack (2 x 8 KiB): no scratch grows with the
-  // sub-group, so a q8 step needs no memory beyond its spans. `codes` have the param's
-  // size, `scales` q8::NumBlocks of it. Errors: those of Step(); InvalidArgument with amsgrad
-  // (no quantized max_exp_avg_sq); FailedPrecondition when a moment becomes non-finite, naming
-  // the element (param and the moments are then partly updated: the caller must not keep them).
+  // sub-group, so a q8 step needs no memory beyond its spans. With extras.segments a block
+  // that holds elements of two segments is decoded, stepped segment by segment and encoded
+  // again: the block scales are those of the whole block, wherever the groups meet. `codes` have
+  // the param's size, `scales` q8::NumBlocks of it. Errors: those of Step(); InvalidArgument with
+  // amsgrad (no quantized max_exp_avg_sq); FailedPrecondition when a moment becomes non-finite,
+  // naming the element (param and the moments are then partly updated: the caller must not keep
+  // them).
   Status StepQ8(std::int64_t step, std::span<float> param, std::span<const float> grad,
                 Q8Moment exp_avg, Q8Moment exp_avg_sq, const StepExtras& extras = {});
 
@@ -167,10 +195,11 @@ class CpuAdam {
  private:
   CpuAdam(const AdamOptions& options, SimdPath path, int threads,
           std::unique_ptr<internal::AdamThreadPool> pool);
+  struct Segment;  // [begin, end) and its scalars
   // The checks common to Step and StepQ8 (param size n, the grad's size, extras) and the
-  // step's scalars.
+  // step's scalars for each segment (one covering [0, n) without extras.segments).
   Status Prepare(std::int64_t step, std::size_t n, std::size_t grad_size, const StepExtras& extras,
-                 internal::AdamScalars* scalars) const;
+                 std::vector<Segment>* segments) const;
 
   AdamOptions options_;
   SimdPath path_;

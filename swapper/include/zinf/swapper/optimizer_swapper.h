@@ -213,13 +213,17 @@ struct SubGroupSwapInfo {
 };
 
 struct StepOptions {
-  std::optional<double> lr;  // overrides AdamOptions::lr for this step
-  float grad_scale = 1.0f;   // multiplies the gradient (clipping, loss-scale, averaging)
+  std::optional<double> lr = std::nullopt;  // overrides AdamOptions::lr for this step
+  float grad_scale = 1.0f;  // multiplies the gradient (clipping, loss-scale, averaging)
   // Override AdamOptions' betas for this step (OneCycle's momentum).
   std::optional<std::array<double, 2>> betas = std::nullopt;
   // Adam's step count for the bias corrections when it differs from the swapper's step number
   // (fp16 steps skipped on overflow advance the engine's step but not Adam's); 0: `step`.
   std::int64_t adam_step = 0;
+  // Parameter groups: the hyper-parameters of the partition's elements from each segment's
+  // begin (a partition offset) to the next one's, as StepExtras::segments (lr and betas above
+  // then unset); the first begins at 0. Empty: AdamOptions with the overrides above.
+  std::span<const AdamSegment> segments = {};
 };
 
 class OptimizerSwapper {
