@@ -208,10 +208,12 @@ py::dict StepInfoDict(const engine::StepInfo& info) {
 // One ZeroEngine and the Python buffers it works in (kept alive as long as it is).
 class EngineHandle {
  public:
-  // `params`: (name, shape, weights, grads[, shard, shard_begin]) per parameter: weights and
-  // grads are float32 buffers or None (None weights: partitioned at stage 3, its first values
+  // `params`: (name, shape, weights, grads[, shard, shard_begin[, group]]) per parameter: weights
+  // and grads are float32 buffers or None (None weights: partitioned at stage 3, its first values
   // from `shard`, this rank's elements from shard_begin on; None grads: lent, handed with
-  // gradient_ready). `config` is a path or, with `config_is_text`, JSON text. Collective.
+  // gradient_ready; group: an index into options["param_groups"], a list of dicts with lr,
+  // betas, eps, weight_decay, each optional). `config` is a path or, with `config_is_text`,
+  // JSON text. Collective.
   EngineHandle(const std::string& config, bool config_is_text, const py::list& params,
                const py::dict& options) {
     const comm::Communicator& world = World();
@@ -253,6 +255,7 @@ class EngineHandle {
                                   init_live));
             shards.push_back(py::reinterpret_borrow<py::object>(t[4]));
           }
+          if (t.size() >= 7) p.group = t[6].cast<std::size_t>();
           list.push_back(std::move(p));
         }
       } catch (py::error_already_set& e) {
@@ -283,6 +286,21 @@ class EngineHandle {
     }
     if (options.contains("load") && !options["load"].is_none()) {
       opts.load = options["load"].cast<std::string>();
+    }
+    if (options.contains("param_groups")) {
+      for (const py::handle& item : options["param_groups"].cast<py::list>()) {
+        const auto group = item.cast<py::dict>();
+        auto get = [&](const char* key) -> std::optional<double> {
+          if (!group.contains(key) || group[key].is_none()) return std::nullopt;
+          return group[key].cast<double>();
+        };
+        engine::ParamGroup g{
+            .lr = get("lr"), .eps = get("eps"), .weight_decay = get("weight_decay")};
+        if (group.contains("betas") && !group["betas"].is_none()) {
+          g.betas = group["betas"].cast<std::array<double, 2>>();
+        }
+        opts.param_groups.push_back(g);
+      }
     }
     Result<std::unique_ptr<engine::ZeroEngine>> created = [&] {
       py::gil_scoped_release release;
@@ -326,6 +344,35 @@ class EngineHandle {
   EngineHandle(const EngineHandle&) = delete;
   EngineHandle& operator=(const EngineHandle&) = delete;
 
+  // Local: every group's lr, betas, eps and weight_decay for the next Step (dicts, in order).
+  void SetHyperParams(const py::list& groups) {
+    std::vector<engine::HyperParams> values;
+    for (const py::handle& item : groups) {
+      const auto group = item.cast<py::dict>();
+      values.push_back({.lr = group["lr"].cast<double>(),
+                        .betas = group["betas"].cast<std::array<double, 2>>(),
+                        .eps = group["eps"].cast<double>(),
+                        .weight_decay = group["weight_decay"].cast<double>()});
+    }
+    Check(Open().SetHyperParams(values));
+  }
+
+  // What the next Step uses for every group: dicts of lr, betas, eps, weight_decay.
+  py::list HyperParams() {
+    engine::ZeroEngine& engine = Open();
+    py::list out;
+    for (std::size_t g = 0; g < engine.num_param_groups(); ++g) {
+      const engine::HyperParams h = engine.next_hyper_params(g);
+      py::dict d;
+      d["lr"] = h.lr;
+      d["betas"] = py::make_tuple(h.betas[0], h.betas[1]);
+      d["eps"] = h.eps;
+      d["weight_decay"] = h.weight_decay;
+      out.append(d);
+    }
+    return out;
+  }
+
   py::dict Step(std::optional<double> loss) {
     engine::ZeroEngine& engine = Open();  // raises with the GIL held
     Result<engine::StepInfo> info = [&] {
@@ -367,11 +414,21 @@ class EngineHandle {
 
   // Local: parameter `index`'s lent gradient of this micro-batch (copied before the call
   // returns). Its errors are this rank's (the next step reports them on every rank).
-  void GradientReady(std::size_t index, const py::buffer& grad) {
+  // The gradient in the registered grads buffer (overlap_backward), or a lent one (copied).
+  void GradientReady(std::size_t index, const std::optional<py::buffer>& grad) {
     engine::ZeroEngine& engine = Open();  // raises with the GIL held
-    const std::int64_t numel = grad.request(/*writable=*/false).size;
+    if (!grad) {
+      Status status = [&] {
+        py::gil_scoped_release release;
+        return engine.GradientReady(index);
+      }();
+      if (!status) Raise(status.error(), /*agreed=*/false);
+      return;
+    }
+    const py::buffer& given = *grad;
+    const std::int64_t numel = given.request(/*writable=*/false).size;
     Result<std::span<float>> span =
-        FloatSpan(grad, numel, fmt::format("gradient_ready({})", index), /*writable=*/false);
+        FloatSpan(given, numel, fmt::format("gradient_ready({})", index), /*writable=*/false);
     if (!span) Raise(span.error(), /*agreed=*/false);
     Status status = [&] {
       py::gil_scoped_release release;
@@ -398,6 +455,17 @@ class EngineHandle {
   std::size_t num_partitioned_params() { return Open().num_partitioned_params(); }
 
   // `user_state`: JSON text of an object (or "null").
+  // Collective: ZeroEngine::Load (a failure leaves the engine as it was, but for a swap-store
+  // I/O error part-way).
+  void Load(const std::string& path) {
+    engine::ZeroEngine& engine = Open();  // raises with the GIL held
+    Status status = [&] {
+      py::gil_scoped_release release;
+      return engine.Load(path);
+    }();
+    Check(status);
+  }
+
   py::dict SaveCheckpoint(const std::string& user_state, const std::string& dir) {
     // Bounded (depth, size, duplicate keys), as everything from outside the process.
     Result<Json> parsed = ParseJson(user_state);
@@ -484,8 +552,11 @@ py::dict Init() {
   Runtime& rt = GetRuntime();
   if (!rt.session) {
     // MPI_Init_thread accepts null argc/argv; Open MPI reads its settings from the environment.
+    // Serialized: the engines reduce handed gradients on threads of their own during the
+    // backward pass; zinf.torch makes its own MPI calls only while they are idle (an engine call
+    // first waits for them: AgreeOnCall).
     Result<comm::MpiSession> session =
-        comm::MpiSession::Init(nullptr, nullptr, comm::ThreadLevel::kSingle);
+        comm::MpiSession::Init(nullptr, nullptr, comm::ThreadLevel::kSerialized);
     if (!session) Raise(session.error(), /*agreed=*/false);
     rt.session.emplace(std::move(*session));
   }
@@ -649,10 +720,14 @@ PYBIND11_MODULE(_zinf, m) {
       .def("step", &EngineHandle::Step, py::arg("loss") = py::none())
       .def("accumulate_gradients", &EngineHandle::AccumulateGradients)
       .def("gather", &EngineHandle::Gather, py::arg("indices"))
-      .def("gradient_ready", &EngineHandle::GradientReady, py::arg("index"), py::arg("grad"))
+      .def("gradient_ready", &EngineHandle::GradientReady, py::arg("index"),
+           py::arg("grad") = py::none())
       .def("gather_counters", &EngineHandle::GatherCounters)
+      .def("set_hyper_params", &EngineHandle::SetHyperParams, py::arg("groups"))
+      .def("hyper_params", &EngineHandle::HyperParams)
       .def_property_readonly("num_partitioned_params", &EngineHandle::num_partitioned_params)
       .def("save_checkpoint", &EngineHandle::SaveCheckpoint, py::arg("user_state"), py::arg("dir"))
+      .def("load", &EngineHandle::Load, py::arg("path"))
       .def("log_summary", &EngineHandle::LogSummary)
       .def("close", &EngineHandle::Close)
       .def_property_readonly("step_count", &EngineHandle::step)

@@ -97,9 +97,43 @@ class _Registered:
         # Lent gradients: the engine's index, the AccumulateGrad node and its hook, and whether
         # this micro-batch's gradient was handed already.
         self.index = -1
+        self.group = 0  # its param group's index
         self.node = None
         self.hook = None
         self.handed = False
+
+
+# A param group's own hyper-parameters (the rest of the optimizer is the config's).
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _hyper_problem(values, where):
+    """What is wrong with a param group's values (a dict of some of _GROUP_KEYS; "" if
+    nothing): the ranges of the config's optimizer.params."""
+    def number(x):
+        if isinstance(x, torch.Tensor) and x.numel() == 1:
+            x = x.item()
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise TypeError
+        return float(x)
+    for key in _GROUP_KEYS:
+        if key not in values:
+            continue
+        x = values[key]
+        try:
+            if key == "betas":
+                betas = [number(b) for b in x]
+                if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+                    raise ValueError
+            else:
+                v = number(x)
+                if not math.isfinite(v) or v < 0 or (key == "eps" and v == 0):
+                    raise ValueError
+        except (TypeError, ValueError):
+            want = {"lr": "a finite number >= 0", "betas": "two numbers in [0, 1)",
+                    "eps": "a finite number > 0", "weight_decay": "a finite number >= 0"}[key]
+            return f"{where}: '{key}' is {x!r}; it must be {want}"
+    return ""
 
 
 # Parameter dtypes besides float32, and the config block that must enable them: the engine
@@ -578,6 +612,16 @@ def _grad_array(r, g):
     return g.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
 
 
+def _on_registered_gradient(optimizer_ref, r):
+    """overlap_backward: the AccumulateGrad node's hook of an in-place parameter: hands the
+    gradient in its registered buffer once this backward pass has completed it."""
+    def hook(grad_inputs, grad_outputs):
+        opt = optimizer_ref()
+        if opt is not None and opt._engine is not None and not opt._engine.closed:
+            opt._hand_registered(r)
+    return hook
+
+
 def _on_gradient(optimizer_ref, r):
     """The AccumulateGrad node's hook of a registered parameter (lent gradients): runs once per
     backward pass, after every use of the parameter added its part."""
@@ -593,20 +637,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Every rank holds the whole model (the same initial weights on every rank) and computes the
     gradient of its own mean loss; step() reduce-scatters the gradients, clips them, runs the
-    swapped Adam step of the config's optimizer at the config's learning-rate schedule on this
+    swapped Adam step of the config's optimizer at each param group's values (param_groups, which
+    torch's lr schedulers and the program may write, or the config's scheduler) on this
     rank's partition (fp32 master weights, exp_avg and exp_avg_sq on offload_optimizer.nvme_path),
     and all-gathers the new weights into the parameters. Collective: every rank makes the same
     calls in the same order; every error is raised on every rank alike (zinf.errors).
 
     Parameters:
       params: model.named_parameters() (names are what checkpoints match on), or parameters
-        (named "param.<i>"), or one param group {"params": ...}. Parameters must be contiguous,
+        (named "param.<i>"), or param groups: dicts of "params" and any of "lr", "betas", "eps"
+        and "weight_decay" (the config's optimizer.params for the rest; the optimizer type,
+        adam_w_mode and amsgrad are the config's for every group). Parameters must be contiguous,
         on the CPU or a CUDA device, and float32, or float16 with the config's fp16.enabled, or
         bfloat16 with bf16.enabled. float32 CPU parameters are used in place (no copy of weights
         or gradients); CUDA and float16/bfloat16 parameters are staged through fp32 host
         buffers around every step (pinned for CUDA). Frozen parameters
-        (requires_grad False) are left out. Per-group hyper-parameters are not supported: the
-        config's optimizer applies to every parameter.
+        (requires_grad False) are left out. add_param_group raises ValueError: every group is
+        given here.
       config: a DeepSpeed config file path or dict. offload_optimizer.device must be "nvme".
       load: restore this checkpoint (a file, or a directory's `latest`) instead of the config's
         zinf.checkpoint.load ("latest", "auto", a path).
@@ -618,6 +665,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
       create_nvme_paths: create missing nvme_path directories (off: a missing one is an error).
       gradient_memory_limit: with zinf.swap_gradients, bytes of accumulated gradient kept in
         memory per rank before it is written behind to NVMe.
+      overlap_backward: hand each float32 CPU parameter's gradient to the engine from its
+        AccumulateGrad hook, as soon as the backward pass completes it, so that its
+        reduce-scatter (and with zinf.swap_gradients its write-behind) overlaps the rest of the
+        backward pass (docs/python.md, "Overlap"). Its .grad is then None until step() (the
+        engine owns the buffer), and a step's backward passes must be the config's
+        gradient_accumulation_steps (each is a micro-batch; losses not divided).
 
     Gradients: the engine reads them from fp32 buffers of its own; a float32 CPU parameter's
     .grad is a view of its buffer, kept for the optimizer's whole life (zero_grad zeroes it and
@@ -642,7 +695,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, config, *, load=None, metrics_path=None, total_steps=0,
                  progress=True, stop_signals=True, create_nvme_paths=False,
-                 gradient_memory_limit=256 << 20):
+                 gradient_memory_limit=256 << 20, overlap_backward=False):
         facts = zinf.init()
         self.rank = facts["rank"]
         self.world_size = facts["world_size"]
@@ -651,20 +704,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._last_checkpoint = None
         self._linear_patched = False
         problem = ""
+        self._constructing = True
         try:
-            named = self._named(params)
+            groups = self._groups(params)
             config_text, is_text = self._config(config)
-            super().__init__([p for _, p in named], {"lr": 0.0})
+            named = [(g, name, p) for g, (_, members) in enumerate(groups) for name, p in members]
+            super().__init__([dict(options, params=[p for _, p in members])
+                              for options, members in groups], {"lr": 0.0})
+            self._group_options = [options for options, _ in groups]
             # Stage 3: parameters partitioned by init() have no weights buffer, and then every
             # gradient is lent (handed to the engine as the backward pass completes it).
-            self._lent = any(_part(p) is not None for _, p in named)
-            self._params = [self._register(name, p, self._lent) for name, p in named]
-            for i, r in enumerate(self._params):
-                r.index = i
+            self._lent = any(_part(p) is not None for _, _, p in named)
+            self._params = [self._register(name, p, self._lent) for _, name, p in named]
+            for i, (r, (g, _, _)) in enumerate(zip(self._params, named)):
+                r.index, r.group = i, g
         except Exception as e:  # any local failure is agreed on, so that no rank waits alone
             problem = (str(e) if isinstance(e, (TypeError, ValueError))
                        else f"{type(e).__name__}: {e}")
+        self._constructing = False
         _zinf.agree("InvalidArgument", problem)
+        self.last_step_info = None
         self._options = {
             "metrics_path": "" if metrics_path is None else os.fspath(metrics_path),
             "total_steps": int(total_steps),
@@ -675,62 +734,85 @@ class ZeroOptimizer(torch.optim.Optimizer):
         }
         self._config_source = (config_text, is_text)
         self._open(None if load is None else os.fspath(load))
+        # Stage 1/2 with overlap_backward: each float32 CPU parameter's gradient goes to the
+        # engine from its AccumulateGrad hook (stage 3 always hands them so).
+        self._overlap = bool(overlap_backward) and not self._lent
         if self._lent:
             self._own_partitions()
+        elif self._overlap:
+            self._hook_gradients()
 
     # --- construction -------------------------------------------------------------------------
 
     @staticmethod
-    def _named(params):
+    def _groups(params):
+        """[(options, [(name, parameter), ...]) per param group] from `params`: parameters,
+        (name, parameter) pairs, or param group dicts; frozen parameters left out."""
         if isinstance(params, torch.Tensor):
             raise TypeError("params: expected an iterable of parameters or (name, parameter) "
                             "pairs, got a single tensor")
         items = list(params)
-        if len(items) == 1 and isinstance(items[0], dict):
-            group = items[0]
-            extra = sorted(set(group) - {"params"})
-            if extra:
-                raise ValueError(f"params: param group options {extra} are not supported; the "
-                                 "config's optimizer applies to every parameter")
-            items = list(group["params"])
-        named, seen = [], set()
-        for i, item in enumerate(items):
-            if isinstance(item, dict):
-                raise ValueError("params: several param groups are not supported; the config's "
-                                 "optimizer applies to every parameter")
-            if isinstance(item, tuple) and len(item) == 2:
-                name, p = item
-            else:
-                name, p = f"param.{i}", item
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"params: {name} is a {type(p).__name__}, not a tensor")
-            part = _part(p)
-            if part is not None and not p.requires_grad:
-                raise ValueError(f"parameter {name} is partitioned (built inside "
-                                 "zinf.torch.init) but does not require a gradient; freeze "
-                                 "parameters inside the module's __init__ (frozen ones stay "
-                                 "whole) or leave them trainable")
-            if not p.requires_grad:
-                continue  # frozen: not optimized
-            if part is not None and part.optimizer() is not None:
-                raise ValueError(f"parameter {name} is partitioned and belongs to another "
-                                 "ZeroOptimizer (close it first)")
-            if id(p) in seen:
-                raise ValueError(f"params: {name} is given twice")
-            seen.add(id(p))
-            if p.dtype != torch.float32 and p.dtype not in _HALF_DTYPES:
-                raise ValueError(f"parameter {name} is {p.dtype}; zinf steps float32 parameters, "
-                                 "float16 ones with the config's fp16.enabled and bfloat16 ones "
-                                 "with bf16.enabled (convert the model with model.float())")
-            if p.device.type not in ("cpu", "cuda"):
-                raise ValueError(f"parameter {name} is on {p.device}; zinf supports CPU and CUDA "
-                                 "parameters")
-            if part is None and not p.is_contiguous():
-                raise ValueError(f"parameter {name} is not contiguous")
-            named.append((str(name), p))
-        if not named:
+        dicts = [isinstance(item, dict) for item in items]
+        if any(dicts) and not all(dicts):
+            raise TypeError("params: a mix of param group dicts and parameters; pass either "
+                            "parameters or a list of param group dicts")
+        groups = items if items and all(dicts) else [{"params": items}]
+        out, seen, index = [], {}, 0
+        for g, group in enumerate(groups):
+            if "params" not in group:
+                raise ValueError(f"param group {g} has no 'params'")
+            unknown = sorted(set(group) - {"params", *_GROUP_KEYS}, key=str)
+            if unknown:
+                raise ValueError(f"param group {g}: unknown key(s) {unknown}; a group takes "
+                                 "'params', 'lr', 'betas', 'eps' and 'weight_decay' (the "
+                                 "optimizer type, adam_w_mode and amsgrad are the config's)")
+            options = {key: group[key] for key in _GROUP_KEYS if key in group}
+            problem = _hyper_problem(options, f"param group {g}")
+            if problem:
+                raise ValueError(problem)
+            if "betas" in options:
+                options["betas"] = tuple(float(b) for b in options["betas"])
+            members = group["params"]
+            members = [members] if isinstance(members, torch.Tensor) else list(members)
+            named = []
+            for item in members:
+                if isinstance(item, tuple) and len(item) == 2:
+                    name, p = item
+                else:
+                    name, p = f"param.{index}", item
+                index += 1
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"params: {name} is a {type(p).__name__}, not a tensor")
+                part = _part(p)
+                if part is not None and not p.requires_grad:
+                    raise ValueError(f"parameter {name} is partitioned (built inside "
+                                     "zinf.torch.init) but does not require a gradient; freeze "
+                                     "parameters inside the module's __init__ (frozen ones stay "
+                                     "whole) or leave them trainable")
+                if not p.requires_grad:
+                    continue  # frozen: not optimized
+                if part is not None and part.optimizer() is not None:
+                    raise ValueError(f"parameter {name} is partitioned and belongs to another "
+                                     "ZeroOptimizer (close it first)")
+                if id(p) in seen:
+                    raise ValueError(f"params: {name} is given twice" if seen[id(p)] == g else
+                                     f"params: {name} is in param groups {seen[id(p)]} and {g}")
+                seen[id(p)] = g
+                if p.dtype != torch.float32 and p.dtype not in _HALF_DTYPES:
+                    raise ValueError(f"parameter {name} is {p.dtype}; zinf steps float32 "
+                                     "parameters, float16 ones with the config's fp16.enabled "
+                                     "and bfloat16 ones with bf16.enabled (convert the model "
+                                     "with model.float())")
+                if p.device.type not in ("cpu", "cuda"):
+                    raise ValueError(f"parameter {name} is on {p.device}; zinf supports CPU and "
+                                     "CUDA parameters")
+                if part is None and not p.is_contiguous():
+                    raise ValueError(f"parameter {name} is not contiguous")
+                named.append((str(name), p))
+            out.append((options, named))
+        if not seen:
             raise ValueError("params: no parameter that requires a gradient")
-        return named
+        return out
 
     @staticmethod
     def _config(config):
@@ -782,7 +864,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             buffers.append((r.name, list(r.shape),
                             None if r.weights is None else r.weights.numpy(),
                             None if r.grads is None else r.grads.numpy(),
-                            shard, 0 if r.part is None else r.part.begin))
+                            shard, 0 if r.part is None else r.part.begin, r.group))
+        options["param_groups"] = self._group_options
         config_text, is_text = self._config_source
         self._engine = _zinf.Engine(config_text, is_text, buffers, options)
         settings = json.loads(self._engine.effective_config)
@@ -794,13 +877,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for r in self._params:
             if r.staged:  # the restored (or initial) weights into the parameter
                 r.param.data.copy_(r.weights, non_blocking=False)
+        # The config's scheduler block, if any, owns the groups' lr (and OneCycle's betas);
+        # without one the groups' values are the program's (torch's lr_scheduler, a hand-written
+        # warmup): every step takes them from param_groups.
+        self._scheduled = "scheduler" in settings
         optimizer = settings.get("optimizer", {}).get("params", {})
-        for group in self.param_groups:
-            group["lr"] = self._engine.next_lr
-            for key in ("betas", "eps", "weight_decay"):
-                if key in optimizer:
-                    group[key] = tuple(optimizer[key]) if key == "betas" else optimizer[key]
-        self._lr_set = self._engine.next_lr
+        self.defaults.update(lr=optimizer.get("lr", 1e-3),
+                             betas=tuple(optimizer.get("betas", (0.9, 0.999))),
+                             eps=optimizer.get("eps", 1e-8),
+                             weight_decay=optimizer.get("weight_decay", 0.0))
+        self._show_hyper_params()
 
     def _own_partitions(self):
         """Stage 3, once the engine holds the initial values: the partitioned parameters are
@@ -828,6 +914,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # forward and its backward no view keeps its whole weights alive.
         _patch_linear()
         self._linear_patched = True
+
+    def _hook_gradients(self):
+        """overlap_backward: a hook on each in-place parameter's AccumulateGrad node (staged
+        parameters are copied in at the step)."""
+        me = weakref.ref(self)
+        with torch.enable_grad():
+            for r in self._params:
+                if not r.staged:
+                    r.node = r.param.expand_as(r.param).grad_fn.next_functions[0][0]
+                    r.hook = r.node.register_hook(_on_registered_gradient(me, r))
+
+    def _hand_registered(self, r):
+        """overlap_backward: r's gradient of this backward pass to the engine (its registered
+        buffer: no copy), then .grad None while the engine owns the buffer. A second pass in one
+        step is the next micro-batch: the previous one is handed over first
+        (accumulate_gradients)."""
+        p, g = r.param, r.param.grad
+        if g is None:
+            return
+        engine = self._open_engine()
+        if r.handed:
+            # Every rank reaches this hook first in its next backward pass: collective.
+            engine.accumulate_gradients()
+            self._end_micro_batch()
+            p.grad = g  # this pass's gradient, in a tensor of its own (.grad was None)
+        if self._gradient_in(r):
+            return  # a .grad the step refuses: it raises there, on every rank
+        engine.gradient_ready(r.index)
+        r.handed = True
+        p.grad = None
 
     def _disown_partitions(self):
         """Before close (collective): each partitioned parameter gets this rank's shard of its
@@ -876,6 +992,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _end_micro_batch(self):
         for r in self._params:
+            if r.handed and self._overlap:  # the engine zeroed it: .grad is the buffer again
+                r.param.grad = r.grads.detach()
             r.handed = False
 
     def _check_precision(self, settings):
@@ -891,6 +1009,56 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 return (f"parameter {r.name} is {r.dtype}, but the config's {block}.enabled is "
                         f"not true: set \"{block}\": {{\"enabled\": true}} for {r.dtype} "
                         "parameters, or convert the model with model.float()")
+        return ""
+
+    # --- param groups ---------------------------------------------------------------------------
+
+    def add_param_group(self, param_group):
+        """Not supported after construction: the ZeRO partition, the swapped state and the
+        checkpoint layout are built for the parameters the optimizer was created with. Pass
+        every param group to ZeroOptimizer(...) (for a model that grew: a new optimizer).
+        Raises ValueError on every rank that calls it, changing nothing."""
+        if self._constructing:  # torch.optim.Optimizer.__init__ adds the constructor's groups
+            return super().add_param_group(param_group)
+        raise ValueError("ZeroOptimizer.add_param_group: parameters cannot join after the "
+                         "optimizer was created (its ZeRO partition and swapped state are laid "
+                         "out for the parameters it was created with); pass every param group "
+                         "to ZeroOptimizer(...)")
+
+    def _show_hyper_params(self):
+        """param_groups' lr, betas, eps and weight_decay from the engine: what the next step
+        uses (the config's scheduler's values, or the groups' own)."""
+        self._hyper_set = self._engine.hyper_params()
+        for group, values in zip(self.param_groups, self._hyper_set):
+            group.update(values)
+
+    def _hyper_values(self):
+        """The groups' values for the next step, as the engine takes them."""
+        def number(x):
+            return float(x.item() if isinstance(x, torch.Tensor) else x)
+        return [{"lr": number(g["lr"]), "betas": tuple(number(b) for b in g["betas"]),
+                 "eps": number(g["eps"]), "weight_decay": number(g["weight_decay"])}
+                for g in self.param_groups]
+
+    def _hyper_problem(self):
+        """What keeps the param_groups' values from the next step ("" if nothing): a value out
+        of range, or under the config's scheduler, a value written."""
+        if len(self.param_groups) != len(self._hyper_set):
+            return (f"param_groups has {len(self.param_groups)} groups, the optimizer was "
+                    f"created with {len(self._hyper_set)}; add_param_group is not supported")
+        for i, group in enumerate(self.param_groups):
+            problem = _hyper_problem({k: group.get(k) for k in _GROUP_KEYS}, f"param_groups[{i}]")
+            if problem:
+                return problem + " (as a learning-rate scheduler or the program set it)"
+        if self._scheduled:
+            for i, (have, shown) in enumerate(zip(self._hyper_values(), self._hyper_set)):
+                for key in _GROUP_KEYS:
+                    if have[key] != shown[key]:
+                        return (f"param_groups[{i}]['{key}'] was set to {have[key]}, but the "
+                                "config's scheduler block sets the learning rate (and OneCycle "
+                                "the betas): remove the scheduler from the config to schedule "
+                                "in the loop (torch.optim.lr_scheduler, a warmup of your own), "
+                                "or leave param_groups as the optimizer sets them")
         return ""
 
     # --- the loop -----------------------------------------------------------------------------
@@ -944,26 +1112,37 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                                       "FailedPrecondition")
         return self._engine
 
-    def _check_and_stage(self, call, loss=None):
+    def _check_and_stage(self, call, loss=None, hyper=False):
         """Local checks before the collective call `call`, agreed on every rank (and that every
         rank is in that call), with the gradients put into the registered buffers (CUDA: device
-        to pinned host). Returns `loss` as a float."""
+        to pinned host); with `hyper`, the param_groups' values checked and, without a config
+        scheduler, agreed on and handed to the engine for the step. Returns `loss` as a
+        float."""
         try:
             if isinstance(loss, torch.Tensor):
                 loss = float(loss.detach().float().mean())
             elif loss is not None:
                 loss = float(loss)
-            problem = self._stage()
+            problem = self._stage(hyper)
         except Exception as e:  # agreed below, so that no rank waits alone
             problem = f"{type(e).__name__}: {e}"
-        self._open_engine().agree(call, "FailedPrecondition", problem)
+        engine = self._open_engine()
+        engine.agree(call, "FailedPrecondition", problem)
+        if hyper and not self._scheduled:
+            values = self._hyper_values()
+            _zinf.agree_same(
+                "FailedPrecondition",
+                f"{call}: param_groups' lr, betas, eps or weight_decay differ from rank 0's (a "
+                "scheduler or a write that ran on some ranks only); every rank must step with the "
+                "same values", repr(values))
+            engine.set_hyper_params(values)
         return loss
 
-    def _stage(self):
-        for group in self.param_groups:
-            if group["lr"] != self._lr_set:
-                return (f"param_groups[...]['lr'] was set to {group['lr']}; the learning rate "
-                        "comes from the config's scheduler (read it, do not set it)")
+    def _stage(self, hyper=False):
+        if hyper:
+            problem = self._hyper_problem()
+            if problem:
+                return problem
         if self._lent:
             for r in self._params:
                 problem = self._parameter_problem(r)
@@ -978,8 +1157,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if r.part is not None and r.part.full and r.part.uses == 0:
                     _release(r.param)
             return ""
-        for r in self._params:
-            problem = self._parameter_problem(r) or self._gradient_in(r)
+        for r in self._params:  # handed ones (overlap_backward) are the engine's until the step
+            problem = self._parameter_problem(r) or ("" if r.handed else self._gradient_in(r))
             if problem:
                 return problem
         return ""
@@ -1057,27 +1236,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 r.param.data.copy_(r.weights, non_blocking=False)
                 if r.param.grad is not None:
                     r.param.grad.zero_()
-        self._lr_set = self._engine.next_lr
-        for group in self.param_groups:
-            group["lr"] = self._lr_set
+        if self._scheduled:
+            self._show_hyper_params()
 
     @torch.no_grad()
     def step(self, closure=None, *, loss=None):
-        """One optimizer step (collective) for the gradients in the parameters' .grad; returns a
-        StepInfo. `loss` (a number or a one-element tensor: this rank's loss, unscaled with
-        fp16) is for the log, the metrics and StepInfo.loss; with `closure` its return value is
-        the loss. With fp16 a gradient holding an Inf or NaN on some rank skips the step on
-        every rank (StepInfo.skipped: weights unchanged, gradients zeroed, loss scale adjusted).
-        Raises on every rank, with nothing stepped, for a non-finite loss, a non-finite gradient
-        norm without fp16, an fp16 overflow at fp16.min_loss_scale, a gradient that is zero on
-        every rank, or a parameter that changed since the optimizer was created."""
+        """One optimizer step (collective) for the gradients in the parameters' .grad, at the
+        param_groups' lr, betas, eps and weight_decay (or the config's scheduler's). Returns the
+        closure's loss with `closure` (as torch.optim), a StepInfo without one; the StepInfo is
+        also opt.last_step_info. `loss` (a number or a one-element tensor: this rank's loss,
+        unscaled with fp16) is for the log, the metrics and StepInfo.loss; with `closure` its
+        return value is that loss. With fp16 a gradient holding an Inf or NaN on some rank
+        skips the step on every rank (StepInfo.skipped: weights unchanged, gradients zeroed,
+        loss scale adjusted). Raises on every rank, with nothing stepped, for a non-finite loss,
+        a non-finite gradient norm without fp16, an fp16 overflow at fp16.min_loss_scale, a
+        gradient that is zero on every rank, a parameter that changed since the optimizer was
+        created, a param_groups value out of its range, written under a config scheduler, or
+        different on some rank."""
+        result = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                result = closure()
+            if loss is None:
+                loss = result
         engine = self._open_engine()
-        info = StepInfo(engine.step(self._check_and_stage("step()", loss)))
+        info = StepInfo(engine.step(self._check_and_stage("step()", loss, hyper=True)))
+        self.last_step_info = info
         self._after_step()
-        return info
+        return result if closure is not None else info
 
     @torch.no_grad()
     def accumulate_gradients(self):
@@ -1104,6 +1290,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for r in self._params:
                 r.param.grad = None
             return
+        if any(r.handed for r in self._params):
+            raise RuntimeError("zero_grad() after a backward pass with overlap_backward: the "
+                               "gradients went to the engine as the pass completed them and "
+                               "cannot be taken back; call step() first")
         for r in self._params:
             p, g = r.param, r.param.grad
             r.grads.zero_()
@@ -1136,7 +1326,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                               sort_keys=True)
         except Exception as e:  # TypeError, ValueError, RecursionError, ...
             problem, text = f"save_checkpoint: client_state is not JSON-serializable: {e}", "null"
+        # The groups' values as param_groups holds them now (a scheduler stepped after the last
+        # step has set the next step's): the checkpoint keeps them, as torch's state_dict.
+        problem = problem or self._hyper_problem()
         engine.agree("save_checkpoint()", "InvalidArgument", problem)
+        if not self._scheduled:
+            values = self._hyper_values()
+            _zinf.agree_same("InvalidArgument", "save_checkpoint: param_groups' lr, betas, eps or "
+                             "weight_decay differ from rank 0's", repr(values))
+            engine.set_hyper_params(values)
         _zinf.agree_same("InvalidArgument", "save_checkpoint: client_state differs from rank "
                          "0's; a checkpoint keeps one client_state: pass the same on every rank",
                          text)
@@ -1147,22 +1345,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_checkpoint(self, path):
         """Restores a checkpoint (a file, or a directory whose `latest` names one), saved on any
         number of ranks, into this optimizer and the parameters' weights; returns the
-        client_state that was saved with it (None if none). Collective. The parameters must be
-        the same (names and shapes) as when it was saved. The optimizer closes its engine and
-        reopens it from the file: after a failed load (a missing or corrupt file, other
-        parameters) the optimizer is closed, as the error says; create a new one
-        (ZeroOptimizer(..., load=path)) to go on."""
+        client_state that was saved with it (None if none). Collective, between steps. The
+        parameters and their groups must be the same (names, shapes, groups) as when it was
+        saved. It restores through the open engine: the file is read and verified whole before
+        anything changes, so a failed load (a missing or corrupt file, other parameters or
+        groups) raises on every rank and leaves the optimizer as it was. Without a config
+        scheduler param_groups get the saved values (lr, betas, eps, weight_decay), as torch's
+        load_state_dict."""
         path = os.fspath(path)
-        self._open_engine().close()
-        try:
-            self._open(path)
-        except zinf.ZinfError as e:
-            e.message += ("; load_checkpoint closed the optimizer to reopen it from the file, so "
-                          "it is closed now: create a new one to go on")
-            e.args = (e.message,)
-            raise
-        self._last_checkpoint = self._engine.resumed_from
-        return json.loads(self._engine.user_state)
+        engine = self._open_engine()
+        problem = ""
+        if self._lent:
+            held = [r.name for r in self._params if r.part is not None and r.part.uses > 0]
+            if held:
+                problem = (f"load_checkpoint: parameter {held[0]} is gathered (inside a forward "
+                           "pass or gathered()); load between steps")
+        engine.agree("load_checkpoint()", "FailedPrecondition", problem)
+        if self._lent:
+            for r in self._params:
+                r.param.grad = None
+                if r.part is not None and r.part.full:
+                    _release(r.param)  # its gathered copy is of the weights being replaced
+        engine.load(path)
+        for r in self._params:
+            if r.staged:  # the restored weights into the parameter
+                r.param.data.copy_(r.weights, non_blocking=False)
+        self._end_micro_batch()
+        self._show_hyper_params()
+        self._last_checkpoint = engine.resumed_from
+        return json.loads(engine.user_state)
 
     @property
     def resumed_from(self):
@@ -1178,12 +1389,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The optimizer's small metadata, not its state: the Adam state lives on NVMe and is
         never pulled into memory. The dict points at the checkpoint file last saved or loaded
         (call save_checkpoint first); load_state_dict restores from that file."""
+        groups, first = [], 0
+        for g in self.param_groups:  # torch's layout: parameters numbered across the groups
+            groups.append({k: v for k, v in g.items() if k != "params"}
+                          | {"params": list(range(first, first + len(g["params"])))})
+            first += len(g["params"])
         return {
             "state": {},
-            "param_groups": [
-                {k: v for k, v in g.items() if k != "params"}
-                | {"params": list(range(len(g["params"])))} for g in self.param_groups
-            ],
+            "param_groups": groups,
             "zinf": {
                 "checkpoint": self._last_checkpoint,
                 "step": self.global_step,
@@ -1193,7 +1406,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict):
-        """Restores from the checkpoint file a state_dict() points at (collective)."""
+        """Restores from the checkpoint file a state_dict() points at (collective, through the
+        open engine as load_checkpoint: a failure leaves the optimizer as it was), then the
+        param_groups' other keys (a scheduler's initial_lr, ...) and, without a config
+        scheduler, their values from the dict, as torch does."""
         meta = state_dict.get("zinf") if isinstance(state_dict, dict) else None
         problem = ""
         if not isinstance(meta, dict) or "checkpoint" not in meta:
@@ -1201,9 +1417,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         elif meta["checkpoint"] is None and meta.get("step", 0) != 0:
             problem = ("load_state_dict: the state_dict names no checkpoint file (save_checkpoint "
                        "was not called before state_dict)")
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if not problem and (not isinstance(groups, list) or not all(
+                isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+                or [len(g["params"]) for g in groups] != sizes):
+            problem = (f"load_state_dict: the state_dict's param_groups differ from this "
+                       f"optimizer's ({len(sizes)} group(s) of {sizes} parameters)")
         _zinf.agree("InvalidArgument", problem)
         if meta["checkpoint"] is not None:
             self.load_checkpoint(meta["checkpoint"])
+        # As torch: the groups' other keys (a scheduler's initial_lr, ...) and, without a
+        # config scheduler, their values come from the state_dict (the checkpoint's agree).
+        for group, saved in zip(self.param_groups, groups):
+            for key, value in saved.items():
+                if key != "params" and (key not in _GROUP_KEYS or not self._scheduled):
+                    group[key] = tuple(value) if key == "betas" else value
 
     # --- the end ------------------------------------------------------------------------------
 
@@ -1222,6 +1451,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._engine is not None and not self._engine.closed:
             if self._lent:
                 self._disown_partitions()
+            for r in self._params:
+                if r.hook is not None:
+                    r.hook.remove()
+                r.hook = r.node = None
             self._engine.close()
         if self._linear_patched:
             self._linear_patched = False
