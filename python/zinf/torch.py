@@ -17,8 +17,10 @@ launched with ``mpirun -np N python3 train.py`` (or ``zinf-run -np N -- python3 
 At ZeRO stage 3 the model is built inside ``with zinf.torch.init(config): model = MyModel()``
 (each rank keeps its shard of every parameter; the optimizer's hooks gather them around each
 module's forward and backward) and read whole inside ``zinf.torch.gathered(params)``.
-The config is a DeepSpeed JSON file or dict (docs/deepspeed-keys.md); the optimizer, learning-rate
-schedule, gradient clipping and batch sizes come from it. docs/python.md teaches the rest.
+The config is a DeepSpeed JSON file or dict (docs/deepspeed-keys.md); the optimizer, gradient
+clipping and batch sizes come from it. Param groups may give their own lr, betas, eps and
+weight_decay, and param_groups is what each step uses: torch's lr schedulers drive it (or the
+config's scheduler block does, not both). docs/python.md teaches the rest.
 """
 
 import contextlib

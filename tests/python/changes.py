@@ -15,7 +15,7 @@ gradient of each parameter at each step; in one run:
     p.grad.set_(t)), sparse; afterwards the optimizer steps on;
   - client_state: differing on ranks 1.. (rank 1 named) or on the last rank only (it named) is
     refused; the same dict in another key order is saved and loaded back; a failed
-    load_checkpoint says that it closed the optimizer, which then is closed;
+    load_checkpoint leaves the optimizer as it was (its step and client_state);
   - staged (bfloat16 parameters, bf16.enabled): float64, float32 and float16 .grad copied in
     (StepInfo.grad_norm of the mean gradient), a transposed .data and an int32 .grad refused,
     zero_grad turning a replaced .grad back into bfloat16 zeros.
@@ -220,11 +220,13 @@ def client_state(work, opt, rank, world):
     path = opt.save_checkpoint(ckpt, client_state=state)
     loaded = opt.load_checkpoint(path)
     agree_ok("client_state in another key order", "" if loaded == dict(items) else f"{loaded}")
-    expect_error("failed load_checkpoint", zinf.errors.NotFoundError,
-                 r"load_checkpoint closed the optimizer .*it is closed now",
+    # A failed load leaves the optimizer as it was (it restores through the open engine).
+    step = opt.global_step
+    expect_error("failed load_checkpoint", zinf.errors.NotFoundError, r"no checkpoint at",
                  lambda: opt.load_checkpoint(os.path.join(work, "missing")))
-    expect_error("after a failed load_checkpoint", zinf.errors.FailedPreconditionError,
-                 r"closed", lambda: opt.global_step)
+    agree_ok("after a failed load_checkpoint",
+             "" if opt.global_step == step and opt.client_state == dict(items)
+             else f"step {opt.global_step}, client_state {opt.client_state}")
 
 
 def staged(work, rank, world):
@@ -282,7 +284,8 @@ def main():
     replaced(model, opt, rank, world)
     refused(model, opt, rank, world)
     staged(work, rank, world)
-    client_state(work, opt, rank, world)  # the last: it leaves the optimizer closed
+    client_state(work, opt, rank, world)
+    opt.close()
     zinf.log("changes: OK")
 
 
