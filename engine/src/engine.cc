@@ -877,10 +877,7 @@ Status ZeroEngine::InitializeOrRestore() {
   }
   Status restored = path.empty() ? Initialize() : Restore(path, /*verify_before_write=*/false);
   ZINF_RETURN_IF_ERROR(restored);
-  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(
-      Annotate(ReadPartition(), resumed_from_.empty() ? "reading the initial weights back: "
-                                                      : "reading the restored weights back: ")));
-  ZINF_RETURN_IF_ERROR(GatherWholeWeights());
+  ZINF_RETURN_IF_ERROR(ReadBackWeights());
   // Rank 0 appends to the metrics of a resumed run and starts a fresh file otherwise.
   Status opened = OkStatus();
   if (world_.rank() == 0 && !options_.metrics_path.empty()) {
@@ -942,10 +939,10 @@ Status ZeroEngine::Restore(const std::string& path, bool verify_before_write) {
   // limits on a copy of the scaler.
   std::optional<TrainerState> trainer;
   LossScaler scaler = *s.scaler;
-  // One pass: every chunk is verified as it is read, and a bad file fails the restore on every
-  // rank before any step runs. The store was created empty for this engine and is discarded
-  // with it on error, so the verify-first pass (which keeps a live store untouched by reading
-  // the file twice) would only cost time.
+  // Create (verify_before_write false): one pass, every chunk verified as it is read, and a bad
+  // file fails the restore on every rank before any step runs; the store was created empty for
+  // this engine and is discarded with it on error, so a verify-first pass would only cost time.
+  // Load (true): the live store stays untouched unless the whole file verified (two reads).
   const swapper::CheckpointRestoreOptions restore_options{
       .verify_before_write = verify_before_write,
       .progress = options_.progress,
@@ -975,6 +972,15 @@ Status ZeroEngine::Restore(const std::string& path, bool verify_before_write) {
   ZINF_LOG_INFO("resumed from {} (step {}, saved on {} ranks, now {}) in {:.2f} s", restored.path,
                 restored.step, restored.world_size, world_.size(), restored.seconds);
   return OkStatus();
+}
+
+// After Initialize or Restore: the committed weights into the parameters, this rank's part
+// (ReadPartition, agreed) and then every rank's (GatherWholeWeights).
+Status ZeroEngine::ReadBackWeights() {
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(
+      Annotate(ReadPartition(), resumed_from_.empty() ? "reading the initial weights back: "
+                                                      : "reading the restored weights back: ")));
+  return GatherWholeWeights();
 }
 
 // This rank's committed fp32 weights from the swap store into its part of the parameters'
@@ -1756,9 +1762,7 @@ Status ZeroEngine::Load(const std::string& path) {
   s.NextStep();  // what is gathered or read ahead is of the weights about to be replaced
   // Verified whole before the live store is written: a bad file changes nothing.
   ZINF_RETURN_IF_ERROR(Restore(path, /*verify_before_write=*/true));
-  ZINF_RETURN_IF_ERROR(
-      comm().AgreeOnStatus(Annotate(ReadPartition(), "reading the restored weights back: ")));
-  ZINF_RETURN_IF_ERROR(GatherWholeWeights());
+  ZINF_RETURN_IF_ERROR(ReadBackWeights());
   s.io_mark = s.swapper->io_counters();
   s.last_step_end = MonotonicSeconds();
   return OkStatus();

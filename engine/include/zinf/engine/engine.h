@@ -467,6 +467,7 @@ class ZeroEngine {
   Status Initialize();
   Status Restore(const std::string& path, bool verify_before_write);
   Status ReadPartition();  // local
+  Status ReadBackWeights();
   // The updated partitions into the parameters kept whole (the loop's weights, persistent ones).
   Status GatherWholeWeights();
   // Gather's parts (engine.cc, "Stage 3").
