@@ -383,15 +383,8 @@ Status CpuAdam::Step(std::int64_t step, std::span<float> param, std::span<const 
       .bf16 = extras.bf16_param.empty() ? nullptr : extras.bf16_param.data(),
   };
   const StepKernel kernel = StepKernelFor(path_);
-  if (segments.size() == 1) {
-    const std::size_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
-    pool_->Run(chunks, [&](std::size_t c) {
-      const std::size_t begin = c * kChunkNumel;
-      kernel(segments[0].scalars, arrays, begin, std::min(n, begin + kChunkNumel));
-    });
-    return OkStatus();
-  }
-  // Chunks never cross a segment: each runs with one segment's scalars.
+  // Chunks of kChunkNumel elements that never cross a segment: each runs with one segment's
+  // scalars (one segment, from 0: the chunks of the whole span).
   struct Chunk {
     std::size_t segment, begin, end;
   };
