@@ -6,9 +6,10 @@
 //
 // Exit status: 0 on success; 1 when the checkpoint is bad (verify: the first problem is
 // printed) or cannot be read, or export's --out is refused (an existing file without --force;
-// anything but a regular file, /dev/null included: nothing is written); 2 on a usage error. Everything read from a file is treated as
-// hostile: sizes are range-checked before use, strings are escaped before they are printed.
-#include <dirent.h>
+// anything but a regular file, /dev/null included: nothing is written); 2 on a usage error.
+// Everything read from a file is treated as hostile: sizes are range-checked before use, strings
+// are escaped before they are printed.
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -30,6 +31,7 @@
 #include "zinf/core/units.h"
 #include "zinf/engine/trainer_state.h"
 #include "zinf/partition/layout.h"
+#include "zinf/storage/env.h"
 #include "zinf/storage/fs.h"
 #include "zinf/swapper/checkpoint.h"
 
@@ -65,29 +67,25 @@ int Fail(const zinf::Error& error) {
 // a link is shown as a link and never followed.
 void ListDirectory(const std::string& path) {
   constexpr std::size_t kMaxEntries = 1 << 20;
-  DIR* dir = ::opendir(path.c_str());
-  if (dir == nullptr) return;
+  zinf::storage::Env& env = zinf::storage::Env::Default();
+  zinf::Result<zinf::storage::UniqueFd> dir = zinf::storage::OpenDirectory(path);
+  std::vector<std::string> names;
+  if (!dir || env.ReadDir(dir->get(), kMaxEntries, &names) != 0) return;
   struct File {
     std::int64_t step;
     bool partial;
     std::string name;
   };
   std::vector<File> files;
-  std::size_t seen = 0;
-  bool truncated = false;
-  while (const dirent* entry = ::readdir(dir)) {
-    if (++seen > kMaxEntries) {
-      truncated = true;
-      break;
-    }
-    const std::string name = entry->d_name;
+  const bool truncated = names.size() > kMaxEntries;
+  if (truncated) names.resize(kMaxEntries);
+  for (const std::string& name : names) {
     if (auto step = zinf::swapper::ParseCheckpointFileName(name)) {
       files.push_back({*step, false, name});
     } else if (auto partial = zinf::swapper::ParseCheckpointFileName(name, ".partial")) {
       files.push_back({*partial, true, name});
     }
   }
-  ::closedir(dir);
   std::sort(files.begin(), files.end(), [](const File& a, const File& b) {
     return std::tie(a.step, a.partial) < std::tie(b.step, b.partial);
   });
@@ -95,7 +93,7 @@ void ListDirectory(const std::string& path) {
               truncated ? " (more than 1Mi entries: only the first were listed)" : "");
   for (const File& f : files) {
     struct stat st {};
-    const bool have = ::lstat((path + "/" + f.name).c_str(), &st) == 0;
+    const bool have = env.StatAt(dir->get(), f.name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
     const char* note = !have                  ? "  (vanished)"
                        : S_ISLNK(st.st_mode)  ? "  (a symbolic link: not a checkpoint)"
                        : !S_ISREG(st.st_mode) ? "  (not a regular file)"
@@ -108,7 +106,10 @@ void ListDirectory(const std::string& path) {
 
 int List(const std::string& path) {
   struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) ListDirectory(path);
+  if (zinf::storage::Env::Default().StatAt(AT_FDCWD, path.c_str(), &st, 0) == 0 &&
+      S_ISDIR(st.st_mode)) {
+    ListDirectory(path);
+  }
   zinf::Result<CheckpointInfo> info = zinf::swapper::ReadCheckpointInfo(path);
   if (!info) return Fail(info.error());
   const zinf::partition::ParamLayout& layout = *info->layout;

@@ -14,11 +14,16 @@ namespace {
 constexpr EnvVarInfo kKnown[] = {
     {"ZINF_LOG_LEVEL", "trace|debug|info|warn|error|off: the lowest level printed (default info)"},
     {"ZINF_LOG_ALL_RANKS", "1: every rank prints INFO/DEBUG lines, not only rank 0"},
-    {"ZINF_FAULT_INJECT", "fault injection rules for the I/O engines (README.md, Fault injection)"},
+    {"ZINF_FAULT_INJECT",
+     "fault injection rules for the I/O engines and file-system calls (README.md, Fault "
+     "injection)"},
     {"ZINF_IO_ENGINE", "uring|posix|auto: overrides zinf.io_engine"},
     {"ZINF_SIMD",
      "scalar|avx2|avx512: the widest CPU Adam kernel used, as if the CPU had no wider"},
     {"ZINF_TEST_TMPDIR", "tests: directory for scratch files (default: TMPDIR, else /tmp)"},
+    {"ZINF_REQUIRE",
+     "tests: capabilities (uring, odirect, tmpfs, h5dump) whose absence fails a test, not skips "
+     "it"},
     {"ZINF_MPIRUN", "launch/zinf-run: the mpirun to run (default: mpirun on PATH)"},
 };
 

@@ -9,24 +9,43 @@ namespace zinf {
 
 std::string_view ErrorCodeName(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kOk: return "Ok";
-    case ErrorCode::kUnavailable: return "Unavailable";
-    case ErrorCode::kNotFound: return "NotFound";
-    case ErrorCode::kAlreadyExists: return "AlreadyExists";
-    case ErrorCode::kInvalidArgument: return "InvalidArgument";
-    case ErrorCode::kFailedPrecondition: return "FailedPrecondition";
-    case ErrorCode::kResourceExhausted: return "ResourceExhausted";
-    case ErrorCode::kUnimplemented: return "Unimplemented";
-    case ErrorCode::kAborted: return "Aborted";
-    case ErrorCode::kDataLoss: return "DataLoss";
-    case ErrorCode::kInternal: return "Internal";
+    case ErrorCode::kOk:
+      return "Ok";
+    case ErrorCode::kUnavailable:
+      return "Unavailable";
+    case ErrorCode::kNotFound:
+      return "NotFound";
+    case ErrorCode::kAlreadyExists:
+      return "AlreadyExists";
+    case ErrorCode::kInvalidArgument:
+      return "InvalidArgument";
+    case ErrorCode::kFailedPrecondition:
+      return "FailedPrecondition";
+    case ErrorCode::kResourceExhausted:
+      return "ResourceExhausted";
+    case ErrorCode::kUnimplemented:
+      return "Unimplemented";
+    case ErrorCode::kAborted:
+      return "Aborted";
+    case ErrorCode::kDataLoss:
+      return "DataLoss";
+    case ErrorCode::kInternal:
+      return "Internal";
   }
   return "Unknown";
 }
 
+std::optional<ErrorCode> ErrorCodeNamed(std::string_view name) {
+  for (ErrorCode code : kErrorCodes) {
+    if (ErrorCodeName(code) == name) return code;
+  }
+  return std::nullopt;
+}
+
 ErrorCode ErrorCodeFromErrno(int err) {
   switch (err) {
-    case 0: return ErrorCode::kOk;
+    case 0:
+      return ErrorCode::kOk;
     case EAGAIN:
     case EINTR:
     case EBUSY:
@@ -135,7 +154,8 @@ Error ErrnoError(int err, std::string_view what, std::source_location loc) {
   char buf[256];
   // GNU strerror_r returns the message, which may or may not be in buf.
   const char* text = strerror_r(err, buf, sizeof buf);
-  return Error(ErrorCodeFromErrno(err), fmt::format("{}: {} (errno {})", what, text, err), err, loc);
+  return Error(ErrorCodeFromErrno(err), fmt::format("{}: {} (errno {})", what, text, err), err,
+               loc);
 }
 
 }  // namespace zinf

@@ -919,7 +919,7 @@ const std::vector<KeySpec>& EngineSchema() {
        .description = "Directory of step-<N>.h5 and latest; empty: no checkpoints"},
       {.path = "zinf.checkpoint.every",
        .field = Leaf<&T::zinf, &ZC::checkpoint, &C::every>(),
-       .description = "Steps between checkpoints",
+       .description = "Steps between checkpoints (StepInfo.checkpoint_due)",
        .range = AtLeast(1)},
       {.path = "zinf.checkpoint.keep_last",
        .field = Leaf<&T::zinf, &ZC::checkpoint, &C::keep_last>(),

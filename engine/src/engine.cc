@@ -1586,6 +1586,10 @@ Result<StepInfo> ZeroEngine::FinishStep(StepInfo info, bool skipped,
   }
   info.skipped_steps = skipped_steps_;
   info.next_loss_scale = s.scaler->scale();
+  const CheckpointConfig& cadence = config_.zinf.checkpoint;
+  info.checkpoint_due =
+      !cadence.dir.empty() &&
+      (info.step % cadence.every == 0 || info.step == options_.total_steps || info.stop_requested);
   const double now = MonotonicSeconds();
   const double step_seconds = now - s.last_step_end;
   const storage::SwapStore::IoCounters io_end = io.io_counters();
@@ -1667,24 +1671,8 @@ Status ZeroEngine::Report(const StepInfo& info) {
   }
   Status written = OkStatus();
   if (s.metrics) {
-    Json record = {{"step", info.step},
-                   {"loss", info.loss},
-                   {"lr", info.lr},
-                   {"grad_norm", info.grad_norm},
-                   {"step_seconds", info.step_seconds},
-                   {"optimizer_seconds", info.optimizer_seconds},
-                   {"swap_read_bytes", info.swap_read_bytes},
-                   {"swap_write_bytes", info.swap_write_bytes},
-                   {"optimizer_swap_read_bytes", info.optimizer_swap_read_bytes},
-                   {"optimizer_swap_write_bytes", info.optimizer_swap_write_bytes},
-                   {"read_bytes_per_element", info.read_bytes_per_element},
-                   {"write_bytes_per_element", info.write_bytes_per_element},
-                   {"peak_rss_bytes", info.peak_rss_bytes},
-                   {"loss_scale", info.loss_scale},
-                   {"skipped", info.skipped},
-                   {"skipped_steps", info.skipped_steps},
-                   {"world_size", world_.size()}};
-    if (info.stop_requested) record["stop_requested"] = true;
+    Json record = StepInfoJson(info);
+    record["world_size"] = world_.size();
     written = storage::WriteAll(s.metrics.get(), record.dump() + "\n",
                                 fmt::format("--metrics {}", options_.metrics_path));
   }

@@ -131,7 +131,6 @@ zinf::Status Train(const zinf::comm::Communicator& world, const std::string& con
                                          {.total_steps = last_step, .create_nvme_paths = true}));
 
   const int gas = static_cast<int>(config.gradient_accumulation_steps);
-  const std::int64_t every = config.zinf.checkpoint.every;
   const std::int64_t first_step = engine->step() + 1;
   double first_loss = 0, loss = 0;
   std::string checkpoint = engine->resumed_from();
@@ -151,8 +150,9 @@ zinf::Status Train(const zinf::comm::Communicator& world, const std::string& con
     ZINF_ASSIGN_OR_RETURN(zinf::engine::StepInfo info, engine->Step(rank_loss));
     if (step == first_step) first_loss = info.loss;
     loss = info.loss;
-    const bool last = step == last_step || info.stop_requested;
-    if (!config.zinf.checkpoint.dir.empty() && (last || (every > 0 && step % every == 0))) {
+    // Due every zinf.checkpoint.every steps, at total_steps and on a stop signal (when
+    // zinf.checkpoint.dir is set).
+    if (info.checkpoint_due) {
       ZINF_ASSIGN_OR_RETURN(zinf::engine::SavedCheckpointInfo saved,
                             engine->SaveCheckpoint({{"data_seed", "rank-step-micro"}}));
       checkpoint = saved.path;

@@ -46,7 +46,10 @@ def config(args):
         "zero_optimization": {"stage": 2, "sub_group_size": 100_000,
                               "offload_optimizer": {"device": "nvme",
                                                     "nvme_path": args.swap_dir}},
-        "zinf": {"checkpoint": {"keep_last": 2}},
+        # The engine keeps the cadence: StepInfo.checkpoint_due every `every` steps, at
+        # total_steps and on a stop signal.
+        "zinf": {"checkpoint": {"dir": args.checkpoint_dir, "every": args.checkpoint_every,
+                                "keep_last": 2}},
     } | (stage3(args) if args.stage3 else {})
 
 
@@ -199,9 +202,8 @@ def main():
         loss.backward()
         info = opt.step(loss=loss)
         opt.zero_grad()
-        last = step == args.steps or info.stop_requested
-        if step % args.checkpoint_every == 0 or last:
-            opt.save_checkpoint(args.checkpoint_dir, client_state={"step": step, "world": world})
+        if info.checkpoint_due:
+            opt.save_checkpoint(client_state={"step": step, "world": world})
         if step % args.checkpoint_every == 0 or step == args.steps:
             held_out = held_out_loss(model, test_text, args.context)
             zinf.log(f"step {step}: held-out loss {held_out:.4f}")

@@ -1,25 +1,27 @@
 # shellcheck shell=bash
 # Reading zinf-train's --metrics files from bash (sourced by launch/scaling.sh and the tests):
-# one flat JSON object of numbers per line, e.g. {"step":3,"loss":4.12,...}. Also the two small
-# helpers every script that turns them into figures needs: sizes and medians.
+# one flat JSON object per line, e.g. {"step":3,"loss":4.12,...}, read with Python's json module.
+# Also the two small helpers every script that turns them into figures needs: sizes and medians.
 
-# metric FILE KEY: "STEP VALUE" per line, VALUE as written in the JSON (raw text, so that exact
-# comparisons are string comparisons).
+# metric FILE KEY: "STEP VALUE" per line, VALUE as written in the JSON (the raw number text, so
+# that exact comparisons are string comparisons; true/false/null for those; empty when the line
+# has no KEY). A line that is not a JSON object is an error (status 1, the line named).
 metric() {
-  awk -v key="$2" '{
-    line = $0
-    gsub(/^[ \t]*\{|\}[ \t]*$/, "", line)
-    n = split(line, kv, ",")
-    step = ""; value = ""
-    for (i = 1; i <= n; ++i) {
-      colon = index(kv[i], ":")
-      k = substr(kv[i], 1, colon - 1); gsub(/[ \t"]/, "", k)
-      v = substr(kv[i], colon + 1); gsub(/^[ \t]+|[ \t]+$/, "", v)
-      if (k == "step") step = v
-      if (k == key) value = v
-    }
-    print step, value
-  }' "$1"
+  python3 - "$1" "$2" << 'EOF_METRIC'
+import json, sys
+path, key = sys.argv[1], sys.argv[2]
+def text(v):
+    return {True: "true", False: "false", None: "null"}.get(v, v) if not isinstance(v, str) else v
+with open(path, encoding="utf-8") as f:
+    for n, line in enumerate(f, 1):
+        try:
+            record = json.loads(line, parse_float=str, parse_int=str, parse_constant=str)
+        except ValueError:
+            sys.exit(f"{path}:{n}: not a JSON line")
+        if not isinstance(record, dict):
+            sys.exit(f"{path}:{n}: not a JSON object")
+        print(text(record.get("step", "")), text(record.get(key, "")))
+EOF_METRIC
 }
 
 # metric_after FILE KEY WARMUP: the values of KEY of the steps after the first WARMUP.

@@ -258,16 +258,13 @@ Result<TrainSummary> Run::Go() {
     ZINF_LOG_INFO("nothing to do: the checkpoint is at step {}, --steps is {}", start_step - 1,
                   last);
   }
-  const CheckpointConfig& ckpt = config_.zinf.checkpoint;
   const double loop_start = MonotonicSeconds();
   double loss = std::numeric_limits<double>::quiet_NaN();
   for (std::int64_t step = start_step; step <= last; ++step) {
     ZINF_ASSIGN_OR_RETURN(const engine::StepInfo info, Step(step));
     loss = info.loss;
     summary.last_step = step;
-    if (!ckpt.dir.empty() && (step % ckpt.every == 0 || step == last || info.stop_requested)) {
-      ZINF_RETURN_IF_ERROR(SaveCheckpoint(loss));
-    }
+    if (info.checkpoint_due) ZINF_RETURN_IF_ERROR(SaveCheckpoint(loss));
     if (charlm_ != nullptr && config_.steps_per_print > 0 &&
         (step % config_.steps_per_print == 0 || step == last) && world_.rank() == 0) {
       Result<double> eval = charlm_->EvalLoss(weights_, *data_, kEvalExamples);
@@ -276,10 +273,9 @@ Result<TrainSummary> Run::Go() {
     if (info.stop_requested) {
       summary.interrupted = true;
       summary.signal = info.stop_signal;
-      ZINF_LOG_WARN("stopping after step {}: signal received on some rank{}", step,
-                    last_checkpoint_step_ == step ? fmt::format(" (checkpoint {})",
-                                                                last_checkpoint_)
-                                                  : "");
+      ZINF_LOG_WARN(
+          "stopping after step {}: signal received on some rank{}", step,
+          last_checkpoint_step_ == step ? fmt::format(" (checkpoint {})", last_checkpoint_) : "");
       break;
     }
   }
@@ -310,9 +306,10 @@ Status Run::Finish(const TrainSummary& summary) {
     if (sample) ZINF_LOG_INFO("sample (temperature 0.8) after \"The \":\nThe {}", *sample);
   }
   if (!last_checkpoint_.empty()) {
-    ZINF_LOG_INFO("last checkpoint: {} (inspect: zinf-ckpt ls {}; resume: --resume latest "
-                  "--checkpoint-dir {})",
-                  last_checkpoint_, last_checkpoint_, config_.zinf.checkpoint.dir);
+    ZINF_LOG_INFO(
+        "last checkpoint: {} (inspect: zinf-ckpt ls {}; resume: --resume latest "
+        "--checkpoint-dir {})",
+        last_checkpoint_, last_checkpoint_, config_.zinf.checkpoint.dir);
   }
   return engine_->Close();
 }
@@ -334,8 +331,8 @@ Result<TrainConfig> BuildTrainConfig(const comm::Communicator& world,
     }
     return Annotate(ParseTrainConfig(text, ctx, overrides), where);
   }();
-  ZINF_RETURN_IF_ERROR(world.AgreeOnStatus(config.has_value() ? OkStatus()
-                                                              : Status(config.error())));
+  ZINF_RETURN_IF_ERROR(
+      world.AgreeOnStatus(config.has_value() ? OkStatus() : Status(config.error())));
   ZINF_RETURN_IF_ERROR(engine::CheckSameConfigOnAllRanks(world, *config));
   return config;
 }

@@ -68,10 +68,7 @@ T Value(Result<T> result) {
 }
 
 ErrorCode CodeNamed(const std::string& name) {
-  for (int i = 1; i <= static_cast<int>(ErrorCode::kInternal); ++i) {
-    if (ErrorCodeName(static_cast<ErrorCode>(i)) == name) return static_cast<ErrorCode>(i);
-  }
-  return ErrorCode::kInvalidArgument;
+  return ErrorCodeNamed(name).value_or(ErrorCode::kInvalidArgument);
 }
 
 // A local problem as a Status: OK when `message` is empty.
@@ -180,28 +177,12 @@ std::int64_t NumelOf(const std::vector<std::int64_t>& shape) {
   return numel;
 }
 
+// Every StepInfo field (engine/step_info.h: the one list the metrics file uses too).
 py::dict StepInfoDict(const engine::StepInfo& info) {
   py::dict d;
-  d["step"] = info.step;
-  d["lr"] = info.lr;
-  d["loss"] = info.loss;
-  d["grad_norm"] = info.grad_norm;
-  d["clipped"] = info.clipped;
-  d["loss_scale"] = info.loss_scale;
-  d["next_loss_scale"] = info.next_loss_scale;
-  d["skipped"] = info.skipped;
-  d["skipped_steps"] = info.skipped_steps;
-  d["step_seconds"] = info.step_seconds;
-  d["optimizer_seconds"] = info.optimizer_seconds;
-  d["swap_read_bytes"] = info.swap_read_bytes;
-  d["swap_write_bytes"] = info.swap_write_bytes;
-  d["optimizer_swap_read_bytes"] = info.optimizer_swap_read_bytes;
-  d["read_bytes_per_element"] = info.read_bytes_per_element;
-  d["write_bytes_per_element"] = info.write_bytes_per_element;
-  d["optimizer_swap_write_bytes"] = info.optimizer_swap_write_bytes;
-  d["peak_rss_bytes"] = info.peak_rss_bytes;
-  d["stop_requested"] = info.stop_requested;
-  d["stop_signal"] = info.stop_signal;
+  engine::ForEachStepInfoField(info, [&d](std::string_view name, const auto& value) {
+    d[py::str(name.data(), name.size())] = value;
+  });
   return d;
 }
 
@@ -698,6 +679,20 @@ PYBIND11_MODULE(_zinf, m) {
   m.def("init", &zinf::python::Init, "Initializes or adopts MPI; returns the rank facts.");
   // Stage 3's shard rule (engine.h): zinf.torch.init partitions before any engine exists.
   m.attr("PARTITION_ALIGNMENT") = zinf::engine::kPartitionAlignmentElems;
+  // The keys of Engine.step()'s dict, in order (zinf.torch.StepInfo's attributes).
+  py::tuple step_fields(zinf::engine::StepInfoFieldNames().size());
+  for (std::size_t i = 0; i < step_fields.size(); ++i) {
+    const std::string_view name = zinf::engine::StepInfoFieldNames()[i];
+    step_fields[i] = py::str(name.data(), name.size());
+  }
+  m.attr("STEP_INFO_FIELDS") = step_fields;
+  // The names of the error codes (core/status.h), each one a class of zinf.errors.
+  py::tuple codes(zinf::kErrorCodes.size());
+  for (std::size_t i = 0; i < codes.size(); ++i) {
+    const std::string_view name = zinf::ErrorCodeName(zinf::kErrorCodes[i]);
+    codes[i] = py::str(name.data(), name.size());
+  }
+  m.attr("ERROR_CODES") = codes;
   m.def("finalize", &zinf::python::Finalize,
         "Closes the open engines and finalizes MPI if init() initialized it.");
   m.def("agree", &zinf::python::Agree, py::arg("code"), py::arg("message"),

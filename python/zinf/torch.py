@@ -53,19 +53,17 @@ class StepInfo:
     one for the next step: ZeroOptimizer.loss_scale), skipped (fp16: an Inf or NaN in the
     gradient on some rank skipped the step: no weight changed, no swap I/O, the schedule did not
     advance), skipped_steps (skipped steps so far, this one included), step_seconds and
-    optimizer_seconds (slowest rank), swap_read_bytes and
-    swap_write_bytes (all ranks, since the previous step), read_bytes_per_element and
-    write_bytes_per_element (the optimizer step's swap bytes per parameter element: about 12 with
-    zinf.optimizer_state fp32, about 6 with q8), peak_rss_bytes (largest rank),
-    stop_requested (a stop signal arrived on some rank) and stop_signal (this rank's, 0 if none).
+    optimizer_seconds (slowest rank), swap_read_bytes and swap_write_bytes (all ranks, since the
+    previous step), optimizer_swap_read_bytes and optimizer_swap_write_bytes (their part inside
+    the optimizer step), read_bytes_per_element and write_bytes_per_element (the optimizer step's
+    swap bytes per parameter element: about 12 with zinf.optimizer_state fp32, about 6 with q8),
+    peak_rss_bytes (largest rank), stop_requested (a stop signal arrived on some rank),
+    stop_signal (this rank's, 0 if none) and checkpoint_due (zinf.checkpoint.dir is set and this
+    step is a multiple of zinf.checkpoint.every, total_steps, or stop_requested: save now).
     """
 
-    __slots__ = ("step", "lr", "loss", "grad_norm", "clipped", "loss_scale", "next_loss_scale",
-                 "skipped", "skipped_steps", "step_seconds",
-                 "optimizer_seconds", "swap_read_bytes", "swap_write_bytes",
-                 "optimizer_swap_read_bytes", "optimizer_swap_write_bytes",
-                 "read_bytes_per_element", "write_bytes_per_element", "peak_rss_bytes",
-                 "stop_requested", "stop_signal")
+    # The engine's one list of fields (engine/step_info.h), also the metrics file's keys.
+    __slots__ = _zinf.STEP_INFO_FIELDS
 
     def __init__(self, fields):
         for key in self.__slots__:

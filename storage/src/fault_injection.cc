@@ -26,8 +26,9 @@ std::string_view Trim(std::string_view text) {
 
 Error BadToken(std::string_view token, std::string_view why) {
   return InvalidArgumentError(fmt::format(
-      "fault injection spec: bad token '{}': {} (expected OP:N[+]:KIND with OP read|write|any, "
-      "N >= 1, KIND eio|enospc|eagain|eintr|short; or rank=R)",
+      "fault injection spec: bad token '{}': {} (expected OP:N[+]:KIND with OP read|write|any "
+      "or an Env call (open|stat|mkdir|rename|unlink|fsync|fallocate|fwrite|fread|statfs|"
+      "readdir|close), N >= 1, KIND eio|enospc|eagain|eintr|short; or rank=R)",
       token, why));
 }
 
@@ -37,7 +38,44 @@ bool ParseUint(std::string_view text, std::uint64_t* value) {
   return ec == std::errc() && ptr == text.data() + text.size();
 }
 
+std::optional<FsOp> FsOpNamed(std::string_view name) {
+  for (int i = 0; i < kNumFsOps; ++i) {
+    if (FsOpName(static_cast<FsOp>(i)) == name) return static_cast<FsOp>(i);
+  }
+  return std::nullopt;
+}
+
 }  // namespace
+
+std::string_view FsOpName(FsOp op) {
+  switch (op) {
+    case FsOp::kOpen:
+      return "open";
+    case FsOp::kStat:
+      return "stat";
+    case FsOp::kMkdir:
+      return "mkdir";
+    case FsOp::kRename:
+      return "rename";
+    case FsOp::kUnlink:
+      return "unlink";
+    case FsOp::kFsync:
+      return "fsync";
+    case FsOp::kFallocate:
+      return "fallocate";
+    case FsOp::kWrite:
+      return "fwrite";
+    case FsOp::kRead:
+      return "fread";
+    case FsOp::kStatFs:
+      return "statfs";
+    case FsOp::kReadDir:
+      return "readdir";
+    case FsOp::kClose:
+      return "close";
+  }
+  return "unknown";
+}
 
 std::string_view FaultKindName(FaultKind kind) {
   switch (kind) {
@@ -89,6 +127,8 @@ Result<FaultSpec> ParseFaultSpec(std::string_view text) {
       rule.op = IoOp::kRead;
     } else if (op == "write") {
       rule.op = IoOp::kWrite;
+    } else if (std::optional<FsOp> fs_op = FsOpNamed(op)) {
+      rule.fs_op = fs_op;
     } else if (op != "any") {
       return BadToken(token, fmt::format("unknown op '{}'", op));
     }
@@ -112,6 +152,9 @@ Result<FaultSpec> ParseFaultSpec(std::string_view text) {
     } else {
       return BadToken(token, fmt::format("unknown kind '{}'", kind));
     }
+    if (rule.kind == FaultKind::kShort && rule.fs_op && *rule.fs_op != FsOp::kWrite) {
+      return BadToken(token, fmt::format("'short' applies to transfers and fwrite, not {}", op));
+    }
     spec.rules.push_back(rule);
   }
   if (spec.rules.empty()) return InvalidArgumentError("fault injection spec has no rule");
@@ -122,8 +165,11 @@ std::string FormatFaultSpec(const FaultSpec& spec) {
   std::string out;
   for (const FaultRule& rule : spec.rules) {
     if (!out.empty()) out += ',';
-    out += fmt::format("{}:{}{}:{}", rule.op ? IoOpName(*rule.op) : "any", rule.nth,
-                       rule.and_later ? "+" : "", FaultKindName(rule.kind));
+    const std::string_view op = rule.fs_op ? FsOpName(*rule.fs_op)
+                                : rule.op  ? IoOpName(*rule.op)
+                                           : "any";
+    out += fmt::format("{}:{}{}:{}", op, rule.nth, rule.and_later ? "+" : "",
+                       FaultKindName(rule.kind));
   }
   if (spec.rank >= 0) out += fmt::format(",rank={}", spec.rank);
   return out;
@@ -137,7 +183,7 @@ std::int64_t FaultInjector::Apply(IoOp op, std::int64_t result, std::uint64_t al
       (op == IoOp::kRead ? reads_ : writes_).fetch_add(1, std::memory_order_relaxed) + 1;
   const std::uint64_t any_count = any_.fetch_add(1, std::memory_order_relaxed) + 1;
   for (const FaultRule& rule : spec_.rules) {
-    if (rule.op.has_value() && *rule.op != op) continue;
+    if (rule.fs_op.has_value() || (rule.op.has_value() && *rule.op != op)) continue;
     const std::uint64_t count = rule.op.has_value() ? op_count : any_count;
     if (count != rule.nth && !(rule.and_later && count > rule.nth)) continue;
     std::int64_t rewritten = result;
@@ -171,6 +217,36 @@ std::int64_t FaultInjector::Apply(IoOp op, std::int64_t result, std::uint64_t al
     return rewritten;
   }
   return result;
+}
+
+int FaultInjector::ApplyFs(FsOp op) {
+  if (spec_.rank >= 0 && ProcessRank() != spec_.rank) return 0;
+  const std::uint64_t count =
+      fs_calls_[static_cast<int>(op)].fetch_add(1, std::memory_order_relaxed) + 1;
+  for (const FaultRule& rule : spec_.rules) {
+    if (rule.fs_op != op) continue;
+    if (count != rule.nth && !(rule.and_later && count > rule.nth)) continue;
+    injected_.fetch_add(1, std::memory_order_relaxed);
+    ZINF_LOG_DEBUG("fault injection: {} #{} ({})", FsOpName(op), count, FaultKindName(rule.kind));
+    switch (rule.kind) {
+      case FaultKind::kEio:
+        return EIO;
+      case FaultKind::kEnospc:
+        return ENOSPC;
+      case FaultKind::kEagain:
+        return EAGAIN;
+      case FaultKind::kEintr:
+        return EINTR;
+      case FaultKind::kShort:
+        return -1;
+    }
+  }
+  return 0;
+}
+
+bool FaultInjector::has_fs_rules() const {
+  return std::any_of(spec_.rules.begin(), spec_.rules.end(),
+                     [](const FaultRule& rule) { return rule.fs_op.has_value(); });
 }
 
 Result<std::shared_ptr<FaultInjector>> FaultInjectorFromEnv() {

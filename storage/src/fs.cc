@@ -12,6 +12,8 @@
 
 #include <fmt/format.h>
 
+#include "zinf/storage/env.h"
+
 namespace zinf::storage {
 namespace {
 
@@ -37,7 +39,8 @@ Error OpenError(int err, int dir_fd, const std::string& name, const std::string&
                 Follow follow, std::string_view what) {
   if (follow == Follow::kNo && (err == ELOOP || err == ENOTDIR || err == EEXIST)) {
     struct stat st {};
-    if (::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode)) {
+    if (Env::Default().StatAt(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISLNK(st.st_mode)) {
       return Error(ErrorCode::kFailedPrecondition,
                    fmt::format("{} {}: is a symbolic link; refusing to follow it", what, display),
                    ELOOP);
@@ -82,13 +85,13 @@ UniqueFd::~UniqueFd() { Reset(); }
 int UniqueFd::Release() { return std::exchange(fd_, -1); }
 
 void UniqueFd::Reset(int fd) {
-  if (fd_ >= 0) ::close(fd_);
+  if (fd_ >= 0) Env::Default().Close(fd_);  // errors ignored: Close() reports them
   fd_ = fd;
 }
 
 Status UniqueFd::Close(std::string_view what) {
   if (fd_ < 0) return OkStatus();
-  if (::close(std::exchange(fd_, -1)) != 0 && errno != EINTR) {
+  if (Env::Default().Close(std::exchange(fd_, -1)) != 0 && errno != EINTR) {
     return ErrnoError(errno, fmt::format("close {}", what));
   }
   return OkStatus();
@@ -122,7 +125,7 @@ Error NotRegularError(std::string_view what, const std::string& display, mode_t 
 Result<bool> ReplaceableAt(int dir_fd, const std::string& name, const std::string& display,
                            bool links_too) {
   struct stat st {};
-  if (::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+  if (Env::Default().StatAt(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
     if (errno == ENOENT) return false;
     return ErrnoError(errno, fmt::format("stat {}", display));
   }
@@ -138,8 +141,9 @@ Result<bool> ReplaceableAt(int dir_fd, const std::string& name, const std::strin
 Result<UniqueFd> CreateExclusiveAt(int dir_fd, const std::string& name, const std::string& display,
                                    int flags, unsigned mode) {
   const int fd = Retried([&] {
-    return ::openat(dir_fd, name.c_str(), flags | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY,
-                    static_cast<mode_t>(mode));
+    return Env::Default().OpenAt(dir_fd, name.c_str(),
+                                 flags | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY,
+                                 static_cast<mode_t>(mode));
   });
   if (fd < 0) return OpenError(errno, dir_fd, name, display, Follow::kNo, "create");
   return UniqueFd(fd);
@@ -153,15 +157,17 @@ Result<UniqueFd> ReopenRegular(const UniqueFd& path_fd, const struct stat& seen,
                                Follow follow) {
   flags |= O_CLOEXEC | O_NOCTTY | O_NONBLOCK;
   const std::string proc = fmt::format("/proc/self/fd/{}", path_fd.get());
-  int fd = Retried([&] { return ::open(proc.c_str(), flags); });
+  int fd = Retried([&] { return Env::Default().OpenAt(AT_FDCWD, proc.c_str(), flags, 0); });
   if (fd < 0 && errno == ENOENT) {
     if (follow == Follow::kNo) flags |= O_NOFOLLOW;
-    fd = Retried([&] { return ::openat(dir_fd, name.c_str(), flags); });
+    fd = Retried([&] { return Env::Default().OpenAt(dir_fd, name.c_str(), flags, 0); });
   }
   if (fd < 0) return OpenError(errno, dir_fd, name, display, follow, "open");
   UniqueFd owned(fd);
   struct stat st {};
-  if (::fstat(fd, &st) != 0) return ErrnoError(errno, fmt::format("fstat {}", display));
+  if (Env::Default().StatAt(fd, "", &st, AT_EMPTY_PATH) != 0) {
+    return ErrnoError(errno, fmt::format("fstat {}", display));
+  }
   if (st.st_dev != seen.st_dev || st.st_ino != seen.st_ino || !S_ISREG(st.st_mode)) {
     return Error(ErrorCode::kFailedPrecondition,
                  fmt::format("open {}: replaced by something else while being opened", display),
@@ -184,13 +190,15 @@ Result<UniqueFd> OpenFileAt(int dir_fd, const std::string& name, const std::stri
   // A name that appears between the look and the exclusive create is looked at again.
   for (int attempt = 0;; ++attempt) {
     const int path_fd = Retried([&] {
-      return ::openat(dir_fd, name.c_str(),
-                      O_PATH | O_CLOEXEC | (follow == Follow::kNo ? O_NOFOLLOW : 0));
+      return Env::Default().OpenAt(
+          dir_fd, name.c_str(), O_PATH | O_CLOEXEC | (follow == Follow::kNo ? O_NOFOLLOW : 0), 0);
     });
     if (path_fd >= 0) {
       UniqueFd looked_at(path_fd);
       struct stat st {};
-      if (::fstat(path_fd, &st) != 0) return ErrnoError(errno, fmt::format("fstat {}", display));
+      if (Env::Default().StatAt(path_fd, "", &st, AT_EMPTY_PATH) != 0) {
+        return ErrnoError(errno, fmt::format("fstat {}", display));
+      }
       if (!S_ISREG(st.st_mode)) return NotRegularError("open", display, st.st_mode);
       return ReopenRegular(looked_at, st, dir_fd, name, display, flags & ~O_CREAT, follow);
     }
@@ -211,25 +219,25 @@ Result<UniqueFd> OpenDirectoryAt(int dir_fd, const std::string& name, const std:
   if (follow == Follow::kNo) flags |= O_NOFOLLOW;
   int fd;
   do {
-    fd = ::openat(dir_fd, name.c_str(), flags);
+    fd = Env::Default().OpenAt(dir_fd, name.c_str(), flags, 0);
   } while (fd < 0 && errno == EINTR);
   if (fd >= 0) return UniqueFd(fd);
   const int err = errno;
   if (err == ENOTDIR || err == ELOOP) {
     struct stat st {};
     const int at_flags = follow == Follow::kNo ? AT_SYMLINK_NOFOLLOW : 0;
-    if (::fstatat(dir_fd, name.c_str(), &st, at_flags) == 0) {
+    if (Env::Default().StatAt(dir_fd, name.c_str(), &st, at_flags) == 0) {
       if (S_ISLNK(st.st_mode)) {
-        return Error(ErrorCode::kFailedPrecondition,
-                     fmt::format("open directory {}: is a symbolic link; refusing to follow it",
-                                 display),
-                     ELOOP);
+        return Error(
+            ErrorCode::kFailedPrecondition,
+            fmt::format("open directory {}: is a symbolic link; refusing to follow it", display),
+            ELOOP);
       }
       if (!S_ISDIR(st.st_mode)) {
-        return Error(ErrorCode::kFailedPrecondition,
-                     fmt::format("open directory {}: {}, not a directory", display,
-                                 TypeName(st.st_mode)),
-                     ENOTDIR);
+        return Error(
+            ErrorCode::kFailedPrecondition,
+            fmt::format("open directory {}: {}, not a directory", display, TypeName(st.st_mode)),
+            ENOTDIR);
       }
     }
   }
@@ -238,12 +246,13 @@ Result<UniqueFd> OpenDirectoryAt(int dir_fd, const std::string& name, const std:
 
 // ---- Reading ----
 
-Result<std::string> ReadSmallFileAt(int dir_fd, const std::string& name,
-                                    const std::string& display, std::uint64_t max_bytes,
-                                    Follow follow) {
+Result<std::string> ReadSmallFileAt(int dir_fd, const std::string& name, const std::string& display,
+                                    std::uint64_t max_bytes, Follow follow) {
   ZINF_ASSIGN_OR_RETURN(UniqueFd fd, OpenFileAt(dir_fd, name, display, FileAccess::kRead, follow));
   struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return ErrnoError(errno, fmt::format("fstat {}", display));
+  if (Env::Default().StatAt(fd.get(), "", &st, AT_EMPTY_PATH) != 0) {
+    return ErrnoError(errno, fmt::format("fstat {}", display));
+  }
   auto too_large = [&] {
     return InvalidArgumentError(
         fmt::format("{}: larger than {} bytes; not read", display, max_bytes));
@@ -253,7 +262,7 @@ Result<std::string> ReadSmallFileAt(int dir_fd, const std::string& name,
   text.reserve(static_cast<std::size_t>(st.st_size));
   char buffer[1 << 16];
   for (;;) {
-    const ssize_t n = ::read(fd.get(), buffer, sizeof(buffer));
+    const ssize_t n = Env::Default().Read(fd.get(), buffer, sizeof(buffer));
     if (n < 0) {
       if (errno == EINTR) continue;
       return ErrnoError(errno, fmt::format("read {}", display));
@@ -265,8 +274,7 @@ Result<std::string> ReadSmallFileAt(int dir_fd, const std::string& name,
   return text;
 }
 
-Result<std::string> ReadSmallFile(const std::string& path, std::uint64_t max_bytes,
-                                  Follow follow) {
+Result<std::string> ReadSmallFile(const std::string& path, std::uint64_t max_bytes, Follow follow) {
   return ReadSmallFileAt(AT_FDCWD, path, path, max_bytes, follow);
 }
 
@@ -274,7 +282,7 @@ Result<std::string> ReadSmallFile(const std::string& path, std::uint64_t max_byt
 
 Status WriteAll(int fd, std::span<const std::byte> bytes, std::string_view what) {
   while (!bytes.empty()) {
-    const ssize_t n = ::write(fd, bytes.data(), bytes.size());
+    const ssize_t n = Env::Default().Write(fd, bytes.data(), bytes.size());
     if (n < 0) {
       if (errno == EINTR) continue;
       return ErrnoError(errno, fmt::format("write {}", what));
@@ -288,9 +296,10 @@ Status WriteAll(int fd, std::span<const std::byte> bytes, std::string_view what)
 Status SyncFd(int fd, bool data_only, std::string_view what) {
   int rc;
   do {
-    rc = data_only ? ::fdatasync(fd) : ::fsync(fd);
+    rc = Env::Default().Sync(fd, data_only);
   } while (rc != 0 && errno == EINTR);
-  if (rc != 0) return ErrnoError(errno, fmt::format("{} {}", data_only ? "fdatasync" : "fsync", what));
+  if (rc != 0)
+    return ErrnoError(errno, fmt::format("{} {}", data_only ? "fdatasync" : "fsync", what));
   return OkStatus();
 }
 
@@ -307,19 +316,19 @@ Status WriteFileAtomicAt(int dir_fd, const std::string& dir_display, const std::
   ZINF_RETURN_IF_ERROR(CheckReplaceableAt(dir_fd, name, final_display));
   ZINF_ASSIGN_OR_RETURN(const bool stale,
                         ReplaceableAt(dir_fd, temp, temp_display, /*links_too=*/true));
-  if (stale && ::unlinkat(dir_fd, temp.c_str(), 0) != 0 && errno != ENOENT) {
+  if (stale && Env::Default().UnlinkAt(dir_fd, temp.c_str(), 0) != 0 && errno != ENOENT) {
     return ErrnoError(errno, fmt::format("remove stale {}", temp_display));
   }
-  ZINF_ASSIGN_OR_RETURN(UniqueFd fd, OpenFileAt(dir_fd, temp, temp_display,
-                                                FileAccess::kCreateNew, Follow::kNo, mode));
+  ZINF_ASSIGN_OR_RETURN(UniqueFd fd, OpenFileAt(dir_fd, temp, temp_display, FileAccess::kCreateNew,
+                                                Follow::kNo, mode));
   Status written = WriteAll(fd.get(), contents, temp_display);
   if (written) written = SyncFd(fd.get(), /*data_only=*/false, temp_display);
   if (written) written = fd.Close(temp_display);
-  if (written && ::renameat(dir_fd, temp.c_str(), dir_fd, name.c_str()) != 0) {
+  if (written && Env::Default().RenameAt(dir_fd, temp.c_str(), dir_fd, name.c_str(), 0) != 0) {
     written = ErrnoError(errno, fmt::format("rename {} -> {}", temp_display, final_display));
   }
   if (!written) {
-    ::unlinkat(dir_fd, temp.c_str(), 0);
+    Env::Default().UnlinkAt(dir_fd, temp.c_str(), 0);
     return written;
   }
   return SyncFd(dir_fd, /*data_only=*/false, dir_display);
@@ -369,7 +378,8 @@ Status CheckFinalPath(const std::string& final_path, Overwrite overwrite) {
 // RENAME_NOREPLACE relies on the CheckFinalPath just before.
 Status RenameOutput(const std::string& from, const std::string& to, Overwrite overwrite) {
   if (overwrite == Overwrite::kNo) {
-    if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) {
+    if (Env::Default().RenameAt(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) ==
+        0) {
       return OkStatus();
     }
     if (errno == EEXIST) {
@@ -380,7 +390,7 @@ Status RenameOutput(const std::string& from, const std::string& to, Overwrite ov
       return ErrnoError(errno, fmt::format("rename {} -> {}", from, to));
     }
   }
-  if (::rename(from.c_str(), to.c_str()) != 0) {
+  if (Env::Default().RenameAt(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), 0) != 0) {
     return ErrnoError(errno, fmt::format("rename {} -> {}", from, to));
   }
   return OkStatus();
@@ -397,8 +407,8 @@ Result<AtomicFile> AtomicFile::Create(const std::string& final_path, Overwrite o
   file.overwrite_ = overwrite;
   file.temp_path_ = fmt::format("{}/.{}.zinf-tmp-{}-{}", parts.dir, parts.name, ::getpid(),
                                 g_temp_counter.fetch_add(1));
-  ZINF_ASSIGN_OR_RETURN(file.fd_, OpenFile(file.temp_path_, FileAccess::kCreateNew, Follow::kNo,
-                                           mode));
+  ZINF_ASSIGN_OR_RETURN(file.fd_,
+                        OpenFile(file.temp_path_, FileAccess::kCreateNew, Follow::kNo, mode));
   file.done_ = false;
   return file;
 }
@@ -426,7 +436,7 @@ AtomicFile::~AtomicFile() { Abandon(); }
 
 void AtomicFile::Abandon() {
   fd_.Reset();
-  if (!done_) ::unlink(temp_path_.c_str());
+  if (!done_) Env::Default().UnlinkAt(AT_FDCWD, temp_path_.c_str(), 0);
   done_ = true;
 }
 
@@ -439,7 +449,8 @@ Status AtomicFile::Reserve(std::uint64_t bytes, bool keep_size) {
   if (!fd_) return FailedPreconditionError(fmt::format("reserve {}: not open", temp_path_));
   int rc;
   do {
-    rc = ::fallocate(fd_.get(), keep_size ? FALLOC_FL_KEEP_SIZE : 0, 0, static_cast<off_t>(bytes));
+    rc = Env::Default().Allocate(fd_.get(), keep_size ? FALLOC_FL_KEEP_SIZE : 0, 0,
+                                 static_cast<off_t>(bytes));
   } while (rc != 0 && errno == EINTR);
   if (rc == 0 || errno == EOPNOTSUPP || errno == ENOSYS) return OkStatus();
   return ErrnoError(errno, fmt::format("reserve {} bytes for {}", bytes, temp_path_));
@@ -448,7 +459,8 @@ Status AtomicFile::Reserve(std::uint64_t bytes, bool keep_size) {
 Status AtomicFile::CloseDescriptor() { return fd_.Close(temp_path_); }
 
 Status AtomicFile::Commit() {
-  if (done_) return FailedPreconditionError(fmt::format("commit {}: nothing to commit", final_path_));
+  if (done_)
+    return FailedPreconditionError(fmt::format("commit {}: nothing to commit", final_path_));
   Status status = OkStatus();
   if (fd_) {
     status = SyncFd(fd_.get(), /*data_only=*/false, temp_path_);
@@ -468,11 +480,38 @@ Status AtomicFile::Commit() {
   return SyncDirectory(parts.dir);
 }
 
+Status CreateDirectories(const std::string& path, unsigned mode) {
+  if (path.empty()) return InvalidArgumentError("create directories: empty path");
+  Env& env = Env::Default();
+  // Each prefix ending before a '/' (and the whole path), from the root down.
+  for (std::size_t end = path.find('/', 1);; end = path.find('/', end + 1)) {
+    const std::string prefix = path.substr(0, end);
+    if (!prefix.empty() && !prefix.ends_with('/')) {
+      if (env.MkdirAt(AT_FDCWD, prefix.c_str(), static_cast<mode_t>(mode)) != 0) {
+        // EEXIST, or EACCES for an existing directory in one we may not write: what is there?
+        const int err = errno;
+        struct stat st {};
+        if (env.StatAt(AT_FDCWD, prefix.c_str(), &st, 0) != 0) {
+          // Missing: mkdir's own failure; there but not to be looked at: the stat's.
+          return errno == ENOENT ? ErrnoError(err, fmt::format("mkdir {}", prefix))
+                                 : ErrnoError(errno, fmt::format("stat {}", prefix));
+        }
+        if (!S_ISDIR(st.st_mode)) {
+          return Error(ErrorCode::kFailedPrecondition,
+                       fmt::format("mkdir {}: {}, not a directory", prefix, TypeName(st.st_mode)),
+                       ENOTDIR);
+        }
+      }
+    }
+    if (end == std::string::npos) return OkStatus();
+  }
+}
+
 Result<std::uint64_t> AvailableBytes(const std::string& dir) {
   struct statvfs vfs {};
   int rc;
   do {
-    rc = ::statvfs(dir.c_str(), &vfs);
+    rc = Env::Default().StatFs(dir.c_str(), &vfs);
   } while (rc != 0 && errno == EINTR);
   if (rc != 0) return ErrnoError(errno, fmt::format("statvfs {}", dir));
   return static_cast<std::uint64_t>(vfs.f_bavail) * static_cast<std::uint64_t>(vfs.f_frsize);

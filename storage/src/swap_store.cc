@@ -1,6 +1,5 @@
 #include "zinf/storage/swap_store.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -29,6 +28,7 @@
 #include "zinf/core/units.h"
 #include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/checksum.h"
+#include "zinf/storage/env.h"
 #include "zinf/storage/fs.h"
 #include "zinf/storage/stripe_map.h"
 
@@ -179,13 +179,13 @@ Result<std::vector<PathSpace>> MeasureSpace(const std::vector<std::string>& path
   std::map<std::uint64_t, std::uint64_t> per_device;
   for (std::size_t i = 0; i < paths.size(); ++i) {
     struct stat st {};
-    if (::stat(paths[i].c_str(), &st) != 0) {
+    if (Env::Default().StatAt(AT_FDCWD, paths[i].c_str(), &st, 0) != 0) {
       return ErrnoError(errno, fmt::format("swap store: stat {}", paths[i]));
     }
     struct statvfs vfs {};
     int rc;
     do {
-      rc = ::statvfs(paths[i].c_str(), &vfs);
+      rc = Env::Default().StatFs(paths[i].c_str(), &vfs);
     } while (rc != 0 && errno == EINTR);
     if (rc != 0) return ErrnoError(errno, fmt::format("swap store: statvfs {}", paths[i]));
     space[i].path = paths[i];
@@ -208,7 +208,9 @@ Result<UniqueFd> OpenDirNoFollow(int parent_fd, const std::string& name,
 
 Status CheckOwner(int fd, const std::string& what) {
   struct stat st {};
-  if (::fstat(fd, &st) != 0) return ErrnoError(errno, fmt::format("swap store: fstat {}", what));
+  if (Env::Default().StatAt(fd, "", &st, AT_EMPTY_PATH) != 0) {
+    return ErrnoError(errno, fmt::format("swap store: fstat {}", what));
+  }
   if (st.st_uid != ::geteuid()) {
     return FailedPreconditionError(fmt::format(
         "swap store: {} is owned by uid {}, not by this process (uid {}); refusing to use "
@@ -263,7 +265,7 @@ Status PreadFull(const File& file, std::byte* data, std::uint64_t length_bytes,
 
 // Removes `name` under `dir_fd`; a missing entry is fine.
 Status UnlinkIfPresent(int dir_fd, const char* name, int flags, const std::string& full_path) {
-  if (::unlinkat(dir_fd, name, flags) != 0 && errno != ENOENT) {
+  if (Env::Default().UnlinkAt(dir_fd, name, flags) != 0 && errno != ENOENT) {
     return ErrnoError(errno, fmt::format("swap store: remove {}", full_path));
   }
   return OkStatus();
@@ -307,12 +309,12 @@ Status LockJobDirShared(int job_fd, const std::string& job_dir) {
 // not replaced (same device and inode).
 Result<bool> StillLinked(int parent_fd, const std::string& name, int fd, const std::string& what) {
   struct stat linked {};
-  if (::fstatat(parent_fd, name.c_str(), &linked, AT_SYMLINK_NOFOLLOW) != 0) {
+  if (Env::Default().StatAt(parent_fd, name.c_str(), &linked, AT_SYMLINK_NOFOLLOW) != 0) {
     if (errno == ENOENT) return false;
     return ErrnoError(errno, fmt::format("swap store: stat {}", what));
   }
   struct stat opened {};
-  if (::fstat(fd, &opened) != 0) {
+  if (Env::Default().StatAt(fd, "", &opened, AT_EMPTY_PATH) != 0) {
     return ErrnoError(errno, fmt::format("swap store: fstat {}", what));
   }
   return linked.st_dev == opened.st_dev && linked.st_ino == opened.st_ino;
@@ -332,26 +334,13 @@ struct DirectoryListing {
 };
 Result<DirectoryListing> ListDirectory(int dir_fd, const std::string& display,
                                        std::size_t max_entries) {
-  ZINF_ASSIGN_OR_RETURN(UniqueFd fd, OpenDirNoFollow(dir_fd, ".", display));
-  DIR* dir = ::fdopendir(fd.get());
-  if (dir == nullptr) return ErrnoError(errno, fmt::format("swap store: opendir {}", display));
-  fd.Release();  // the DIR owns it now
-  std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, &::closedir);
   DirectoryListing listing;
-  for (;;) {
-    errno = 0;
-    const dirent* entry = ::readdir(dir);
-    if (entry == nullptr) {
-      if (errno != 0) return ErrnoError(errno, fmt::format("swap store: readdir {}", display));
-      break;
-    }
-    const std::string_view name = entry->d_name;
-    if (name == "." || name == "..") continue;
-    if (listing.names.size() == max_entries) {
-      listing.truncated = true;
-      break;
-    }
-    listing.names.emplace_back(name);
+  if (Env::Default().ReadDir(dir_fd, max_entries, &listing.names) != 0) {
+    return ErrnoError(errno, fmt::format("swap store: readdir {}", display));
+  }
+  if (listing.names.size() > max_entries) {
+    listing.names.resize(max_entries);
+    listing.truncated = true;
   }
   return listing;
 }
@@ -426,7 +415,7 @@ Status SwapStore::OpenJobDirectory(PathState& ps) {
           ps.job_dir, kJobDirAttempts));
     }
     ps.created_job_dir = false;
-    if (::mkdirat(ps.path_fd.get(), job_name.c_str(), 0700) == 0) {
+    if (Env::Default().MkdirAt(ps.path_fd.get(), job_name.c_str(), 0700) == 0) {
       ps.created_job_dir = true;
     } else if (errno != EEXIST) {
       return ErrnoError(errno, fmt::format("swap store: mkdir {}", ps.job_dir));
@@ -460,7 +449,7 @@ Status SwapStore::OpenImpl() {
     ps.rank_dir = ps.job_dir + "/" + rank_name;
     ZINF_ASSIGN_OR_RETURN(ps.path_fd, OpenDirNoFollow(AT_FDCWD, ps.path, ps.path));
     struct stat st {};
-    if (::fstat(ps.path_fd.get(), &st) != 0) {
+    if (Env::Default().StatAt(ps.path_fd.get(), "", &st, AT_EMPTY_PATH) != 0) {
       return ErrnoError(errno, fmt::format("swap store: fstat {}", ps.path));
     }
     if (!inodes.insert({st.st_dev, st.st_ino}).second) {
@@ -474,7 +463,7 @@ Status SwapStore::OpenImpl() {
   std::size_t present = 0;
   for (PathState& ps : paths_) {
     struct stat st {};
-    if (::fstatat(ps.job_fd.get(), rank_name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (Env::Default().StatAt(ps.job_fd.get(), rank_name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
       if (errno == ENOENT) continue;
       return ErrnoError(errno, fmt::format("swap store: stat {}", ps.rank_dir));
     }
@@ -500,7 +489,8 @@ Status SwapStore::OpenImpl() {
     if (!options_.resume && options_.reclaim_stale) {
       // Nobody holds the lock: a killed instance left this store behind. Its data is scratch.
       struct stat kept {};
-      const bool was_kept = ::fstatat(ps.rank_fd.get(), kKeptName, &kept, AT_SYMLINK_NOFOLLOW) == 0;
+      const bool was_kept =
+          Env::Default().StatAt(ps.rank_fd.get(), kKeptName, &kept, AT_SYMLINK_NOFOLLOW) == 0;
       ZINF_LOG_WARN(
           "swap store {}: removing the store a killed instance of job '{}' left "
           "behind{}",
@@ -533,7 +523,7 @@ Status SwapStore::OpenImpl() {
   // Pass 3: create the rank directories of a new store, then open (or create) the data files.
   for (PathState& ps : paths_) {
     if (!resumed_ && !ps.rank_fd) {
-      if (::mkdirat(ps.job_fd.get(), rank_name.c_str(), 0700) != 0) {
+      if (Env::Default().MkdirAt(ps.job_fd.get(), rank_name.c_str(), 0700) != 0) {
         if (errno == EEXIST) {
           return AlreadyExistsError(
               fmt::format("swap store {} was created concurrently by another instance of job '{}'",
@@ -563,7 +553,7 @@ Status SwapStore::OpenImpl() {
     const std::string file_path = ps.rank_dir + "/" + kDataFileName;
     ZINF_ASSIGN_OR_RETURN(ps.file, Annotate(File::Open(file_path, open_options), "swap store: "));
     struct stat st {};
-    if (::fstat(ps.file.fd(), &st) != 0) {
+    if (Env::Default().StatAt(ps.file.fd(), "", &st, AT_EMPTY_PATH) != 0) {
       return ErrnoError(errno, fmt::format("swap store: fstat {}", file_path));
     }
     if (!S_ISREG(st.st_mode)) {
@@ -873,7 +863,7 @@ class StaleScan {
   std::optional<UniqueFd> OpenOwnDirectory(int parent_fd, const std::string& name,
                                            const std::string& display) {
     struct stat st {};
-    if (::fstatat(parent_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (Env::Default().StatAt(parent_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
       if (errno != ENOENT) Warn(ErrnoError(errno, fmt::format("stat {}", display)));
       return std::nullopt;
     }
@@ -924,7 +914,7 @@ class StaleScan {
     if (ours) return;
     // Removed when it became empty (ENOTEMPTY: a kept store or foreign entries stay in it).
     Result<bool> linked = StillLinked(path_fd, name, job_fd->get(), job_dir);
-    if (linked && *linked && ::unlinkat(path_fd, name.c_str(), AT_REMOVEDIR) != 0 &&
+    if (linked && *linked && Env::Default().UnlinkAt(path_fd, name.c_str(), AT_REMOVEDIR) != 0 &&
         errno != ENOTEMPTY && errno != EEXIST && errno != ENOENT) {
       Warn(ErrnoError(errno, fmt::format("remove {}", job_dir)));
     }
@@ -942,7 +932,7 @@ class StaleScan {
     bool kept = false;
     for (const std::string& entry : listing->names) {
       struct stat st {};
-      if (::fstatat(rank_fd->get(), entry.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      if (Env::Default().StatAt(rank_fd->get(), entry.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
         if (errno != ENOENT) ++foreign;
         continue;
       }
@@ -986,7 +976,7 @@ class StaleScan {
   bool Remove(int job_fd, const std::string& name, int rank_fd, const std::string& rank_dir,
               const std::vector<std::string>& entries) {
     for (const std::string& entry : entries) {
-      if (::unlinkat(rank_fd, entry.c_str(), 0) != 0 && errno != ENOENT) {
+      if (Env::Default().UnlinkAt(rank_fd, entry.c_str(), 0) != 0 && errno != ENOENT) {
         const int err = errno;
         ZINF_LOG_WARN(
             "swap store {} that a killed run left behind: remove {}: {}; remove it "
@@ -997,7 +987,7 @@ class StaleScan {
     }
     Result<bool> linked = StillLinked(job_fd, name, rank_fd, rank_dir);
     if (!linked || !*linked) return true;  // removed by someone else meanwhile
-    if (::unlinkat(job_fd, name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
+    if (Env::Default().UnlinkAt(job_fd, name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
       const int err = errno;
       ZINF_LOG_WARN(
           "swap store {} that a killed run left behind: rmdir: {}; remove it with: "
@@ -1409,8 +1399,8 @@ Status SwapStore::RemoveStore(bool all) {
       Result<bool> exclusive = TryFlock(ps.job_fd.get(), LOCK_UN, ps.job_dir);
       if (exclusive) exclusive = TryFlock(ps.job_fd.get(), LOCK_EX | LOCK_NB, ps.job_dir);
       if (exclusive && *exclusive &&
-          ::unlinkat(ps.path_fd.get(), job_name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOTEMPTY &&
-          errno != EEXIST && errno != ENOENT && errno != EBUSY) {
+          Env::Default().UnlinkAt(ps.path_fd.get(), job_name.c_str(), AT_REMOVEDIR) != 0 &&
+          errno != ENOTEMPTY && errno != EEXIST && errno != ENOENT && errno != EBUSY) {
         note(ErrnoError(errno, fmt::format("swap store: remove {}", ps.job_dir)));
       }
       if (!exclusive) note(std::move(exclusive).error());

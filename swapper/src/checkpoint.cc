@@ -8,7 +8,6 @@
 // world_size - 1 orphans per state, so the extra read is a few chunks.
 #include "zinf/swapper/checkpoint.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -20,7 +19,6 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
-#include <filesystem>
 #include <future>
 #include <optional>
 #include <string>
@@ -37,6 +35,7 @@
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
 #include "zinf/storage/checksum.h"
+#include "zinf/storage/env.h"
 #include "zinf/storage/file.h"
 #include "zinf/storage/fs.h"
 #include "zinf/storage/hdf5.h"
@@ -69,9 +68,11 @@ using comm::ScopedTimer;  // the "ckpt_*" phases go into the swapper's timers
 class WriteBehind {
  public:
   explicit WriteBehind(const std::string& path)
-      : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)) {}
+      : path_(path),
+        fd_(storage::Env::Default().OpenAt(AT_FDCWD, path.c_str(),
+                                           O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0)) {}
   ~WriteBehind() {
-    if (fd_ >= 0) ::close(fd_);
+    if (fd_ >= 0) storage::Env::Default().Close(fd_);
   }
   WriteBehind(const WriteBehind&) = delete;
   WriteBehind& operator=(const WriteBehind&) = delete;
@@ -791,9 +792,8 @@ class PartialFile {
   // `latest` name is a directory, device, FIFO or socket: never replaced), errno errors.
   static Result<PartialFile> Prepare(const std::string& dir, const std::string& partial_name,
                                      std::uint64_t estimate_bytes, std::int64_t step) {
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) return ErrnoError(ec.value(), "create checkpoint directory " + dir);
+    ZINF_RETURN_IF_ERROR(
+        Annotate(storage::CreateDirectories(dir), "create the checkpoint directory: "));
     PartialFile partial;
     partial.dir_ = dir;
     partial.name_ = partial_name;
@@ -813,7 +813,8 @@ class PartialFile {
       ZINF_RETURN_IF_ERROR(
           storage::CheckReplaceableAt(partial.dir_fd_.get(), name, dir + "/" + name));
     }
-    if (::unlinkat(partial.dir_fd_.get(), partial_name.c_str(), 0) != 0 && errno != ENOENT) {
+    if (storage::Env::Default().UnlinkAt(partial.dir_fd_.get(), partial_name.c_str(), 0) != 0 &&
+        errno != ENOENT) {
       return ErrnoError(errno, fmt::format("remove the stale {}/{}", dir, partial_name));
     }
     partial.created_ = true;  // from here on, Remove() cleans up whatever WriteStructure made
@@ -831,7 +832,8 @@ class PartialFile {
         fd_, storage::OpenFileAt(dir_fd_.get(), name_, path(), storage::FileAccess::kReadWrite));
     int rc;
     do {
-      rc = ::fallocate(fd_.get(), FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(estimate_bytes));
+      rc = storage::Env::Default().Allocate(fd_.get(), FALLOC_FL_KEEP_SIZE, 0,
+                                            static_cast<off_t>(estimate_bytes));
     } while (rc != 0 && errno == EINTR);
     if (rc == 0) {
       reserved_bytes_ = estimate_bytes;
@@ -853,19 +855,20 @@ class PartialFile {
   // After a successful close: returns the reserved blocks beyond the end of the file.
   void TrimReservation() {
     struct stat st {};
-    if (reserved_bytes_ == 0 || !fd_ || ::fstat(fd_.get(), &st) != 0 ||
+    storage::Env& env = storage::Env::Default();
+    if (reserved_bytes_ == 0 || !fd_ || env.StatAt(fd_.get(), "", &st, AT_EMPTY_PATH) != 0 ||
         static_cast<std::uint64_t>(st.st_size) >= reserved_bytes_) {
       return;
     }
     // Advisory: failure only keeps a few unused blocks allocated.
-    (void)::fallocate(fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, st.st_size,
-                      static_cast<off_t>(reserved_bytes_) - st.st_size);
+    (void)env.Allocate(fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, st.st_size,
+                       static_cast<off_t>(reserved_bytes_) - st.st_size);
   }
 
   // On failure: removes the partial file.
   void Remove() {
     fd_.Reset();
-    if (created_) ::unlinkat(dir_fd_.get(), name_.c_str(), 0);
+    if (created_) storage::Env::Default().UnlinkAt(dir_fd_.get(), name_.c_str(), 0);
     created_ = false;
   }
 
@@ -873,7 +876,8 @@ class PartialFile {
   // atomically, then removes stale partial files and applies keep_last.
   Status Commit(const std::string& final_name, int keep_last, std::vector<std::string>* removed) {
     ZINF_RETURN_IF_ERROR(fd_.Close(path()));
-    if (::renameat(dir_fd_.get(), name_.c_str(), dir_fd_.get(), final_name.c_str()) != 0) {
+    if (storage::Env::Default().RenameAt(dir_fd_.get(), name_.c_str(), dir_fd_.get(),
+                                         final_name.c_str(), 0) != 0) {
       return ErrnoError(errno, fmt::format("rename {} -> {}/{}", path(), dir_, final_name));
     }
     created_ = false;
@@ -892,30 +896,26 @@ class PartialFile {
     constexpr std::size_t kMaxEntries = 1 << 20;
     std::vector<std::string> removed;
     std::vector<std::pair<std::int64_t, std::string>> others;
-    const int fd = ::dup(dir_fd_.get());
-    DIR* listing = fd >= 0 ? ::fdopendir(fd) : nullptr;
-    if (listing == nullptr) {
-      if (fd >= 0) ::close(fd);
+    storage::Env& env = storage::Env::Default();
+    std::vector<std::string> names;
+    if (env.ReadDir(dir_fd_.get(), kMaxEntries, &names) != 0) {
       ZINF_LOG_WARN("checkpoint retention: cannot list {}: {}", dir_, std::strerror(errno));
       return removed;
     }
-    ::rewinddir(listing);
+    if (names.size() > kMaxEntries) {
+      ZINF_LOG_WARN("checkpoint retention: {} holds more than {} entries; looked at the first",
+                    dir_, kMaxEntries);
+      names.resize(kMaxEntries);
+    }
     auto remove = [&](const std::string& name) {
-      if (::unlinkat(dir_fd_.get(), name.c_str(), 0) == 0) {
+      if (env.UnlinkAt(dir_fd_.get(), name.c_str(), 0) == 0) {
         removed.push_back(dir_ + "/" + name);
       } else if (errno != ENOENT) {
         ZINF_LOG_WARN("checkpoint retention: cannot remove {}/{}: {}", dir_,
                       EscapeForTerminal(name), std::strerror(errno));
       }
     };
-    std::size_t seen = 0;
-    while (const dirent* entry = ::readdir(listing)) {
-      if (++seen > kMaxEntries) {
-        ZINF_LOG_WARN("checkpoint retention: {} holds more than {} entries; looked at the first",
-                      dir_, kMaxEntries);
-        break;
-      }
-      const std::string name = entry->d_name;
+    for (const std::string& name : names) {
       // A crashed save's partial file, and the shared-file-pointer lock file Open MPI's MPI-IO
       // keeps next to it (<file>-<jobid>-<pid>.lock), which only a clean close removes.
       if (IsStalePartialName(name)) {
@@ -927,7 +927,6 @@ class PartialFile {
         others.emplace_back(*step, name);
       }
     }
-    ::closedir(listing);
     if (keep_last <= 0) return removed;
     std::sort(others.begin(), others.end(), std::greater<>());
     for (std::size_t i = static_cast<std::size_t>(keep_last - 1); i < others.size(); ++i) {

@@ -29,6 +29,7 @@
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
 #include "zinf/storage/checksum.h"
+#include "zinf/storage/env.h"
 #include "zinf/storage/fs.h"
 #include "zinf/storage/hdf5.h"
 #include "zinf/swapper/checkpoint.h"
@@ -159,8 +160,9 @@ Result<CheckpointInfo> ReadInfo(H5File& file, const std::string& path) {
   CheckpointInfo info;
   info.path = path;
   struct stat st {};
-  info.file_size_bytes =
-      ::stat(path.c_str(), &st) == 0 ? static_cast<std::uint64_t>(st.st_size) : 0;
+  info.file_size_bytes = storage::Env::Default().StatAt(AT_FDCWD, path.c_str(), &st, 0) == 0
+                             ? static_cast<std::uint64_t>(st.st_size)
+                             : 0;
   ZINF_ASSIGN_OR_RETURN(std::string format, StringAttr(file, "/", "format"));
   if (format != kCheckpointFormat) {
     return FailedPreconditionError(fmt::format("{} is not a zinf checkpoint (format '{}')", path,
@@ -592,7 +594,7 @@ std::optional<std::int64_t> ParseCheckpointFileName(std::string_view name,
 Result<std::string> ResolveCheckpointPath(const std::string& path) {
   if (path.empty()) return InvalidArgumentError("empty checkpoint path");
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
+  if (storage::Env::Default().StatAt(AT_FDCWD, path.c_str(), &st, 0) != 0) {
     if (errno == ENOENT || errno == ENOTDIR) {
       return NotFoundError(fmt::format("no checkpoint at {}", path));
     }
@@ -634,7 +636,7 @@ Result<std::string> ResolveCheckpointPath(const std::string& path) {
                                      latest, EscapeForTerminal(name.substr(0, 80))));
   }
   const std::string file = path + "/" + name;
-  if (::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+  if (storage::Env::Default().StatAt(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
     if (errno == ENOENT) {
       return NotFoundError(fmt::format("{} names {}, which does not exist", latest, file));
     }
@@ -709,8 +711,10 @@ Status CheckExportTarget(const std::string& input, const std::string& out_path) 
   };
   struct stat out_st {
   }, in_st{};
-  if (::stat(out_path.c_str(), &out_st) == 0 && ::stat(input.c_str(), &in_st) == 0 &&
-      out_st.st_dev == in_st.st_dev && out_st.st_ino == in_st.st_ino) {
+  storage::Env& env = storage::Env::Default();
+  if (env.StatAt(AT_FDCWD, out_path.c_str(), &out_st, 0) == 0 &&
+      env.StatAt(AT_FDCWD, input.c_str(), &in_st, 0) == 0 && out_st.st_dev == in_st.st_dev &&
+      out_st.st_ino == in_st.st_ino) {
     return refuse("it is the checkpoint being read");
   }
   char out_dir[PATH_MAX], in_dir[PATH_MAX];

@@ -1,7 +1,10 @@
 #include "zinf/storage/fault_injection.h"
 
+#include <fcntl.h>
+
 #include <cerrno>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <string>
 
@@ -11,6 +14,8 @@
 #include "testing/status_matchers.h"
 #include "testing/test_env.h"
 #include "zinf/core/check.h"
+#include "zinf/storage/env.h"
+#include "zinf/storage/fs.h"
 
 namespace zinf::storage {
 namespace {
@@ -39,6 +44,74 @@ TEST(ParseFaultSpecTest, ParsesRulesAndRank) {
             "write:3:eio,read:1:short,read:2:eagain,any:5+:enospc,read:7:eintr,rank=1");
   ZINF_ASSERT_OK_AND_ASSIGN(FaultSpec again, ParseFaultSpec(FormatFaultSpec(spec)));
   EXPECT_EQ(FormatFaultSpec(again), FormatFaultSpec(spec));
+}
+
+TEST(ParseFaultSpecTest, ParsesEnvCalls) {
+  ZINF_ASSERT_OK_AND_ASSIGN(
+      FaultSpec spec, ParseFaultSpec("rename:1:eio,fsync:2+:eintr,fwrite:1:short,readdir:3:enospc,"
+                                     "open:1:eagain,stat:1:eio,mkdir:1:eio,unlink:1:eio,"
+                                     "fallocate:1:enospc,fread:1:eio,statfs:1:eio,close:1:eio"));
+  ASSERT_EQ(spec.rules.size(), 12u);
+  EXPECT_EQ(spec.rules[0].fs_op, FsOp::kRename);
+  EXPECT_FALSE(spec.rules[0].op.has_value());
+  EXPECT_EQ(spec.rules[1].fs_op, FsOp::kFsync);
+  EXPECT_TRUE(spec.rules[1].and_later);
+  EXPECT_EQ(spec.rules[2].fs_op, FsOp::kWrite);
+  EXPECT_EQ(spec.rules[2].kind, FaultKind::kShort);
+  EXPECT_EQ(FormatFaultSpec(spec),
+            "rename:1:eio,fsync:2+:eintr,fwrite:1:short,readdir:3:enospc,open:1:eagain,"
+            "stat:1:eio,mkdir:1:eio,unlink:1:eio,fallocate:1:enospc,fread:1:eio,statfs:1:eio,"
+            "close:1:eio");
+  EXPECT_THAT(ParseFaultSpec("rename:1:short"),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("'short' applies to")));
+}
+
+// An Env rule fails the nth call of its op and nothing else; engine ops leave Env calls alone.
+TEST(FaultInjectingEnvTest, FailsTheNthCallOfItsOp) {
+  ScratchDir dir("env");
+  ZINF_ASSERT_OK_AND_ASSIGN(FaultSpec spec, ParseFaultSpec("rename:2:eio,write:1+:eio"));
+  auto injector = std::make_shared<FaultInjector>(spec);
+  FaultInjectingEnv env(Env::Posix(), injector);
+  ScopedDefaultEnv scope(env);
+  EXPECT_TRUE(injector->has_fs_rules());
+  ZINF_ASSERT_OK(WriteFileAtomic(dir.Join("latest"), "step-1.h5\n"));  // rename #1
+  EXPECT_THAT(WriteFileAtomic(dir.Join("latest"), "step-2.h5\n"),      // rename #2 fails
+              StatusIs(ErrorCode::kDataLoss, HasSubstr("rename")));
+  ZINF_ASSERT_OK_AND_ASSIGN(std::string latest, ReadSmallFile(dir.Join("latest"), 64));
+  EXPECT_EQ(latest, "step-1.h5\n");  // the old file, and no temporary left
+  EXPECT_FALSE(std::ifstream(dir.Join("latest.tmp")).good());
+  ZINF_ASSERT_OK(WriteFileAtomic(dir.Join("latest"), "step-3.h5\n"));  // rename #3
+  EXPECT_EQ(injector->fs_calls(FsOp::kRename), 3u);
+  EXPECT_EQ(injector->injected(), 1u);
+}
+
+TEST(FaultInjectingEnvTest, ShortWritesAreContinuedAndCloseStillCloses) {
+  ScratchDir dir("env");
+  ZINF_ASSERT_OK_AND_ASSIGN(FaultSpec spec, ParseFaultSpec("fwrite:1:short,close:1:eio"));
+  FaultInjectingEnv env(Env::Posix(), std::make_shared<FaultInjector>(spec));
+  ScopedDefaultEnv scope(env);
+  ZINF_ASSERT_OK_AND_ASSIGN(UniqueFd fd,
+                            OpenFile(dir.Join("f"), FileAccess::kCreateNew, Follow::kNo));
+  ZINF_ASSERT_OK(WriteAll(fd.get(), std::string_view("0123456789"), "f"));
+  const int raw = fd.get();
+  EXPECT_THAT(fd.Close("f"), StatusIs(ErrorCode::kDataLoss, HasSubstr("close f")));
+  EXPECT_EQ(::fcntl(raw, F_GETFD), -1);  // closed all the same
+  ZINF_ASSERT_OK_AND_ASSIGN(std::string text, ReadSmallFile(dir.Join("f"), 64));
+  EXPECT_EQ(text, "0123456789");
+}
+
+TEST(CreateDirectoriesTest, MakesParentsAndRefusesAFileInTheWay) {
+  ScratchDir dir("mkdirs");
+  ZINF_ASSERT_OK(CreateDirectories(dir.Join("a/b//c/")));
+  ZINF_ASSERT_OK(CreateDirectories(dir.Join("a/b/c")));  // exists: fine
+  ZINF_ASSERT_OK(WriteFileAtomic(dir.Join("a/file"), "x"));
+  EXPECT_THAT(CreateDirectories(dir.Join("a/file/d")),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("not a directory")));
+  ZINF_ASSERT_OK_AND_ASSIGN(FaultSpec spec, ParseFaultSpec("mkdir:1+:enospc"));
+  FaultInjectingEnv env(Env::Posix(), std::make_shared<FaultInjector>(spec));
+  ScopedDefaultEnv scope(env);
+  EXPECT_THAT(CreateDirectories(dir.Join("new")),
+              StatusIs(ErrorCode::kResourceExhausted, HasSubstr("mkdir")));
 }
 
 TEST(ParseFaultSpecTest, BadSpecsNameTheBadToken) {

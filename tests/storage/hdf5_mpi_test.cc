@@ -16,6 +16,7 @@
 
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
+#include "testing/test_env.h"
 #include "zinf/comm/communicator.h"
 #include "zinf/storage/checksum.h"
 #include "zinf/storage/hdf5.h"
@@ -146,7 +147,8 @@ TEST(H5FileCollective, UnevenWritesReadBackOnAnotherPartitionAfterReopen) {
 TEST(H5FileCollective, H5dumpReadsTheFile) {
   const std::string h5dump = ZINF_H5DUMP;
   // Every rank sees the same file system, so every rank skips alike.
-  if (!std::filesystem::exists(h5dump)) GTEST_SKIP() << "h5dump not installed (hdf5-tools)";
+  if (!std::filesystem::exists(h5dump))
+    ZINF_SKIP_MISSING("h5dump", "h5dump not installed (hdf5-tools)");
   comm::Communicator& world = World();
   SharedScratchDir dir("hdf5-dump");
   const std::string path = dir.Join("dump.h5");

@@ -31,8 +31,8 @@ namespace {
 using ::testing::HasSubstr;
 using ::zinf::testing::IsOk;
 using ::zinf::testing::ScratchDir;
-using ::zinf::testing::TmpfsMount;
 using ::zinf::testing::StatusIs;
+using ::zinf::testing::TmpfsMount;
 
 void Fill(std::span<std::byte> data, std::uint64_t seed) {
   for (std::size_t i = 0; i < data.size(); ++i) {
@@ -129,7 +129,7 @@ class EngineTest : public ::testing::TestWithParam<EngineParam> {
 
 #define MAKE_OR_SKIP(var, expr) \
   auto var = (expr);            \
-  if (var == nullptr) GTEST_SKIP() << skip_reason_
+  if (var == nullptr) ZINF_SKIP_MISSING("uring", skip_reason_)
 
 TEST_P(EngineTest, BufferedRoundTripAtUnalignedLengthsAndOffsets) {
   MAKE_OR_SKIP(engine, Make(Options(8 * kKiB, 3, 2)));
@@ -150,7 +150,7 @@ TEST_P(EngineTest, DirectRoundTripNearBlockBoundaries) {
   const std::uint64_t block = 64 * kKiB;
   MAKE_OR_SKIP(engine, Make(Options(block, 4, 2)));
   File file = Open("direct", /*direct=*/true);
-  if (!file.direct()) GTEST_SKIP() << "no O_DIRECT in " << dir_.path();
+  if (!file.direct()) ZINF_SKIP_MISSING("odirect", "no O_DIRECT in " << dir_.path());
   const std::uint64_t a = file.alignment();
   for (std::uint64_t offset : {std::uint64_t{0}, a, block - a, block, 3 * block - a}) {
     for (std::uint64_t length : {a, block - a, block, block + a, 5 * block + a}) {
@@ -259,7 +259,7 @@ TEST_P(EngineTest, WaitReturnsAtLeastMinRequests) {
 TEST_P(EngineTest, MisalignedDirectRequestIsInvalidArgumentAtSubmit) {
   MAKE_OR_SKIP(engine, Make(Options()));
   File file = Open("misaligned", /*direct=*/true);
-  if (!file.direct()) GTEST_SKIP() << "no O_DIRECT in " << dir_.path();
+  if (!file.direct()) ZINF_SKIP_MISSING("odirect", "no O_DIRECT in " << dir_.path());
   AlignedBuffer data = Buffer(64 * kKiB);
   EXPECT_THAT(engine->Submit(IoRequest{IoOp::kWrite, &file, 100, data.span().subspan(0, 4096)}),
               StatusIs(ErrorCode::kInvalidArgument, HasSubstr("offset 100")));
@@ -442,7 +442,9 @@ TEST_P(EngineTest, RegisteredBuffersRoundTrip) {
 TEST_P(EngineTest, RealEnospcOnSmallFileSystemIsResourceExhausted) {
   MAKE_OR_SKIP(engine, Make(Options(256 * kKiB, 4, 2)));
   TmpfsMount mount(dir_.Join("tmpfs"), "4m");
-  if (!mount.mounted()) GTEST_SKIP() << "cannot mount a tmpfs (needs root): " << mount.error();
+  if (!mount.mounted()) {
+    ZINF_SKIP_MISSING("tmpfs", "cannot mount a tmpfs (needs root): " << mount.error());
+  }
   OpenOptions options;
   options.mode = OpenMode::kCreate;
   ZINF_ASSERT_OK_AND_ASSIGN(File file, File::Open(dir_.Join("tmpfs/full"), options));
@@ -490,7 +492,7 @@ TEST_F(CreateIoEngineTest, ProbeFailureIsReported) {
   // A missing probe directory fails the io_uring round trip: uring is refused, auto falls back.
   const std::string missing = dir_.Join("missing");
   auto uring = CreateIoEngine(EngineKind::kUring, {}, dir_.path());
-  if (!uring) GTEST_SKIP() << "io_uring unavailable: " << uring.error().message();
+  if (!uring) ZINF_SKIP_MISSING("uring", "io_uring unavailable: " << uring.error().message());
   EXPECT_THAT(CreateIoEngine(EngineKind::kUring, {}, missing),
               StatusIs(ErrorCode::kUnimplemented, HasSubstr(missing)));
   ZINF_ASSERT_OK_AND_ASSIGN(auto engine, CreateIoEngine(EngineKind::kAuto, {}, missing));

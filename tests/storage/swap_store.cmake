@@ -4,7 +4,8 @@ zinf_add_unit_test(storage_swap_store_test
   SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/swap_store_test.cc
   LIBS zinf::storage
   TIMEOUT 180
-  LABELS storage)
+  LABELS storage
+  CAPABILITY uring "*/uring*")
 
 # The swap store over paths of unequal weight (path_weights, the manifest's weights, the probe).
 zinf_add_unit_test(storage_swap_store_weights_test

@@ -41,8 +41,8 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::zinf::testing::IsOk;
 using ::zinf::testing::ScratchDir;
-using ::zinf::testing::TmpfsMount;
 using ::zinf::testing::StatusIs;
+using ::zinf::testing::TmpfsMount;
 
 namespace fs = std::filesystem;
 
@@ -128,7 +128,7 @@ TEST_P(SwapStoreEngineTest, OddSizedTensorsRoundTrip) {
   aio.block_size = 64 * kKiB;
   auto engine_or = CreateIoEngine(GetParam(), aio, dir.path());
   if (!engine_or && engine_or.error().code() == ErrorCode::kUnimplemented) {
-    GTEST_SKIP() << "engine unavailable: " << engine_or.error().ToString();
+    ZINF_SKIP_MISSING("uring", "engine unavailable: " << engine_or.error().ToString());
   }
   ZINF_ASSERT_OK(engine_or);
   std::unique_ptr<IoEngine> engine = std::move(*engine_or);
@@ -322,11 +322,10 @@ TEST(SwapStore, ExistingStoreWithoutResumeIsAlreadyExists) {
   ZINF_ASSERT_OK_AND_ASSIGN(auto first, SwapStore::Open(options));
   ZINF_ASSERT_OK(first->Reserve({{"x", 100}}));
   ZINF_ASSERT_OK(first->Write("x", Pattern("x", 100)));
-  EXPECT_THAT(
-      SwapStore::Open(options),
-      StatusIs(ErrorCode::kAlreadyExists, AllOf(HasSubstr(first->directory(0)),
-                                                HasSubstr(options.job_id),
-                                                HasSubstr("another running instance"))));
+  EXPECT_THAT(SwapStore::Open(options),
+              StatusIs(ErrorCode::kAlreadyExists,
+                       AllOf(HasSubstr(first->directory(0)), HasSubstr(options.job_id),
+                             HasSubstr("another running instance"))));
   // The refused instance left the running one alone.
   std::vector<std::byte> out(100);
   ZINF_ASSERT_OK(first->Read("x", out));
@@ -634,7 +633,7 @@ TEST(SwapStore, InvalidOptionsAreRefused) {
 TEST(SwapStore, TinyTmpfsRoundTripsAndPreflightCatchesEnospc) {
   ScratchDir dir("swap-tmpfs");
   TmpfsMount mount(dir.path(), "2m");
-  if (!mount.mounted()) GTEST_SKIP() << "cannot mount a tmpfs here: " << mount.error();
+  if (!mount.mounted()) ZINF_SKIP_MISSING("tmpfs", "cannot mount a tmpfs here: " << mount.error());
   SwapStoreOptions options = MakeOptions({dir.path()}, UniqueJob("tmpfs"), 64 * kKiB);
   options.verify_swap = true;
   ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));

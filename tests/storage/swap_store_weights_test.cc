@@ -163,7 +163,7 @@ TEST(SwapStoreWeights, PlanSpaceAndPreflightFollowTheShares) {
   // shares would fit: 3 MiB at 1:3 puts 2.25 MiB on a 2 MiB tmpfs (equal shares: 1.5 MiB).
   ScratchDir small("weights-tmpfs");
   TmpfsMount mount(small.path(), "2m");
-  if (!mount.mounted()) GTEST_SKIP() << "cannot mount a tmpfs here: " << mount.error();
+  if (!mount.mounted()) ZINF_SKIP_MISSING("tmpfs", "cannot mount a tmpfs here: " << mount.error());
   const std::vector<TensorSpec> big = {{"big", 3 * kMiB}};
   SwapStoreOptions equal = WeightedOptions({a.path(), small.path()}, "full-equal", {});
   ZINF_ASSERT_OK_AND_ASSIGN(auto fits, SwapStore::Open(equal));
@@ -397,7 +397,7 @@ TEST(SwapStoreWeights, ProbeIoErrorNamesThePath) {
 TEST(SwapStoreWeights, ProbeOnAFullPathNamesIt) {
   ScratchDir a("weights-a"), small("weights-tmpfs");
   TmpfsMount mount(small.path(), "1m");
-  if (!mount.mounted()) GTEST_SKIP() << "cannot mount a tmpfs here: " << mount.error();
+  if (!mount.mounted()) ZINF_SKIP_MISSING("tmpfs", "cannot mount a tmpfs here: " << mount.error());
   SwapStoreOptions options = WeightedOptions({a.path(), small.path()}, "probefull", {});
   options.probe_path_weights = true;
   options.probe_bytes = 4 * kMiB;

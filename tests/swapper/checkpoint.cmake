@@ -39,3 +39,8 @@ if(TARGET zinf-train AND TARGET zinf-ckpt AND TARGET swapper_resume_crafted)
   set_tests_properties(swapper_crafted_checkpoints PROPERTIES TIMEOUT 180 LABELS "e2e"
                        PROCESSORS 2)
 endif()
+
+# A fault injected into each file-system call of a save (storage::Env), one at a time, on rank 0:
+# the save fails on every rank alike or commits, and `latest` always names a complete checkpoint.
+zinf_add_mpi_test(swapper_checkpoint_faults_mpi_test SOURCES checkpoint_faults_mpi_test.cc
+                  LIBS zinf::swapper zinf::partition zinf::storage NP 1 3 TIMEOUT 180)

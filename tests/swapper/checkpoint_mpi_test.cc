@@ -477,7 +477,7 @@ TEST_F(CheckpointErrors, OptimizerMismatchIsFailedPrecondition) {
 TEST_F(CheckpointErrors, H5dumpReadsACheckpoint) {
   if (World().rank() != 0) GTEST_SKIP() << "rank 0 runs h5dump";
   if (std::system("command -v h5dump > /dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "h5dump not installed (hdf5-tools)";
+    ZINF_SKIP_MISSING("h5dump", "h5dump not installed (hdf5-tools)");
   }
   const std::string out = dir_->Join("dump.txt");
   // The header (every attribute and dataset), then the data of one dataset.
@@ -578,7 +578,7 @@ TEST(CheckpointFullDisk, FailsOnEveryRankAndKeepsTheLastGoodCheckpoint) {
     mount.emplace(tiny, fmt::format("{}k", (estimate + file_bytes / 2) / 1024));
     if (!mount->mounted()) mounted = UnavailableError(mount->error());
   }
-  if (!World().AgreeOnStatus(mounted)) GTEST_SKIP() << "needs root to mount a tmpfs";
+  if (!World().AgreeOnStatus(mounted)) ZINF_SKIP_MISSING("tmpfs", "needs root to mount a tmpfs");
 
   ZINF_ASSERT_OK(SaveCheckpoint(s, 1, SaveOptions(tiny)));
   ZINF_ASSERT_OK(World().AgreeOnStatus(FillState(s, 2)));

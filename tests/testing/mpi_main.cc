@@ -3,6 +3,8 @@
 // rank exit with the combined result, so that mpirun's exit code fails when any rank failed.
 #include <stdlib.h>
 
+#include <array>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -101,15 +103,18 @@ int main(int argc, char** argv) {
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new zinf::testing::FailurePrinter(world.rank()));
   }
-  std::int32_t failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
-  zinf::Status agreed = world.AllreduceInPlace<std::int32_t>(std::span(&failed, 1),
-                                                              zinf::comm::ReduceOp::kMax);
+  // {failed on some rank, skipped everything on every rank}: exit 77 (CTest's Skipped) only
+  // when no rank ran a test.
+  const int rc = zinf::testing::ExitCode(RUN_ALL_TESTS());
+  std::array<std::int32_t, 2> result = {rc != 0 && rc != 77 ? 1 : 0, rc == 77 ? 0 : 1};
+  zinf::Status agreed = world.AllreduceInPlace<std::int32_t>(result, zinf::comm::ReduceOp::kMax);
   if (!agreed) {
-    std::fprintf(stderr, "MPI test main: combining results: %s\n", agreed.error().ToString().c_str());
-    failed = 1;
+    std::fprintf(stderr, "MPI test main: combining results: %s\n",
+                 agreed.error().ToString().c_str());
+    result = {1, 1};
   }
-  if (world.rank() == 0 && failed != 0) std::fprintf(stderr, "some rank had failures\n");
+  if (world.rank() == 0 && result[0] != 0) std::fprintf(stderr, "some rank had failures\n");
   zinf::testing::g_world = nullptr;
   (void)session->Finalize();
-  return failed;
+  return result[0] != 0 ? 1 : result[1] == 0 ? 77 : 0;
 }

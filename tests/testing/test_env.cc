@@ -47,3 +47,29 @@ TmpfsMount::~TmpfsMount() {
 }
 
 }  // namespace zinf::testing
+
+namespace zinf::testing {
+
+bool Required(std::string_view capability) {
+  const std::optional<std::string> list = GetEnv("ZINF_REQUIRE");
+  if (!list) return false;
+  std::string_view rest = *list;
+  while (!rest.empty()) {
+    const std::size_t comma = rest.find(',');
+    if (rest.substr(0, comma) == capability) return true;
+    if (comma == std::string_view::npos) break;
+    rest.remove_prefix(comma + 1);
+  }
+  return false;
+}
+
+int ExitCode(int rc) {
+  const ::testing::UnitTest& unit = *::testing::UnitTest::GetInstance();
+  if (rc == 0 && unit.failed_test_count() == 0 && unit.successful_test_count() == 0 &&
+      unit.skipped_test_count() > 0) {
+    return 77;
+  }
+  return rc;
+}
+
+}  // namespace zinf::testing

@@ -3,6 +3,9 @@
 #pragma once
 
 #include <string>
+#include <string_view>
+
+#include <gtest/gtest.h>
 
 namespace zinf::testing {
 
@@ -48,3 +51,28 @@ class TmpfsMount {
 };
 
 }  // namespace zinf::testing
+
+namespace zinf::testing {
+
+// Capabilities a test may lack on some machines ("uring": io_uring works here; "odirect": the
+// scratch directory takes O_DIRECT; "tmpfs": root can mount one; "h5dump": hdf5-tools is
+// installed). ZINF_REQUIRE lists those that
+// must be there (comma-separated; .ci/run sets it after probing the machine): a test that finds
+// one missing then fails instead of skipping, so a green CI means the tests ran.
+bool Required(std::string_view capability);
+
+// The exit code of a test program: `rc` (RUN_ALL_TESTS), but 77 when nothing failed, nothing
+// passed and something was skipped, so that CTest (SKIP_RETURN_CODE 77) shows the test as
+// Skipped, not Passed.
+int ExitCode(int rc);
+
+}  // namespace zinf::testing
+
+// Skips the test for a missing `capability` (above), or fails it when ZINF_REQUIRE names it.
+#define ZINF_SKIP_MISSING(capability, reason)                                      \
+  do {                                                                             \
+    if (::zinf::testing::Required(capability)) {                                   \
+      FAIL() << (capability) << " is required here (ZINF_REQUIRE) but " << reason; \
+    }                                                                              \
+    GTEST_SKIP() << reason;                                                        \
+  } while (0)

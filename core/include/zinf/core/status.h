@@ -14,8 +14,10 @@
 // Thread safety: all types here are values; distinct objects may be used from distinct threads.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <expected>
+#include <optional>
 #include <source_location>
 #include <string>
 #include <string_view>
@@ -39,8 +41,21 @@ enum class ErrorCode : int {
   kInternal = 10,           // a broken invariant or an unexpected library failure
 };
 
-// "InvalidArgument", "DataLoss", ...; "Ok" for kOk; "Unknown(<n>)" for anything else.
+// Every error code (kOk excluded), in order: the list zinf's Python exceptions are checked
+// against (python/zinf/errors.py).
+inline constexpr std::array kErrorCodes = {
+    ErrorCode::kUnavailable,        ErrorCode::kNotFound,
+    ErrorCode::kAlreadyExists,      ErrorCode::kInvalidArgument,
+    ErrorCode::kFailedPrecondition, ErrorCode::kResourceExhausted,
+    ErrorCode::kUnimplemented,      ErrorCode::kAborted,
+    ErrorCode::kDataLoss,           ErrorCode::kInternal};
+static_assert(static_cast<std::size_t>(kErrorCodes.back()) == kErrorCodes.size(),
+              "a new ErrorCode belongs in kErrorCodes and ErrorCodeName");
+
+// "InvalidArgument", "DataLoss", ...; "Ok" for kOk; "Unknown" for anything else.
 std::string_view ErrorCodeName(ErrorCode code);
+// The code ErrorCodeName names `name` (kOk excluded); nullopt for any other text.
+std::optional<ErrorCode> ErrorCodeNamed(std::string_view name);
 
 // Maps an errno value to the code that best describes it (ENOENT -> kNotFound, ENOSPC ->
 // kResourceExhausted, EIO -> kDataLoss, EAGAIN -> kUnavailable, ...). Unknown values -> kInternal.
@@ -104,8 +119,10 @@ Error ResourceExhaustedError(std::string message,
 Error UnimplementedError(std::string message,
                          std::source_location loc = std::source_location::current());
 Error AbortedError(std::string message, std::source_location loc = std::source_location::current());
-Error DataLossError(std::string message, std::source_location loc = std::source_location::current());
-Error InternalError(std::string message, std::source_location loc = std::source_location::current());
+Error DataLossError(std::string message,
+                    std::source_location loc = std::source_location::current());
+Error InternalError(std::string message,
+                    std::source_location loc = std::source_location::current());
 
 // An error for a failed system call: code from ErrorCodeFromErrno(err), message
 // "<what>: <strerror(err)> (errno <err>)".
@@ -126,21 +143,21 @@ Result<T> Annotate(Result<T> result, std::string_view context) {
 
 // Evaluates `expr` (a Status or Result<T>); on failure returns its Error from the enclosing
 // function, which must return a Status or Result<U>.
-#define ZINF_RETURN_IF_ERROR(expr)                                            \
-  do {                                                                        \
-    auto&& zinf_status_or_ = (expr);                                          \
-    if (!zinf_status_or_.has_value()) [[unlikely]] {                          \
-      return ::zinf::Error(std::move(zinf_status_or_).error());               \
-    }                                                                         \
+#define ZINF_RETURN_IF_ERROR(expr)                              \
+  do {                                                          \
+    auto&& zinf_status_or_ = (expr);                            \
+    if (!zinf_status_or_.has_value()) [[unlikely]] {            \
+      return ::zinf::Error(std::move(zinf_status_or_).error()); \
+    }                                                           \
   } while (false)
 
 // Evaluates `expr` (a Result<T>); on failure returns its Error, otherwise moves the value into
 // `lhs`, which may be a declaration (`ZINF_ASSIGN_OR_RETURN(auto fd, OpenFile(p))`).
 #define ZINF_ASSIGN_OR_RETURN(lhs, expr) \
   ZINF_ASSIGN_OR_RETURN_IMPL_(ZINF_STATUS_CONCAT_(zinf_result_, __COUNTER__), lhs, expr)
-#define ZINF_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr)             \
-  auto tmp = (expr);                                            \
-  if (!tmp.has_value()) [[unlikely]] {                          \
-    return ::zinf::Error(std::move(tmp).error());               \
-  }                                                             \
+#define ZINF_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                                \
+  if (!tmp.has_value()) [[unlikely]] {              \
+    return ::zinf::Error(std::move(tmp).error());   \
+  }                                                 \
   lhs = std::move(*tmp)

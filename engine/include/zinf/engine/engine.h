@@ -140,6 +140,7 @@
 #include "zinf/comm/communicator.h"
 #include "zinf/core/status.h"
 #include "zinf/engine/config.h"
+#include "zinf/engine/step_info.h"
 #include "zinf/partition/layout.h"
 #include "zinf/storage/swap_store.h"
 #include "zinf/swapper/cpu_adam.h"
@@ -242,39 +243,6 @@ struct EngineOptions {
   std::optional<std::string> load = std::nullopt;
   // Parameter groups (see "Parameter groups" above); empty: one group, the config optimizer's.
   std::vector<ParamGroup> param_groups = {};
-};
-
-// What one Step did. Figures summed or maximized over the ranks are the same on every rank.
-struct StepInfo {
-  std::int64_t step = 0;  // the optimizer step just applied (1-based)
-  double lr = 0;          // its learning rate (parameter group 0's)
-  double loss = 0;        // the mean over ranks of the loss passed to Step (NaN if none)
-  double grad_norm = 0;   // the global norm of the averaged gradient, before clipping
-                          // (unscaled with fp16; Inf or NaN when the step overflowed)
-  bool clipped = false;   // the gradient was scaled down to gradient_clipping
-  // fp16: the loss scale the step's gradient carried, and the one for the next step (1 and 1
-  // without fp16). A skipped step (an Inf or NaN in the gradient on some rank) did no swap I/O
-  // of the optimizer state and changed no weight; it counts as a step (StepInfo::step, step())
-  // but not for Adam's bias correction nor the learning-rate schedule (DeepSpeed).
-  double loss_scale = 1;
-  double next_loss_scale = 1;
-  bool skipped = false;
-  std::int64_t skipped_steps = 0;  // skipped steps so far, this one included
-  double step_seconds = 0;         // since the previous Step returned (or Create), slowest rank
-  double optimizer_seconds = 0;    // the swapped Adam step, slowest rank
-  // Read and written by the swap stores since the previous Step returned, all ranks: the
-  // micro-batches' gradient write-behind included, a checkpoint save's reads not.
-  std::uint64_t swap_read_bytes = 0;
-  std::uint64_t swap_write_bytes = 0;
-  std::uint64_t optimizer_swap_read_bytes = 0;  // the part inside the optimizer step
-  std::uint64_t optimizer_swap_write_bytes = 0;
-  // optimizer_swap_{read,write}_bytes per parameter element (zinf.optimizer_state: about 12
-  // each for fp32, about 6 for q8; more when sub-groups are small against the I/O alignment).
-  double read_bytes_per_element = 0;
-  double write_bytes_per_element = 0;
-  std::uint64_t peak_rss_bytes = 0;  // largest over the ranks
-  bool stop_requested = false;       // a stop signal arrived on some rank
-  int stop_signal = 0;               // which (this rank's; 0 if none here)
 };
 
 // Stage 3: what Gather did since Create (this rank's; the same on every rank but disk_waits).

@@ -13,14 +13,21 @@
 //   ZINF_FAULT_INJECT="write:3:eio,read:1:short,read:2:eagain,rank=1"
 //
 //   rule   := OP ':' N ['+'] ':' KIND
-//   OP     := read | write | any
+//   OP     := read | write | any                      the engines' block transfers
+//           | open | stat | mkdir | rename | unlink | fsync | fallocate | fwrite | fread
+//           | statfs | readdir | close                the file-system calls of Env (env.h)
 //   N      := 1, 2, ...: the Nth block completion of OP in this process (every completion counts,
-//             resubmissions and retries included; "any" counts reads and writes together).
+//             resubmissions and retries included; "any" counts reads and writes together), or
+//             the Nth call of an Env OP (Env::Default()'s, or a FaultInjectingEnv's).
 //             With '+', the Nth and every later one ("write:1+:enospc": every write fails).
 //   KIND   := eio | enospc | eagain | eintr | short
 //             short: the transfer reports half of what it moved, rounded down to the file's
-//             alignment (a no-op when that is 0, e.g. a one-sector O_DIRECT block).
+//             alignment (a no-op when that is 0, e.g. a one-sector O_DIRECT block); for Env
+//             ops only fwrite takes it (it writes half of the bytes).
 //   rank=R := apply the spec only on world rank R (zinf::ProcessRank()); default: every rank.
+//
+// E.g. "rename:1:eio" fails the first rename of the process: a checkpoint save's rename of its
+// partial file, which must leave `latest` and the previous checkpoint as they were.
 //
 // Rules are separated by commas; whitespace around tokens is ignored. A malformed spec is
 // InvalidArgument naming the bad token. The environment spec has one process-wide injector, shared
@@ -46,10 +53,29 @@ namespace zinf::storage {
 enum class FaultKind { kEio, kEnospc, kEagain, kEintr, kShort };
 std::string_view FaultKindName(FaultKind kind);  // "eio", "enospc", ...
 
+// The Env calls (env.h) a rule can fail.
+enum class FsOp {
+  kOpen,
+  kStat,
+  kMkdir,
+  kRename,
+  kUnlink,
+  kFsync,
+  kFallocate,
+  kWrite,  // "fwrite"
+  kRead,   // "fread"
+  kStatFs,
+  kReadDir,
+  kClose,
+};
+inline constexpr int kNumFsOps = static_cast<int>(FsOp::kClose) + 1;
+std::string_view FsOpName(FsOp op);  // "open", ..., "fwrite", ...
+
 struct FaultRule {
-  std::optional<IoOp> op;  // nullopt: any op
-  std::uint64_t nth = 1;   // 1-based count of block completions of `op`
-  bool and_later = false;  // also every completion after the nth
+  std::optional<IoOp> op;     // nullopt: any engine op (unless fs_op is set)
+  std::optional<FsOp> fs_op;  // set: the rule is for this Env call, not for engines
+  std::uint64_t nth = 1;      // 1-based count of block completions of `op`
+  bool and_later = false;     // also every completion after the nth
   FaultKind kind = FaultKind::kEio;
 };
 
@@ -71,6 +97,16 @@ class FaultInjector {
   // or -errno) and the file's alignment; returns the result the engine must act on.
   std::int64_t Apply(IoOp op, std::int64_t result, std::uint64_t alignment);
 
+  // Called by FaultInjectingEnv once per call of `op`: 0 to make the call, else the errno to
+  // fail it with; -1 for a short write (kWrite only).
+  int ApplyFs(FsOp op);
+  // Whether some rule is for an Env call (Env::Default() then injects).
+  bool has_fs_rules() const;
+  // How many calls of `op` were counted so far (made or failed).
+  std::uint64_t fs_calls(FsOp op) const {
+    return fs_calls_[static_cast<int>(op)].load(std::memory_order_relaxed);
+  }
+
   // How many results were rewritten so far.
   std::uint64_t injected() const { return injected_.load(std::memory_order_relaxed); }
   const FaultSpec& spec() const { return spec_; }
@@ -80,6 +116,7 @@ class FaultInjector {
   std::atomic<std::uint64_t> reads_{0};
   std::atomic<std::uint64_t> writes_{0};
   std::atomic<std::uint64_t> any_{0};
+  std::atomic<std::uint64_t> fs_calls_[kNumFsOps] = {};
   std::atomic<std::uint64_t> injected_{0};
 };
 

@@ -86,8 +86,7 @@ enum class FileAccess {
 // FailedPrecondition (a symbolic link with Follow::kNo, or a dangling one when creating; not a
 // regular file, naming its type; permission), errno errors.
 Result<UniqueFd> OpenFileAt(int dir_fd, const std::string& name, const std::string& display,
-                            FileAccess access, Follow follow = Follow::kNo,
-                            unsigned mode = 0644);
+                            FileAccess access, Follow follow = Follow::kNo, unsigned mode = 0644);
 inline Result<UniqueFd> OpenFile(const std::string& path, FileAccess access,
                                  Follow follow = Follow::kNo, unsigned mode = 0644) {
   return OpenFileAt(AT_FDCWD, path, path, access, follow, mode);
@@ -106,9 +105,8 @@ inline Result<UniqueFd> OpenDirectory(const std::string& path, Follow follow = F
 // reading and again while reading, for a file that grows), errno errors of read.
 Result<std::string> ReadSmallFile(const std::string& path, std::uint64_t max_bytes,
                                   Follow follow = Follow::kNo);
-Result<std::string> ReadSmallFileAt(int dir_fd, const std::string& name,
-                                    const std::string& display, std::uint64_t max_bytes,
-                                    Follow follow = Follow::kNo);
+Result<std::string> ReadSmallFileAt(int dir_fd, const std::string& name, const std::string& display,
+                                    std::uint64_t max_bytes, Follow follow = Follow::kNo);
 
 // Writes all of `bytes` at the current offset of `fd` (short writes continued, EINTR retried).
 // Errors: errno errors naming `what` (ENOSPC: ResourceExhausted).
@@ -192,6 +190,12 @@ class AtomicFile {
   Overwrite overwrite_ = Overwrite::kNo;
   bool done_ = true;  // committed or abandoned (nothing to remove)
 };
+
+// Creates the directory `path` and any missing parents (mkdir -p, with `mode`); an existing
+// directory is fine, a component that is something else is FailedPrecondition "not a directory".
+// Components are followed when they are links (the path is the user's). Errors: errno errors
+// naming the component.
+Status CreateDirectories(const std::string& path, unsigned mode = 0755);
 
 // The bytes available to this user on the file system of `dir` (statvfs f_bavail * f_frsize).
 Result<std::uint64_t> AvailableBytes(const std::string& dir);
