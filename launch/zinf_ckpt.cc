@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "zinf/checkpoint/checkpoint.h"
 #include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/core/status.h"
@@ -33,15 +34,14 @@
 #include "zinf/partition/layout.h"
 #include "zinf/storage/env.h"
 #include "zinf/storage/fs.h"
-#include "zinf/swapper/checkpoint.h"
 
 namespace {
 
 using zinf::FormatBytes;
-using zinf::swapper::CheckpointInfo;
+using zinf::checkpoint::CheckpointInfo;
 
 // A live progress line on a TTY, nothing otherwise.
-zinf::swapper::CheckpointProgressFn Progress(const char* what) {
+zinf::checkpoint::CheckpointProgressFn Progress(const char* what) {
   if (isatty(STDERR_FILENO) != 1) return {};
   return [what](std::uint64_t done, std::uint64_t total) {
     static std::uint64_t last = 0;
@@ -80,9 +80,9 @@ void ListDirectory(const std::string& path) {
   const bool truncated = names.size() > kMaxEntries;
   if (truncated) names.resize(kMaxEntries);
   for (const std::string& name : names) {
-    if (auto step = zinf::swapper::ParseCheckpointFileName(name)) {
+    if (auto step = zinf::checkpoint::ParseCheckpointFileName(name)) {
       files.push_back({*step, false, name});
-    } else if (auto partial = zinf::swapper::ParseCheckpointFileName(name, ".partial")) {
+    } else if (auto partial = zinf::checkpoint::ParseCheckpointFileName(name, ".partial")) {
       files.push_back({*partial, true, name});
     }
   }
@@ -110,7 +110,7 @@ int List(const std::string& path) {
       S_ISDIR(st.st_mode)) {
     ListDirectory(path);
   }
-  zinf::Result<CheckpointInfo> info = zinf::swapper::ReadCheckpointInfo(path);
+  zinf::Result<CheckpointInfo> info = zinf::checkpoint::ReadCheckpointInfo(path);
   if (!info) return Fail(info.error());
   const zinf::partition::ParamLayout& layout = *info->layout;
   std::printf("checkpoint %s\n", Shown(info->path).c_str());
@@ -151,7 +151,7 @@ int List(const std::string& path) {
 }
 
 int Verify(const std::string& path) {
-  zinf::Result<std::string> file = zinf::swapper::ResolveCheckpointPath(path);
+  zinf::Result<std::string> file = zinf::checkpoint::ResolveCheckpointPath(path);
   if (!file) return Fail(file.error());
   zinf::Status s = zinf::engine::VerifyResumable(*file, Progress("verify"));
   if (!s) {
@@ -167,10 +167,10 @@ int Verify(const std::string& path) {
 
 int Export(const std::string& path, const std::string& out, const std::string& format, bool moments,
            bool force) {
-  const zinf::swapper::ExportFormat f = format == "safetensors"
-                                            ? zinf::swapper::ExportFormat::kSafetensors
-                                            : zinf::swapper::ExportFormat::kHdf5;
-  zinf::Status s = zinf::swapper::ExportCheckpoint(
+  const zinf::checkpoint::ExportFormat f = format == "safetensors"
+                                               ? zinf::checkpoint::ExportFormat::kSafetensors
+                                               : zinf::checkpoint::ExportFormat::kHdf5;
+  zinf::Status s = zinf::checkpoint::ExportCheckpoint(
       path, out, f, Progress("export"), moments,
       force ? zinf::storage::Overwrite::kRegularFile : zinf::storage::Overwrite::kNo);
   if (!s) {

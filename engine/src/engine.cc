@@ -25,6 +25,7 @@
 
 #include "gradient_buckets.h"
 #include "shard_reader.h"
+#include "zinf/checkpoint/checkpoint.h"
 #include "zinf/comm/collective_backend.h"
 #include "zinf/comm/mpi_session.h"
 #include "zinf/comm/timers.h"
@@ -41,7 +42,6 @@
 #include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/checksum.h"
 #include "zinf/storage/fs.h"
-#include "zinf/swapper/checkpoint.h"
 #include "zinf/swapper/gradient_swapper.h"
 #include "zinf/swapper/optimizer_swapper.h"
 
@@ -549,7 +549,7 @@ nlohmann::json ZeroEngine::GroupsJson() const {
 
 // A restore's check of the checkpoint's groups against this engine's, by parameter name.
 Status ZeroEngine::CheckGroups(const TrainerState& saved,
-                               const swapper::CheckpointInfo& info) const {
+                               const checkpoint::CheckpointInfo& info) const {
   const std::size_t count = saved.param_groups.empty() ? 1 : saved.param_groups.size();
   for (const Param& p : state_->params) {
     const std::optional<std::size_t> at = info.layout->FindParam(p.name);
@@ -943,18 +943,18 @@ Status ZeroEngine::Restore(const std::string& path, bool verify_before_write) {
   // file fails the restore on every rank before any step runs; the store was created empty for
   // this engine and is discarded with it on error, so a verify-first pass would only cost time.
   // Load (true): the live store stays untouched unless the whole file verified (two reads).
-  const swapper::CheckpointRestoreOptions restore_options{
+  const checkpoint::CheckpointRestoreOptions restore_options{
       .verify_before_write = verify_before_write,
       .progress = options_.progress,
-      .check_info = [&](const swapper::CheckpointInfo& info) -> Status {
+      .check_info = [&](const checkpoint::CheckpointInfo& info) -> Status {
         ZINF_ASSIGN_OR_RETURN(TrainerState read, ReadTrainerState(info));
         ZINF_RETURN_IF_ERROR(CheckGroups(read, info));
         ZINF_RETURN_IF_ERROR(Annotate(scaler.Restore(read.loss_scaler), info.path + ": "));
         trainer = std::move(read);
         return OkStatus();
       }};
-  ZINF_ASSIGN_OR_RETURN(swapper::RestoredCheckpoint restored,
-                        swapper::RestoreCheckpoint(*s.swapper, path, restore_options));
+  ZINF_ASSIGN_OR_RETURN(checkpoint::RestoredCheckpoint restored,
+                        checkpoint::RestoreCheckpoint(*s.swapper, path, restore_options));
   if (!trainer) return InternalError("checkpoint restore succeeded without its trainer state");
   resumed_from_ = restored.path;
   resumed_world_size_ = restored.world_size;
@@ -1700,7 +1700,7 @@ Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& use
                     readable.error().message()));
   }
   ZINF_RETURN_IF_ERROR(comm().AgreeOnCall("SaveCheckpoint", check));
-  swapper::CheckpointSaveOptions options;
+  checkpoint::CheckpointSaveOptions options;
   options.dir = target;
   options.keep_last = static_cast<int>(config_.zinf.checkpoint.keep_last);
   const Json effective = Json::parse(EffectiveConfigJson(config_));
@@ -1719,8 +1719,8 @@ Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& use
                          {kUserStateKey, user_state.is_null() ? Json::object() : user_state}};
   options.progress = options_.progress;
   comm::ScopedTimer timer(s.timers, "checkpoint");
-  ZINF_ASSIGN_OR_RETURN(swapper::SavedCheckpoint saved,
-                        swapper::SaveCheckpoint(*s.swapper, step_, options));
+  ZINF_ASSIGN_OR_RETURN(checkpoint::SavedCheckpoint saved,
+                        checkpoint::SaveCheckpoint(*s.swapper, step_, options));
   s.io_mark = s.swapper->io_counters();  // the save's reads are not the next step's
   ZINF_LOG_INFO("checkpoint {}: {} in {:.2f} s ({:.2f} GB/s){}", saved.path,
                 FormatBytes(saved.state_bytes), saved.seconds,

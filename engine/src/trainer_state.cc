@@ -24,7 +24,7 @@ using Json = nlohmann::json;
 std::string Shown(const Json& value) { return DumpJsonForDisplay(value).substr(0, 200); }
 
 // The trainer state's "param_groups" (trainer_state.h) against the file's layout.
-Status ReadParamGroups(const Json& groups, const swapper::CheckpointInfo& info,
+Status ReadParamGroups(const Json& groups, const checkpoint::CheckpointInfo& info,
                        const std::string& where, TrainerState* state) {
   auto bad = [&](const std::string& what) {
     return DataLossError(fmt::format("{} param_groups: {}", where, what));
@@ -137,7 +137,7 @@ Result<Fp16Config> SavedFp16Config(const Json& config) {
   return fp16;
 }
 
-Result<TrainerState> ReadTrainerState(const swapper::CheckpointInfo& info) {
+Result<TrainerState> ReadTrainerState(const checkpoint::CheckpointInfo& info) {
   const Json& trainer = info.trainer;
   const std::string where = fmt::format("{}: trainer state", info.path);
   auto bad = [&](std::string_view key, std::string_view want) {
@@ -225,10 +225,11 @@ Result<TrainerState> ReadTrainerState(const swapper::CheckpointInfo& info) {
   return state;
 }
 
-Status VerifyResumable(const std::string& path, const swapper::CheckpointProgressFn& progress) {
-  ZINF_ASSIGN_OR_RETURN(const swapper::CheckpointInfo info, swapper::ReadCheckpointInfo(path));
+Status VerifyResumable(const std::string& path, const checkpoint::CheckpointProgressFn& progress) {
+  ZINF_ASSIGN_OR_RETURN(const checkpoint::CheckpointInfo info,
+                        checkpoint::ReadCheckpointInfo(path));
   ZINF_RETURN_IF_ERROR(ReadTrainerState(info));
-  return swapper::VerifyCheckpoint(info.path, progress);
+  return checkpoint::VerifyCheckpoint(info.path, progress);
 }
 
 }  // namespace zinf::engine

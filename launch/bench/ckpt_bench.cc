@@ -23,12 +23,13 @@
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "bench_command.h"
 #include "bench_state.h"
+#include "zinf/checkpoint/checkpoint.h"
 #include "zinf/comm/mpi_session.h"
 #include "zinf/comm/timers.h"
 #include "zinf/core/process_stats.h"
@@ -36,7 +37,6 @@
 #include "zinf/core/units.h"
 #include "zinf/partition/plan.h"
 #include "zinf/storage/io_engine.h"
-#include "zinf/swapper/checkpoint.h"
 #include "zinf/swapper/optimizer_swapper.h"
 
 namespace zinf::bench {
@@ -165,15 +165,15 @@ Result<int> Run(const comm::Communicator& world, const CkptFlags& flags) {
   if (flags.single_pass && flags.verify_before_write) restore_modes.push_back(false);
 
   for (int t = 1; t <= flags.trials; ++t) {
-    swapper::CheckpointSaveOptions save;
+    checkpoint::CheckpointSaveOptions save;
     save.dir = flags.dir;
     save.keep_last = 1;
     save.chunk_numel = chunk_numel;
     save.progress = false;
     save.trainer = {{"step", t}};
     ZINF_ASSIGN_OR_RETURN(bool dropped, Prepare(world, flags.drop_caches));
-    ZINF_ASSIGN_OR_RETURN(swapper::SavedCheckpoint saved,
-                          swapper::SaveCheckpoint(*swapper, t, save));
+    ZINF_ASSIGN_OR_RETURN(checkpoint::SavedCheckpoint saved,
+                          checkpoint::SaveCheckpoint(*swapper, t, save));
     ZINF_ASSIGN_OR_RETURN(const double save_seconds, MaxOverRanks(world, saved.seconds));
     ZINF_ASSIGN_OR_RETURN(nlohmann::json save_phases,
                           PhaseTimes(*swapper, flags.timers, "checkpoint save"));
@@ -191,12 +191,12 @@ Result<int> Run(const comm::Communicator& world, const CkptFlags& flags) {
     std::vector<bool> order = restore_modes;
     if (order.size() == 2 && t % 2 == 0) order = {order[1], order[0]};
     for (bool verify : order) {
-      swapper::CheckpointRestoreOptions restore;
+      checkpoint::CheckpointRestoreOptions restore;
       restore.verify_before_write = verify;
       restore.progress = false;
       ZINF_ASSIGN_OR_RETURN(dropped, Prepare(world, flags.drop_caches));
-      ZINF_ASSIGN_OR_RETURN(swapper::RestoredCheckpoint restored,
-                            swapper::RestoreCheckpoint(*swapper, flags.dir, restore));
+      ZINF_ASSIGN_OR_RETURN(checkpoint::RestoredCheckpoint restored,
+                            checkpoint::RestoreCheckpoint(*swapper, flags.dir, restore));
       ZINF_ASSIGN_OR_RETURN(const double restore_seconds, MaxOverRanks(world, restored.seconds));
       ZINF_ASSIGN_OR_RETURN(
           nlohmann::json restore_phases,
@@ -246,8 +246,7 @@ const bool kRegistered = RegisterBenchCommand(
     "ckpt", "timed collective checkpoint save and restore (run under mpirun)",
     [](CLI::App& app) -> RunFn {
       auto flags = std::make_shared<CkptFlags>();
-      app.add_option("--path", flags->path, "swap store directory (node-local NVMe)")
-          ->required();
+      app.add_option("--path", flags->path, "swap store directory (node-local NVMe)")->required();
       app.add_option("--dir", flags->dir,
                      "checkpoint directory (shared by the ranks): new or empty, as the trials' "
                      "checkpoints are written there and removed")

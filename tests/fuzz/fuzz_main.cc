@@ -43,12 +43,12 @@
 #include <vector>
 
 #include "train/train_config.h"
+#include "zinf/checkpoint/checkpoint.h"
 #include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/engine/config.h"
 #include "zinf/engine/trainer_state.h"
 #include "zinf/storage/checksum.h"
-#include "zinf/swapper/checkpoint.h"
 
 namespace {
 
@@ -508,14 +508,15 @@ int FuzzCheckpoint(const Flags& flags) {
       for (int i = 0; i < n; ++i) MutateStructure(input, other, m);
     }
     const auto start = Clock::now();
-    zinf::Result<zinf::swapper::CheckpointInfo> info = zinf::swapper::ReadCheckpointInfo(input);
+    zinf::Result<zinf::checkpoint::CheckpointInfo> info =
+        zinf::checkpoint::ReadCheckpointInfo(input);
     zinf::Status verified = zinf::engine::VerifyResumable(input);
     const std::string out = out_dir + "/weights.out";
     std::filesystem::remove(out);
-    zinf::Status exported =
-        zinf::swapper::ExportCheckpoint(input, out,
-                                        m.Chance(0.5) ? zinf::swapper::ExportFormat::kHdf5
-                                                      : zinf::swapper::ExportFormat::kSafetensors);
+    zinf::Status exported = zinf::checkpoint::ExportCheckpoint(
+        input, out,
+        m.Chance(0.5) ? zinf::checkpoint::ExportFormat::kHdf5
+                      : zinf::checkpoint::ExportFormat::kSafetensors);
     const double took = std::chrono::duration<double>(Clock::now() - start).count();
     if (took > flags.max_input_seconds) {
       std::fprintf(stderr, "FAIL: one input took %.1f s to read (kept in %s)\n", took,

@@ -100,7 +100,7 @@
 // with the saved values.
 //
 // Checkpoints (collective): SaveCheckpoint writes one parallel-HDF5 file per step into
-// zinf.checkpoint.dir with the commit protocol of swapper/checkpoint.h (keep_last applied), the
+// zinf.checkpoint.dir with the commit protocol of checkpoint/checkpoint.h (keep_last applied), the
 // engine's state and the user's JSON. Create restores one when zinf.checkpoint.load says so
 // (`latest`, `auto`, or a path), on any number of ranks: the swapped state, the step, the
 // learning-rate schedule's position and the weights; user_state() returns the user's JSON. A
@@ -145,9 +145,9 @@
 #include "zinf/storage/swap_store.h"
 #include "zinf/swapper/cpu_adam.h"
 
-namespace zinf::swapper {
-struct CheckpointInfo;  // checkpoint.h
-}  // namespace zinf::swapper
+namespace zinf::checkpoint {
+struct CheckpointInfo;  // zinf/checkpoint/checkpoint.h
+}  // namespace zinf::checkpoint
 
 namespace zinf::engine {
 
@@ -455,7 +455,7 @@ class ZeroEngine {
   // of them, and a restore's check of it (local).
   Status AgreeOnGroups(std::int64_t step);
   nlohmann::json GroupsJson() const;
-  Status CheckGroups(const TrainerState& saved, const swapper::CheckpointInfo& info) const;
+  Status CheckGroups(const TrainerState& saved, const checkpoint::CheckpointInfo& info) const;
   Status LogPerNode();
   // The engine's private communicator once built (the caller's `world` before).
   const comm::Communicator& comm() const;

@@ -1,4 +1,4 @@
-// The engine's state in a checkpoint (the /trainer attribute `state`, swapper/checkpoint.h), and
+// The engine's state in a checkpoint (the /trainer attribute `state`, checkpoint/checkpoint.h), and
 // the one validation of a checkpoint that `zinf-ckpt verify` and a resume (ZeroEngine::Create
 // with zinf.checkpoint.load) share: verify OK means the file restores and resumes.
 //
@@ -35,10 +35,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "zinf/checkpoint/checkpoint.h"
 #include "zinf/core/status.h"
 #include "zinf/engine/config.h"
 #include "zinf/engine/loss_scaler.h"
-#include "zinf/swapper/checkpoint.h"
 #include "zinf/swapper/cpu_adam.h"
 
 namespace zinf::engine {
@@ -62,12 +62,13 @@ Result<Fp16Config> SavedFp16Config(const nlohmann::json& config);
 
 // Validates `info.trainer` as described at the top. Errors: DataLoss "<path>: trainer state
 // <key> is <value>, ..." naming the first bad key and its value.
-Result<TrainerState> ReadTrainerState(const swapper::CheckpointInfo& info);
+Result<TrainerState> ReadTrainerState(const checkpoint::CheckpointInfo& info);
 
-// What `zinf-ckpt verify` runs: the checkpoint's structure (swapper::ReadCheckpointInfo), its
-// trainer state (ReadTrainerState), then its data (swapper::VerifyCheckpoint: the q8 tables and
+// What `zinf-ckpt verify` runs: the checkpoint's structure (checkpoint::ReadCheckpointInfo), its
+// trainer state (ReadTrainerState), then its data (checkpoint::VerifyCheckpoint: the q8 tables and
 // every chunk's checksum). `path` as ResolveCheckpointPath takes it. OK means a resume with a
 // matching model and config restores it. Errors: those of the three.
-Status VerifyResumable(const std::string& path, const swapper::CheckpointProgressFn& progress = {});
+Status VerifyResumable(const std::string& path,
+                       const checkpoint::CheckpointProgressFn& progress = {});
 
 }  // namespace zinf::engine

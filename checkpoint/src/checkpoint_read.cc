@@ -24,22 +24,22 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint_internal.h"
+#include "zinf/checkpoint/checkpoint.h"
 #include "zinf/core/check.h"
 #include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
+#include "zinf/h5/h5_file.h"
 #include "zinf/storage/checksum.h"
 #include "zinf/storage/env.h"
 #include "zinf/storage/fs.h"
-#include "zinf/storage/hdf5.h"
-#include "zinf/swapper/checkpoint.h"
 
-namespace zinf::swapper {
-namespace checkpoint_internal {
+namespace zinf::checkpoint {
+namespace internal {
 namespace {
 
-using storage::H5DataType;
-using storage::H5File;
+using h5::H5DataType;
+using h5::H5File;
 
 // A missing piece of the structure is DataLoss: the file is not a complete checkpoint.
 Error Missing(std::string what, const Error& cause) {
@@ -114,15 +114,15 @@ Status CheckDataset(H5File& file, const std::string& name, std::uint64_t numel, 
   const H5File::DatasetStorage& ds = *storage_of;
   if (ds.numel != numel || ds.type != type) {
     return DataLossError(fmt::format("dataset {} has {} elements of {}, expected {} of {}", name,
-                                     ds.numel, storage::H5DataTypeName(ds.type), numel,
-                                     storage::H5DataTypeName(type)));
+                                     ds.numel, h5::H5DataTypeName(ds.type), numel,
+                                     h5::H5DataTypeName(type)));
   }
   if (ds.chunk_numel > max_chunk_numel) {
     return DataLossError(fmt::format("dataset {} is chunked by {} elements, more than {}", name,
                                      ds.chunk_numel, max_chunk_numel));
   }
   std::uint64_t bytes = 0;
-  if (!CheckedMul(numel, storage::H5DataTypeBytes(type), &bytes)) {
+  if (!CheckedMul(numel, h5::H5DataTypeBytes(type), &bytes)) {
     return DataLossError(
         fmt::format("dataset {} of {} elements is larger than 2^64 bytes", name, numel));
   }
@@ -145,7 +145,7 @@ const std::array<StateDatasetSpec, kNumStateTensors>& StateDatasets(StateFormat 
     return StateDatasetSpec{.name = fmt::format("/state/{}", name),
                             .checksum = fmt::format("/checksum/{}", name),
                             .type = type,
-                            .element_bytes = storage::H5DataTypeBytes(type)};
+                            .element_bytes = h5::H5DataTypeBytes(type)};
   };
   static const std::array<StateDatasetSpec, kNumStateTensors> fp32 = {
       spec("fp32", H5DataType::kFloat32), spec("exp_avg", H5DataType::kFloat32),
@@ -556,14 +556,14 @@ void ProgressReporter::Finish() {
   ZINF_LOG_INFO("{}", line);
 }
 
-}  // namespace checkpoint_internal
+}  // namespace internal
 
-using checkpoint_internal::kStates;
-using checkpoint_internal::ReadChecksums;
-using checkpoint_internal::StateDatasets;
-using checkpoint_internal::StateDatasetSpec;
-using checkpoint_internal::StateReader;
-using checkpoint_internal::VerifiedChunkReader;
+using internal::kStates;
+using internal::ReadChecksums;
+using internal::StateDatasets;
+using internal::StateDatasetSpec;
+using internal::StateReader;
+using internal::VerifiedChunkReader;
 
 std::string CheckpointFileName(std::int64_t step) { return fmt::format("step-{}.h5", step); }
 
@@ -652,9 +652,8 @@ Result<std::string> ResolveCheckpointPath(const std::string& path) {
 
 Result<CheckpointInfo> ReadCheckpointInfo(const std::string& path) {
   ZINF_ASSIGN_OR_RETURN(std::string file_path, ResolveCheckpointPath(path));
-  ZINF_ASSIGN_OR_RETURN(storage::H5File file,
-                        storage::H5File::OpenSerial(file_path, /*read_only=*/true));
-  Result<CheckpointInfo> info = checkpoint_internal::ReadInfo(file, file_path);
+  ZINF_ASSIGN_OR_RETURN(h5::H5File file, h5::H5File::OpenSerial(file_path, /*read_only=*/true));
+  Result<CheckpointInfo> info = internal::ReadInfo(file, file_path);
   Status closed = file.Close();
   if (!info) return info;
   ZINF_RETURN_IF_ERROR(closed);
@@ -663,16 +662,15 @@ Result<CheckpointInfo> ReadCheckpointInfo(const std::string& path) {
 
 Status VerifyCheckpoint(const std::string& path, const CheckpointProgressFn& progress) {
   ZINF_ASSIGN_OR_RETURN(std::string file_path, ResolveCheckpointPath(path));
-  ZINF_ASSIGN_OR_RETURN(storage::H5File file,
-                        storage::H5File::OpenSerial(file_path, /*read_only=*/true));
-  ZINF_ASSIGN_OR_RETURN(CheckpointInfo info, checkpoint_internal::ReadInfo(file, file_path));
+  ZINF_ASSIGN_OR_RETURN(h5::H5File file, h5::H5File::OpenSerial(file_path, /*read_only=*/true));
+  ZINF_ASSIGN_OR_RETURN(CheckpointInfo info, internal::ReadInfo(file, file_path));
   std::uint64_t total_bytes = 0;
   for (const StateDatasetSpec& spec : StateDatasets(info.state_format)) {
     total_bytes += info.total_numel * spec.element_bytes;
   }
   std::uint64_t done = 0;
   if (info.state_format == StateFormat::kQ8) {
-    ZINF_RETURN_IF_ERROR(checkpoint_internal::ReadQ8Tables(file, info));
+    ZINF_RETURN_IF_ERROR(internal::ReadQ8Tables(file, info));
   }
   for (const StateDatasetSpec& spec : StateDatasets(info.state_format)) {
     ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> sums,
@@ -685,7 +683,7 @@ Status VerifyCheckpoint(const std::string& path, const CheckpointProgressFn& pro
       }
       return OkStatus();
     };
-    if (spec.type == storage::H5DataType::kUInt8) {
+    if (spec.type == h5::H5DataType::kUInt8) {
       ZINF_RETURN_IF_ERROR(verify_all(VerifiedChunkReader<std::uint8_t>(
           &file, spec.name, info.total_numel, info.chunk_numel, std::move(sums))));
     } else {
@@ -746,12 +744,11 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
   // before a byte is written (and looked at again just before the rename).
   ZINF_ASSIGN_OR_RETURN(storage::AtomicFile out,
                         Annotate(storage::AtomicFile::Create(out_path, overwrite), "export: "));
-  ZINF_ASSIGN_OR_RETURN(storage::H5File file,
-                        storage::H5File::OpenSerial(file_path, /*read_only=*/true));
-  ZINF_ASSIGN_OR_RETURN(CheckpointInfo info, checkpoint_internal::ReadInfo(file, file_path));
-  std::optional<checkpoint_internal::Q8Tables> tables;
+  ZINF_ASSIGN_OR_RETURN(h5::H5File file, h5::H5File::OpenSerial(file_path, /*read_only=*/true));
+  ZINF_ASSIGN_OR_RETURN(CheckpointInfo info, internal::ReadInfo(file, file_path));
+  std::optional<internal::Q8Tables> tables;
   if (moments && info.state_format == StateFormat::kQ8) {
-    ZINF_ASSIGN_OR_RETURN(tables, checkpoint_internal::ReadQ8Tables(file, info));
+    ZINF_ASSIGN_OR_RETURN(tables, internal::ReadQ8Tables(file, info));
   }
   // The tensors written: the weights, then (with `moments`) exp_avg and exp_avg_sq, each as one
   // tensor per parameter named "<state>/<parameter>".
@@ -798,9 +795,8 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
                                               FormatBytes(available)));
   }
   if (format == ExportFormat::kHdf5) {
-    ZINF_ASSIGN_OR_RETURN(
-        storage::H5File h5,
-        storage::H5File::CreateSerial(out.temp_path(), storage::H5CreateMode::kTruncate));
+    ZINF_ASSIGN_OR_RETURN(h5::H5File h5,
+                          h5::H5File::CreateSerial(out.temp_path(), h5::H5CreateMode::kTruncate));
     // Blocks allocated up front, the file grown past what HDF5 will write (it cuts the file back
     // to its own end when it closes).
     if (Status reserved = out.Reserve(estimate, /*keep_size=*/false); !reserved) {
@@ -814,7 +810,7 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
       for (const partition::ParamInfo& p : layout.params()) {
         const std::string name = tensor_name(t, p);
         ZINF_RETURN_IF_ERROR(h5.CreateDataset1D(name, p.numel, std::min(p.numel, piece_numel),
-                                                storage::H5DataType::kFloat32));
+                                                h5::H5DataType::kFloat32));
         ZINF_RETURN_IF_ERROR(
             h5.WriteStringAttribute(name, "shape", partition::FormatShape(p.shape)));
         ZINF_RETURN_IF_ERROR(stream(t, p, [&](std::uint64_t off, std::span<const float> values) {
@@ -854,4 +850,4 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
   return out.Commit();
 }
 
-}  // namespace zinf::swapper
+}  // namespace zinf::checkpoint

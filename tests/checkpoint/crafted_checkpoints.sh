@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Hostile checkpoint files against the tools that read them. GENERATOR (swapper_craft_checkpoints)
+# Hostile checkpoint files against the tools that read them. GENERATOR (checkpoint_craft)
 # writes a corpus: good.h5, one file per defect and cases.tsv (name, the exit status `zinf-ckpt
 # verify` must have, a substring of its output naming the defect, the exit status `zinf-ckpt
 # export` must have). For every file, `zinf-ckpt
@@ -20,7 +20,7 @@
 # name, and directories whose `latest` is a symlink, names ../good.h5, is 10 MB, is a FIFO,
 # names a FIFO step-3.h5, and so on (each exit 1 naming the problem, no hang), and a directory
 # with an entry step-99999999999999999999.h5 (ls exits 0 and lists only the valid ones). Then
-# verify and restore must accept exactly the same files: RESUMER (swapper_resume_crafted) resumes
+# verify and restore must accept exactly the same files: RESUMER (checkpoint_resume_crafted) resumes
 # from every path checked above, crafted files and directories alike (ZeroEngine::Create with
 # the path to load, a model of good.h5's parameters, the config the files were saved with, one
 # step), and each outcome must be verify's: verify OK and the resume refused (or its step left a

@@ -1,4 +1,4 @@
-#include "zinf/storage/hdf5.h"
+#include "zinf/h5/h5_file.h"
 
 #include <hdf5.h>
 #include <sys/stat.h>
@@ -16,7 +16,7 @@
 
 #include <fmt/format.h>
 
-#include "hdf5_handles.h"
+#include "handles.h"
 #include "zinf/comm/communicator.h"
 #include "zinf/comm/mpi_native.h"
 
@@ -24,18 +24,18 @@
 #error "zinf needs parallel HDF5 (Debian: libhdf5-openmpi-dev)"
 #endif
 
-namespace zinf::storage {
+namespace zinf::h5 {
 
-using h5::AttributeHandle;
-using h5::Check;
-using h5::CheckErr;
-using h5::DatasetHandle;
-using h5::DataspaceHandle;
-using h5::DatatypeHandle;
-using h5::FileHandle;
-using h5::ObjectHandle;
-using h5::PropListHandle;
-using h5::StackError;
+using handles::AttributeHandle;
+using handles::Check;
+using handles::CheckErr;
+using handles::DatasetHandle;
+using handles::DataspaceHandle;
+using handles::DatatypeHandle;
+using handles::FileHandle;
+using handles::ObjectHandle;
+using handles::PropListHandle;
+using handles::StackError;
 
 struct H5File::Impl {
   FileHandle file;
@@ -383,7 +383,7 @@ namespace {
 // the result.
 Result<FileHandle> OpenOrCreate(const comm::Communicator* comm, const std::string& path,
                                 bool create, H5CreateMode mode, bool read_only) {
-  h5::InitHdf5();
+  handles::InitHdf5();
   auto agree = [comm](const Status& local) {
     return comm == nullptr ? local : comm->AgreeOnStatus(local);
   };
@@ -752,7 +752,7 @@ Status H5File::CreateGroup(std::string_view name) {
   }();
   ZINF_RETURN_IF_ERROR(Agree(prepared));
   if (exists) return OkStatus();
-  Result<h5::GroupHandle> group = Check<h5::GroupHandle>(
+  Result<handles::GroupHandle> group = Check<handles::GroupHandle>(
       H5Gcreate2(impl_->file.get(), path.c_str(), lcpl.get(), H5P_DEFAULT, H5P_DEFAULT),
       ErrorCode::kDataLoss, fmt::format("{}: H5Gcreate {}", path_, path));
   Status local = StatusOf(group);
@@ -1045,4 +1045,4 @@ Result<bool> H5File::HasAttribute(std::string_view object, std::string_view name
   return local;
 }
 
-}  // namespace zinf::storage
+}  // namespace zinf::h5

@@ -1,5 +1,5 @@
-// swapper_craft_checkpoints OUT_DIR: the hostile-checkpoint corpus of
-// tests/swapper/crafted_checkpoints.sh. Writes
+// checkpoint_craft OUT_DIR: the hostile-checkpoint corpus of
+// tests/checkpoint/crafted_checkpoints.sh. Writes
 //   OUT_DIR/good.h5     a small valid checkpoint, written the way SaveCheckpoint writes one
 //                       (WriteStructure's attributes and datasets, the state, XXH3-64 checksums);
 //   OUT_DIR/good_q8.h5  the same in the q8 state format (codes, the /q8 tables), and q8_*.h5
@@ -35,11 +35,11 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "zinf/checkpoint/checkpoint.h"
 #include "zinf/core/status.h"
+#include "zinf/h5/h5_file.h"
 #include "zinf/partition/layout.h"
 #include "zinf/storage/checksum.h"
-#include "zinf/storage/hdf5.h"
-#include "zinf/swapper/checkpoint.h"
 #include "zinf/swapper/q8.h"
 
 namespace {
@@ -48,8 +48,8 @@ using zinf::Error;
 using zinf::ErrorCode;
 using zinf::Result;
 using zinf::Status;
-using zinf::storage::H5DataType;
-using zinf::storage::H5File;
+using zinf::h5::H5DataType;
+using zinf::h5::H5File;
 
 constexpr std::uint64_t kChunk = 1000;
 constexpr std::array<const char*, 3> kStates = {"fp32", "exp_avg", "exp_avg_sq"};
@@ -67,8 +67,8 @@ Error Fail(std::string_view what) {
 // ---- What a checkpoint file says ----
 
 struct Spec {
-  std::string format{zinf::swapper::kCheckpointFormat};
-  std::int64_t format_version = zinf::swapper::kCheckpointFormatVersion;
+  std::string format{zinf::checkpoint::kCheckpointFormat};
+  std::int64_t format_version = zinf::checkpoint::kCheckpointFormatVersion;
   std::int64_t step = 10;
   std::int64_t world_size = 2;
   std::int64_t total_numel = 0;
@@ -125,12 +125,11 @@ Result<Spec> GoodSpec() {
   return spec;
 }
 
-// As swapper/src/checkpoint.cc's WriteStructure, then the state and the checksums. The /state
+// As checkpoint/src/checkpoint.cc's WriteStructure, then the state and the checksums. The /state
 // and /checksum groups are made explicitly (CreateDataset1D would make them) so that a Spec
 // without data still has them for the raw edit that adds its datasets.
 Status WriteSpec(const std::string& path, const Spec& spec) {
-  ZINF_ASSIGN_OR_RETURN(H5File file,
-                        H5File::CreateSerial(path, zinf::storage::H5CreateMode::kTruncate));
+  ZINF_ASSIGN_OR_RETURN(H5File file, H5File::CreateSerial(path, zinf::h5::H5CreateMode::kTruncate));
   ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "format", spec.format));
   ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "format_version", spec.format_version));
   ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "step", spec.step));
@@ -224,7 +223,7 @@ Q8Spec GoodQ8(std::uint64_t total) {
 
 // The good Spec's header and weights as format_version 2, then the codes and the q8 tables.
 Status WriteQ8Spec(const std::string& path, Spec spec, const Q8Spec& q) {
-  spec.format_version = zinf::swapper::kCheckpointFormatVersionQ8;
+  spec.format_version = zinf::checkpoint::kCheckpointFormatVersionQ8;
   spec.write_data = false;
   ZINF_RETURN_IF_ERROR(WriteSpec(path, spec));
   ZINF_ASSIGN_OR_RETURN(H5File file, H5File::OpenSerial(path, /*read_only=*/false));
@@ -792,11 +791,11 @@ void AddCases(Corpus& c) {
     return CreateRaw(f, "/layout/numel", Unallocated(k2p40, H5T_STD_U64LE));
   });
   c.Raw("chunk_dims_too_large", 1,
-        fmt::format("chunked by {} elements", zinf::swapper::kMaxCheckpointChunkNumel + 1),
+        fmt::format("chunked by {} elements", zinf::checkpoint::kMaxCheckpointChunkNumel + 1),
         [total](hid_t f) -> Status {
           RawDataset d = Unallocated(total);
           d.max_dims = {H5S_UNLIMITED};
-          d.chunk = {zinf::swapper::kMaxCheckpointChunkNumel + 1};
+          d.chunk = {zinf::checkpoint::kMaxCheckpointChunkNumel + 1};
           return CreateRaw(f, "/state/exp_avg", d);
         });
 
@@ -857,9 +856,9 @@ void AddCases(Corpus& c) {
           [](Spec& s) { s.step = std::numeric_limits<std::int64_t>::max(); });
   c.Spec1("step_minus_1", 1, "attribute 'step' is -1", [](Spec& s) { s.step = -1; });
   c.Spec1("step_2p53", 1, "attribute 'step' is 9007199254740992",
-          [](Spec& s) { s.step = zinf::swapper::kMaxCheckpointStep + 1; });
+          [](Spec& s) { s.step = zinf::checkpoint::kMaxCheckpointStep + 1; });
   c.Spec1("step_max", 0, ok, [](Spec& s) {
-    s.step = zinf::swapper::kMaxCheckpointStep;
+    s.step = zinf::checkpoint::kMaxCheckpointStep;
     s.trainer = fmt::format(R"({{"step":{},"data_position":1234,"seed":1}})", s.step);
   });
   c.Spec1("world_size_0", 1, "attribute 'world_size' is 0", [](Spec& s) { s.world_size = 0; });
@@ -1113,7 +1112,7 @@ void AddCases(Corpus& c) {
           [](Spec& s) { s.checksums[0][3] ^= 1; });
   // chunk_numel at the reader's limit: one checksum over the whole (small) state.
   c.Spec1("chunk_numel_max", 0, ok, [](Spec& s) {
-    s.chunk_numel = static_cast<std::int64_t>(zinf::swapper::kMaxCheckpointChunkNumel);
+    s.chunk_numel = static_cast<std::int64_t>(zinf::checkpoint::kMaxCheckpointChunkNumel);
     Rechecksum(s);
   });
 

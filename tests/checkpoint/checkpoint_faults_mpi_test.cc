@@ -19,11 +19,11 @@
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
 #include "testing/test_env.h"
+#include "zinf/checkpoint/checkpoint.h"
 #include "zinf/storage/env.h"
 #include "zinf/storage/fault_injection.h"
-#include "zinf/swapper/checkpoint.h"
 
-namespace zinf::swapper {
+namespace zinf::checkpoint {
 namespace {
 
 using checkpoint_testing::CheckState;
@@ -156,4 +156,4 @@ TEST(CheckpointCommitFaults, EverySyscallOfTheSaveFailsCleanlyOrCommits) {
 }
 
 }  // namespace
-}  // namespace zinf::swapper
+}  // namespace zinf::checkpoint

@@ -14,16 +14,16 @@
 #include <string>
 
 #include "checkpoint_test_util.h"
+#include "zinf/checkpoint/checkpoint.h"
 #include "zinf/comm/mpi_session.h"
-#include "zinf/swapper/checkpoint.h"
 
 namespace {
 
-using zinf::swapper::checkpoint_testing::CheckState;
-using zinf::swapper::checkpoint_testing::FillState;
-using zinf::swapper::checkpoint_testing::MakeSwapper;
-using zinf::swapper::checkpoint_testing::SwapperSetup;
-using zinf::swapper::checkpoint_testing::TestSwapper;
+using zinf::checkpoint::checkpoint_testing::CheckState;
+using zinf::checkpoint::checkpoint_testing::FillState;
+using zinf::checkpoint::checkpoint_testing::MakeSwapper;
+using zinf::checkpoint::checkpoint_testing::SwapperSetup;
+using zinf::checkpoint::checkpoint_testing::TestSwapper;
 
 // 1.5 M elements: 18 MiB of state, so that a save takes long enough to be interrupted.
 constexpr std::uint64_t kExtraNumel = 1'500'000;
@@ -55,27 +55,27 @@ int Run(int argc, char** argv, zinf::comm::Communicator& world) {
     for (long long step = first; step < first + 10000; ++step) {
       zinf::Status filled = world.AgreeOnStatus(FillState(s, step));
       if (!filled) return fail(filled.error());
-      zinf::swapper::CheckpointSaveOptions options;
+      zinf::checkpoint::CheckpointSaveOptions options;
       options.dir = ckpt;
       options.keep_last = 2;
       options.chunk_numel = 100'000;
       options.progress = false;
       options.trainer = {{"step", step}};
-      auto saved = zinf::swapper::SaveCheckpoint(s, step, options);
+      auto saved = zinf::checkpoint::SaveCheckpoint(s, step, options);
       if (!saved) return fail(saved.error());
       if (world.rank() == 0) std::printf("saved %lld\n", step);
       std::fflush(stdout);
       if (argc > 6) break;  // "once": the initial checkpoint
     }
   } else {
-    zinf::swapper::CheckpointRestoreOptions options;
+    zinf::checkpoint::CheckpointRestoreOptions options;
     options.progress = false;
-    auto restored = zinf::swapper::RestoreCheckpoint(s, ckpt, options);
+    auto restored = zinf::checkpoint::RestoreCheckpoint(s, ckpt, options);
     if (!restored) return fail(restored.error());
     zinf::Status ok = world.AgreeOnStatus(CheckState(s, restored->step));
     if (!ok) return fail(ok.error());
     if (world.rank() == 0) {
-      zinf::Status verified = zinf::swapper::VerifyCheckpoint(ckpt);
+      zinf::Status verified = zinf::checkpoint::VerifyCheckpoint(ckpt);
       if (!verified) return fail(verified.error());
       std::printf("restored step %lld from %s bit-exact on %d rank(s)\n",
                   static_cast<long long>(restored->step), restored->path.c_str(), world.size());

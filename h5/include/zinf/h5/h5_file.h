@@ -55,7 +55,7 @@ namespace zinf::comm {
 class Communicator;
 }  // namespace zinf::comm
 
-namespace zinf::storage {
+namespace zinf::h5 {
 
 // Element types of datasets. Stored little-endian (IEEE f32 LE, U64 LE, I64 LE).
 enum class H5DataType { kFloat32, kUInt64, kInt64, kUInt8 };
@@ -196,4 +196,4 @@ class H5File {
   H5TransferMode last_transfer_mode_ = H5TransferMode::kNotCollective;
 };
 
-}  // namespace zinf::storage
+}  // namespace zinf::h5

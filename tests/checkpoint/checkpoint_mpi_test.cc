@@ -29,11 +29,11 @@
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
 #include "testing/test_env.h"
-#include "zinf/storage/hdf5.h"
-#include "zinf/swapper/checkpoint.h"
+#include "zinf/checkpoint/checkpoint.h"
+#include "zinf/h5/h5_file.h"
 #include "zinf/swapper/q8.h"
 
-namespace zinf::swapper {
+namespace zinf::checkpoint {
 namespace {
 
 using checkpoint_testing::CheckState;
@@ -165,7 +165,7 @@ TEST(Checkpoint, RestoresOnAnyWorldSize) {
 
 // Rewrites one float of a dataset in place with one bit flipped (serial, rank 0).
 Status FlipBit(const std::string& path, const std::string& dataset, std::uint64_t element) {
-  ZINF_ASSIGN_OR_RETURN(storage::H5File f, storage::H5File::OpenSerial(path, false));
+  ZINF_ASSIGN_OR_RETURN(h5::H5File f, h5::H5File::OpenSerial(path, false));
   float v = 0;
   ZINF_RETURN_IF_ERROR(f.ReadSlab(dataset, element, std::span(&v, 1)));
   std::uint32_t bits;
@@ -392,7 +392,7 @@ TEST_F(CheckpointErrors, WrongFormatVersionIsFailedPrecondition) {
   const std::string copy = dir_->Join("v2.h5");
   if (World().rank() == 0) {
     std::filesystem::copy_file(file_, copy);
-    auto f = storage::H5File::OpenSerial(copy, false);
+    auto f = h5::H5File::OpenSerial(copy, false);
     ZINF_ASSERT_OK(f);
     ZINF_ASSERT_OK(f->WriteInt64Attribute("/", "format_version", 3));
     ZINF_ASSERT_OK(f->Close());
@@ -406,9 +406,9 @@ TEST_F(CheckpointErrors, MissingDatasetIsDataLoss) {
   // A checkpoint whose writer stopped before /state/exp_avg: copy everything else by hand.
   const std::string copy = dir_->Join("missing.h5");
   if (World().rank() == 0) {
-    auto src = storage::H5File::OpenSerial(file_, true);
+    auto src = h5::H5File::OpenSerial(file_, true);
     ZINF_ASSERT_OK(src);
-    auto dst = storage::H5File::CreateSerial(copy);
+    auto dst = h5::H5File::CreateSerial(copy);
     ZINF_ASSERT_OK(dst);
     for (const char* a : {"format", "optimizer", "config", "created"}) {
       auto v = src->ReadStringAttribute("/", a);
@@ -429,15 +429,13 @@ TEST_F(CheckpointErrors, MissingDatasetIsDataLoss) {
     for (const char* ds : {"/layout/flat_offset", "/layout/numel"}) {
       std::vector<std::uint64_t> values(num_params);
       ZINF_ASSERT_OK(src->ReadSlab(ds, 0, std::span(values)));
-      ZINF_ASSERT_OK(
-          dst->CreateDataset1D(ds, num_params, num_params, storage::H5DataType::kUInt64));
+      ZINF_ASSERT_OK(dst->CreateDataset1D(ds, num_params, num_params, h5::H5DataType::kUInt64));
       ZINF_ASSERT_OK(dst->WriteSlab(ds, 0, std::span<const std::uint64_t>(values)));
     }
     const std::uint64_t total = checkpoint_testing::TestLayout().total_numel();
     std::vector<float> fp32(total);
     ZINF_ASSERT_OK(src->ReadSlab("/state/fp32", 0, std::span(fp32)));
-    ZINF_ASSERT_OK(
-        dst->CreateDataset1D("/state/fp32", total, kChunk, storage::H5DataType::kFloat32));
+    ZINF_ASSERT_OK(dst->CreateDataset1D("/state/fp32", total, kChunk, h5::H5DataType::kFloat32));
     ZINF_ASSERT_OK(dst->WriteSlab("/state/fp32", 0, std::span<const float>(fp32)));
     ZINF_ASSERT_OK(dst->Close());
     EXPECT_THAT(VerifyCheckpoint(copy),
@@ -502,7 +500,7 @@ TEST_F(CheckpointErrors, ExportWritesPerParameterWeights) {
   // HDF5: one dataset per parameter with its shape.
   const std::string h5 = dir_->Join("weights.h5");
   ZINF_ASSERT_OK(ExportCheckpoint(file_, h5, ExportFormat::kHdf5));
-  auto f = storage::H5File::OpenSerial(h5, true);
+  auto f = h5::H5File::OpenSerial(h5, true);
   ZINF_ASSERT_OK(f);
   for (const partition::ParamInfo& p : layout.params()) {
     std::vector<float> got(p.numel);
@@ -771,4 +769,4 @@ TEST_F(CheckpointErrors, ExportNeverReplacesItsInputAndFailsWithoutATrace) {
 }
 
 }  // namespace
-}  // namespace zinf::swapper
+}  // namespace zinf::checkpoint

@@ -1,7 +1,7 @@
-// swapper_resume_crafted [--fp16 JSON] SWAP_DIR MODEL CHECKPOINT...: a real resume
+// checkpoint_resume_crafted [--fp16 JSON] SWAP_DIR MODEL CHECKPOINT...: a real resume
 // (ZeroEngine::Create with
 // zinf.checkpoint.load, one Step, Close) from each CHECKPOINT in turn, on one rank, for
-// tests/swapper/crafted_checkpoints.sh, which compares the outcome with `zinf-ckpt verify`'s.
+// tests/checkpoint/crafted_checkpoints.sh, which compares the outcome with `zinf-ckpt verify`'s.
 // The model has the parameters of checkpoint MODEL (the corpus's good.h5: its names and
 // shapes), the config is the one the crafted files say they were saved with (AdamW, dynamic
 // fp16 with DeepSpeed's defaults; --fp16 replaces that block), so a refusal is about the file,
@@ -19,12 +19,12 @@
 
 #include <fmt/format.h>
 
+#include "zinf/checkpoint/checkpoint.h"
 #include "zinf/comm/mpi_session.h"
 #include "zinf/core/log.h"
 #include "zinf/core/status.h"
 #include "zinf/engine/config.h"
 #include "zinf/engine/engine.h"
-#include "zinf/swapper/checkpoint.h"
 
 namespace {
 
@@ -52,8 +52,8 @@ struct Model {
 };
 
 Result<Model> ModelOf(const std::string& path) {
-  ZINF_ASSIGN_OR_RETURN(const zinf::swapper::CheckpointInfo info,
-                        zinf::swapper::ReadCheckpointInfo(path));
+  ZINF_ASSIGN_OR_RETURN(const zinf::checkpoint::CheckpointInfo info,
+                        zinf::checkpoint::ReadCheckpointInfo(path));
   Model m;
   for (const zinf::partition::ParamInfo& p : info.layout->params()) {
     m.names.push_back(p.name);

@@ -19,7 +19,20 @@
 #include "zinf/partition/plan.h"
 #include "zinf/swapper/optimizer_swapper.h"
 
-namespace zinf::swapper::checkpoint_testing {
+namespace zinf::checkpoint {
+// The swapper's types the checkpoint tests build and inspect.
+using swapper::AdamOptions;
+using swapper::CreateOptimizerSwapper;
+using swapper::OptimizerSwapper;
+using swapper::Q8Moment;
+using swapper::Q8Moments;
+using swapper::StateFormat;
+using swapper::StateTensor;
+using swapper::SwapperOptions;
+namespace q8 = swapper::q8;
+}  // namespace zinf::checkpoint
+
+namespace zinf::checkpoint::checkpoint_testing {
 
 // Odd sizes so that partitions, sub-groups and checkpoint chunks never line up.
 inline partition::ParamLayout TestLayout(bool other = false, std::uint64_t extra_numel = 0) {
@@ -130,4 +143,4 @@ inline Status CheckState(OptimizerSwapper& swapper, std::int64_t step) {
   return OkStatus();
 }
 
-}  // namespace zinf::swapper::checkpoint_testing
+}  // namespace zinf::checkpoint::checkpoint_testing

@@ -10,13 +10,27 @@
 #include <string>
 #include <vector>
 
+#include "zinf/checkpoint/checkpoint.h"
 #include "zinf/core/status.h"
-#include "zinf/storage/hdf5.h"
-#include "zinf/swapper/checkpoint.h"
+#include "zinf/h5/h5_file.h"
 #include "zinf/swapper/optimizer_swapper.h"
 #include "zinf/swapper/q8.h"
 
-namespace zinf::swapper::checkpoint_internal {
+namespace zinf::checkpoint {
+// The swapper's types the checkpoint code reads and writes.
+using swapper::AdamOptions;
+using swapper::kNumStateTensors;
+using swapper::OptimizerSwapper;
+using swapper::PoolLease;
+using swapper::Q8Moment;
+using swapper::Q8Moments;
+using swapper::ResolveAdamWMode;
+using swapper::StateFormat;
+using swapper::StateTensor;
+namespace q8 = swapper::q8;
+}  // namespace zinf::checkpoint
+
+namespace zinf::checkpoint::internal {
 
 inline constexpr std::array<StateTensor, kNumStateTensors> kStates = {
     StateTensor::kFp32, StateTensor::kExpAvg, StateTensor::kExpAvgSq};
@@ -29,7 +43,7 @@ inline constexpr std::array<StateTensor, kNumStateTensors> kStates = {
 struct StateDatasetSpec {
   std::string name;
   std::string checksum;
-  storage::H5DataType type;
+  h5::H5DataType type;
   std::uint64_t element_bytes;
 };
 const std::array<StateDatasetSpec, kNumStateTensors>& StateDatasets(StateFormat format);
@@ -57,10 +71,10 @@ inline std::uint64_t NumChunks(std::uint64_t total_numel, std::uint64_t chunk_nu
 
 // Validates the structure of an open checkpoint (see checkpoint.h for the errors) and reads its
 // metadata. Local: `file` may be serial or collective (then every rank must call it).
-Result<CheckpointInfo> ReadInfo(storage::H5File& file, const std::string& path);
+Result<CheckpointInfo> ReadInfo(h5::H5File& file, const std::string& path);
 
 // The checksum table `dataset` (num_chunks entries).
-Result<std::vector<std::uint64_t>> ReadChecksums(storage::H5File& file, const std::string& dataset,
+Result<std::vector<std::uint64_t>> ReadChecksums(h5::H5File& file, const std::string& dataset,
                                                  std::uint64_t num_chunks);
 
 // Reads whole chunks of one state dataset (elements of type T: float or std::uint8_t) from a
@@ -70,7 +84,7 @@ Result<std::vector<std::uint64_t>> ReadChecksums(storage::H5File& file, const st
 template <typename T>
 class VerifiedChunkReader {
  public:
-  VerifiedChunkReader(storage::H5File* file, std::string dataset, std::uint64_t total_numel,
+  VerifiedChunkReader(h5::H5File* file, std::string dataset, std::uint64_t total_numel,
                       std::uint64_t chunk_numel, std::vector<std::uint64_t> checksums);
 
   // Chunk k, verified. The span lives until the next call.
@@ -82,7 +96,7 @@ class VerifiedChunkReader {
   Status Verify(std::uint64_t flat_offset, std::uint64_t numel);
 
  private:
-  storage::H5File* file_;
+  h5::H5File* file_;
   std::string dataset_;
   std::uint64_t total_numel_;
   std::uint64_t chunk_numel_;
@@ -114,15 +128,15 @@ struct Q8Tables {
 // Reads and verifies (checksums; segments tiling [0, total_numel), blocks of at most
 // q8::kBlockNumel elements; scales in [0, kMaxQ8ExpAvgScale] for exp_avg, finite and >= 0 for
 // exp_avg_sq; maps ascending in [-1, 1]) a q8 file's tables: verify, restore and export alike.
-Result<Q8Tables> ReadQ8Tables(storage::H5File& file, const CheckpointInfo& info);
+Result<Q8Tables> ReadQ8Tables(h5::H5File& file, const CheckpointInfo& info);
 
 // The fp32 values of one state (index into kStates) of a checkpoint whatever its format: q8
 // moments are decoded (map[code] * scale of the element's block). Verified as it reads.
 class StateReader {
  public:
   // `tables`: a q8 file's tables (outliving the reader); nullptr for fp32 files.
-  static Result<StateReader> Open(storage::H5File* file, const CheckpointInfo& info,
-                                  std::size_t index, const Q8Tables* tables);
+  static Result<StateReader> Open(h5::H5File* file, const CheckpointInfo& info, std::size_t index,
+                                  const Q8Tables* tables);
   Status Read(std::uint64_t flat_offset, std::span<float> out);
   Status Verify(std::uint64_t flat_offset, std::uint64_t numel);
   // q8 moments only: the codes as stored.
@@ -158,4 +172,4 @@ class ProgressReporter {
   std::chrono::steady_clock::time_point last_;
 };
 
-}  // namespace zinf::swapper::checkpoint_internal
+}  // namespace zinf::checkpoint::internal

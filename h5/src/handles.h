@@ -14,7 +14,7 @@
 
 #include "zinf/core/status.h"
 
-namespace zinf::storage::h5 {
+namespace zinf::h5::handles {
 
 // Turns HDF5's automatic error printing off (once per process) and initializes the library.
 // Every entry point that calls HDF5 first calls this.
@@ -94,4 +94,4 @@ inline Status CheckErr(herr_t rc, ErrorCode code, std::string_view what,
   return OkStatus();
 }
 
-}  // namespace zinf::storage::h5
+}  // namespace zinf::h5::handles

@@ -1,4 +1,4 @@
-#include "zinf/storage/hdf5.h"
+#include "zinf/h5/h5_file.h"
 
 #include <cstdint>
 #include <cstdlib>
@@ -13,11 +13,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "hdf5_handles.h"
+#include "handles.h"
 #include "testing/status_matchers.h"
 #include "testing/test_env.h"
 
-namespace zinf::storage {
+namespace zinf::h5 {
 namespace {
 
 using ::testing::AllOf;
@@ -163,7 +163,7 @@ TEST_F(H5FileSerialTest, OpenNonHdf5FileIsDataLossWithTheHdf5ErrorStack) {
                                    HasSubstr("H5Fopen: unable to open file"),
                                    HasSubstr("file signature not found"))));
   // The stack was copied and cleared, not left behind for the next call.
-  EXPECT_EQ(h5::ErrorStackText(), "(HDF5 error stack empty)");
+  EXPECT_EQ(handles::ErrorStackText(), "(HDF5 error stack empty)");
 }
 
 TEST_F(H5FileSerialTest, MissingDatasetIsNotFound) {
@@ -271,16 +271,16 @@ TEST_F(H5FileSerialTest, H5dumpReadsTheFile) {
 // ---- The private handle wrappers ----
 
 TEST(H5Handle, MovedFromIsEmptyAndTheOwnerCloses) {
-  h5::InitHdf5();
+  handles::InitHdf5();
   hid_t id = H5Screate(H5S_SCALAR);
   ASSERT_GE(id, 0);
   {
-    h5::DataspaceHandle a(id);
+    handles::DataspaceHandle a(id);
     EXPECT_GT(H5Iis_valid(id), 0);
-    h5::DataspaceHandle b(std::move(a));
+    handles::DataspaceHandle b(std::move(a));
     EXPECT_FALSE(a.valid());  // NOLINT(bugprone-use-after-move)
     EXPECT_EQ(b.get(), id);
-    h5::DataspaceHandle c;
+    handles::DataspaceHandle c;
     c = std::move(b);
     EXPECT_GT(H5Iis_valid(id), 0);
   }
@@ -288,11 +288,11 @@ TEST(H5Handle, MovedFromIsEmptyAndTheOwnerCloses) {
 }
 
 TEST(H5Handle, CloseReportsFailureWithTheStack) {
-  h5::InitHdf5();
+  handles::InitHdf5();
   hid_t id = H5Screate(H5S_SCALAR);
   ASSERT_GE(id, 0);
   ASSERT_GE(H5Sclose(id), 0);
-  h5::DataspaceHandle stale(id);  // already closed behind its back
+  handles::DataspaceHandle stale(id);  // already closed behind its back
   EXPECT_THAT(stale.Close("closing a stale dataspace"),
               StatusIs(ErrorCode::kInternal,
                        AllOf(HasSubstr("closing a stale dataspace"), HasSubstr("H5Sclose"))));
@@ -301,14 +301,14 @@ TEST(H5Handle, CloseReportsFailureWithTheStack) {
 }
 
 TEST(H5Handle, CheckTurnsNegativeIdsIntoErrors) {
-  h5::InitHdf5();
-  const Result<h5::FileHandle> file =
-      h5::Check<h5::FileHandle>(H5Fopen("/nonexistent/zinf.h5", H5F_ACC_RDONLY, H5P_DEFAULT),
-                                ErrorCode::kNotFound, "open it");
+  handles::InitHdf5();
+  const Result<handles::FileHandle> file = handles::Check<handles::FileHandle>(
+      H5Fopen("/nonexistent/zinf.h5", H5F_ACC_RDONLY, H5P_DEFAULT), ErrorCode::kNotFound,
+      "open it");
   EXPECT_THAT(file,
               StatusIs(ErrorCode::kNotFound, AllOf(HasSubstr("open it: HDF5 error stack: H5Fopen"),
                                                    HasSubstr("unable to open file"))));
 }
 
 }  // namespace
-}  // namespace zinf::storage
+}  // namespace zinf::h5

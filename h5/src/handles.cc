@@ -1,4 +1,4 @@
-#include "hdf5_handles.h"
+#include "handles.h"
 
 #include <H5PLpublic.h>
 
@@ -9,7 +9,7 @@
 
 #include "zinf/core/check.h"
 
-namespace zinf::storage::h5 {
+namespace zinf::h5::handles {
 namespace {
 
 herr_t CollectFrame(unsigned /*n*/, const H5E_error2_t* frame, void* client_data) {
@@ -55,4 +55,4 @@ Error StackError(ErrorCode code, std::string_view what, std::source_location loc
   return Error(code, std::move(message), 0, loc);
 }
 
-}  // namespace zinf::storage::h5
+}  // namespace zinf::h5::handles

@@ -107,7 +107,7 @@
 #include "zinf/storage/fs.h"
 #include "zinf/swapper/optimizer_swapper.h"
 
-namespace zinf::swapper {
+namespace zinf::checkpoint {
 
 inline constexpr std::string_view kCheckpointFormat = "zinf";
 inline constexpr std::int64_t kCheckpointFormatVersion = 1;    // fp32 state
@@ -163,13 +163,13 @@ struct SavedCheckpoint {
 // object), ResourceExhausted (no pool buffer), the swap store's and HDF5's errors (DataLoss,
 // ...), and file-system errors of the commit (rename, fsync). On error nothing is committed:
 // `latest` and every older checkpoint are untouched, and rank 0 removes the partial file.
-Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t step,
+Result<SavedCheckpoint> SaveCheckpoint(swapper::OptimizerSwapper& swapper, std::int64_t step,
                                        const CheckpointSaveOptions& options);
 
 // Local. An upper estimate of the size of the file SaveCheckpoint writes with `options`: the free
 // space it requires in options.dir (ResourceExhausted otherwise, before anything is written) and
 // reserves for the file (fallocate) before the ranks write it.
-std::uint64_t EstimateCheckpointBytes(const OptimizerSwapper& swapper,
+std::uint64_t EstimateCheckpointBytes(const swapper::OptimizerSwapper& swapper,
                                       const CheckpointSaveOptions& options);
 
 struct CheckpointInfo;
@@ -217,7 +217,8 @@ struct RestoredCheckpoint {
 //             differs from the swapper's (first mismatch named, dtype ignored), an optimizer type
 //             that differs (check_optimizer);
 //   options.check_info's errors; the swap store's errors from WriteState.
-Result<RestoredCheckpoint> RestoreCheckpoint(OptimizerSwapper& swapper, const std::string& path,
+Result<RestoredCheckpoint> RestoreCheckpoint(swapper::OptimizerSwapper& swapper,
+                                             const std::string& path,
                                              const CheckpointRestoreOptions& options = {});
 
 // ---- Serial inspection (no MPI needed; used by zinf-ckpt and tests) ----
@@ -236,7 +237,7 @@ struct CheckpointInfo {
   std::int64_t sub_group_size = 0;
   std::uint64_t chunk_numel = 0;
   std::uint64_t num_chunks = 0;  // per state dataset
-  StateFormat state_format = StateFormat::kFp32;
+  swapper::StateFormat state_format = swapper::StateFormat::kFp32;
   std::uint64_t num_segments = 0;  // q8: entries of /q8/segment_*
   std::uint64_t num_blocks = 0;    // q8: entries of /q8/*_scales
   std::string created;
@@ -286,4 +287,4 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
                         const CheckpointProgressFn& progress = {}, bool moments = false,
                         storage::Overwrite overwrite = storage::Overwrite::kNo);
 
-}  // namespace zinf::swapper
+}  // namespace zinf::checkpoint

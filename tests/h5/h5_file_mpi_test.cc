@@ -18,11 +18,14 @@
 #include "testing/status_matchers.h"
 #include "testing/test_env.h"
 #include "zinf/comm/communicator.h"
+#include "zinf/h5/h5_file.h"
 #include "zinf/storage/checksum.h"
-#include "zinf/storage/hdf5.h"
 
-namespace zinf::storage {
+namespace zinf::h5 {
 namespace {
+
+using storage::Checksum64;
+using storage::VerifyChecksum;
 
 using ::testing::AllOf;
 using ::testing::AnyOf;
@@ -247,4 +250,4 @@ TEST(H5FileCollective, FileErrorsAreTheSameOnEveryRank) {
 }
 
 }  // namespace
-}  // namespace zinf::storage
+}  // namespace zinf::h5

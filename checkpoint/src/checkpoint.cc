@@ -6,7 +6,7 @@
 // "orphan": after the state is written and flushed, the orphans are spread over the ranks, read
 // back collectively in bounded pieces and hashed. For a flat plan there are at most
 // world_size - 1 orphans per state, so the extra read is a few chunks.
-#include "zinf/swapper/checkpoint.h"
+#include "zinf/checkpoint/checkpoint.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -34,25 +34,25 @@
 #include "zinf/comm/timers.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
+#include "zinf/h5/h5_file.h"
 #include "zinf/storage/checksum.h"
 #include "zinf/storage/env.h"
 #include "zinf/storage/file.h"
 #include "zinf/storage/fs.h"
-#include "zinf/storage/hdf5.h"
 
-namespace zinf::swapper {
+namespace zinf::checkpoint {
 namespace {
 
-using checkpoint_internal::kQ8Checksums;
-using checkpoint_internal::kQ8Datasets;
-using checkpoint_internal::kStates;
-using checkpoint_internal::NumChunks;
-using checkpoint_internal::ProgressReporter;
-using checkpoint_internal::StateDatasets;
-using checkpoint_internal::StateDatasetSpec;
-using checkpoint_internal::StateReader;
-using storage::H5DataType;
-using storage::H5File;
+using h5::H5DataType;
+using h5::H5File;
+using internal::kQ8Checksums;
+using internal::kQ8Datasets;
+using internal::kStates;
+using internal::NumChunks;
+using internal::ProgressReporter;
+using internal::StateDatasets;
+using internal::StateDatasetSpec;
+using internal::StateReader;
 
 using comm::ScopedTimer;  // the "ckpt_*" phases go into the swapper's timers
 
@@ -292,8 +292,7 @@ Status WriteStructure(const std::string& path, const OptimizerSwapper& swapper, 
   const std::uint64_t total = layout.total_numel();
   const std::uint64_t num_chunks = NumChunks(total, chunk);
   // O_EXCL: the name was cleared just before; a link planted there since is never followed.
-  ZINF_ASSIGN_OR_RETURN(H5File file,
-                        H5File::CreateSerial(path, storage::H5CreateMode::kFailIfExists));
+  ZINF_ASSIGN_OR_RETURN(H5File file, H5File::CreateSerial(path, h5::H5CreateMode::kFailIfExists));
   const Status written = [&]() -> Status {
     ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "format", kCheckpointFormat));
     ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute(
@@ -342,9 +341,9 @@ Status WriteStructure(const std::string& path, const OptimizerSwapper& swapper, 
     if (format == StateFormat::kQ8) {
       // The block table and scales are written by the ranks; the maps (and their checksums,
       // entries 0 and 1 of /checksum/q8) here.
-      ZINF_RETURN_IF_ERROR(file.CreateGroup(checkpoint_internal::kQ8Group));
+      ZINF_RETURN_IF_ERROR(file.CreateGroup(internal::kQ8Group));
       ZINF_RETURN_IF_ERROR(
-          file.WriteInt64Attribute(checkpoint_internal::kQ8Group, "block_numel", q8::kBlockNumel));
+          file.WriteInt64Attribute(internal::kQ8Group, "block_numel", q8::kBlockNumel));
       const std::uint64_t sizes[] = {256,          256,        num_segments, num_segments,
                                      num_segments, num_blocks, num_blocks};
       const H5DataType types[] = {H5DataType::kFloat32, H5DataType::kFloat32, H5DataType::kUInt64,
@@ -670,7 +669,7 @@ Status WriteQ8Tables(H5File& file, const Q8Placement& p, const SubGroupScales& s
     }
   }
   ZINF_RETURN_IF_ERROR(local);
-  using checkpoint_internal::Q8Dataset;
+  using internal::Q8Dataset;
   ZINF_RETURN_IF_ERROR(file.WriteSlab(kQ8Datasets[Q8Dataset::kSegmentStart], p.first_segment,
                                       std::span<const std::uint64_t>(start)));
   ZINF_RETURN_IF_ERROR(file.WriteSlab(kQ8Datasets[Q8Dataset::kSegmentNumel], p.first_segment,
@@ -688,7 +687,7 @@ Status WriteQ8Tables(H5File& file, const Q8Placement& p, const SubGroupScales& s
 Status WriteQ8Checksums(const comm::Communicator& comm, H5File& file, const Q8Placement& p) {
   const bool root = comm.rank() == 0;
   std::vector<std::uint64_t> sums;
-  using checkpoint_internal::Q8Dataset;
+  using internal::Q8Dataset;
   for (Q8Dataset d :
        {Q8Dataset::kSegmentStart, Q8Dataset::kSegmentNumel, Q8Dataset::kSegmentBlock}) {
     std::vector<std::uint64_t> values(root ? p.num_segments : 0);
@@ -1123,8 +1122,8 @@ struct RestoreSource {
 
   std::optional<H5File> file;
   std::optional<CheckpointInfo> info;
-  std::optional<checkpoint_internal::Q8Tables> tables;  // q8 files
-  std::vector<StateReader> readers;                     // one per state tensor
+  std::optional<internal::Q8Tables> tables;  // q8 files
+  std::vector<StateReader> readers;          // one per state tensor
 };
 
 // Local: opens this rank's read-only handle, validates the header against the swapper, and
@@ -1134,7 +1133,7 @@ Status OpenForRestore(const OptimizerSwapper& swapper, const std::string& file_p
   Result<H5File> opened = H5File::OpenSerial(file_path, /*read_only=*/true);
   if (!opened) return std::move(opened).error();
   source->file.emplace(std::move(*opened));
-  Result<CheckpointInfo> i = checkpoint_internal::ReadInfo(*source->file, file_path);
+  Result<CheckpointInfo> i = internal::ReadInfo(*source->file, file_path);
   if (!i) return std::move(i).error();
   source->info.emplace(std::move(*i));
   const CheckpointInfo& info = *source->info;
@@ -1145,7 +1144,7 @@ Status OpenForRestore(const OptimizerSwapper& swapper, const std::string& file_p
   }
   if (options.check_info) ZINF_RETURN_IF_ERROR(options.check_info(info));
   if (info.state_format == StateFormat::kQ8) {
-    ZINF_ASSIGN_OR_RETURN(source->tables, checkpoint_internal::ReadQ8Tables(*source->file, info));
+    ZINF_ASSIGN_OR_RETURN(source->tables, internal::ReadQ8Tables(*source->file, info));
   }
   for (std::size_t t = 0; t < kNumStateTensors; ++t) {
     ZINF_ASSIGN_OR_RETURN(
@@ -1160,7 +1159,7 @@ Status OpenForRestore(const OptimizerSwapper& swapper, const std::string& file_p
 // block with exactly its segments; nullopt if some block of the sub-group has none (other world
 // size or sub_group_size), or the file's maps are not this build's.
 std::optional<std::vector<std::uint64_t>> MatchingFileBlocks(
-    const checkpoint_internal::Q8Tables& tables, std::span<const LocalSegment> segments) {
+    const internal::Q8Tables& tables, std::span<const LocalSegment> segments) {
   if (tables.maps[0] != q8::MapValues(q8::MapKind::kSigned) ||
       tables.maps[1] != q8::MapValues(q8::MapKind::kUnsigned)) {
     return std::nullopt;
@@ -1170,11 +1169,9 @@ std::optional<std::vector<std::uint64_t>> MatchingFileBlocks(
   while (k < segments.size()) {
     std::size_t end = k;
     while (end < segments.size() && segments[end].block == segments[k].block) ++end;
-    const checkpoint_internal::Q8Segment& first =
-        tables.segments[tables.SegmentOf(segments[k].flat_start)];
+    const internal::Q8Segment& first = tables.segments[tables.SegmentOf(segments[k].flat_start)];
     for (std::size_t j = k; j < end; ++j) {
-      const checkpoint_internal::Q8Segment& f =
-          tables.segments[tables.SegmentOf(segments[j].flat_start)];
+      const internal::Q8Segment& f = tables.segments[tables.SegmentOf(segments[j].flat_start)];
       if (f.start != segments[j].flat_start || f.numel != segments[j].numel ||
           f.block != first.block) {
         return std::nullopt;
@@ -1206,7 +1203,7 @@ Status WriteExactQ8(OptimizerSwapper& swapper, RestoreSource& source, std::size_
                     std::span<const Run> runs, std::span<const LocalSegment> segments,
                     const std::vector<std::uint64_t>& file_blocks, std::int64_t step,
                     ProgressReporter& progress, std::uint64_t* done) {
-  const checkpoint_internal::Q8Tables& tables = *source.tables;
+  const internal::Q8Tables& tables = *source.tables;
   return swapper.WriteQ8State(
       i, step,
       [&](std::span<float> fp32) -> Status {
@@ -1352,4 +1349,4 @@ Result<RestoredCheckpoint> RestoreCheckpoint(OptimizerSwapper& swapper, const st
   return Restored(file_path, *source.info, start);
 }
 
-}  // namespace zinf::swapper
+}  // namespace zinf::checkpoint
