@@ -7,13 +7,13 @@
 #include <bit>
 #include <cerrno>
 #include <charconv>
-#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
@@ -156,78 +156,80 @@ const std::array<StateDatasetSpec, kNumStateTensors>& StateDatasets(StateFormat 
   return format == StateFormat::kQ8 ? q8 : fp32;
 }
 
-Result<CheckpointInfo> ReadInfo(H5File& file, const std::string& path) {
-  CheckpointInfo info;
-  info.path = path;
-  struct stat st {};
-  info.file_size_bytes = storage::Env::Default().StatAt(AT_FDCWD, path.c_str(), &st, 0) == 0
-                             ? static_cast<std::uint64_t>(st.st_size)
-                             : 0;
+namespace {
+
+// ReadInfo's parts: the root attributes (format, version, sizes, optimizer, config), the
+// layout (JSON and datasets, which must agree) and the state, checksum and q8 datasets (present,
+// of the sizes and types the root attributes imply).
+Status ReadRootAttributes(H5File& file, const std::string& path, CheckpointInfo* info) {
   ZINF_ASSIGN_OR_RETURN(std::string format, StringAttr(file, "/", "format"));
   if (format != kCheckpointFormat) {
     return FailedPreconditionError(fmt::format("{} is not a zinf checkpoint (format '{}')", path,
                                                EscapeForTerminal(format.substr(0, 64))));
   }
-  ZINF_ASSIGN_OR_RETURN(info.format_version, IntAttr(file, "/", "format_version"));
-  if (info.format_version != kCheckpointFormatVersion &&
-      info.format_version != kCheckpointFormatVersionQ8) {
+  ZINF_ASSIGN_OR_RETURN(info->format_version, IntAttr(file, "/", "format_version"));
+  if (info->format_version != kCheckpointFormatVersion &&
+      info->format_version != kCheckpointFormatVersionQ8) {
     return FailedPreconditionError(fmt::format(
         "{}: unsupported format_version {} (this build reads format_version {} and {})", path,
-        info.format_version, kCheckpointFormatVersion, kCheckpointFormatVersionQ8));
+        info->format_version, kCheckpointFormatVersion, kCheckpointFormatVersionQ8));
   }
-  if (info.format_version == kCheckpointFormatVersionQ8) {
+  if (info->format_version == kCheckpointFormatVersionQ8) {
     ZINF_ASSIGN_OR_RETURN(std::string state, StringAttr(file, "/", "optimizer_state"));
     if (state != "q8") {
       return DataLossError(fmt::format("{}: format_version {} with optimizer_state '{}', not 'q8'",
-                                       path, info.format_version,
+                                       path, info->format_version,
                                        EscapeForTerminal(state.substr(0, 64))));
     }
-    info.state_format = StateFormat::kQ8;
+    info->state_format = StateFormat::kQ8;
   }
   // Every number is range-checked before it sizes a buffer, a loop or a resumed step counter.
-  ZINF_ASSIGN_OR_RETURN(info.step, IntAttrIn(file, "step", 0, kMaxCheckpointStep, path));
-  ZINF_ASSIGN_OR_RETURN(info.world_size,
+  ZINF_ASSIGN_OR_RETURN(info->step, IntAttrIn(file, "step", 0, kMaxCheckpointStep, path));
+  ZINF_ASSIGN_OR_RETURN(info->world_size,
                         IntAttrIn(file, "world_size", 1, kMaxCheckpointWorldSize, path));
   ZINF_ASSIGN_OR_RETURN(const std::int64_t total,
                         IntAttrIn(file, "total_numel", 1,
                                   static_cast<std::int64_t>(partition::kMaxLayoutNumel), path));
-  ZINF_ASSIGN_OR_RETURN(info.sub_group_size,
+  ZINF_ASSIGN_OR_RETURN(info->sub_group_size,
                         IntAttrIn(file, "sub_group_size", 1,
                                   static_cast<std::int64_t>(partition::kMaxLayoutNumel), path));
   ZINF_ASSIGN_OR_RETURN(
       const std::int64_t chunk,
       IntAttrIn(file, "chunk_numel", 1, static_cast<std::int64_t>(kMaxCheckpointChunkNumel), path));
-  info.total_numel = static_cast<std::uint64_t>(total);
-  info.chunk_numel = static_cast<std::uint64_t>(chunk);
-  info.num_chunks = NumChunks(info.total_numel, info.chunk_numel);
-  ZINF_ASSIGN_OR_RETURN(info.created, StringAttr(file, "/", "created"));
-  if (info.created.size() > 64) info.created = info.created.substr(0, 64) + "...";
-  ZINF_ASSIGN_OR_RETURN(info.optimizer, JsonAttr(file, "/", "optimizer"));
-  if (!info.optimizer.contains("type") || !info.optimizer["type"].is_string()) {
+  info->total_numel = static_cast<std::uint64_t>(total);
+  info->chunk_numel = static_cast<std::uint64_t>(chunk);
+  info->num_chunks = NumChunks(info->total_numel, info->chunk_numel);
+  ZINF_ASSIGN_OR_RETURN(info->created, StringAttr(file, "/", "created"));
+  if (info->created.size() > 64) info->created = info->created.substr(0, 64) + "...";
+  ZINF_ASSIGN_OR_RETURN(info->optimizer, JsonAttr(file, "/", "optimizer"));
+  if (!info->optimizer.contains("type") || !info->optimizer["type"].is_string()) {
     return DataLossError(fmt::format("{}: attribute 'optimizer' has no string 'type'", path));
   }
   if (Result<bool> adamw =
-          ResolveAdamWMode(info.optimizer["type"].get<std::string>(), std::nullopt);
+          ResolveAdamWMode(info->optimizer["type"].get<std::string>(), std::nullopt);
       !adamw) {
     return FailedPreconditionError(
         fmt::format("{}: optimizer: {}", path, EscapeForTerminal(adamw.error().message())));
   }
-  ZINF_ASSIGN_OR_RETURN(info.config, JsonAttr(file, "/", "config"));
+  ZINF_ASSIGN_OR_RETURN(info->config, JsonAttr(file, "/", "config"));
+  return OkStatus();
+}
 
+Status ReadLayout(H5File& file, const std::string& path, CheckpointInfo* info) {
   ZINF_ASSIGN_OR_RETURN(std::string layout_text, StringAttr(file, "/layout", "json"));
   Result<partition::ParamLayout> layout = partition::ParamLayout::FromJsonString(layout_text);
   if (!layout) {
     return DataLossError(fmt::format("{}: unreadable /layout: {}", path, layout.error().message()));
   }
-  if (layout->total_numel() != info.total_numel) {
+  if (layout->total_numel() != info->total_numel) {
     return DataLossError(fmt::format("{}: /layout holds {} elements, total_numel says {}", path,
-                                     layout->total_numel(), info.total_numel));
+                                     layout->total_numel(), info->total_numel));
   }
   // The per-parameter datasets must say what the JSON layout says.
   const std::uint64_t num_params = layout->num_params();
   for (const char* name : {"/layout/flat_offset", "/layout/numel"}) {
     ZINF_RETURN_IF_ERROR(CheckDataset(file, name, num_params, H5DataType::kUInt64,
-                                      kMaxCheckpointChunkNumel, info.file_size_bytes));
+                                      kMaxCheckpointChunkNumel, info->file_size_bytes));
   }
   std::vector<std::uint64_t> offsets(num_params), numels(num_params);
   ZINF_RETURN_IF_ERROR(file.ReadSlab("/layout/flat_offset", 0, std::span(offsets)));
@@ -241,15 +243,18 @@ Result<CheckpointInfo> ReadInfo(H5File& file, const std::string& path) {
           path, i, EscapeForTerminal(p.name), offsets[i], numels[i], p.flat_offset, p.numel));
     }
   }
-  info.layout = std::move(*layout);
+  info->layout = std::move(*layout);
+  return OkStatus();
+}
 
-  for (const StateDatasetSpec& spec : StateDatasets(info.state_format)) {
-    ZINF_RETURN_IF_ERROR(CheckDataset(file, spec.name, info.total_numel, spec.type,
-                                      kMaxCheckpointChunkNumel, info.file_size_bytes));
-    ZINF_RETURN_IF_ERROR(CheckDataset(file, spec.checksum, info.num_chunks, H5DataType::kUInt64,
-                                      kMaxCheckpointChunkNumel, info.file_size_bytes));
+Status CheckStateDatasets(H5File& file, const std::string& path, CheckpointInfo* info) {
+  for (const StateDatasetSpec& spec : StateDatasets(info->state_format)) {
+    ZINF_RETURN_IF_ERROR(CheckDataset(file, spec.name, info->total_numel, spec.type,
+                                      kMaxCheckpointChunkNumel, info->file_size_bytes));
+    ZINF_RETURN_IF_ERROR(CheckDataset(file, spec.checksum, info->num_chunks, H5DataType::kUInt64,
+                                      kMaxCheckpointChunkNumel, info->file_size_bytes));
   }
-  if (info.state_format == StateFormat::kQ8) {
+  if (info->state_format == StateFormat::kQ8) {
     // At least one block per kBlockNumel elements, at most one segment per element and at
     // least one per block.
     for (Q8Dataset d : {kSegmentStart, kExpAvgScales}) {
@@ -260,27 +265,42 @@ Result<CheckpointInfo> ReadInfo(H5File& file, const std::string& path) {
             fmt::format("checkpoint is incomplete: missing dataset {}", kQ8Datasets[d]));
       }
     }
-    ZINF_ASSIGN_OR_RETURN(info.num_segments, file.DatasetNumel(kQ8Datasets[kSegmentStart]));
-    ZINF_ASSIGN_OR_RETURN(info.num_blocks, file.DatasetNumel(kQ8Datasets[kExpAvgScales]));
-    if (info.num_blocks < q8::NumBlocks(info.total_numel) || info.num_segments < info.num_blocks ||
-        info.num_segments > info.total_numel) {
+    ZINF_ASSIGN_OR_RETURN(info->num_segments, file.DatasetNumel(kQ8Datasets[kSegmentStart]));
+    ZINF_ASSIGN_OR_RETURN(info->num_blocks, file.DatasetNumel(kQ8Datasets[kExpAvgScales]));
+    if (info->num_blocks < q8::NumBlocks(info->total_numel) ||
+        info->num_segments < info->num_blocks || info->num_segments > info->total_numel) {
       return DataLossError(fmt::format("{}: {} segments in {} blocks for {} elements", path,
-                                       info.num_segments, info.num_blocks, info.total_numel));
+                                       info->num_segments, info->num_blocks, info->total_numel));
     }
-    const std::uint64_t s = info.num_segments;
-    const std::uint64_t b = info.num_blocks;
+    const std::uint64_t s = info->num_segments;
+    const std::uint64_t b = info->num_blocks;
     const std::uint64_t sizes[] = {256, 256, s, s, s, b, b};
     const H5DataType types[] = {H5DataType::kFloat32, H5DataType::kFloat32, H5DataType::kUInt64,
                                 H5DataType::kUInt64,  H5DataType::kUInt64,  H5DataType::kFloat32,
                                 H5DataType::kFloat32};
     for (std::size_t d = 0; d < kQ8Datasets.size(); ++d) {
       ZINF_RETURN_IF_ERROR(CheckDataset(file, std::string(kQ8Datasets[d]), sizes[d], types[d],
-                                        kMaxCheckpointChunkNumel, info.file_size_bytes));
+                                        kMaxCheckpointChunkNumel, info->file_size_bytes));
     }
     ZINF_RETURN_IF_ERROR(CheckDataset(file, std::string(kQ8Checksums), kQ8Datasets.size(),
                                       H5DataType::kUInt64, kMaxCheckpointChunkNumel,
-                                      info.file_size_bytes));
+                                      info->file_size_bytes));
   }
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<CheckpointInfo> ReadInfo(H5File& file, const std::string& path) {
+  CheckpointInfo info;
+  info.path = path;
+  struct stat st {};
+  info.file_size_bytes = storage::Env::Default().StatAt(AT_FDCWD, path.c_str(), &st, 0) == 0
+                             ? static_cast<std::uint64_t>(st.st_size)
+                             : 0;
+  ZINF_RETURN_IF_ERROR(ReadRootAttributes(file, path, &info));
+  ZINF_RETURN_IF_ERROR(ReadLayout(file, path, &info));
+  ZINF_RETURN_IF_ERROR(CheckStateDatasets(file, path, &info));
   ZINF_ASSIGN_OR_RETURN(info.checksum_algorithm, StringAttr(file, "/checksum", "algorithm"));
   if (info.checksum_algorithm != storage::kChecksumAlgorithm) {
     return FailedPreconditionError(fmt::format(
@@ -715,19 +735,100 @@ Status CheckExportTarget(const std::string& input, const std::string& out_path) 
       out_st.st_ino == in_st.st_ino) {
     return refuse("it is the checkpoint being read");
   }
-  char out_dir[PATH_MAX], in_dir[PATH_MAX];
-  if (::realpath(out.dir.c_str(), out_dir) == nullptr) {
+  // The same directory is the same inode, whatever the paths say (links, "..", bind mounts).
+  struct stat out_dir_st {
+  }, in_dir_st{};
+  if (env.StatAt(AT_FDCWD, out.dir.c_str(), &out_dir_st, 0) != 0) {
     return ErrnoError(errno, fmt::format("export: output directory {}", out.dir));
   }
-  if (::realpath(in.dir.c_str(), in_dir) == nullptr) {
+  if (env.StatAt(AT_FDCWD, in.dir.c_str(), &in_dir_st, 0) != 0) {
     return ErrnoError(errno, fmt::format("export: checkpoint directory {}", in.dir));
   }
-  if (std::string_view(out_dir) != std::string_view(in_dir)) return OkStatus();
+  if (out_dir_st.st_dev != in_dir_st.st_dev || out_dir_st.st_ino != in_dir_st.st_ino) {
+    return OkStatus();
+  }
   if (out.name == "latest" || out.name == "latest.tmp") {
     return refuse("it is the checkpoint directory's `latest` pointer");
   }
   if (out.name.starts_with("step-") && out.name.find(".h5") != std::string::npos) {
     return refuse("step-<N>.h5 names in a checkpoint directory belong to its checkpoints");
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+namespace {
+
+// What an export writes and how it reads it: the weights, then (with `moments`) exp_avg and
+// exp_avg_sq, each as one tensor per parameter named "<state>/<parameter>", streamed from the
+// checkpoint piece by piece (at most a chunk of floats in memory).
+struct ExportPlan {
+  const CheckpointInfo& info;
+  std::string source;  // the checkpoint file, recorded in the output
+  std::size_t num_states = 1;
+  std::uint64_t piece_numel = 0;
+  std::function<std::string(std::size_t t, const partition::ParamInfo& p)> name;
+  // Streams state t of parameter p into sink(offset in the parameter, values).
+  std::function<Status(std::size_t t, const partition::ParamInfo& p,
+                       const std::function<Status(std::uint64_t, std::span<const float>)>& sink)>
+      stream;
+};
+
+// One 1-D float32 dataset per tensor with a `shape` attribute; root attributes source and step.
+// `estimate` bytes are allocated up front.
+Status WriteHdf5Export(const ExportPlan& plan, storage::AtomicFile& out, std::uint64_t estimate) {
+  ZINF_ASSIGN_OR_RETURN(h5::H5File h5,
+                        h5::H5File::CreateSerial(out.temp_path(), h5::H5CreateMode::kTruncate));
+  // Blocks allocated up front, the file grown past what HDF5 will write (it cuts the file back
+  // to its own end when it closes).
+  if (Status reserved = out.Reserve(estimate, /*keep_size=*/false); !reserved) {
+    (void)h5.Close();
+    return reserved;
+  }
+  ZINF_RETURN_IF_ERROR(out.CloseDescriptor());
+  ZINF_RETURN_IF_ERROR(h5.WriteStringAttribute("/", "source", plan.source));
+  ZINF_RETURN_IF_ERROR(h5.WriteInt64Attribute("/", "step", plan.info.step));
+  for (std::size_t t = 0; t < plan.num_states; ++t) {
+    for (const partition::ParamInfo& p : plan.info.layout->params()) {
+      const std::string name = plan.name(t, p);
+      ZINF_RETURN_IF_ERROR(h5.CreateDataset1D(name, p.numel, std::min(p.numel, plan.piece_numel),
+                                              h5::H5DataType::kFloat32));
+      ZINF_RETURN_IF_ERROR(h5.WriteStringAttribute(name, "shape", partition::FormatShape(p.shape)));
+      ZINF_RETURN_IF_ERROR(plan.stream(t, p, [&](std::uint64_t off, std::span<const float> values) {
+        return h5.WriteSlab(name, off, values);
+      }));
+    }
+  }
+  return h5.Close();
+}
+
+// The safetensors layout (checkpoint.h, ExportCheckpoint).
+Status WriteSafetensorsExport(const ExportPlan& plan, storage::AtomicFile& out) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  header["__metadata__"] = {
+      {"format", "pt"}, {"source", plan.source}, {"step", std::to_string(plan.info.step)}};
+  std::uint64_t offset = 0;
+  for (std::size_t t = 0; t < plan.num_states; ++t) {
+    for (const partition::ParamInfo& p : plan.info.layout->params()) {
+      header[plan.name(t, p)] = {{"dtype", "F32"},
+                                 {"shape", p.shape},
+                                 {"data_offsets", {offset, offset + p.numel * sizeof(float)}}};
+      offset += p.numel * sizeof(float);
+    }
+  }
+  std::string text = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const std::uint64_t header_size = text.size();
+  ZINF_RETURN_IF_ERROR(out.Reserve(8 + header_size + offset, /*keep_size=*/true));
+  ZINF_RETURN_IF_ERROR(out.Write(std::as_bytes(std::span(&header_size, 1))));
+  ZINF_RETURN_IF_ERROR(out.Write(std::as_bytes(std::span(text.data(), text.size()))));
+  for (std::size_t t = 0; t < plan.num_states; ++t) {
+    for (const partition::ParamInfo& p : plan.info.layout->params()) {
+      ZINF_RETURN_IF_ERROR(plan.stream(t, p, [&](std::uint64_t, std::span<const float> values) {
+        return out.Write(std::as_bytes(values));
+      }));
+    }
   }
   return OkStatus();
 }
@@ -750,8 +851,6 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
   if (moments && info.state_format == StateFormat::kQ8) {
     ZINF_ASSIGN_OR_RETURN(tables, internal::ReadQ8Tables(file, info));
   }
-  // The tensors written: the weights, then (with `moments`) exp_avg and exp_avg_sq, each as one
-  // tensor per parameter named "<state>/<parameter>".
   const std::size_t num_states = moments ? kNumStateTensors : 1;
   std::vector<StateReader> readers;
   for (std::size_t t = 0; t < num_states; ++t) {
@@ -759,34 +858,39 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
                           StateReader::Open(&file, info, t, tables ? &*tables : nullptr));
     readers.push_back(std::move(reader));
   }
-  auto tensor_name = [&](std::size_t t, const partition::ParamInfo& p) {
-    return t == 0 ? p.name : fmt::format("{}/{}", StateTensorName(kStates[t]), p.name);
-  };
-  const partition::ParamLayout& layout = *info.layout;
   const std::uint64_t total_bytes = num_states * info.total_numel * sizeof(float);
   const std::uint64_t piece_numel = std::min(info.chunk_numel, info.total_numel);
   std::vector<float> piece(piece_numel);
   std::uint64_t done = 0;
-
-  // Streams state t of parameter `p` piece by piece into `sink(offset_in_param, values)`.
-  auto stream = [&](std::size_t t, const partition::ParamInfo& p, const auto& sink) -> Status {
-    for (std::uint64_t off = 0; off < p.numel; off += piece_numel) {
-      const std::uint64_t n = std::min(piece_numel, p.numel - off);
-      std::span<float> values(piece.data(), n);
-      ZINF_RETURN_IF_ERROR(readers[t].Read(p.flat_offset + off, values));
-      ZINF_RETURN_IF_ERROR(sink(off, std::span<const float>(values)));
-      done += n * sizeof(float);
-      if (progress) progress(done, total_bytes);
-    }
-    return OkStatus();
-  };
+  const ExportPlan plan{
+      .info = info,
+      .source = file_path,
+      .num_states = num_states,
+      .piece_numel = piece_numel,
+      .name =
+          [](std::size_t t, const partition::ParamInfo& p) {
+            return t == 0 ? p.name : fmt::format("{}/{}", StateTensorName(kStates[t]), p.name);
+          },
+      .stream =
+          [&](std::size_t t, const partition::ParamInfo& p,
+              const std::function<Status(std::uint64_t, std::span<const float>)>& sink) -> Status {
+        for (std::uint64_t off = 0; off < p.numel; off += piece_numel) {
+          const std::uint64_t n = std::min(piece_numel, p.numel - off);
+          std::span<float> values(piece.data(), n);
+          ZINF_RETURN_IF_ERROR(readers[t].Read(p.flat_offset + off, values));
+          ZINF_RETURN_IF_ERROR(sink(off, std::span<const float>(values)));
+          done += n * sizeof(float);
+          if (progress) progress(done, total_bytes);
+        }
+        return OkStatus();
+      }};
 
   // The output appears under out_path only when complete: a failed export (a bad chunk, a full
   // disk) leaves the previous output, if any, as it was. Its space is checked and reserved
   // first: HDF5 (1.10) cannot close a file cleanly after a write failed for lack of space.
   ZINF_ASSIGN_OR_RETURN(const storage::DirAndName out_parts, storage::SplitPath(out_path));
   const std::uint64_t estimate =
-      num_states * (info.total_numel * sizeof(float) + layout.num_params() * (8u << 10)) +
+      num_states * (info.total_numel * sizeof(float) + info.layout->num_params() * (8u << 10)) +
       (1u << 20);
   ZINF_ASSIGN_OR_RETURN(const std::uint64_t available, storage::AvailableBytes(out_parts.dir));
   if (available < estimate) {
@@ -794,58 +898,8 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
                                               FormatBytes(estimate), out_parts.dir,
                                               FormatBytes(available)));
   }
-  if (format == ExportFormat::kHdf5) {
-    ZINF_ASSIGN_OR_RETURN(h5::H5File h5,
-                          h5::H5File::CreateSerial(out.temp_path(), h5::H5CreateMode::kTruncate));
-    // Blocks allocated up front, the file grown past what HDF5 will write (it cuts the file back
-    // to its own end when it closes).
-    if (Status reserved = out.Reserve(estimate, /*keep_size=*/false); !reserved) {
-      (void)h5.Close();
-      return reserved;
-    }
-    ZINF_RETURN_IF_ERROR(out.CloseDescriptor());
-    ZINF_RETURN_IF_ERROR(h5.WriteStringAttribute("/", "source", file_path));
-    ZINF_RETURN_IF_ERROR(h5.WriteInt64Attribute("/", "step", info.step));
-    for (std::size_t t = 0; t < num_states; ++t) {
-      for (const partition::ParamInfo& p : layout.params()) {
-        const std::string name = tensor_name(t, p);
-        ZINF_RETURN_IF_ERROR(h5.CreateDataset1D(name, p.numel, std::min(p.numel, piece_numel),
-                                                h5::H5DataType::kFloat32));
-        ZINF_RETURN_IF_ERROR(
-            h5.WriteStringAttribute(name, "shape", partition::FormatShape(p.shape)));
-        ZINF_RETURN_IF_ERROR(stream(t, p, [&](std::uint64_t off, std::span<const float> values) {
-          return h5.WriteSlab(name, off, values);
-        }));
-      }
-    }
-    ZINF_RETURN_IF_ERROR(h5.Close());
-  } else {
-    nlohmann::ordered_json header = nlohmann::ordered_json::object();
-    header["__metadata__"] = {
-        {"format", "pt"}, {"source", file_path}, {"step", std::to_string(info.step)}};
-    std::uint64_t offset = 0;
-    for (std::size_t t = 0; t < num_states; ++t) {
-      for (const partition::ParamInfo& p : layout.params()) {
-        header[tensor_name(t, p)] = {{"dtype", "F32"},
-                                     {"shape", p.shape},
-                                     {"data_offsets", {offset, offset + p.numel * sizeof(float)}}};
-        offset += p.numel * sizeof(float);
-      }
-    }
-    std::string text = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-    text.append((8 - text.size() % 8) % 8, ' ');
-    const std::uint64_t header_size = text.size();
-    ZINF_RETURN_IF_ERROR(out.Reserve(8 + header_size + offset, /*keep_size=*/true));
-    ZINF_RETURN_IF_ERROR(out.Write(std::as_bytes(std::span(&header_size, 1))));
-    ZINF_RETURN_IF_ERROR(out.Write(std::as_bytes(std::span(text.data(), text.size()))));
-    for (std::size_t t = 0; t < num_states; ++t) {
-      for (const partition::ParamInfo& p : layout.params()) {
-        ZINF_RETURN_IF_ERROR(stream(t, p, [&](std::uint64_t, std::span<const float> values) {
-          return out.Write(std::as_bytes(values));
-        }));
-      }
-    }
-  }
+  ZINF_RETURN_IF_ERROR(format == ExportFormat::kHdf5 ? WriteHdf5Export(plan, out, estimate)
+                                                     : WriteSafetensorsExport(plan, out));
   ZINF_RETURN_IF_ERROR(file.Close());
   return out.Commit();
 }

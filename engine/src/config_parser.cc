@@ -594,14 +594,6 @@ class Parser {
   std::set<std::string, std::less<>> given_;  // every key (and section) the file sets
 };
 
-// The collective part of LoadConfig*: every rank's parse result agreed on, then the same config.
-Result<Config> AgreeOnConfig(const comm::Communicator& world, Result<Config> config) {
-  ZINF_RETURN_IF_ERROR(
-      world.AgreeOnStatus(config.has_value() ? OkStatus() : Status(config.error())));
-  ZINF_RETURN_IF_ERROR(CheckSameConfigOnAllRanks(world, *config));
-  return config;
-}
-
 }  // namespace
 
 Result<Config> ParseConfig(std::string_view json_text, const ConfigContext& ctx,

@@ -825,9 +825,6 @@ Status ZeroEngine::Build(std::vector<Param> params) {
 // cannot fit is ResourceExhausted before it is allocated, not a std::bad_alloc half-way.
 Status ZeroEngine::CheckHostMemory(std::uint64_t round) const {
   const State& s = *state_;
-  const std::uint64_t machine = MachineMemoryBytes();
-  if (machine == 0) return OkStatus();
-  const auto local = static_cast<std::uint64_t>(std::max(world_.topology().local_size, 1));
   // The loop's weights and gradients, the engine's whole and sharded weights, the partition's
   // gradient and the all-gather buffers (the stage-3 gathers come on top, bounded by
   // stage3_max_live_parameters and the loop's own asks).
@@ -839,15 +836,13 @@ Status ZeroEngine::CheckHostMemory(std::uint64_t round) const {
   }
   std::uint64_t need = 0;
   if (!CheckedMul(floats, sizeof(float), &need)) need = UINT64_MAX;
-  if (need <= machine / local) return OkStatus();
-  return ResourceExhaustedError(fmt::format(
-      "the engine needs at least {} of host memory per rank for the weights and gradients of {} "
-      "parameters, more than its share of this machine: {} of RAM + swap over {} rank(s); run "
-      "on more nodes or fewer ranks per node{}",
-      FormatBytes(need), s.total_numel, FormatBytes(machine), local,
+  return CheckHostMemoryShare(
+      need, world_.topology().local_size, "the engine needs",
+      fmt::format(" per rank for the weights and gradients of {} parameters", s.total_numel),
       config_.zero_optimization.stage == 3 && s.num_partitioned < s.params.size()
-          ? ", or register the parameters without weights at stage 3 (engine.h, \"Stage 3\")"
-          : ""));
+          ? "run on more nodes or fewer ranks per node, or register the parameters without "
+            "weights at stage 3 (engine.h, \"Stage 3\")"
+          : "run on more nodes or fewer ranks per node");
 }
 
 Status ZeroEngine::InitializeOrRestore() {
@@ -1436,13 +1431,44 @@ Result<double> ZeroEngine::PartitionGradSquaredSum() {
   return sum;
 }
 
+// Step in its phases: reduce the gradient, measure it (norm, loss, stop flag), decide (skip an
+// fp16 overflow, refuse a zero or non-finite gradient, clip), optimize (the swapped Adam step at
+// the scheduled hyper-parameters), gather the new weights, then report (FinishStep).
 Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
   State& s = *state_;
   if (closed_) return FailedPreconditionError("engine: Step after Close");
-  const std::int64_t step = step_ + 1;
+  StepInfo info;
+  info.step = step_ + 1;
+  // The step's swap I/O counts from the end of the previous one: earlier micro-batches'
+  // write-behind and the swap-outs during the backward pass.
+  const storage::SwapStore::IoCounters io_start = s.io_mark;
+  ZINF_RETURN_IF_ERROR(ReduceGradients(info.step));
+  ZINF_ASSIGN_OR_RETURN(StepPlan plan, MeasureGradient(loss, &info));
+  ZINF_RETURN_IF_ERROR(Decide(loss.has_value(), &plan, &info));
+  const storage::SwapStore::IoCounters io_optimizer_start = s.swapper->io_counters();
+  if (plan.skip) {
+    // No swap I/O, the weights and the schedule stay; the gradient was consumed.
+    ZINF_RETURN_IF_ERROR(s.scaler->Update(/*overflow=*/true));
+    return FinishStep(info, /*skipped=*/true, io_start, io_optimizer_start, io_optimizer_start,
+                      0.0);
+  }
+  ZINF_ASSIGN_OR_RETURN(const double optimizer_seconds, Optimize(plan, &info));
+  const storage::SwapStore::IoCounters io_optimizer_end = s.swapper->io_counters();
+  // The scale for the next step (a clean step may double it).
+  ZINF_RETURN_IF_ERROR(s.scaler->Update(/*overflow=*/false));
+  // The updated partitions into every parameter's weights.
+  step_ = info.step;
+  ZINF_RETURN_IF_ERROR(GatherWholeWeights());
+  return FinishStep(info, /*skipped=*/false, io_start, io_optimizer_start, io_optimizer_end,
+                    optimizer_seconds);
+}
+
+// Reduce: the last micro-batch's gradient is reduced (the earlier ones were), after the ranks
+// agreed that they all make this call the same way: a rank whose loop made other calls must not
+// leave the rest in a collective it skips.
+Status ZeroEngine::ReduceGradients(std::int64_t step) {
+  State& s = *state_;
   const int gas = static_cast<int>(config_.gradient_accumulation_steps);
-  // Agreed every time: a rank whose loop made other calls must not leave the rest in a
-  // collective it skips.
   Status calls = OkStatus();
   if (s.micro_batches != 0 && s.micro_batches != gas - 1) {
     calls = FailedPreconditionError(
@@ -1456,66 +1482,76 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
         "them before Step (the step changes their weights)",
         step, s.held_refs));
   }
-  const swapper::OptimizerSwapper& io = *s.swapper;
-  StepInfo info;
-  info.step = step;
-  // 1: the last micro-batch's gradient. The step's swap I/O counts from the end of the previous
-  // one: earlier micro-batches' write-behind and the swap-outs during the backward pass.
-  const storage::SwapStore::IoCounters io_start = s.io_mark;
   const Status handed = HandGradient(s.micro_batches);
   s.micro_batches = 0;
   ZINF_RETURN_IF_ERROR(comm().AgreeOnCall("Step", calls));
   s.NextStep();
   ZINF_RETURN_IF_ERROR(handed);
-  ZINF_RETURN_IF_ERROR(AgreeOnGroups(step));
-  // 2: the global norm of the averaged gradient, the loss and the stop flag, in one allreduce.
-  // With fp16 the gradient is of the loss times the scale: the norm is divided by it, and a
-  // non-finite sum (an Inf or NaN anywhere, on any rank: the same sum everywhere) is an overflow.
-  LossScaler& scaler = *s.scaler;
-  const double scale = scaler.scale();
-  const double average = 1.0 / (static_cast<double>(gas) * world_.size());
+  return AgreeOnGroups(step);
+}
+
+// Measure: the global norm of the averaged gradient, the loss and the stop flag, in one
+// allreduce. With fp16 the gradient is of the loss times the scale: the norm is divided by it.
+Result<ZeroEngine::StepPlan> ZeroEngine::MeasureGradient(std::optional<double> loss,
+                                                         StepInfo* info) {
+  State& s = *state_;
+  const double scale = s.scaler->scale();
+  const double average =
+      1.0 / (static_cast<double>(config_.gradient_accumulation_steps) * world_.size());
   ZINF_ASSIGN_OR_RETURN(const double squared, PartitionGradSquaredSum());
   const double my_loss = loss.value_or(std::numeric_limits<double>::quiet_NaN());
   std::array<double, 3> sums = {squared, my_loss, g_stop_signal.load() != 0 ? 1.0 : 0.0};
   ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<double>(sums, ReduceOp::kSum));
-  info.grad_norm = std::sqrt(sums[0]) * average / scale;
-  info.loss = sums[1] / world_.size();
-  info.stop_requested = sums[2] > 0;
-  info.stop_signal = g_stop_signal.load();
-  info.loss_scale = scale;
-  if (scaler.enabled() && !std::isfinite(sums[0])) {
-    // Skipped: no swap I/O, the weights and the schedule stay; the gradient was consumed.
-    info.lr = next_lr();  // what the step would have run at, and the next one will
-    ZINF_RETURN_IF_ERROR(scaler.Update(/*overflow=*/true));
-    return FinishStep(info, /*skipped=*/true, io_start, io.io_counters(), io.io_counters(), 0.0);
+  info->grad_norm = std::sqrt(sums[0]) * average / scale;
+  info->loss = sums[1] / world_.size();
+  info->stop_requested = sums[2] > 0;
+  info->stop_signal = g_stop_signal.load();
+  info->loss_scale = scale;
+  return StepPlan{.squared_sum = sums[0], .average = average, .loss_scale = scale};
+}
+
+// Decide, the same on every rank (from the agreed sums): an fp16 overflow (a non-finite sum: an
+// Inf or NaN anywhere, on any rank) skips the step; a gradient that is zero everywhere or not
+// finite, or a non-finite loss, fails it with nothing stepped; a norm above gradient_clipping
+// scales the gradient down.
+Status ZeroEngine::Decide(bool have_loss, StepPlan* plan, StepInfo* info) {
+  if (state_->scaler->enabled() && !std::isfinite(plan->squared_sum)) {
+    plan->skip = true;
+    info->lr = next_lr();  // what the step would have run at, and the next one will
+    return OkStatus();
   }
-  double clip = 1.0;
-  if (config_.gradient_clipping > 0 && info.grad_norm > config_.gradient_clipping) {
-    clip = config_.gradient_clipping / (info.grad_norm + 1e-6);
-    info.clipped = true;
-  }
-  if (sums[0] == 0) {
+  if (plan->squared_sum == 0) {
     // Adam would still move every weight (momentum, weight decay): a loop that forgot its
     // backward pass, or wrote elsewhere, must not train silently on nothing.
     return FailedPreconditionError(fmt::format(
         "step {}: the gradient is zero on every rank: Step was called before any gradient was "
         "written into the registered grads buffers; nothing was stepped",
-        step));
+        info->step));
   }
-  if (!std::isfinite(info.grad_norm) || (loss && !std::isfinite(info.loss))) {
+  if (!std::isfinite(info->grad_norm) || (have_loss && !std::isfinite(info->loss))) {
     return FailedPreconditionError(fmt::format(
         "step {}: the loss ({}) or the gradient norm ({}) is not finite; lower the learning rate "
         "or set gradient_clipping{}",
-        step, info.loss, info.grad_norm,
+        info->step, info->loss, info->grad_norm,
         config_.bf16 || config_.fp16.enabled
             ? ""
             : " (fp16.enabled skips such steps and lowers the loss scale)"));
   }
-  // 3: the swapped optimizer step; the sink writes this rank's new weights into the
-  // parameters (its own part of them), from where step 4 gathers them. Skipped steps advance
-  // neither Adam's step count nor the schedule (DeepSpeed).
-  // The k-th applied step runs at the scheduler's last_batch_iteration k - 2 (lr_schedule.h).
-  const std::int64_t applied = step - skipped_steps_;
+  if (config_.gradient_clipping > 0 && info->grad_norm > config_.gradient_clipping) {
+    plan->clip = config_.gradient_clipping / (info->grad_norm + 1e-6);
+    info->clipped = true;
+  }
+  return OkStatus();
+}
+
+// Optimize: the swapped Adam step over the rank's sub-groups, each parameter group at its
+// scheduled hyper-parameters; the sink writes this rank's new weights into the parameters (its
+// own part of them), from where GatherWholeWeights gathers them. Skipped steps advance neither
+// Adam's step count nor the schedule (DeepSpeed): the k-th applied step runs at the scheduler's
+// last_batch_iteration k - 2 (lr_schedule.h). Returns the step's seconds.
+Result<double> ZeroEngine::Optimize(const StepPlan& plan, StepInfo* info) {
+  State& s = *state_;
+  const std::int64_t applied = info->step - skipped_steps_;
   std::vector<HyperParams> hyper;
   for (const HyperParams& group : groups_) {
     hyper.push_back(Scheduled(config_.scheduler, group, applied - 2));
@@ -1525,10 +1561,10 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
           "step {}: OneCycle's momentum decay made beta1 {} (cycle_max_mom * (1 + "
           "decay_mom_rate * intervals), DeepSpeed's formula); Adam needs beta1 < 1: lower "
           "scheduler.params.decay_mom_rate; nothing was stepped",
-          step, hyper.back().betas[0]));
+          info->step, hyper.back().betas[0]));
     }
   }
-  info.lr = hyper[0].lr;
+  info->lr = hyper[0].lr;
   std::vector<swapper::AdamSegment> segments;
   for (const auto& [begin, g] : s.group_runs) {
     segments.push_back({.begin = begin, .hyper = hyper[g]});
@@ -1548,25 +1584,18 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
     s.UnpackWeights(rank, sg.partition_offset, fp32.first(sg.numel), Working::kFp32, rank);
     return OkStatus();
   };
-  const double optimizer_start = MonotonicSeconds();
-  const storage::SwapStore::IoCounters io_optimizer_start = io.io_counters();
+  const double start = MonotonicSeconds();
   {
     comm::ScopedTimer timer(s.timers, "optimizer_step");
-    ZINF_RETURN_IF_ERROR(s.swapper->Step(step, source, sink,
-                                         {.grad_scale = static_cast<float>(average * clip / scale),
-                                          .adam_step = applied,
-                                          .segments = segments}));
+    ZINF_RETURN_IF_ERROR(s.swapper->Step(
+        info->step, source, sink,
+        {.grad_scale = static_cast<float>(plan.average * plan.clip / plan.loss_scale),
+         .adam_step = applied,
+         .segments = segments}));
   }
-  const double optimizer_seconds = MonotonicSeconds() - optimizer_start;
-  const storage::SwapStore::IoCounters io_optimizer_end = io.io_counters();
-  s.swap_seconds += optimizer_seconds;
-  // The scale for the next step (a clean step may double it).
-  ZINF_RETURN_IF_ERROR(scaler.Update(/*overflow=*/false));
-  // 4: the updated partitions into every parameter's weights.
-  step_ = step;
-  ZINF_RETURN_IF_ERROR(GatherWholeWeights());
-  return FinishStep(info, /*skipped=*/false, io_start, io_optimizer_start, io_optimizer_end,
-                    optimizer_seconds);
+  const double seconds = MonotonicSeconds() - start;
+  s.swap_seconds += seconds;
+  return seconds;
 }
 
 // The end of Step, applied or skipped: the per-step figures (peak RSS and the slowest rank's

@@ -1,5 +1,5 @@
-// Private to zinf::storage: move-only owners of HDF5 hid_t handles and the conversion of HDF5's
-// error stack into a zinf::Error. Only storage/src and storage's tests include this file; hid_t
+// Private to zinf::h5: move-only owners of HDF5 hid_t handles and the conversion of HDF5's
+// error stack into a zinf::Error. Only h5/src and h5's tests include this file; hid_t
 // never appears in a public header.
 //
 // Thread safety: HDF5 here is not thread-safe; everything below runs on one thread at a time.

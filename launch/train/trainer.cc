@@ -127,9 +127,6 @@ Status Run::BuildModel() {
 // machine's RAM + swap shared by this node's ranks, before anything is allocated; the engine
 // checks its own buffers the same way.
 Status Run::CheckHostMemory() const {
-  const std::uint64_t machine = MachineMemoryBytes();
-  if (machine == 0) return OkStatus();
-  const auto local = static_cast<std::uint64_t>(std::max(world_.topology().local_size, 1));
   std::uint64_t replicated = 0;
   if (!CheckedMul(model_->layout().total_numel(), 2 * sizeof(float), &replicated)) {
     replicated = UINT64_MAX;
@@ -138,14 +135,14 @@ Status Run::CheckHostMemory() const {
       model_->WorkingBytes(static_cast<std::uint64_t>(config_.train_micro_batch_size_per_gpu));
   std::uint64_t need = 0;
   if (!CheckedAdd(replicated, activations, &need)) need = UINT64_MAX;
-  if (need <= machine / local) return OkStatus();
-  return ResourceExhaustedError(fmt::format(
-      "this rank needs at least {} of host memory (replicated weights and gradient {}, the "
-      "activations of a micro-batch of {} examples {}), more than its share of this machine: {} "
-      "of RAM + swap over {} rank(s); lower train_micro_batch_size_per_gpu (use "
-      "gradient_accumulation_steps), the model size, or the ranks per node",
-      FormatBytes(need), FormatBytes(replicated), config_.train_micro_batch_size_per_gpu,
-      FormatBytes(activations), FormatBytes(machine), local));
+  return CheckHostMemoryShare(
+      need, world_.topology().local_size, "this rank needs",
+      fmt::format(" (replicated weights and gradient {}, the activations of a micro-batch of {} "
+                  "examples {})",
+                  FormatBytes(replicated), config_.train_micro_batch_size_per_gpu,
+                  FormatBytes(activations)),
+      "lower train_micro_batch_size_per_gpu (use gradient_accumulation_steps), the model size, "
+      "or the ranks per node");
 }
 
 Status Run::CreateEngine() {
@@ -331,10 +328,7 @@ Result<TrainConfig> BuildTrainConfig(const comm::Communicator& world,
     }
     return Annotate(ParseTrainConfig(text, ctx, overrides), where);
   }();
-  ZINF_RETURN_IF_ERROR(
-      world.AgreeOnStatus(config.has_value() ? OkStatus() : Status(config.error())));
-  ZINF_RETURN_IF_ERROR(engine::CheckSameConfigOnAllRanks(world, *config));
-  return config;
+  return engine::AgreeOnConfig(world, std::move(config));
 }
 
 Result<TrainSummary> Train(const comm::Communicator& world, const TrainConfig& config,

@@ -86,6 +86,8 @@ Env& ProcessEnv() {
       return &Env::Posix();
     }
     if (*injector == nullptr || !(*injector)->has_fs_rules()) return &Env::Posix();
+    ZINF_LOG_WARN("fault injection armed for file-system calls: ZINF_FAULT_INJECT={}",
+                  FormatFaultSpec((*injector)->spec()));
     return new FaultInjectingEnv(Env::Posix(), std::move(*injector));  // lives to the end
   }();
   return *env;

@@ -159,10 +159,12 @@ struct SavedCheckpoint {
 // Collective over swapper.comm(). Saves the committed state of every sub-group as checkpoint
 // `step` (>= 0) in options.dir with the commit protocol above. Precondition: no Step in progress
 // (the swapper holds no pool buffers). Returns the same Status on every rank. Errors:
-// InvalidArgument (empty dir, step < 0, chunk_numel 0 or >= 2^30, a JSON value that is not an
-// object), ResourceExhausted (no pool buffer), the swap store's and HDF5's errors (DataLoss,
-// ...), and file-system errors of the commit (rename, fsync). On error nothing is committed:
-// `latest` and every older checkpoint are untouched, and rank 0 removes the partial file.
+// InvalidArgument (empty dir, step < 0, chunk_numel 0 or above kMaxCheckpointChunkNumel, a JSON
+// value that is not an object), ResourceExhausted (no pool buffer), the swap store's and HDF5's
+// errors (DataLoss, ...), and file-system errors of the commit (rename, fsync). On error nothing
+// is committed: `latest` and every older checkpoint are untouched, and rank 0 removes the partial
+// file; only a failed durability point after `latest` was replaced (its directory's fsync)
+// leaves `latest` naming the new, complete checkpoint while the save reports the error.
 Result<SavedCheckpoint> SaveCheckpoint(swapper::OptimizerSwapper& swapper, std::int64_t step,
                                        const CheckpointSaveOptions& options);
 

@@ -16,6 +16,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <string_view>
+
+#include "zinf/core/status.h"
 
 namespace zinf {
 
@@ -50,6 +53,14 @@ inline std::uint64_t MachineMemoryBytes() {
   if (sysinfo(&info) != 0) return 0;
   return (static_cast<std::uint64_t>(info.totalram) + info.totalswap) * info.mem_unit;
 }
+
+// The host-memory preflight of the engine and of zinf-train: OK when `need_bytes` fits in this
+// rank's share of the machine (MachineMemoryBytes() over the node's `ranks_on_node` ranks; OK
+// too when the machine's memory is unknown), else ResourceExhausted "<who> at least <need> of
+// host memory<detail>, more than its share of this machine: <M> of RAM + swap over <K> rank(s);
+// <advice>", before anything is allocated.
+Status CheckHostMemoryShare(std::uint64_t need_bytes, int ranks_on_node, std::string_view who,
+                            std::string_view detail, std::string_view advice);
 
 // The memory the kernel estimates new allocations can take without swapping (MemAvailable in
 // /proc/meminfo), in bytes. 0 if unknown.

@@ -421,6 +421,17 @@ std::string EffectiveJobId(const Config& config, const partition::ParamLayout& l
 // communicator reports them.
 Status CheckSameConfigOnAllRanks(const comm::Communicator& comm, const Config& config);
 
+// Collective over `comm`: the agreement of LoadConfig for a config each rank parsed itself (a
+// Config, or an application's config derived from it): every rank's parse result agreed on
+// (one rank's error is every rank's), then CheckSameConfigOnAllRanks.
+template <typename C>
+Result<C> AgreeOnConfig(const comm::Communicator& comm, Result<C> parsed) {
+  ZINF_RETURN_IF_ERROR(
+      comm.AgreeOnStatus(parsed.has_value() ? OkStatus() : Status(parsed.error())));
+  ZINF_RETURN_IF_ERROR(CheckSameConfigOnAllRanks(comm, *parsed));
+  return parsed;
+}
+
 // Logs "effective config:\n<EffectiveConfigJson>" as INFO (printed by rank 0). The engine logs the
 // job id (EffectiveJobId) when it creates the swap store.
 void LogEffectiveConfig(const Config& config);

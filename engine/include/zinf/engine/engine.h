@@ -445,6 +445,18 @@ class ZeroEngine {
   Status CreateBuckets();                                     // local
   Status HandGradient(int micro_batch);
   Result<double> PartitionGradSquaredSum();
+  // Step's phases (engine.cc, Step), and what they hand each other.
+  struct StepPlan {
+    double squared_sum = 0;  // the reduced gradient's, all ranks (not finite: an overflow)
+    double average = 1;      // 1 / (gradient_accumulation_steps x ranks)
+    double loss_scale = 1;   // fp16: divided out of the gradient
+    double clip = 1;         // gradient_clipping's factor
+    bool skip = false;       // an fp16 overflow: nothing is stepped
+  };
+  Status ReduceGradients(std::int64_t step);
+  Result<StepPlan> MeasureGradient(std::optional<double> loss, StepInfo* info);
+  Status Decide(bool have_loss, StepPlan* plan, StepInfo* info);  // local
+  Result<double> Optimize(const StepPlan& plan, StepInfo* info);
   Result<StepInfo> FinishStep(StepInfo info, bool skipped,
                               const storage::SwapStore::IoCounters& io_start,
                               const storage::SwapStore::IoCounters& io_optimizer_start,
