@@ -45,6 +45,23 @@ std::optional<FsOp> FsOpNamed(std::string_view name) {
   return std::nullopt;
 }
 
+// The errno a rule's kind injects (0 for kShort, which is not an error).
+int FaultErrno(FaultKind kind) {
+  switch (kind) {
+    case FaultKind::kEio:
+      return EIO;
+    case FaultKind::kEnospc:
+      return ENOSPC;
+    case FaultKind::kEagain:
+      return EAGAIN;
+    case FaultKind::kEintr:
+      return EINTR;
+    case FaultKind::kShort:
+      return 0;
+  }
+  return EIO;
+}
+
 }  // namespace
 
 std::string_view FsOpName(FsOp op) {
@@ -186,28 +203,15 @@ std::int64_t FaultInjector::Apply(IoOp op, std::int64_t result, std::uint64_t al
     if (rule.fs_op.has_value() || (rule.op.has_value() && *rule.op != op)) continue;
     const std::uint64_t count = rule.op.has_value() ? op_count : any_count;
     if (count != rule.nth && !(rule.and_later && count > rule.nth)) continue;
-    std::int64_t rewritten = result;
-    switch (rule.kind) {
-      case FaultKind::kEio:
-        rewritten = -EIO;
-        break;
-      case FaultKind::kEnospc:
-        rewritten = -ENOSPC;
-        break;
-      case FaultKind::kEagain:
-        rewritten = -EAGAIN;
-        break;
-      case FaultKind::kEintr:
-        rewritten = -EINTR;
-        break;
-      case FaultKind::kShort:
-        if (result > 0) {
-          rewritten = static_cast<std::int64_t>(AlignDown(static_cast<std::uint64_t>(result) / 2,
-                                                          std::max<std::uint64_t>(1, alignment)));
-          // Reporting 0 bytes would mean end-of-file, not a short transfer.
-          if (rewritten == 0) rewritten = result;
-        }
-        break;
+    std::int64_t rewritten = -FaultErrno(rule.kind);
+    if (rule.kind == FaultKind::kShort) {
+      rewritten = result;
+      if (result > 0) {
+        rewritten = static_cast<std::int64_t>(AlignDown(static_cast<std::uint64_t>(result) / 2,
+                                                        std::max<std::uint64_t>(1, alignment)));
+        // Reporting 0 bytes would mean end-of-file, not a short transfer.
+        if (rewritten == 0) rewritten = result;
+      }
     }
     if (rewritten != result) {
       injected_.fetch_add(1, std::memory_order_relaxed);
@@ -228,18 +232,7 @@ int FaultInjector::ApplyFs(FsOp op) {
     if (count != rule.nth && !(rule.and_later && count > rule.nth)) continue;
     injected_.fetch_add(1, std::memory_order_relaxed);
     ZINF_LOG_DEBUG("fault injection: {} #{} ({})", FsOpName(op), count, FaultKindName(rule.kind));
-    switch (rule.kind) {
-      case FaultKind::kEio:
-        return EIO;
-      case FaultKind::kEnospc:
-        return ENOSPC;
-      case FaultKind::kEagain:
-        return EAGAIN;
-      case FaultKind::kEintr:
-        return EINTR;
-      case FaultKind::kShort:
-        return -1;
-    }
+    return rule.kind == FaultKind::kShort ? -1 : FaultErrno(rule.kind);
   }
   return 0;
 }
