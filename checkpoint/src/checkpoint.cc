@@ -93,14 +93,14 @@ class WriteBehind {
     ZINF_RETURN_IF_ERROR(
         Sync(SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER));
     // Advisory: failure only keeps the pages cached.
-    (void)::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
+    (void)storage::Env::Default().Advise(fd_, 0, 0, POSIX_FADV_DONTNEED);
     return OkStatus();
   }
 
  private:
   Status Sync(unsigned int flags) {
     if (fd_ < 0) return Opened();
-    while (::sync_file_range(fd_, 0, 0, flags) != 0) {
+    while (storage::Env::Default().SyncRange(fd_, 0, 0, flags) != 0) {
       if (errno != EINTR) {
         return ErrnoError(errno, "checkpoint write-behind: sync_file_range " + path_);
       }

@@ -1,6 +1,7 @@
 #include "zinf/storage/env.h"
 
 #include <dirent.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -41,6 +42,22 @@ class PosixEnv final : public Env {
     return ::write(fd, data, size);
   }
   ssize_t Read(int fd, void* data, std::size_t size) override { return ::read(fd, data, size); }
+  ssize_t PWrite(int fd, const void* data, std::size_t size, off_t offset) override {
+    return ::pwrite(fd, data, size, offset);
+  }
+  ssize_t PRead(int fd, void* data, std::size_t size, off_t offset) override {
+    return ::pread(fd, data, size, offset);
+  }
+  int Truncate(int fd, off_t length) override { return ::ftruncate(fd, length); }
+  int Fcntl(int fd, int command, int arg) override { return ::fcntl(fd, command, arg); }
+  int Lock(int fd, int operation) override { return ::flock(fd, operation); }
+  int ChangeMode(int fd, mode_t mode) override { return ::fchmod(fd, mode); }
+  int Advise(int fd, off_t offset, off_t length, int advice) override {
+    return ::posix_fadvise(fd, offset, length, advice);
+  }
+  int SyncRange(int fd, off_t offset, off_t length, unsigned flags) override {
+    return ::sync_file_range(fd, offset, length, flags);
+  }
   int StatFs(const char* path, struct statvfs* st) override { return ::statvfs(path, st); }
   int Close(int fd) override { return ::close(fd); }
   int ReadDir(int dir_fd, std::size_t max_names, std::vector<std::string>* names) override {
@@ -160,6 +177,42 @@ ssize_t FaultInjectingEnv::Write(int fd, const void* data, std::size_t size) {
 ssize_t FaultInjectingEnv::Read(int fd, void* data, std::size_t size) {
   if (Fails(*injector_, FsOp::kRead)) return -1;
   return base_.Read(fd, data, size);
+}
+ssize_t FaultInjectingEnv::PWrite(int fd, const void* data, std::size_t size, off_t offset) {
+  const int err = injector_->ApplyFs(FsOp::kPWrite);
+  if (err > 0) {
+    errno = err;
+    return -1;
+  }
+  return base_.PWrite(fd, data, err < 0 && size > 1 ? size / 2 : size, offset);  // err < 0: short
+}
+ssize_t FaultInjectingEnv::PRead(int fd, void* data, std::size_t size, off_t offset) {
+  if (Fails(*injector_, FsOp::kPRead)) return -1;
+  return base_.PRead(fd, data, size, offset);
+}
+int FaultInjectingEnv::Truncate(int fd, off_t length) {
+  if (Fails(*injector_, FsOp::kTruncate)) return -1;
+  return base_.Truncate(fd, length);
+}
+int FaultInjectingEnv::Fcntl(int fd, int command, int arg) {
+  if (Fails(*injector_, FsOp::kFcntl)) return -1;
+  return base_.Fcntl(fd, command, arg);
+}
+int FaultInjectingEnv::Lock(int fd, int operation) {
+  if (Fails(*injector_, FsOp::kFlock)) return -1;
+  return base_.Lock(fd, operation);
+}
+int FaultInjectingEnv::ChangeMode(int fd, mode_t mode) {
+  if (Fails(*injector_, FsOp::kChmod)) return -1;
+  return base_.ChangeMode(fd, mode);
+}
+int FaultInjectingEnv::Advise(int fd, off_t offset, off_t length, int advice) {
+  if (const int err = injector_->ApplyFs(FsOp::kFadvise); err > 0) return err;
+  return base_.Advise(fd, offset, length, advice);
+}
+int FaultInjectingEnv::SyncRange(int fd, off_t offset, off_t length, unsigned flags) {
+  if (Fails(*injector_, FsOp::kSyncRange)) return -1;
+  return base_.SyncRange(fd, offset, length, flags);
 }
 int FaultInjectingEnv::StatFs(const char* path, struct statvfs* st) {
   if (Fails(*injector_, FsOp::kStatFs)) return -1;

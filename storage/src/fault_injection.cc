@@ -84,6 +84,22 @@ std::string_view FsOpName(FsOp op) {
       return "fwrite";
     case FsOp::kRead:
       return "fread";
+    case FsOp::kPWrite:
+      return "pwrite";
+    case FsOp::kPRead:
+      return "pread";
+    case FsOp::kTruncate:
+      return "ftruncate";
+    case FsOp::kFcntl:
+      return "fcntl";
+    case FsOp::kFlock:
+      return "flock";
+    case FsOp::kChmod:
+      return "fchmod";
+    case FsOp::kFadvise:
+      return "fadvise";
+    case FsOp::kSyncRange:
+      return "sync_file_range";
     case FsOp::kStatFs:
       return "statfs";
     case FsOp::kReadDir:
@@ -169,8 +185,10 @@ Result<FaultSpec> ParseFaultSpec(std::string_view text) {
     } else {
       return BadToken(token, fmt::format("unknown kind '{}'", kind));
     }
-    if (rule.kind == FaultKind::kShort && rule.fs_op && *rule.fs_op != FsOp::kWrite) {
-      return BadToken(token, fmt::format("'short' applies to transfers and fwrite, not {}", op));
+    if (rule.kind == FaultKind::kShort && rule.fs_op && *rule.fs_op != FsOp::kWrite &&
+        *rule.fs_op != FsOp::kPWrite) {
+      return BadToken(token,
+                      fmt::format("'short' applies to transfers, fwrite and pwrite, not {}", op));
     }
     spec.rules.push_back(rule);
   }

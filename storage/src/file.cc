@@ -17,6 +17,8 @@
 #include <fmt/format.h>
 
 #include "zinf/core/log.h"
+#include "zinf/storage/env.h"
+#include "zinf/storage/fs.h"
 
 namespace zinf::storage {
 namespace {
@@ -86,7 +88,7 @@ Alignment AlignmentOf(int fd) {
     return out;
   }
   struct stat st {};
-  if (::fstat(fd, &st) == 0 && major(st.st_dev) != 0) {
+  if (Env::Default().StatAt(fd, "", &st, AT_EMPTY_PATH) == 0 && major(st.st_dev) != 0) {
     const std::string base =
         fmt::format("/sys/dev/block/{}:{}", major(st.st_dev), minor(st.st_dev));
     std::uint64_t size = ReadSysfsNumber(base + "/queue/logical_block_size");
@@ -103,17 +105,19 @@ Alignment AlignmentOf(int fd) {
 
 // Turns on O_DIRECT for an open descriptor; false where the file system refuses it.
 Result<bool> EnableDirect(int fd, const std::string& path) {
-  const int flags = ::fcntl(fd, F_GETFL);
+  Env& env = Env::Default();
+  const int flags = env.Fcntl(fd, F_GETFL, 0);
   if (flags < 0) return ErrnoError(errno, fmt::format("fcntl(F_GETFL) {}", path));
-  if (::fcntl(fd, F_SETFL, flags | O_DIRECT) == 0) return true;
+  if (env.Fcntl(fd, F_SETFL, flags | O_DIRECT) == 0) return true;
   if (errno == EINVAL) return false;
   return ErrnoError(errno, fmt::format("fcntl(F_SETFL, O_DIRECT) {}", path));
 }
 
 Status DisableDirect(int fd, const std::string& path) {
-  const int flags = ::fcntl(fd, F_GETFL);
+  Env& env = Env::Default();
+  const int flags = env.Fcntl(fd, F_GETFL, 0);
   if (flags < 0) return ErrnoError(errno, fmt::format("fcntl(F_GETFL) {}", path));
-  if (::fcntl(fd, F_SETFL, flags & ~O_DIRECT) != 0) {
+  if (env.Fcntl(fd, F_SETFL, flags & ~O_DIRECT) != 0) {
     return ErrnoError(errno, fmt::format("fcntl(F_SETFL) {}", path));
   }
   return OkStatus();
@@ -155,7 +159,8 @@ Result<File> File::Open(const std::string& path, const OpenOptions& options) {
   // could already have made the file, and a second open with O_EXCL would then fail.
   int fd = -1;
   do {
-    fd = ::open(path.c_str(), flags, static_cast<mode_t>(options.permissions));
+    fd = Env::Default().OpenAt(AT_FDCWD, path.c_str(), flags,
+                               static_cast<mode_t>(options.permissions));
   } while (fd < 0 && errno == EINTR);
   if (fd < 0) {
     const int err = errno;
@@ -171,14 +176,14 @@ Result<File> File::Open(const std::string& path, const OpenOptions& options) {
   file.writable_ = writable;
 
   struct stat st {};
-  if (::fstat(fd, &st) != 0) return ErrnoError(errno, fmt::format("fstat {}", path));
+  if (Env::Default().StatAt(fd, "", &st, AT_EMPTY_PATH) != 0) {
+    return ErrnoError(errno, fmt::format("fstat {}", path));
+  }
   if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
     return Error(ErrorCode::kFailedPrecondition,
                  fmt::format("open {}: not a regular file or block device", path), EISDIR);
   }
-  if (const int fl = ::fcntl(fd, F_GETFL); fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
-    return ErrnoError(errno, fmt::format("fcntl {}", path));
-  }
+  ZINF_RETURN_IF_ERROR(ClearNonBlock(fd, path));
   if (options.direct) {
     ZINF_ASSIGN_OR_RETURN(bool direct, EnableDirect(fd, path));
     Alignment alignment;
@@ -224,7 +229,9 @@ File::~File() = default;
 
 Result<std::uint64_t> File::Size() const {
   struct stat st {};
-  if (::fstat(fd_.get(), &st) != 0) return ErrnoError(errno, fmt::format("fstat {}", path_));
+  if (Env::Default().StatAt(fd_.get(), "", &st, AT_EMPTY_PATH) != 0) {
+    return ErrnoError(errno, fmt::format("fstat {}", path_));
+  }
   return static_cast<std::uint64_t>(st.st_size);
 }
 
@@ -234,7 +241,7 @@ Status File::Allocate(std::uint64_t offset_bytes, std::uint64_t length_bytes) {
   const auto length = static_cast<off_t>(length_bytes);
   int rc = 0;
   do {
-    rc = ::fallocate(fd_.get(), 0, offset, length);
+    rc = Env::Default().Allocate(fd_.get(), 0, offset, length);
   } while (rc != 0 && errno == EINTR);
   if (rc == 0) return OkStatus();
   int err = errno;
@@ -252,7 +259,7 @@ Status File::Allocate(std::uint64_t offset_bytes, std::uint64_t length_bytes) {
 Status File::Truncate(std::uint64_t size_bytes) {
   int rc = 0;
   do {
-    rc = ::ftruncate(fd_.get(), static_cast<off_t>(size_bytes));
+    rc = Env::Default().Truncate(fd_.get(), static_cast<off_t>(size_bytes));
   } while (rc != 0 && errno == EINTR);
   if (rc != 0) return ErrnoError(errno, fmt::format("ftruncate {} to {}", path_, size_bytes));
   return OkStatus();
@@ -263,8 +270,11 @@ Status File::Sync() { return SyncFd(fd_.get(), /*data_only=*/true, path_); }
 Status File::Close() { return fd_.Close(path_); }
 
 Result<DirectIoInfo> ProbeDirectIo(const std::string& dir) {
+  Env& env = Env::Default();
   struct stat st {};
-  if (::stat(dir.c_str(), &st) != 0) return ErrnoError(errno, fmt::format("stat {}", dir));
+  if (env.StatAt(AT_FDCWD, dir.c_str(), &st, 0) != 0) {
+    return ErrnoError(errno, fmt::format("stat {}", dir));
+  }
   if (!S_ISDIR(st.st_mode)) {
     return Error(ErrorCode::kFailedPrecondition, fmt::format("{} is not a directory", dir),
                  ENOTDIR);
@@ -274,13 +284,14 @@ Result<DirectIoInfo> ProbeDirectIo(const std::string& dir) {
       fmt::format("{}/.zinf-dio-probe-{}-{}", dir, ::getpid(), counter.fetch_add(1));
   int fd = -1;
   do {
-    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    fd = env.OpenAt(AT_FDCWD, path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
+                    0600);
   } while (fd < 0 && errno == EINTR);
   if (fd < 0) return ErrnoError(errno, fmt::format("create probe file {}", path));
-  ::unlink(path.c_str());
+  (void)env.UnlinkAt(AT_FDCWD, path.c_str(), 0);  // a leftover probe file harms nothing
   Result<bool> direct = EnableDirect(fd, path);
   Alignment alignment = AlignmentOf(fd);
-  ::close(fd);
+  (void)env.Close(fd);
   if (!direct) return std::move(direct).error();
   DirectIoInfo info;
   info.direct_supported = *direct && !alignment.known_unsupported;

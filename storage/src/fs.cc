@@ -59,17 +59,18 @@ std::string_view TypeName(mode_t mode) {
   return "not a regular file";
 }
 
+std::atomic<std::uint64_t> g_temp_counter{0};
+
+}  // namespace
+
 Status ClearNonBlock(int fd, const std::string& display) {
-  const int flags = ::fcntl(fd, F_GETFL);
-  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+  Env& env = Env::Default();
+  const int flags = env.Fcntl(fd, F_GETFL, 0);
+  if (flags < 0 || env.Fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
     return ErrnoError(errno, fmt::format("fcntl {}", display));
   }
   return OkStatus();
 }
-
-std::atomic<std::uint64_t> g_temp_counter{0};
-
-}  // namespace
 
 // ---- UniqueFd ----
 

@@ -221,7 +221,7 @@ Status CheckOwner(int fd, const std::string& what) {
 }
 
 Status SetMode(int fd, mode_t mode, const std::string& what) {
-  if (::fchmod(fd, mode) != 0) {
+  if (Env::Default().ChangeMode(fd, mode) != 0) {
     return ErrnoError(errno, fmt::format("swap store: chmod {:o} {}", mode, what));
   }
   return OkStatus();
@@ -231,8 +231,8 @@ Status PwriteFull(const File& file, const std::byte* data, std::uint64_t length_
                   std::uint64_t offset_bytes) {
   std::uint64_t done = 0;
   while (done < length_bytes) {
-    const ssize_t n = ::pwrite(file.fd(), data + done, length_bytes - done,
-                               static_cast<off_t>(offset_bytes + done));
+    const ssize_t n = Env::Default().PWrite(file.fd(), data + done, length_bytes - done,
+                                            static_cast<off_t>(offset_bytes + done));
     if (n < 0) {
       if (errno == EINTR || errno == EAGAIN) continue;
       return ErrnoError(errno, fmt::format("pwrite {} offset {} length {}", file.path(),
@@ -247,8 +247,8 @@ Status PreadFull(const File& file, std::byte* data, std::uint64_t length_bytes,
                  std::uint64_t offset_bytes) {
   std::uint64_t done = 0;
   while (done < length_bytes) {
-    const ssize_t n = ::pread(file.fd(), data + done, length_bytes - done,
-                              static_cast<off_t>(offset_bytes + done));
+    const ssize_t n = Env::Default().PRead(file.fd(), data + done, length_bytes - done,
+                                           static_cast<off_t>(offset_bytes + done));
     if (n < 0) {
       if (errno == EINTR || errno == EAGAIN) continue;
       return ErrnoError(errno, fmt::format("pread {} offset {} length {}", file.path(),
@@ -274,7 +274,7 @@ Status UnlinkIfPresent(int dir_fd, const char* name, int flags, const std::strin
 // flock(fd, operation), EINTR retried. False when LOCK_NB is set and another open file holds a
 // conflicting lock.
 Result<bool> TryFlock(int fd, int operation, const std::string& what) {
-  while (::flock(fd, operation) != 0) {
+  while (Env::Default().Lock(fd, operation) != 0) {
     if (errno == EINTR) continue;
     if (errno == EWOULDBLOCK) return false;
     return ErrnoError(errno, fmt::format("swap store: flock {}", what));
@@ -877,7 +877,9 @@ class StaleScan {
       }
       return std::nullopt;
     }
-    if (::fstat(fd->get(), &st) != 0 || st.st_uid != uid_) return std::nullopt;
+    if (Env::Default().StatAt(fd->get(), "", &st, AT_EMPTY_PATH) != 0 || st.st_uid != uid_) {
+      return std::nullopt;
+    }
     return std::move(*fd);
   }
 

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -63,6 +64,21 @@ TEST(ParseFaultSpecTest, ParsesEnvCalls) {
             "stat:1:eio,mkdir:1:eio,unlink:1:eio,fallocate:1:enospc,fread:1:eio,statfs:1:eio,"
             "close:1:eio");
   EXPECT_THAT(ParseFaultSpec("rename:1:short"),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("'short' applies to")));
+}
+
+// Every Env call has a name the spec parser takes back.
+TEST(ParseFaultSpecTest, EveryEnvCallHasAName) {
+  for (int i = 0; i < kNumFsOps; ++i) {
+    const FsOp op = static_cast<FsOp>(i);
+    const std::string text = fmt::format("{}:2+:enospc", FsOpName(op));
+    ZINF_ASSERT_OK_AND_ASSIGN(FaultSpec spec, ParseFaultSpec(text));
+    ASSERT_EQ(spec.rules.size(), 1u);
+    EXPECT_EQ(spec.rules[0].fs_op, op) << text;
+    EXPECT_EQ(FormatFaultSpec(spec), text);
+  }
+  EXPECT_TRUE(ParseFaultSpec("pwrite:1:short").has_value());
+  EXPECT_THAT(ParseFaultSpec("pread:1:short"),
               StatusIs(ErrorCode::kInvalidArgument, HasSubstr("'short' applies to")));
 }
 

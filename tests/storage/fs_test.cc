@@ -188,8 +188,8 @@ TEST(OpenFileAt, CreateNewIsExclusiveAndNeverFollows) {
   EXPECT_THAT(OpenFile(dir.Join("link"), FileAccess::kTruncateOrCreate),
               StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("symbolic link")));
   EXPECT_EQ(ReadText(dir.Join("target")), "keep");
-  ZINF_ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(dir.Join("new"), FileAccess::kCreateNew,
-                                                  Follow::kNo, 0600));
+  ZINF_ASSERT_OK_AND_ASSIGN(UniqueFd fd,
+                            OpenFile(dir.Join("new"), FileAccess::kCreateNew, Follow::kNo, 0600));
   ZINF_ASSERT_OK(WriteAll(fd.get(), std::string_view("abc"), "new"));
   ZINF_ASSERT_OK(fd.Close("new"));
   EXPECT_EQ(ReadText(dir.Join("new")), "abc");
@@ -390,7 +390,8 @@ TEST(CheckReplaceableAt, AcceptsOnlyNothingARegularFileOrALink) {
       ZINF_EXPECT_OK(CheckReplaceableAt(fd.get(), e.name, e.path));
     } else {
       EXPECT_THAT(CheckReplaceableAt(fd.get(), e.name, e.path),
-                  StatusIs(ErrorCode::kFailedPrecondition, HasSubstr(e.type))) << e.name;
+                  StatusIs(ErrorCode::kFailedPrecondition, HasSubstr(e.type)))
+          << e.name;
     }
   }
 }

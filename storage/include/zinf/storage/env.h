@@ -1,7 +1,9 @@
 // Env: the file-system calls zinf makes outside its I/O engines, behind one seam (LevelDB's Env):
-// the small-file layer (fs.h), the swap store's directory lifecycle and the checkpoint commit
-// protocol (open, stat, mkdir, rename, unlink, fsync, fallocate, write, read, statfs, readdir,
-// close).
+// the small-file layer (fs.h), File's open and sizing (file.h), the swap store (its directories,
+// locks and weights file) and the checkpoint commit protocol and write-behind: open, stat, mkdir,
+// rename, unlink, fsync, fallocate, ftruncate, write, read, pwrite, pread, fcntl, flock, fchmod,
+// posix_fadvise, sync_file_range, statfs, readdir, close. The I/O engines' block reads and writes
+// (io_engine.h) have their own fault hook.
 // A test or a run with ZINF_FAULT_INJECT can make any of them fail (FaultInjectingEnv), so the
 // code that handles each failure is exercised, not just written.
 //
@@ -16,8 +18,8 @@
 // returns (-1 with errno set on failure) and retries nothing (callers retry EINTR as they did).
 //
 // Env::Default() is the process's Env: Env::Posix(), or, when ZINF_FAULT_INJECT has rules for
-// these calls (fault_injection.h: open, stat, mkdir, rename, unlink, fsync, fallocate, fwrite,
-// fread, statfs, readdir, close) and applies to this rank, Posix() through the process's injector.
+// these calls (fault_injection.h's FsOp names) and applies to this rank, Posix() through the
+// process's injector.
 //
 // Thread safety: Env implementations are thread safe. ScopedDefaultEnv is for tests: make one
 // before the code under test starts threads that touch files, and let it end after they stopped.
@@ -58,8 +60,17 @@ class Env {
   virtual int Allocate(int fd, int mode, off_t offset, off_t length) = 0;  // fallocate
   virtual ssize_t Write(int fd, const void* data, std::size_t size) = 0;   // write
   virtual ssize_t Read(int fd, void* data, std::size_t size) = 0;          // read
-  virtual int StatFs(const char* path, struct statvfs* st) = 0;            // statvfs
-  virtual int Close(int fd) = 0;                                           // close
+  virtual ssize_t PWrite(int fd, const void* data, std::size_t size, off_t offset) = 0;  // pwrite
+  virtual ssize_t PRead(int fd, void* data, std::size_t size, off_t offset) = 0;         // pread
+  virtual int Truncate(int fd, off_t length) = 0;       // ftruncate
+  virtual int Fcntl(int fd, int command, int arg) = 0;  // fcntl with an int argument (F_GETFL, ...)
+  virtual int Lock(int fd, int operation) = 0;          // flock
+  virtual int ChangeMode(int fd, mode_t mode) = 0;      // fchmod
+  // posix_fadvise: 0 or the error number (that call's contract: errno is not set).
+  virtual int Advise(int fd, off_t offset, off_t length, int advice) = 0;
+  virtual int SyncRange(int fd, off_t offset, off_t length, unsigned flags) = 0;  // sync_file_range
+  virtual int StatFs(const char* path, struct statvfs* st) = 0;                   // statvfs
+  virtual int Close(int fd) = 0;                                                  // close
   // The names in the directory `dir_fd` (through a descriptor of its own: dir_fd's position
   // stays),
   // without "." and "..", at most `max_names` + 1 of them (one more than allowed tells the
@@ -70,7 +81,8 @@ class Env {
 // `base`'s calls, each first counted by `injector` (FaultInjector::ApplyFs), which may fail it
 // instead: the call is then not made, and -1 is returned with the injected errno (a close is made
 // all the same, as Linux releases a descriptor even when close fails). An injected short write
-// writes half of the bytes (at least one).
+// or pwrite writes half of the bytes (at least one). An injected posix_fadvise failure returns its
+// errno, as that call does.
 class FaultInjectingEnv final : public Env {
  public:
   FaultInjectingEnv(Env& base, std::shared_ptr<FaultInjector> injector);
@@ -84,6 +96,14 @@ class FaultInjectingEnv final : public Env {
   int Allocate(int fd, int mode, off_t offset, off_t length) override;
   ssize_t Write(int fd, const void* data, std::size_t size) override;
   ssize_t Read(int fd, void* data, std::size_t size) override;
+  ssize_t PWrite(int fd, const void* data, std::size_t size, off_t offset) override;
+  ssize_t PRead(int fd, void* data, std::size_t size, off_t offset) override;
+  int Truncate(int fd, off_t length) override;
+  int Fcntl(int fd, int command, int arg) override;
+  int Lock(int fd, int operation) override;
+  int ChangeMode(int fd, mode_t mode) override;
+  int Advise(int fd, off_t offset, off_t length, int advice) override;
+  int SyncRange(int fd, off_t offset, off_t length, unsigned flags) override;
   int StatFs(const char* path, struct statvfs* st) override;
   int Close(int fd) override;
   int ReadDir(int dir_fd, std::size_t max_names, std::vector<std::string>* names) override;

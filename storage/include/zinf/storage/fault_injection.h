@@ -15,15 +15,17 @@
 //   rule   := OP ':' N ['+'] ':' KIND
 //   OP     := read | write | any                      the engines' block transfers
 //           | open | stat | mkdir | rename | unlink | fsync | fallocate | fwrite | fread
-//           | statfs | readdir | close                the file-system calls of Env (env.h)
+//           | pwrite | pread | ftruncate | fcntl | flock | fchmod | fadvise
+//           | sync_file_range | statfs | readdir | close
+//                                                     the file-system calls of Env (env.h)
 //   N      := 1, 2, ...: the Nth block completion of OP in this process (every completion counts,
 //             resubmissions and retries included; "any" counts reads and writes together), or
 //             the Nth call of an Env OP (Env::Default()'s, or a FaultInjectingEnv's).
 //             With '+', the Nth and every later one ("write:1+:enospc": every write fails).
 //   KIND   := eio | enospc | eagain | eintr | short
 //             short: the transfer reports half of what it moved, rounded down to the file's
-//             alignment (a no-op when that is 0, e.g. a one-sector O_DIRECT block); for Env
-//             ops only fwrite takes it (it writes half of the bytes).
+//             alignment (a no-op when that is 0, e.g. a one-sector O_DIRECT block); of the Env
+//             ops only fwrite and pwrite take it (they write half of the bytes).
 //   rank=R := apply the spec only on world rank R (zinf::ProcessRank()); default: every rank.
 //
 // E.g. "rename:1:eio" fails the first rename of the process: a checkpoint save's rename of its
@@ -64,6 +66,14 @@ enum class FsOp {
   kFallocate,
   kWrite,  // "fwrite"
   kRead,   // "fread"
+  kPWrite,
+  kPRead,
+  kTruncate,  // "ftruncate"
+  kFcntl,
+  kFlock,
+  kChmod,      // "fchmod"
+  kFadvise,    // "fadvise"
+  kSyncRange,  // "sync_file_range"
   kStatFs,
   kReadDir,
   kClose,

@@ -191,6 +191,10 @@ class AtomicFile {
   bool done_ = true;  // committed or abandoned (nothing to remove)
 };
 
+// Clears O_NONBLOCK of `fd` (files are opened with it so that a FIFO cannot block the open).
+// Errors: errno errors naming `display`.
+Status ClearNonBlock(int fd, const std::string& display);
+
 // Creates the directory `path` and any missing parents (mkdir -p, with `mode`); an existing
 // directory is fine, a component that is something else is FailedPrecondition "not a directory".
 // Components are followed when they are links (the path is the user's). Errors: errno errors

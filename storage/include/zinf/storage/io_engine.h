@@ -56,14 +56,14 @@ std::string_view IoOpName(IoOp op);  // "read" / "write"
 
 struct IoRequest {
   IoOp op = IoOp::kRead;
-  const File* file = nullptr;          // must outlive the request
-  std::uint64_t offset_bytes = 0;      // file offset
-  std::span<std::byte> buffer;         // read into / write from; see alignment rules above
+  const File* file = nullptr;      // must outlive the request
+  std::uint64_t offset_bytes = 0;  // file offset
+  std::span<std::byte> buffer;     // read into / write from; see alignment rules above
 };
 
 struct IoCompletion {
-  std::uint64_t id = 0;       // the id Submit returned
-  std::uint64_t bytes = 0;    // bytes transferred (== buffer size on success)
+  std::uint64_t id = 0;     // the id Submit returned
+  std::uint64_t bytes = 0;  // bytes transferred (== buffer size on success)
 };
 
 enum class EngineKind { kAuto, kUring, kPosix };
