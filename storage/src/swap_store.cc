@@ -437,78 +437,17 @@ Status SwapStore::OpenJobDirectory(PathState& ps) {
 }
 
 Status SwapStore::OpenImpl() {
-  const std::string job_name = JobDirName(options_);
-  const std::string rank_name = RankDirName(options_);
   paths_.resize(options_.paths.size());
   std::set<std::pair<dev_t, ino_t>> inodes;
   // Pass 1: the configured paths and the job directories (shared with the node's other ranks).
   for (std::size_t i = 0; i < paths_.size(); ++i) {
-    PathState& ps = paths_[i];
-    ps.path = options_.paths[i];
-    ps.job_dir = JoinPath(ps.path, job_name);
-    ps.rank_dir = ps.job_dir + "/" + rank_name;
-    ZINF_ASSIGN_OR_RETURN(ps.path_fd, OpenDirNoFollow(AT_FDCWD, ps.path, ps.path));
-    struct stat st {};
-    if (Env::Default().StatAt(ps.path_fd.get(), "", &st, AT_EMPTY_PATH) != 0) {
-      return ErrnoError(errno, fmt::format("swap store: fstat {}", ps.path));
-    }
-    if (!inodes.insert({st.st_dev, st.st_ino}).second) {
-      return InvalidArgumentError(fmt::format(
-          "swap store: path {} is the same directory as another configured path", ps.path));
-    }
-    ZINF_RETURN_IF_ERROR(OpenJobDirectory(ps));
-    ZINF_RETURN_IF_ERROR(SetMode(ps.job_fd.get(), 0700, ps.job_dir));
+    ZINF_RETURN_IF_ERROR(OpenPath(paths_[i], options_.paths[i], &inodes));
   }
   // Pass 2: does this rank's store exist already (on which paths)?
   std::size_t present = 0;
   for (PathState& ps : paths_) {
-    struct stat st {};
-    if (Env::Default().StatAt(ps.job_fd.get(), rank_name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
-      if (errno == ENOENT) continue;
-      return ErrnoError(errno, fmt::format("swap store: stat {}", ps.rank_dir));
-    }
-    ZINF_ASSIGN_OR_RETURN(ps.rank_fd, OpenDirNoFollow(ps.job_fd.get(), rank_name, ps.rank_dir));
-    ZINF_RETURN_IF_ERROR(CheckOwner(ps.rank_fd.get(), ps.rank_dir));
-    ZINF_ASSIGN_OR_RETURN(const bool locked, TryLockRankDir(ps.rank_fd.get(), ps.rank_dir));
-    if (!locked) {
-      ps.rank_fd.Reset();  // not ours: never touched by the cleanup of this failed open
-      return AlreadyExistsError(fmt::format(
-          "swap store {} is in use by another running instance of job '{}' (rank {}); give this "
-          "run another job_id or nvme_path",
-          ps.rank_dir, options_.job_id, options_.world_rank));
-    }
-    ZINF_ASSIGN_OR_RETURN(const bool linked,
-                          StillLinked(ps.job_fd.get(), rank_name, ps.rank_fd.get(), ps.rank_dir));
-    if (!linked) {
-      ps.rank_fd.Reset();
-      return UnavailableError(fmt::format(
-          "swap store {} was removed while this instance opened it (a cleanup of stale stores); "
-          "try again",
-          ps.rank_dir));
-    }
-    if (!options_.resume && options_.reclaim_stale) {
-      // Nobody holds the lock: a killed instance left this store behind. Its data is scratch.
-      struct stat kept {};
-      const bool was_kept =
-          Env::Default().StatAt(ps.rank_fd.get(), kKeptName, &kept, AT_SYMLINK_NOFOLLOW) == 0;
-      ZINF_LOG_WARN(
-          "swap store {}: removing the store a killed instance of job '{}' left "
-          "behind{}",
-          ps.rank_dir, options_.job_id,
-          was_kept ? " (it was kept with keep_swap; this run does not keep it)" : "");
-      for (const char* name : kStoreFileNames) {
-        ZINF_RETURN_IF_ERROR(UnlinkIfPresent(ps.rank_fd.get(), name, 0, ps.rank_dir + "/" + name));
-      }
-      ps.created_rank_dir = true;  // ours now: removed at Close like a new one
-      continue;
-    }
-    ++present;
-    if (!options_.resume) {
-      return AlreadyExistsError(fmt::format(
-          "swap store {} exists; a killed instance of job '{}' (rank {}) or one with keep_swap "
-          "left it behind: set resume to reuse it, or remove it",
-          ps.rank_dir, options_.job_id, options_.world_rank));
-    }
+    ZINF_ASSIGN_OR_RETURN(const bool exists, OpenExistingRankDirectory(ps));
+    if (exists) ++present;
   }
   if (present != 0 && present != paths_.size()) {
     return FailedPreconditionError(fmt::format(
@@ -522,46 +461,9 @@ Status SwapStore::OpenImpl() {
   resumed_ = present != 0;
   // Pass 3: create the rank directories of a new store, then open (or create) the data files.
   for (PathState& ps : paths_) {
-    if (!resumed_ && !ps.rank_fd) {
-      if (Env::Default().MkdirAt(ps.job_fd.get(), rank_name.c_str(), 0700) != 0) {
-        if (errno == EEXIST) {
-          return AlreadyExistsError(
-              fmt::format("swap store {} was created concurrently by another instance of job '{}'",
-                          ps.rank_dir, options_.job_id));
-        }
-        return ErrnoError(errno, fmt::format("swap store: mkdir {}", ps.rank_dir));
-      }
-      ps.created_rank_dir = true;
-      ZINF_ASSIGN_OR_RETURN(ps.rank_fd, OpenDirNoFollow(ps.job_fd.get(), rank_name, ps.rank_dir));
-      ZINF_ASSIGN_OR_RETURN(const bool locked, TryLockRankDir(ps.rank_fd.get(), ps.rank_dir));
-      ZINF_ASSIGN_OR_RETURN(const bool linked,
-                            StillLinked(ps.job_fd.get(), rank_name, ps.rank_fd.get(), ps.rank_dir));
-      if (!locked || !linked) {
-        ps.rank_fd.Reset();
-        ps.created_rank_dir = false;
-        return AlreadyExistsError(fmt::format(
-            "swap store {} was created or removed concurrently by another instance of job '{}'",
-            ps.rank_dir, options_.job_id));
-      }
-    }
+    if (!resumed_ && !ps.rank_fd) ZINF_RETURN_IF_ERROR(CreateRankDirectory(ps));
     ZINF_RETURN_IF_ERROR(SetMode(ps.rank_fd.get(), 0700, ps.rank_dir));
-    OpenOptions open_options;
-    open_options.mode = resumed_ ? OpenMode::kReadWrite : OpenMode::kCreate;
-    open_options.direct = options_.direct;
-    open_options.no_follow = true;
-    open_options.permissions = 0600;
-    const std::string file_path = ps.rank_dir + "/" + kDataFileName;
-    ZINF_ASSIGN_OR_RETURN(ps.file, Annotate(File::Open(file_path, open_options), "swap store: "));
-    struct stat st {};
-    if (Env::Default().StatAt(ps.file.fd(), "", &st, AT_EMPTY_PATH) != 0) {
-      return ErrnoError(errno, fmt::format("swap store: fstat {}", file_path));
-    }
-    if (!S_ISREG(st.st_mode)) {
-      return FailedPreconditionError(
-          fmt::format("swap store: {} is not a regular file", file_path));
-    }
-    ZINF_RETURN_IF_ERROR(CheckOwner(ps.file.fd(), file_path));
-    ZINF_RETURN_IF_ERROR(SetMode(ps.file.fd(), 0600, file_path));
+    ZINF_RETURN_IF_ERROR(OpenDataFile(ps));
     alignment_ =
         std::max<std::uint64_t>(alignment_, std::max<std::uint64_t>(1, ps.file.alignment()));
   }
@@ -576,6 +478,119 @@ Status SwapStore::OpenImpl() {
   options_.path_weights = stripe_map_.weights();
   options_.probe_path_weights = false;
   return resumed_ ? OkStatus() : WriteManifest();
+}
+
+Status SwapStore::OpenPath(PathState& ps, const std::string& path,
+                           std::set<std::pair<dev_t, ino_t>>* inodes) {
+  ps.path = path;
+  ps.job_dir = JoinPath(ps.path, JobDirName(options_));
+  ps.rank_dir = ps.job_dir + "/" + RankDirName(options_);
+  ZINF_ASSIGN_OR_RETURN(ps.path_fd, OpenDirNoFollow(AT_FDCWD, ps.path, ps.path));
+  struct stat st {};
+  if (Env::Default().StatAt(ps.path_fd.get(), "", &st, AT_EMPTY_PATH) != 0) {
+    return ErrnoError(errno, fmt::format("swap store: fstat {}", ps.path));
+  }
+  if (!inodes->insert({st.st_dev, st.st_ino}).second) {
+    return InvalidArgumentError(fmt::format(
+        "swap store: path {} is the same directory as another configured path", ps.path));
+  }
+  ZINF_RETURN_IF_ERROR(OpenJobDirectory(ps));
+  return SetMode(ps.job_fd.get(), 0700, ps.job_dir);
+}
+
+Result<bool> SwapStore::OpenExistingRankDirectory(PathState& ps) {
+  const std::string rank_name = RankDirName(options_);
+  struct stat st {};
+  if (Env::Default().StatAt(ps.job_fd.get(), rank_name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (errno == ENOENT) return false;
+    return ErrnoError(errno, fmt::format("swap store: stat {}", ps.rank_dir));
+  }
+  ZINF_ASSIGN_OR_RETURN(ps.rank_fd, OpenDirNoFollow(ps.job_fd.get(), rank_name, ps.rank_dir));
+  ZINF_RETURN_IF_ERROR(CheckOwner(ps.rank_fd.get(), ps.rank_dir));
+  ZINF_ASSIGN_OR_RETURN(const bool locked, TryLockRankDir(ps.rank_fd.get(), ps.rank_dir));
+  if (!locked) {
+    ps.rank_fd.Reset();  // not ours: never touched by the cleanup of this failed open
+    return AlreadyExistsError(fmt::format(
+        "swap store {} is in use by another running instance of job '{}' (rank {}); give this "
+        "run another job_id or nvme_path",
+        ps.rank_dir, options_.job_id, options_.world_rank));
+  }
+  ZINF_ASSIGN_OR_RETURN(const bool linked,
+                        StillLinked(ps.job_fd.get(), rank_name, ps.rank_fd.get(), ps.rank_dir));
+  if (!linked) {
+    ps.rank_fd.Reset();
+    return UnavailableError(fmt::format(
+        "swap store {} was removed while this instance opened it (a cleanup of stale stores); "
+        "try again",
+        ps.rank_dir));
+  }
+  if (!options_.resume && options_.reclaim_stale) {
+    // Nobody holds the lock: a killed instance left this store behind. Its data is scratch.
+    struct stat kept {};
+    const bool was_kept =
+        Env::Default().StatAt(ps.rank_fd.get(), kKeptName, &kept, AT_SYMLINK_NOFOLLOW) == 0;
+    ZINF_LOG_WARN(
+        "swap store {}: removing the store a killed instance of job '{}' left "
+        "behind{}",
+        ps.rank_dir, options_.job_id,
+        was_kept ? " (it was kept with keep_swap; this run does not keep it)" : "");
+    for (const char* name : kStoreFileNames) {
+      ZINF_RETURN_IF_ERROR(UnlinkIfPresent(ps.rank_fd.get(), name, 0, ps.rank_dir + "/" + name));
+    }
+    ps.created_rank_dir = true;  // ours now: removed at Close like a new one
+    return false;
+  }
+  if (!options_.resume) {
+    return AlreadyExistsError(fmt::format(
+        "swap store {} exists; a killed instance of job '{}' (rank {}) or one with keep_swap "
+        "left it behind: set resume to reuse it, or remove it",
+        ps.rank_dir, options_.job_id, options_.world_rank));
+  }
+  return true;
+}
+
+Status SwapStore::CreateRankDirectory(PathState& ps) {
+  const std::string rank_name = RankDirName(options_);
+  if (Env::Default().MkdirAt(ps.job_fd.get(), rank_name.c_str(), 0700) != 0) {
+    if (errno == EEXIST) {
+      return AlreadyExistsError(
+          fmt::format("swap store {} was created concurrently by another instance of job '{}'",
+                      ps.rank_dir, options_.job_id));
+    }
+    return ErrnoError(errno, fmt::format("swap store: mkdir {}", ps.rank_dir));
+  }
+  ps.created_rank_dir = true;
+  ZINF_ASSIGN_OR_RETURN(ps.rank_fd, OpenDirNoFollow(ps.job_fd.get(), rank_name, ps.rank_dir));
+  ZINF_ASSIGN_OR_RETURN(const bool locked, TryLockRankDir(ps.rank_fd.get(), ps.rank_dir));
+  ZINF_ASSIGN_OR_RETURN(const bool linked,
+                        StillLinked(ps.job_fd.get(), rank_name, ps.rank_fd.get(), ps.rank_dir));
+  if (!locked || !linked) {
+    ps.rank_fd.Reset();
+    ps.created_rank_dir = false;
+    return AlreadyExistsError(fmt::format(
+        "swap store {} was created or removed concurrently by another instance of job '{}'",
+        ps.rank_dir, options_.job_id));
+  }
+  return OkStatus();
+}
+
+Status SwapStore::OpenDataFile(PathState& ps) {
+  OpenOptions open_options;
+  open_options.mode = resumed_ ? OpenMode::kReadWrite : OpenMode::kCreate;
+  open_options.direct = options_.direct;
+  open_options.no_follow = true;
+  open_options.permissions = 0600;
+  const std::string file_path = ps.rank_dir + "/" + kDataFileName;
+  ZINF_ASSIGN_OR_RETURN(ps.file, Annotate(File::Open(file_path, open_options), "swap store: "));
+  struct stat st {};
+  if (Env::Default().StatAt(ps.file.fd(), "", &st, AT_EMPTY_PATH) != 0) {
+    return ErrnoError(errno, fmt::format("swap store: fstat {}", file_path));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return FailedPreconditionError(fmt::format("swap store: {} is not a regular file", file_path));
+  }
+  ZINF_RETURN_IF_ERROR(CheckOwner(ps.file.fd(), file_path));
+  return SetMode(ps.file.fd(), 0600, file_path);
 }
 
 Status SwapStore::ChooseWeights() {

@@ -85,15 +85,19 @@
 // its File objects: every request must have been waited for before Close() or destruction.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "zinf/core/status.h"
@@ -332,9 +336,23 @@ class SwapStore {
 
   explicit SwapStore(const SwapStoreOptions& options);
 
+  // Open's work in three passes over the paths (job directories, existing rank directories,
+  // new rank directories and the data files); the partial state is cleaned up by Open.
   Status OpenImpl();
-  // Pass 1 of OpenImpl for path `ps`: creates or opens its job directory and takes LOCK_SH.
+  // Pass 1 for the configured `path`: fills `ps`, refuses a directory already in `inodes`, and
+  // opens its job directory.
+  Status OpenPath(PathState& ps, const std::string& path,
+                  std::set<std::pair<dev_t, ino_t>>* inodes);
+  // Creates or opens the job directory of `ps` and takes LOCK_SH.
   Status OpenJobDirectory(PathState& ps);
+  // Pass 2: true when this rank's store exists at `ps` and is ours to resume (locked); a killed
+  // instance's store is emptied when reclaim_stale is set and resume is not (false); errors
+  // for a store in use or one that exists without resume.
+  Result<bool> OpenExistingRankDirectory(PathState& ps);
+  // Pass 3 of a new store: makes and locks the rank directory.
+  Status CreateRankDirectory(PathState& ps);
+  // Opens (resumed) or creates the data file of `ps` and checks its type, owner and mode.
+  Status OpenDataFile(PathState& ps);
   // Writes (keep) or removes (otherwise) the `kept` marker in every rank directory.
   Status MarkKept();
   // The weights of a new store: probed (probe_path_weights), given, or equal.

@@ -36,6 +36,7 @@ class PipelinedOptimizerSwapper final : public OptimizerSwapper {
               const StepOptions& options = {}) override;
 
  private:
+  class Pipeline;  // one step's rotation of the sets (pipelined_optimizer_swapper.cc)
   friend Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
       const comm::Communicator& comm, const partition::PartitionPlan& plan,
       const SwapperOptions& options);
