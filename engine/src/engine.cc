@@ -42,6 +42,7 @@
 #include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/checksum.h"
 #include "zinf/storage/fs.h"
+#include "zinf/storage/swap_store.h"
 #include "zinf/swapper/gradient_swapper.h"
 #include "zinf/swapper/optimizer_swapper.h"
 
@@ -168,8 +169,100 @@ enum class Holding : std::uint8_t {
   kPartitioned  // this rank's shard only; whole while gathered
 };
 
+// The engine's state and the parts of its calls (engine.h keeps only the interface). Each
+// public call of ZeroEngine forwards to the one of the same name here (at the end of the file).
+class ZeroEngine::Impl {
+ public:
+  struct State;
+  Impl(ZeroEngine* self, const comm::Communicator& world, const Config& config,
+       const EngineOptions& options);
+  ~Impl();
+
+  // ZeroEngine's calls (engine.h).
+  Status AccumulateGradients();
+  Status GradientReady(std::size_t index);
+  Status GradientReady(std::size_t index, std::span<const float> grad);
+  Result<Gathered> Gather(std::span<const std::string> names);
+  Result<Gathered> GatherByIndex(std::span<const std::size_t> params);
+  Result<StepInfo> Step(std::optional<double> loss);
+  Result<SavedCheckpointInfo> SaveCheckpoint(const nlohmann::json& user_state,
+                                             const std::string& dir);
+  Status Load(const std::string& path);
+  Status LogSummary();
+  Status Close();
+  void Detach(std::string_view reason);
+  Status AgreeOnCall(std::string_view call, const Status& local);
+  double next_lr() const;
+  HyperParams next_hyper_params(std::size_t g) const;
+  Status SetHyperParams(std::span<const HyperParams> groups);
+  double loss_scale() const;
+  const partition::ParamLayout& layout() const;
+
+  // The parts of Create, Step and the rest; each collective unless said otherwise.
+  Status Build(std::vector<Param> params);
+  Status CheckHostMemory(std::uint64_t round) const;  // local
+  Status InitializeOrRestore();
+  Status Initialize();
+  Status Restore(const std::string& path, bool verify_before_write);
+  Status ReadPartition();  // local
+  Status ReadBackWeights();
+  // The updated partitions into the parameters kept whole (the loop's weights, persistent ones).
+  Status GatherWholeWeights();
+  // Gather's parts (engine.h, "Stage 3").
+  Status GatherParams(std::span<const std::size_t> asked);
+  void ReleaseParams(std::span<const std::size_t> params);    // local
+  Status ReadShard(std::size_t param, std::span<float> out);  // local
+  Status CreateBuckets();                                     // local
+  Status HandGradient(int micro_batch);
+  Result<double> PartitionGradSquaredSum();
+  // Step's phases (see Step), and what they hand each other.
+  struct StepPlan {
+    double squared_sum = 0;  // the reduced gradient's, all ranks (not finite: an overflow)
+    double average = 1;      // 1 / (gradient_accumulation_steps x ranks)
+    double loss_scale = 1;   // fp16: divided out of the gradient
+    double clip = 1;         // gradient_clipping's factor
+    bool skip = false;       // an fp16 overflow: nothing is stepped
+  };
+  Status ReduceGradients(std::int64_t step);
+  Result<StepPlan> MeasureGradient(std::optional<double> loss, StepInfo* info);
+  Status Decide(bool have_loss, StepPlan* plan, StepInfo* info);  // local
+  Result<double> Optimize(const StepPlan& plan, StepInfo* info);
+  Result<StepInfo> FinishStep(StepInfo info, bool skipped,
+                              const storage::SwapStore::IoCounters& io_start,
+                              const storage::SwapStore::IoCounters& io_optimizer_start,
+                              const storage::SwapStore::IoCounters& io_optimizer_end,
+                              double optimizer_seconds);
+  Status Report(const StepInfo& info);
+  // Parameter groups: Step's agreement on their values, the checkpoint's record
+  // of them, and a restore's check of it (local).
+  Status AgreeOnGroups(std::int64_t step);
+  nlohmann::json GroupsJson() const;
+  Status CheckGroups(const TrainerState& saved, const checkpoint::CheckpointInfo& info) const;
+  Status LogPerNode();
+  // The engine's private communicator once built (the caller's `world` before).
+  const comm::Communicator& comm() const;
+  // Local: the destructor's close; tells the other ranks `reason` unless it is empty.
+  void CloseLocally(std::string_view reason);
+
+  ZeroEngine* const self_;  // the interface, for the Gathered scopes
+  const comm::Communicator& world_;
+  Config config_;
+  EngineOptions options_;
+  std::unique_ptr<State> state_;
+  // Each parameter group's hyper-parameters: under a config scheduler the base it schedules
+  // from, otherwise what the next Step uses (EngineOptions::param_groups, SetHyperParams, a
+  // restored checkpoint's).
+  std::vector<HyperParams> groups_;
+  std::int64_t step_ = 0;
+  std::int64_t skipped_steps_ = 0;
+  std::string resumed_from_;
+  nlohmann::json user_state_;
+  int resumed_world_size_ = 0;
+  bool closed_ = false;
+};
+
 // Everything the engine builds in Create.
-struct ZeroEngine::State {
+struct ZeroEngine::Impl::State {
   std::vector<Param> params;
   // Stage 3 (engine.h, "Stage 3"), per parameter: how it is held; the engine's whole weights
   // (kPersistent: always; kPartitioned: while gathered, world x shard elements with the
@@ -434,11 +527,21 @@ struct ZeroEngine::State {
 
 ZeroEngine::ZeroEngine(const comm::Communicator& world, const Config& config,
                        const EngineOptions& options)
-    : world_(world), config_(config), options_(options), state_(std::make_unique<State>()) {
+    : impl_(std::make_unique<Impl>(this, world, config, options)) {}
+
+ZeroEngine::~ZeroEngine() = default;
+
+ZeroEngine::Impl::Impl(ZeroEngine* self, const comm::Communicator& world, const Config& config,
+                       const EngineOptions& options)
+    : self_(self),
+      world_(world),
+      config_(config),
+      options_(options),
+      state_(std::make_unique<State>()) {
   state_->scaler.emplace(config.fp16);
 }
 
-ZeroEngine::~ZeroEngine() {
+ZeroEngine::Impl::~Impl() {
   if (closed_) return;
   // Local: a garbage collector runs a destructor at different times on different ranks, so it
   // never waits for them. They are told, so that none waits for this rank in a collective.
@@ -450,9 +553,11 @@ ZeroEngine::~ZeroEngine() {
   CloseLocally("its engine was destroyed without Close()");
 }
 
-const comm::Communicator& ZeroEngine::comm() const { return state_->comm ? *state_->comm : world_; }
+const comm::Communicator& ZeroEngine::Impl::comm() const {
+  return state_->comm ? *state_->comm : world_;
+}
 
-void ZeroEngine::CloseLocally(std::string_view reason) {
+void ZeroEngine::Impl::CloseLocally(std::string_view reason) {
   closed_ = true;
   State& s = *state_;
   s.buckets.reset();  // joins its worker before the swapper goes
@@ -466,28 +571,28 @@ void ZeroEngine::CloseLocally(std::string_view reason) {
   s.stop_signals.reset();
 }
 
-void ZeroEngine::Detach(std::string_view reason) {
+void ZeroEngine::Impl::Detach(std::string_view reason) {
   if (!closed_ && state_->comm) {
     state_->comm->Leave(fmt::format("rank {}: {}", world_.rank(), reason), "Close");
   }
 }
 
-Status ZeroEngine::AgreeOnCall(std::string_view call, const Status& local) {
+Status ZeroEngine::Impl::AgreeOnCall(std::string_view call, const Status& local) {
   if (closed_) return FailedPreconditionError(fmt::format("engine: {} after Close", call));
   if (state_->buckets) state_->buckets->WaitIdle();
   return comm().AgreeOnCall(call, local);
 }
 
-const partition::ParamLayout& ZeroEngine::layout() const { return state_->plan->layout(); }
+const partition::ParamLayout& ZeroEngine::Impl::layout() const { return state_->plan->layout(); }
 
-double ZeroEngine::next_lr() const { return next_hyper_params(0).lr; }
+double ZeroEngine::Impl::next_lr() const { return next_hyper_params(0).lr; }
 
-HyperParams ZeroEngine::next_hyper_params(std::size_t g) const {
+HyperParams ZeroEngine::Impl::next_hyper_params(std::size_t g) const {
   ZINF_CHECK(g < groups_.size(), "parameter group {} of {}", g, groups_.size());
   return Scheduled(config_.scheduler, groups_[g], step_ - skipped_steps_ - 1);
 }
 
-Status ZeroEngine::SetHyperParams(std::span<const HyperParams> groups) {
+Status ZeroEngine::Impl::SetHyperParams(std::span<const HyperParams> groups) {
   if (closed_) return FailedPreconditionError("engine: SetHyperParams after Close");
   if (config_.scheduler.type != SchedulerType::kNone) {
     return FailedPreconditionError(
@@ -509,7 +614,7 @@ Status ZeroEngine::SetHyperParams(std::span<const HyperParams> groups) {
 
 // Step's agreement on the groups' values: a rank whose loop set others must not diverge
 // silently. One allreduce of the values and their negations (max and -min).
-Status ZeroEngine::AgreeOnGroups(std::int64_t step) {
+Status ZeroEngine::Impl::AgreeOnGroups(std::int64_t step) {
   constexpr std::array<const char*, 5> kNames = {"lr", "beta1", "beta2", "eps", "weight_decay"};
   const std::size_t n = groups_.size() * kNames.size();
   std::vector<double> values(2 * n);
@@ -534,7 +639,7 @@ Status ZeroEngine::AgreeOnGroups(std::int64_t step) {
 }
 
 // The checkpoint's "param_groups" (trainer_state.h): each group's values and parameters.
-nlohmann::json ZeroEngine::GroupsJson() const {
+nlohmann::json ZeroEngine::Impl::GroupsJson() const {
   Json groups = Json::array();
   for (const HyperParams& h : groups_) {
     groups.push_back({{"lr", h.lr},
@@ -548,8 +653,8 @@ nlohmann::json ZeroEngine::GroupsJson() const {
 }
 
 // A restore's check of the checkpoint's groups against this engine's, by parameter name.
-Status ZeroEngine::CheckGroups(const TrainerState& saved,
-                               const checkpoint::CheckpointInfo& info) const {
+Status ZeroEngine::Impl::CheckGroups(const TrainerState& saved,
+                                     const checkpoint::CheckpointInfo& info) const {
   const std::size_t count = saved.param_groups.empty() ? 1 : saved.param_groups.size();
   for (const Param& p : state_->params) {
     const std::optional<std::size_t> at = info.layout->FindParam(p.name);
@@ -571,7 +676,7 @@ Status ZeroEngine::CheckGroups(const TrainerState& saved,
   return OkStatus();
 }
 
-double ZeroEngine::loss_scale() const { return state_->scaler->scale(); }
+double ZeroEngine::Impl::loss_scale() const { return state_->scaler->scale(); }
 
 namespace {
 
@@ -690,21 +795,22 @@ Result<std::unique_ptr<ZeroEngine>> ZeroEngine::Create(const comm::Communicator&
                                                        std::vector<Param> params,
                                                        const EngineOptions& options) {
   std::unique_ptr<ZeroEngine> engine(new ZeroEngine(world, config, options));
-  Status created = engine->Build(std::move(params));
-  if (created) created = engine->InitializeOrRestore();
+  Impl& impl = *engine->impl_;
+  Status created = impl.Build(std::move(params));
+  if (created) created = impl.InitializeOrRestore();
   if (!created) {
-    engine->CloseLocally({});  // agreed: every rank drops its engine here, nobody to tell
+    impl.CloseLocally({});  // agreed: every rank drops its engine here, nobody to tell
     return std::move(created).error();
   }
-  State& s = *engine->state_;
+  Impl::State& s = *impl.state_;
   s.last_step_end = MonotonicSeconds();
   s.loop_start = s.last_step_end;
   s.io_mark = s.swapper->io_counters();
-  s.first_step = engine->step_ + 1;
+  s.first_step = impl.step_ + 1;
   return engine;
 }
 
-Status ZeroEngine::Build(std::vector<Param> params) {
+Status ZeroEngine::Impl::Build(std::vector<Param> params) {
   State& s = *state_;
   if (config_.zero_optimization.offload_optimizer.device == OffloadDevice::kNone) {
     return comm().AgreeOnStatus(InvalidArgumentError(
@@ -823,7 +929,7 @@ Status ZeroEngine::Build(std::vector<Param> params) {
 
 // The engine's own buffers against the machine's RAM + swap shared by this node's ranks: what
 // cannot fit is ResourceExhausted before it is allocated, not a std::bad_alloc half-way.
-Status ZeroEngine::CheckHostMemory(std::uint64_t round) const {
+Status ZeroEngine::Impl::CheckHostMemory(std::uint64_t round) const {
   const State& s = *state_;
   // The loop's weights and gradients, the engine's whole and sharded weights, the partition's
   // gradient and the all-gather buffers (the stage-3 gathers come on top, bounded by
@@ -845,7 +951,7 @@ Status ZeroEngine::CheckHostMemory(std::uint64_t round) const {
           : "run on more nodes or fewer ranks per node");
 }
 
-Status ZeroEngine::InitializeOrRestore() {
+Status ZeroEngine::Impl::InitializeOrRestore() {
   State& s = *state_;
   const CheckpointConfig& ckpt = config_.zinf.checkpoint;
   const std::string load = options_.load.value_or(ckpt.load);
@@ -892,7 +998,7 @@ Status ZeroEngine::InitializeOrRestore() {
   return comm().AgreeOnStatus(opened);
 }
 
-Status ZeroEngine::Initialize() {
+Status ZeroEngine::Impl::Initialize() {
   State& s = *state_;
   const double start = MonotonicSeconds();
   // Parameters without weights get their first values from Param::init, or from a checkpoint.
@@ -927,7 +1033,7 @@ Status ZeroEngine::Initialize() {
   return OkStatus();
 }
 
-Status ZeroEngine::Restore(const std::string& path, bool verify_before_write) {
+Status ZeroEngine::Impl::Restore(const std::string& path, bool verify_before_write) {
   State& s = *state_;
   // The trainer state is checked on every rank once the file's structure has been, before any
   // state is read: what zinf-ckpt verify checks (ReadTrainerState), then this run's fp16
@@ -971,7 +1077,7 @@ Status ZeroEngine::Restore(const std::string& path, bool verify_before_write) {
 
 // After Initialize or Restore: the committed weights into the parameters, this rank's part
 // (ReadPartition, agreed) and then every rank's (GatherWholeWeights).
-Status ZeroEngine::ReadBackWeights() {
+Status ZeroEngine::Impl::ReadBackWeights() {
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(
       Annotate(ReadPartition(), resumed_from_.empty() ? "reading the initial weights back: "
                                                       : "reading the restored weights back: ")));
@@ -981,7 +1087,7 @@ Status ZeroEngine::ReadBackWeights() {
 // This rank's committed fp32 weights from the swap store into its part of the parameters'
 // weights, through the all-gather's send buffer or, when that is small, a 1 MiB one (so that a
 // tiny allgather_bucket_size does not mean one read per element).
-Status ZeroEngine::ReadPartition() {
+Status ZeroEngine::Impl::ReadPartition() {
   State& s = *state_;
   constexpr std::uint64_t kMinPieceNumel = std::uint64_t{1} << 18;
   std::vector<float> own;
@@ -1007,7 +1113,7 @@ Status ZeroEngine::ReadPartition() {
 // written there by the step's sink or ReadPartition) to every rank, in rounds of
 // gather_send.size() elements per rank over whole_ranges: the engine never holds a copy of the
 // model, and at stage 3 the partitioned parameters are not gathered here (Gather does).
-Status ZeroEngine::GatherWholeWeights() {
+Status ZeroEngine::Impl::GatherWholeWeights() {
   State& s = *state_;
   comm::ScopedTimer timer(s.timers, "allgather");
   const std::uint64_t round = s.gather_send.size();
@@ -1049,7 +1155,7 @@ Status ZeroEngine::GatherWholeWeights() {
 }
 
 // The buckets the gradients are reduced in (gradient_buckets.h). Local.
-Status ZeroEngine::CreateBuckets() {
+Status ZeroEngine::Impl::CreateBuckets() {
   State& s = *state_;
   GradientBuckets::Target target;
   target.gradients = s.swapper->gradient_swapper();
@@ -1086,21 +1192,21 @@ Status ZeroEngine::CreateBuckets() {
 }
 
 // Collective: reduces what the micro-batch has not reduced yet and ends it.
-Status ZeroEngine::HandGradient(int micro_batch) {
+Status ZeroEngine::Impl::HandGradient(int micro_batch) {
   return comm().AgreeOnStatus(state_->buckets->Finish(micro_batch));
 }
 
-Status ZeroEngine::GradientReady(std::size_t index) {
+Status ZeroEngine::Impl::GradientReady(std::size_t index) {
   if (closed_) return FailedPreconditionError("engine: GradientReady after Close");
   return state_->buckets->Ready(index, state_->micro_batches);
 }
 
-Status ZeroEngine::GradientReady(std::size_t index, std::span<const float> grad) {
+Status ZeroEngine::Impl::GradientReady(std::size_t index, std::span<const float> grad) {
   if (closed_) return FailedPreconditionError("engine: GradientReady after Close");
   return state_->buckets->Ready(index, state_->micro_batches, grad);
 }
 
-Status ZeroEngine::AccumulateGradients() {
+Status ZeroEngine::Impl::AccumulateGradients() {
   State& s = *state_;
   if (closed_) return FailedPreconditionError("engine: AccumulateGradients after Close");
   Status calls = OkStatus();
@@ -1122,15 +1228,11 @@ Status ZeroEngine::AccumulateGradients() {
 
 // ---- Stage 3: Gather (engine.h, "Stage 3") ----
 
-const GatherCounters& ZeroEngine::gather_counters() const { return state_->counters; }
-
-std::size_t ZeroEngine::num_partitioned_params() const { return state_->num_partitioned; }
-
 Result<Gathered> ZeroEngine::Gather(std::initializer_list<std::string_view> names) {
   return Gather(std::vector<std::string>(names.begin(), names.end()));
 }
 
-Result<Gathered> ZeroEngine::Gather(std::span<const std::string> names) {
+Result<Gathered> ZeroEngine::Impl::Gather(std::span<const std::string> names) {
   if (closed_) return FailedPreconditionError("engine: Gather after Close");
   std::vector<std::size_t> indices;
   indices.reserve(names.size());
@@ -1148,12 +1250,12 @@ Result<Gathered> ZeroEngine::Gather(std::span<const std::string> names) {
   return GatherByIndex(indices);
 }
 
-Result<Gathered> ZeroEngine::GatherByIndex(std::span<const std::size_t> params) {
+Result<Gathered> ZeroEngine::Impl::GatherByIndex(std::span<const std::size_t> params) {
   if (closed_) return FailedPreconditionError("engine: Gather after Close");
   ZINF_RETURN_IF_ERROR(GatherParams(params));
   State& s = *state_;
   Gathered gathered;
-  gathered.engine_ = this;
+  gathered.engine_ = self_;
   gathered.params_.assign(params.begin(), params.end());
   for (std::size_t p : params) {
     const std::uint64_t numel = s.plan->layout().param(p).numel;
@@ -1179,7 +1281,7 @@ std::uint64_t HashIndices(std::span<const std::size_t> asked, std::span<const st
 // Collective. Checks the asks, decides what to all-gather (the asks not gathered yet and what the
 // recorded order says comes next), agrees on it, reads the shards kept on disk, and all-gathers
 // each parameter into its whole buffer. On success every asked parameter is held once more.
-Status ZeroEngine::GatherParams(std::span<const std::size_t> asked) {
+Status ZeroEngine::Impl::GatherParams(std::span<const std::size_t> asked) {
   State& s = *state_;
   const ZeroConfig& zero = config_.zero_optimization;
   const partition::ParamLayout& layout = s.plan->layout();
@@ -1341,7 +1443,7 @@ Status ZeroEngine::GatherParams(std::span<const std::size_t> asked) {
 
 // ReadShardFrom in the caller's thread, through the engine's own staging buffer: in the middle of
 // a micro-batch the gradient swapper may hold every pool buffer. Local.
-Status ZeroEngine::ReadShard(std::size_t p, std::span<float> out) {
+Status ZeroEngine::Impl::ReadShard(std::size_t p, std::span<float> out) {
   State& s = *state_;
   if (s.shard_staging.empty()) {
     ZINF_ASSIGN_OR_RETURN(s.shard_staging, AllocateShardStaging(*s.swapper));
@@ -1352,7 +1454,7 @@ Status ZeroEngine::ReadShard(std::size_t p, std::span<float> out) {
 // Local: the scopes of `params` end; a parameter no scope holds stays gathered while the
 // recorded order uses it again within stage3_max_reuse_distance elements (and
 // stage3_max_live_parameters allows), else its whole weights go.
-void ZeroEngine::ReleaseParams(std::span<const std::size_t> params) {
+void ZeroEngine::Impl::ReleaseParams(std::span<const std::size_t> params) {
   if (closed_) return;
   State& s = *state_;
   const ZeroConfig& zero = config_.zero_optimization;
@@ -1397,14 +1499,14 @@ std::span<const float> Gathered::Find(std::string_view name) const {
 }
 
 void Gathered::Release() {
-  if (engine_ != nullptr) engine_->ReleaseParams(params_);
+  if (engine_ != nullptr) engine_->impl_->ReleaseParams(params_);
   engine_ = nullptr;
   params_.clear();
   weights_.clear();
 }
 
 // The squared L2 norm of this rank's reduced partition gradient.
-Result<double> ZeroEngine::PartitionGradSquaredSum() {
+Result<double> ZeroEngine::Impl::PartitionGradSquaredSum() {
   State& s = *state_;
   double sum = 0;
   // The Adam threads' SIMD sum: the same bits on every path and thread count (cpu_adam.h).
@@ -1434,7 +1536,7 @@ Result<double> ZeroEngine::PartitionGradSquaredSum() {
 // Step in its phases: reduce the gradient, measure it (norm, loss, stop flag), decide (skip an
 // fp16 overflow, refuse a zero or non-finite gradient, clip), optimize (the swapped Adam step at
 // the scheduled hyper-parameters), gather the new weights, then report (FinishStep).
-Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
+Result<StepInfo> ZeroEngine::Impl::Step(std::optional<double> loss) {
   State& s = *state_;
   if (closed_) return FailedPreconditionError("engine: Step after Close");
   StepInfo info;
@@ -1466,7 +1568,7 @@ Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) {
 // Reduce: the last micro-batch's gradient is reduced (the earlier ones were), after the ranks
 // agreed that they all make this call the same way: a rank whose loop made other calls must not
 // leave the rest in a collective it skips.
-Status ZeroEngine::ReduceGradients(std::int64_t step) {
+Status ZeroEngine::Impl::ReduceGradients(std::int64_t step) {
   State& s = *state_;
   const int gas = static_cast<int>(config_.gradient_accumulation_steps);
   Status calls = OkStatus();
@@ -1492,8 +1594,8 @@ Status ZeroEngine::ReduceGradients(std::int64_t step) {
 
 // Measure: the global norm of the averaged gradient, the loss and the stop flag, in one
 // allreduce. With fp16 the gradient is of the loss times the scale: the norm is divided by it.
-Result<ZeroEngine::StepPlan> ZeroEngine::MeasureGradient(std::optional<double> loss,
-                                                         StepInfo* info) {
+Result<ZeroEngine::Impl::StepPlan> ZeroEngine::Impl::MeasureGradient(std::optional<double> loss,
+                                                                     StepInfo* info) {
   State& s = *state_;
   const double scale = s.scaler->scale();
   const double average =
@@ -1514,7 +1616,7 @@ Result<ZeroEngine::StepPlan> ZeroEngine::MeasureGradient(std::optional<double> l
 // Inf or NaN anywhere, on any rank) skips the step; a gradient that is zero everywhere or not
 // finite, or a non-finite loss, fails it with nothing stepped; a norm above gradient_clipping
 // scales the gradient down.
-Status ZeroEngine::Decide(bool have_loss, StepPlan* plan, StepInfo* info) {
+Status ZeroEngine::Impl::Decide(bool have_loss, StepPlan* plan, StepInfo* info) {
   if (state_->scaler->enabled() && !std::isfinite(plan->squared_sum)) {
     plan->skip = true;
     info->lr = next_lr();  // what the step would have run at, and the next one will
@@ -1549,7 +1651,7 @@ Status ZeroEngine::Decide(bool have_loss, StepPlan* plan, StepInfo* info) {
 // own part of them), from where GatherWholeWeights gathers them. Skipped steps advance neither
 // Adam's step count nor the schedule (DeepSpeed): the k-th applied step runs at the scheduler's
 // last_batch_iteration k - 2 (lr_schedule.h). Returns the step's seconds.
-Result<double> ZeroEngine::Optimize(const StepPlan& plan, StepInfo* info) {
+Result<double> ZeroEngine::Impl::Optimize(const StepPlan& plan, StepInfo* info) {
   State& s = *state_;
   const std::int64_t applied = info->step - skipped_steps_;
   std::vector<HyperParams> hyper;
@@ -1601,11 +1703,10 @@ Result<double> ZeroEngine::Optimize(const StepPlan& plan, StepInfo* info) {
 // The end of Step, applied or skipped: the per-step figures (peak RSS and the slowest rank's
 // times; swap bytes as the store counted them, summed over the ranks, over the whole step and
 // within the optimizer step), the report, and the marks for the next step.
-Result<StepInfo> ZeroEngine::FinishStep(StepInfo info, bool skipped,
-                                        const storage::SwapStore::IoCounters& io_start,
-                                        const storage::SwapStore::IoCounters& io_optimizer_start,
-                                        const storage::SwapStore::IoCounters& io_optimizer_end,
-                                        double optimizer_seconds) {
+Result<StepInfo> ZeroEngine::Impl::FinishStep(
+    StepInfo info, bool skipped, const storage::SwapStore::IoCounters& io_start,
+    const storage::SwapStore::IoCounters& io_optimizer_start,
+    const storage::SwapStore::IoCounters& io_optimizer_end, double optimizer_seconds) {
   State& s = *state_;
   const swapper::OptimizerSwapper& io = *s.swapper;
   if (skipped) {
@@ -1650,7 +1751,7 @@ Result<StepInfo> ZeroEngine::FinishStep(StepInfo info, bool skipped,
 
 // Rank 0: the log line every steps_per_print steps (and at total_steps), the live line on a
 // terminal, and the metrics record. Collective only in agreeing on the metrics write.
-Status ZeroEngine::Report(const StepInfo& info) {
+Status ZeroEngine::Impl::Report(const StepInfo& info) {
   State& s = *state_;
   auto gbps = [&](std::uint64_t b) {
     return static_cast<double>(b) / std::max(info.optimizer_seconds, 1e-9) / 1e9;
@@ -1708,8 +1809,8 @@ Status ZeroEngine::Report(const StepInfo& info) {
   return comm().AgreeOnStatus(written);
 }
 
-Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& user_state,
-                                                       const std::string& dir) {
+Result<SavedCheckpointInfo> ZeroEngine::Impl::SaveCheckpoint(const nlohmann::json& user_state,
+                                                             const std::string& dir) {
   State& s = *state_;
   if (closed_) return FailedPreconditionError("engine: SaveCheckpoint after Close");
   s.buckets->WaitIdle();  // mid-micro-batch: its worker's collectives first
@@ -1761,7 +1862,7 @@ Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& use
                              .removed = std::move(saved.removed)};
 }
 
-Status ZeroEngine::Load(const std::string& path) {
+Status ZeroEngine::Impl::Load(const std::string& path) {
   State& s = *state_;
   if (closed_) return FailedPreconditionError("engine: Load after Close");
   Status calls = OkStatus();
@@ -1785,7 +1886,7 @@ Status ZeroEngine::Load(const std::string& path) {
   return OkStatus();
 }
 
-Status ZeroEngine::LogSummary() {
+Status ZeroEngine::Impl::LogSummary() {
   State& s = *state_;
   if (closed_) return FailedPreconditionError("engine: LogSummary after Close");
   s.buckets->WaitIdle();
@@ -1797,7 +1898,7 @@ Status ZeroEngine::LogSummary() {
 
 // Rank 0 logs the swap bandwidth of every node (its ranks' bytes over their slowest optimizer
 // time): on several hosts, the node with the slow disk stands out.
-Status ZeroEngine::LogPerNode() {
+Status ZeroEngine::Impl::LogPerNode() {
   State& s = *state_;
   constexpr std::size_t kHostChars = 64;
   const comm::Topology& topo = world_.topology();
@@ -1835,7 +1936,7 @@ Status ZeroEngine::LogPerNode() {
   return OkStatus();
 }
 
-Status ZeroEngine::Close() {
+Status ZeroEngine::Impl::Close() {
   if (closed_) return OkStatus();
   State& s = *state_;
   if (s.buckets) s.buckets->WaitIdle();
@@ -1860,5 +1961,51 @@ Status ZeroEngine::Close() {
   s.stop_signals.reset();
   return comm().AgreeOnStatus(local);
 }
+
+// ---- The interface: each call forwards to Impl's ----
+
+Status ZeroEngine::AccumulateGradients() { return impl_->AccumulateGradients(); }
+Status ZeroEngine::GradientReady(std::size_t index) { return impl_->GradientReady(index); }
+Status ZeroEngine::GradientReady(std::size_t index, std::span<const float> grad) {
+  return impl_->GradientReady(index, grad);
+}
+Result<Gathered> ZeroEngine::Gather(std::span<const std::string> names) {
+  return impl_->Gather(names);
+}
+Result<Gathered> ZeroEngine::GatherByIndex(std::span<const std::size_t> params) {
+  return impl_->GatherByIndex(params);
+}
+Result<StepInfo> ZeroEngine::Step(std::optional<double> loss) { return impl_->Step(loss); }
+Result<SavedCheckpointInfo> ZeroEngine::SaveCheckpoint(const nlohmann::json& user_state,
+                                                       const std::string& dir) {
+  return impl_->SaveCheckpoint(user_state, dir);
+}
+Status ZeroEngine::Load(const std::string& path) { return impl_->Load(path); }
+Status ZeroEngine::LogSummary() { return impl_->LogSummary(); }
+Status ZeroEngine::Close() { return impl_->Close(); }
+void ZeroEngine::Detach(std::string_view reason) { impl_->Detach(reason); }
+Status ZeroEngine::AgreeOnCall(std::string_view call, const Status& local) {
+  return impl_->AgreeOnCall(call, local);
+}
+bool ZeroEngine::closed() const { return impl_->closed_; }
+std::int64_t ZeroEngine::step_count() const { return impl_->step_; }
+const GatherCounters& ZeroEngine::gather_counters() const { return impl_->state_->counters; }
+std::size_t ZeroEngine::num_partitioned_params() const { return impl_->state_->num_partitioned; }
+double ZeroEngine::next_lr() const { return impl_->next_lr(); }
+std::size_t ZeroEngine::num_param_groups() const { return impl_->groups_.size(); }
+HyperParams ZeroEngine::next_hyper_params(std::size_t g) const {
+  return impl_->next_hyper_params(g);
+}
+Status ZeroEngine::SetHyperParams(std::span<const HyperParams> groups) {
+  return impl_->SetHyperParams(groups);
+}
+double ZeroEngine::loss_scale() const { return impl_->loss_scale(); }
+std::int64_t ZeroEngine::skipped_steps() const { return impl_->skipped_steps_; }
+const std::string& ZeroEngine::resumed_from() const { return impl_->resumed_from_; }
+const nlohmann::json& ZeroEngine::user_state() const { return impl_->user_state_; }
+int ZeroEngine::resumed_world_size() const { return impl_->resumed_world_size_; }
+const Config& ZeroEngine::config() const { return impl_->config_; }
+const partition::ParamLayout& ZeroEngine::layout() const { return impl_->layout(); }
+const comm::Communicator& ZeroEngine::world() const { return impl_->world_; }
 
 }  // namespace zinf::engine

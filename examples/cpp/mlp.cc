@@ -131,7 +131,7 @@ zinf::Status Train(const zinf::comm::Communicator& world, const std::string& con
                                          {.total_steps = last_step, .create_nvme_paths = true}));
 
   const int gas = static_cast<int>(config.gradient_accumulation_steps);
-  const std::int64_t first_step = engine->step() + 1;
+  const std::int64_t first_step = engine->step_count() + 1;
   double first_loss = 0, loss = 0;
   std::string checkpoint = engine->resumed_from();
   std::vector<float> x, y;
@@ -161,7 +161,7 @@ zinf::Status Train(const zinf::comm::Communicator& world, const std::string& con
   }
   if (world.rank() == 0) {
     std::printf("mlp: steps %lld-%lld on %d rank(s), loss %.6f -> %.6f, checkpoint %s\n",
-                static_cast<long long>(first_step), static_cast<long long>(engine->step()),
+                static_cast<long long>(first_step), static_cast<long long>(engine->step_count()),
                 world.size(), first_loss, loss, checkpoint.empty() ? "none" : checkpoint.c_str());
   }
   return engine->Close();

@@ -176,7 +176,7 @@ zinf::Status Train(const zinf::comm::Communicator& world, const std::string& con
     // and serves an ask from what is still gathered (or whole) without an all-gather.
     const zinf::engine::GatherCounters& c = engine->gather_counters();
     std::printf("mlp_stage3: steps 1-%lld on %d rank(s), loss %.6f -> %.6f\n",
-                static_cast<long long>(engine->step()), world.size(), first_loss, loss);
+                static_cast<long long>(engine->step_count()), world.size(), first_loss, loss);
     std::printf(
         "mlp_stage3: %zu of 4 parameter(s) partitioned; Gather: %llu calls, %llu parameters "
         "asked, %llu all-gathered (%llu ahead of use), %llu served without one, %llu shard "

@@ -236,9 +236,9 @@ Json Run::UserState(std::int64_t step, double loss) const {
 
 Status Run::SaveCheckpoint(double loss) {
   ZINF_ASSIGN_OR_RETURN(engine::SavedCheckpointInfo saved,
-                        engine_->SaveCheckpoint(UserState(engine_->step(), loss)));
+                        engine_->SaveCheckpoint(UserState(engine_->step_count(), loss)));
   last_checkpoint_ = saved.path;
-  last_checkpoint_step_ = engine_->step();
+  last_checkpoint_step_ = engine_->step_count();
   return OkStatus();
 }
 
@@ -247,7 +247,7 @@ Result<TrainSummary> Run::Go() {
   // Every rank builds the model and loads the data; agree before the first collective.
   ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(BuildModel()));
   ZINF_RETURN_IF_ERROR(CreateEngine());
-  const std::int64_t start_step = engine_->step() + 1;
+  const std::int64_t start_step = engine_->step_count() + 1;
   summary.first_step = start_step;
   summary.resumed_from = engine_->resumed_from();
   const std::int64_t last = config_.steps;

@@ -501,7 +501,7 @@ class EngineHandle {
     engine_.reset();
   }
 
-  std::int64_t step() { return Open().step(); }
+  std::int64_t step_count() { return Open().step_count(); }
   double next_lr() { return Open().next_lr(); }
   double loss_scale() { return Open().loss_scale(); }
   std::int64_t skipped_steps() { return Open().skipped_steps(); }
@@ -725,7 +725,7 @@ PYBIND11_MODULE(_zinf, m) {
       .def("load", &EngineHandle::Load, py::arg("path"))
       .def("log_summary", &EngineHandle::LogSummary)
       .def("close", &EngineHandle::Close)
-      .def_property_readonly("step_count", &EngineHandle::step)
+      .def_property_readonly("step_count", &EngineHandle::step_count)
       .def_property_readonly("next_lr", &EngineHandle::next_lr)
       .def_property_readonly("loss_scale", &EngineHandle::loss_scale)
       .def_property_readonly("skipped_steps", &EngineHandle::skipped_steps)

@@ -236,7 +236,7 @@ TEST_P(EngineMatchesReference, ForSeveralSteps) {
     ZINF_ASSERT_OK_AND_ASSIGN(StepInfo info, RunStep(*engine, model, c, step));
     const double norm = ref.Step(step);
     EXPECT_EQ(info.step, step);
-    EXPECT_EQ(engine->step(), step);
+    EXPECT_EQ(engine->step_count(), step);
     EXPECT_NEAR(info.lr, RefLr(step), 1e-12);
     EXPECT_NEAR(info.grad_norm, norm, 1e-6 * norm);
     EXPECT_NEAR(info.loss, 1.0 + (World().size() - 1) / 2.0, 1e-12);
@@ -329,7 +329,7 @@ TEST(ZeroEngine, RestoreNamesTheMismatchedParameter) {
     Model same = MakeModel();
     ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
                               ZeroEngine::Create(World(), config, same.Params(), resume));
-    EXPECT_EQ(engine->step(), 2);
+    EXPECT_EQ(engine->step_count(), 2);
     EXPECT_EQ(engine->user_state(), nlohmann::json({{"epoch", 7}}));
     EXPECT_EQ(engine->resumed_world_size(), World().size());
     for (std::size_t i = 0; i < model.w.size(); ++i)
@@ -452,13 +452,13 @@ TEST(ZeroEngine, ParamGroups) {
   for (std::vector<float>& g : live.g) std::ranges::fill(g, 0.0f);
   ZINF_ASSERT_OK(RunStep(*engine, live, c, 2));  // ends the micro-batch
   EXPECT_THAT(engine->Load(dir.Join("none")), StatusIs(ErrorCode::kNotFound));
-  EXPECT_EQ(engine->step(), 2);
+  EXPECT_EQ(engine->step_count(), 2);
   ZINF_ASSERT_OK(engine->Load(dir.Join("ckpt")));
-  EXPECT_EQ(engine->step(), 2);
+  EXPECT_EQ(engine->step_count(), 2);
   EXPECT_EQ(engine->next_hyper_params(1), values[1]);
   for (std::size_t i = 0; i < model.w.size(); ++i) EXPECT_EQ(live.w[i], model.w[i]);
   ZINF_ASSERT_OK(RunStep(*engine, live, c, 3));
-  EXPECT_EQ(engine->step(), 3);
+  EXPECT_EQ(engine->step_count(), 3);
   ZINF_ASSERT_OK(engine->Close());
 }
 
@@ -482,11 +482,11 @@ TEST_F(EngineErrors, StepBeforeAnyGradient) {
   const std::vector<float> before = model.w[0];
   EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kFailedPrecondition,
                                        HasSubstr("before any gradient was written")));
-  EXPECT_EQ(engine->step(), 0);
+  EXPECT_EQ(engine->step_count(), 0);
   EXPECT_EQ(model.w[0], before);
   // The loop can go on once it writes gradients.
   ZINF_EXPECT_OK(RunStep(*engine, model, Case{.name = "gas2", .gas = 2}, 1));
-  EXPECT_EQ(engine->step(), 1);
+  EXPECT_EQ(engine->step_count(), 1);
 }
 
 TEST_F(EngineErrors, ParameterRegisteredTwice) {
@@ -516,7 +516,7 @@ TEST_F(EngineErrors, GradientReadyMisuse) {
               StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("GradientReady(2) called twice")));
   EXPECT_THAT(engine->AccumulateGradients(),
               StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("called twice")));
-  EXPECT_EQ(engine->step(), 0);
+  EXPECT_EQ(engine->step_count(), 0);
   ZINF_ASSERT_OK(engine->Close());
   EXPECT_THAT(engine->GradientReady(0),
               StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("after Close")));
@@ -595,7 +595,7 @@ TEST_F(EngineErrors, RanksInDifferentCallsAndALocalDestructor) {
   for (auto& g : again.g) std::fill(g.begin(), g.end(), 0.25f);
   ZINF_ASSERT_OK(engine->AccumulateGradients());
   ZINF_ASSERT_OK(engine->Step());
-  EXPECT_EQ(engine->step(), 1);
+  EXPECT_EQ(engine->step_count(), 1);
 
   auto my_store = [&] {  // <nvme_path>/zinf-<job>/rank<r>
     std::error_code ec;
@@ -647,7 +647,7 @@ TEST(ZeroEngine, OneCycleStepsAtDeepSpeedsLrUntilBeta1ReachesOne) {
   EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kFailedPrecondition,
                                        HasSubstr("OneCycle's momentum decay made beta1")));
   EXPECT_EQ(model.w, before);
-  EXPECT_EQ(engine->step(), 5);
+  EXPECT_EQ(engine->step_count(), 5);
   ZINF_ASSERT_OK(engine->Close());
 }
 

@@ -348,7 +348,7 @@ TEST_P(Fp16Engine, ScalesAndSkipsExactlyAsTheReference) {
       skipped += overflow ? 1 : 0;
       EXPECT_EQ(info.skipped_steps, skipped);
       EXPECT_EQ(engine->skipped_steps(), skipped);
-      EXPECT_EQ(engine->step(), step);
+      EXPECT_EQ(engine->step_count(), step);
       if (overflow) {
         EXPECT_EQ(info.optimizer_swap_read_bytes, 0u);
         EXPECT_EQ(info.optimizer_swap_write_bytes, 0u);
@@ -396,7 +396,7 @@ TEST_P(Fp16Engine, ScalesAndSkipsExactlyAsTheReference) {
   resume.load = "latest";
   ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
                             ZeroEngine::Create(World(), config, resumed.Params(), resume));
-  EXPECT_EQ(engine->step(), 10);
+  EXPECT_EQ(engine->step_count(), 10);
   EXPECT_EQ(resumed.w, weights_at_save);
   EXPECT_EQ(engine->skipped_steps(), skipped_by_step[9]);
   for (std::int64_t step = 11; step <= kSteps; ++step) {
@@ -447,7 +447,7 @@ TEST(Fp16EngineErrors, OverflowAtTheMinimumScaleAndStaticScale) {
     if (dynamic) {
       EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kFailedPrecondition,
                                            HasSubstr("overflowed at the minimum loss scale 1")));
-      EXPECT_EQ(engine->step(), 0);
+      EXPECT_EQ(engine->step_count(), 0);
     } else {
       ZINF_ASSERT_OK_AND_ASSIGN(StepInfo info, engine->Step());
       EXPECT_TRUE(info.skipped);

@@ -716,7 +716,7 @@ TEST_F(Stage3Errors, StepWhileAGatheredScopeIsAlive) {
   {
     ZINF_ASSERT_OK_AND_ASSIGN(Gathered held, engine->Gather({"fc1.weight"}));
     EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("Gathered")));
-    EXPECT_EQ(engine->step(), 0);
+    EXPECT_EQ(engine->step_count(), 0);
     // A moved scope is the same scope; the moved-from one holds nothing.
     Gathered moved = std::move(held);
     EXPECT_EQ(held.size(), 0u);  // NOLINT(bugprone-use-after-move): documented state
@@ -736,11 +736,11 @@ TEST_F(Stage3Errors, StepWhileAGatheredScopeIsAlive) {
     ZINF_ASSERT_OK_AND_ASSIGN(Gathered held, engine->Gather({"head.weight"}));
     if (World().rank() != 0) held.Release();
     EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("Gathered")));
-    EXPECT_EQ(engine->step(), 1);
+    EXPECT_EQ(engine->step_count(), 1);
   }
   ZINF_ASSERT_OK(HandConstantGradients(*engine));
   ZINF_ASSERT_OK(engine->Step());
-  EXPECT_EQ(engine->step(), 2);
+  EXPECT_EQ(engine->step_count(), 2);
 
   // A persistent parameter's scope as well: Step writes its weights too.
   ZINF_ASSERT_OK(HandConstantGradients(*engine));
@@ -750,7 +750,7 @@ TEST_F(Stage3Errors, StepWhileAGatheredScopeIsAlive) {
   }
   ZINF_ASSERT_OK(HandConstantGradients(*engine));
   ZINF_ASSERT_OK(engine->Step());
-  EXPECT_EQ(engine->step(), 3);
+  EXPECT_EQ(engine->step_count(), 3);
   ZINF_ASSERT_OK(engine->Close());
 }
 
@@ -760,11 +760,11 @@ TEST_F(Stage3Errors, GradientReadyMisuse) {
   std::vector<float> grad(Numel(5) + 1, 0.25f);
   EXPECT_THAT(engine->GradientReady(5, grad), StatusIs(ErrorCode::kInvalidArgument));
   EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kInvalidArgument));
-  EXPECT_EQ(engine->step(), 0);
+  EXPECT_EQ(engine->step_count(), 0);
   // The loop goes on with the next micro-batch.
   ZINF_ASSERT_OK(HandConstantGradients(*engine));
   ZINF_ASSERT_OK(engine->Step());
-  EXPECT_EQ(engine->step(), 1);
+  EXPECT_EQ(engine->step_count(), 1);
 
   // On rank 0 only (the others hand it right): every rank's step fails.
   grad.assign(Numel(5) - (World().rank() == 0 ? 1 : 0), 0.25f);
@@ -779,7 +779,7 @@ TEST_F(Stage3Errors, GradientReadyMisuse) {
     ZINF_ASSERT_OK(engine->GradientReady(i, grad));
   }
   EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kInvalidArgument));
-  EXPECT_EQ(engine->step(), 1);
+  EXPECT_EQ(engine->step_count(), 1);
 
   // No such parameter.
   grad.assign(Numel(5), 0.25f);
@@ -790,7 +790,7 @@ TEST_F(Stage3Errors, GradientReadyMisuse) {
   // fails as well, for that or for a gradient that is zero everywhere).
   EXPECT_THAT(engine->GradientReady(0), StatusIs(ErrorCode::kFailedPrecondition));
   EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kFailedPrecondition));
-  EXPECT_EQ(engine->step(), 1);
+  EXPECT_EQ(engine->step_count(), 1);
   ZINF_ASSERT_OK(engine->Close());
 
   // And the other way round: a lent gradient for an engine with gradient buffers.
@@ -875,7 +875,7 @@ TEST(Stage3Checkpoint, PartitionedRunRestoresIntoRegisteredWeights) {
   resume.load = path;
   ZINF_ASSERT_OK_AND_ASSIGN(auto restored,
                             ZeroEngine::Create(World(), registered_config, model.Params(), resume));
-  EXPECT_EQ(restored->step(), 2);
+  EXPECT_EQ(restored->step_count(), 2);
   EXPECT_EQ(restored->user_state(), nlohmann::json({{"epoch", 2}}));
   ExpectModelNear(model.w, saved, "restored");
   ZINF_ASSERT_OK(RunRegisteredStep(*restored, model, 3, 1));
@@ -909,7 +909,7 @@ TEST(Stage3Checkpoint, RegisteredRunRestoresIntoPartitionedModel) {
   resume.load = path;
   ZINF_ASSERT_OK_AND_ASSIGN(
       auto restored, ZeroEngine::Create(World(), lent_config, LentParams({.init = false}), resume));
-  EXPECT_EQ(restored->step(), 2);
+  EXPECT_EQ(restored->step_count(), 2);
   EXPECT_EQ(restored->user_state(), nlohmann::json({{"epoch", 2}}));
   EXPECT_EQ(restored->num_partitioned_params(), 3u);
   ExpectGatheredNear(*restored, saved, "restored");

@@ -12,7 +12,7 @@
 //       {"fc1.weight", {512, 256}, w1, g1},  // std::span<float>: weights, gradients
 //       {"fc1.bias", {512}, b1, gb1}};
 //   ZINF_ASSIGN_OR_RETURN(auto engine, zinf::engine::ZeroEngine::Create(world, config, params));
-//   while (engine->step() < 1000) {
+//   while (engine->step_count() < 1000) {
 //     double loss = ForwardBackward(batch);   // writes (or accumulates) g1, gb1, ...
 //     ZINF_ASSIGN_OR_RETURN(zinf::engine::StepInfo info, engine->Step(loss));
 //     if (info.step % 100 == 0) ZINF_RETURN_IF_ERROR(engine->SaveCheckpoint({{"epoch", e}}));
@@ -142,12 +142,7 @@
 #include "zinf/engine/config.h"
 #include "zinf/engine/step_info.h"
 #include "zinf/partition/layout.h"
-#include "zinf/storage/swap_store.h"
 #include "zinf/swapper/cpu_adam.h"
-
-namespace zinf::checkpoint {
-struct CheckpointInfo;  // zinf/checkpoint/checkpoint.h
-}  // namespace zinf::checkpoint
 
 namespace zinf::engine {
 
@@ -193,7 +188,6 @@ struct Param {
 };
 
 class ZeroEngine;
-struct TrainerState;  // trainer_state.h
 
 // Parameters gathered whole for the loop's use (ZeroEngine::Gather); released when destroyed.
 // Move-only. The engine must outlive it; after the engine's Close it holds nothing.
@@ -341,8 +335,8 @@ class ZeroEngine {
   // again before the next Step.
   Result<StepInfo> Step(std::optional<double> loss = std::nullopt);
 
-  // Collective. Saves checkpoint step() into `dir` (empty: zinf.checkpoint.dir) with keep_last
-  // from the config; `user_state` (a JSON object, or null) is stored and given back by
+  // Collective. Saves checkpoint step_count() into `dir` (empty: zinf.checkpoint.dir) with
+  // keep_last from the config; `user_state` (a JSON object, or null) is stored and given back by
   // user_state() after a restore. Errors: InvalidArgument (no directory, state not an object,
   // or beyond what a restore reads back: 64 levels with the engine's wrapper, 64 MiB),
   // ResourceExhausted (no space), I/O errors; `latest` and older checkpoints stay as they were.
@@ -389,9 +383,9 @@ class ZeroEngine {
   // different calls or after Close; `local`'s agreed error.
   Status AgreeOnCall(std::string_view call, const Status& local = OkStatus());
 
-  bool closed() const { return closed_; }
+  bool closed() const;
   // The last step applied (0 before the first; the checkpoint's step after a restore).
-  std::int64_t step() const { return step_; }
+  std::int64_t step_count() const;
   // Stage 3: Gather's counters; the number of parameters kept partitioned.
   const GatherCounters& gather_counters() const;
   std::size_t num_partitioned_params() const;
@@ -399,7 +393,7 @@ class ZeroEngine {
   double next_lr() const;
   // Parameter groups: how many, and the hyper-parameters the next Step uses for group `g`
   // (checked: < num_param_groups()).
-  std::size_t num_param_groups() const { return groups_.size(); }
+  std::size_t num_param_groups() const;
   HyperParams next_hyper_params(std::size_t g) const;
   // Local. The loop's own schedule (torch's lr_scheduler): every group's hyper-parameters for
   // the Steps from the next one on, in group order. Step agrees on them: values that differ
@@ -413,81 +407,22 @@ class ZeroEngine {
   // gradients handed to the engine are of the scaled loss; the engine divides the scale out.
   double loss_scale() const;
   // Steps skipped for an fp16 overflow so far (a checkpoint keeps the count and the scale).
-  std::int64_t skipped_steps() const { return skipped_steps_; }
+  std::int64_t skipped_steps() const;
   // After a restore: the checkpoint read, its user JSON (null otherwise), the ranks it was saved
   // on.
-  const std::string& resumed_from() const { return resumed_from_; }
-  const nlohmann::json& user_state() const { return user_state_; }
-  int resumed_world_size() const { return resumed_world_size_; }
-  const Config& config() const { return config_; }
+  const std::string& resumed_from() const;
+  const nlohmann::json& user_state() const;
+  int resumed_world_size() const;
+  const Config& config() const;
   const partition::ParamLayout& layout() const;
-  const comm::Communicator& world() const { return world_; }
+  const comm::Communicator& world() const;
 
  private:
   friend class Gathered;
-  struct State;
+  class Impl;  // engine.cc: the state and the parts of each call
   ZeroEngine(const comm::Communicator& world, const Config& config, const EngineOptions& options);
 
-  // The parts of Create, Step and the rest (engine.cc); each collective unless said otherwise.
-  Status Build(std::vector<Param> params);
-  Status CheckHostMemory(std::uint64_t round) const;  // local
-  Status InitializeOrRestore();
-  Status Initialize();
-  Status Restore(const std::string& path, bool verify_before_write);
-  Status ReadPartition();  // local
-  Status ReadBackWeights();
-  // The updated partitions into the parameters kept whole (the loop's weights, persistent ones).
-  Status GatherWholeWeights();
-  // Gather's parts (engine.cc, "Stage 3").
-  Status GatherParams(std::span<const std::size_t> asked);
-  void ReleaseParams(std::span<const std::size_t> params);    // local
-  Status ReadShard(std::size_t param, std::span<float> out);  // local
-  Status CreateBuckets();                                     // local
-  Status HandGradient(int micro_batch);
-  Result<double> PartitionGradSquaredSum();
-  // Step's phases (engine.cc, Step), and what they hand each other.
-  struct StepPlan {
-    double squared_sum = 0;  // the reduced gradient's, all ranks (not finite: an overflow)
-    double average = 1;      // 1 / (gradient_accumulation_steps x ranks)
-    double loss_scale = 1;   // fp16: divided out of the gradient
-    double clip = 1;         // gradient_clipping's factor
-    bool skip = false;       // an fp16 overflow: nothing is stepped
-  };
-  Status ReduceGradients(std::int64_t step);
-  Result<StepPlan> MeasureGradient(std::optional<double> loss, StepInfo* info);
-  Status Decide(bool have_loss, StepPlan* plan, StepInfo* info);  // local
-  Result<double> Optimize(const StepPlan& plan, StepInfo* info);
-  Result<StepInfo> FinishStep(StepInfo info, bool skipped,
-                              const storage::SwapStore::IoCounters& io_start,
-                              const storage::SwapStore::IoCounters& io_optimizer_start,
-                              const storage::SwapStore::IoCounters& io_optimizer_end,
-                              double optimizer_seconds);
-  Status Report(const StepInfo& info);
-  // Parameter groups (engine.cc): Step's agreement on their values, the checkpoint's record
-  // of them, and a restore's check of it (local).
-  Status AgreeOnGroups(std::int64_t step);
-  nlohmann::json GroupsJson() const;
-  Status CheckGroups(const TrainerState& saved, const checkpoint::CheckpointInfo& info) const;
-  Status LogPerNode();
-  // The engine's private communicator once built (the caller's `world` before).
-  const comm::Communicator& comm() const;
-  // Local: the destructor's close; tells the other ranks `reason` unless it is empty.
-  void CloseLocally(std::string_view reason);
-
-  const comm::Communicator& world_;
-  Config config_;
-  EngineOptions options_;
-  std::unique_ptr<State> state_;
-  // Each parameter group's hyper-parameters: under a config scheduler the base it schedules
-  // from, otherwise what the next Step uses (EngineOptions::param_groups, SetHyperParams, a
-  // restored checkpoint's).
-  std::vector<HyperParams> groups_;
-  std::int64_t step_ = 0;
-  std::int64_t skipped_steps_ = 0;
-  std::string resumed_from_;
-  nlohmann::json user_state_;
-  int resumed_world_size_ = 0;
-  bool closed_ = false;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace zinf::engine

@@ -27,7 +27,7 @@ struct StepInfo {
   bool clipped = false;   // the gradient was scaled down to gradient_clipping
   // fp16: the loss scale the step's gradient carried, and the one for the next step (1 and 1
   // without fp16). A skipped step (an Inf or NaN in the gradient on some rank) did no swap I/O
-  // of the optimizer state and changed no weight; it counts as a step (StepInfo::step, step())
+  // of the optimizer state and changed no weight; it counts as a step (StepInfo::step, step_count())
   // but not for Adam's bias correction nor the learning-rate schedule (DeepSpeed).
   double loss_scale = 1;
   double next_loss_scale = 1;
