@@ -67,19 +67,19 @@ int Fail(const zinf::Error& error) {
 // a link is shown as a link and never followed.
 void ListDirectory(const std::string& path) {
   constexpr std::size_t kMaxEntries = 1 << 20;
-  zinf::storage::Env& env = zinf::storage::Env::Default();
   zinf::Result<zinf::storage::UniqueFd> dir = zinf::storage::OpenDirectory(path);
-  std::vector<std::string> names;
-  if (!dir || env.ReadDir(dir->get(), kMaxEntries, &names) != 0) return;
+  if (!dir) return;
+  zinf::Result<zinf::storage::DirectoryListing> listing =
+      zinf::storage::ListDirectory(dir->get(), path, kMaxEntries);
+  if (!listing) return;
   struct File {
     std::int64_t step;
     bool partial;
     std::string name;
   };
   std::vector<File> files;
-  const bool truncated = names.size() > kMaxEntries;
-  if (truncated) names.resize(kMaxEntries);
-  for (const std::string& name : names) {
+  const bool truncated = listing->truncated;
+  for (const std::string& name : listing->names) {
     if (auto step = zinf::checkpoint::ParseCheckpointFileName(name)) {
       files.push_back({*step, false, name});
     } else if (auto partial = zinf::checkpoint::ParseCheckpointFileName(name, ".partial")) {
@@ -93,7 +93,8 @@ void ListDirectory(const std::string& path) {
               truncated ? " (more than 1Mi entries: only the first were listed)" : "");
   for (const File& f : files) {
     struct stat st {};
-    const bool have = env.StatAt(dir->get(), f.name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+    const bool have = zinf::storage::Env::Default().StatAt(dir->get(), f.name.c_str(), &st,
+                                                           AT_SYMLINK_NOFOLLOW) == 0;
     const char* note = !have                  ? "  (vanished)"
                        : S_ISLNK(st.st_mode)  ? "  (a symbolic link: not a checkpoint)"
                        : !S_ISREG(st.st_mode) ? "  (not a regular file)"

@@ -896,16 +896,17 @@ class PartialFile {
     std::vector<std::string> removed;
     std::vector<std::pair<std::int64_t, std::string>> others;
     storage::Env& env = storage::Env::Default();
-    std::vector<std::string> names;
-    if (env.ReadDir(dir_fd_.get(), kMaxEntries, &names) != 0) {
-      ZINF_LOG_WARN("checkpoint retention: cannot list {}: {}", dir_, std::strerror(errno));
+    Result<storage::DirectoryListing> listing =
+        storage::ListDirectory(dir_fd_.get(), dir_, kMaxEntries);
+    if (!listing) {
+      ZINF_LOG_WARN("checkpoint retention: {}", listing.error().ToString());
       return removed;
     }
-    if (names.size() > kMaxEntries) {
+    if (listing->truncated) {
       ZINF_LOG_WARN("checkpoint retention: {} holds more than {} entries; looked at the first",
                     dir_, kMaxEntries);
-      names.resize(kMaxEntries);
     }
+    const std::vector<std::string>& names = listing->names;
     auto remove = [&](const std::string& name) {
       if (env.UnlinkAt(dir_fd_.get(), name.c_str(), 0) == 0) {
         removed.push_back(dir_ + "/" + name);

@@ -63,6 +63,19 @@ std::atomic<std::uint64_t> g_temp_counter{0};
 
 }  // namespace
 
+Result<DirectoryListing> ListDirectory(int dir_fd, const std::string& display,
+                                       std::size_t max_entries) {
+  DirectoryListing listing;
+  if (Env::Default().ReadDir(dir_fd, max_entries, &listing.names) != 0) {
+    return ErrnoError(errno, fmt::format("readdir {}", display));
+  }
+  if (listing.names.size() > max_entries) {
+    listing.names.resize(max_entries);
+    listing.truncated = true;
+  }
+  return listing;
+}
+
 Status ClearNonBlock(int fd, const std::string& display) {
   Env& env = Env::Default();
   const int flags = env.Fcntl(fd, F_GETFL, 0);

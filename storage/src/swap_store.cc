@@ -325,24 +325,10 @@ std::string JoinPath(const std::string& dir, const std::string& name) {
   return dir + (dir == "/" ? "" : "/") + name;
 }
 
-// The names in directory `dir_fd` (without "." and ".."), at most `max_entries` of them;
-// `truncated` when there were more. Reads through its own descriptor, so `dir_fd`'s offset and
-// locks are untouched.
-struct DirectoryListing {
-  std::vector<std::string> names;
-  bool truncated = false;
-};
-Result<DirectoryListing> ListDirectory(int dir_fd, const std::string& display,
-                                       std::size_t max_entries) {
-  DirectoryListing listing;
-  if (Env::Default().ReadDir(dir_fd, max_entries, &listing.names) != 0) {
-    return ErrnoError(errno, fmt::format("swap store: readdir {}", display));
-  }
-  if (listing.names.size() > max_entries) {
-    listing.names.resize(max_entries);
-    listing.truncated = true;
-  }
-  return listing;
+// ListDirectory (fs.h) with the store's prefix on its errors.
+Result<DirectoryListing> ListStoreDirectory(int dir_fd, const std::string& display,
+                                            std::size_t max_entries) {
+  return Annotate(ListDirectory(dir_fd, display, max_entries), "swap store: ");
 }
 
 // "rank<digits>" -> the rank; nullopt for any other name.
@@ -847,7 +833,7 @@ class StaleScan {
     Result<UniqueFd> path_fd = OpenDirNoFollow(AT_FDCWD, path, path);
     if (!path_fd) return Warn(path_fd.error());
     Result<DirectoryListing> listing =
-        ListDirectory(path_fd->get(), path, SwapStore::kMaxScanEntries);
+        ListStoreDirectory(path_fd->get(), path, SwapStore::kMaxScanEntries);
     if (!listing) return Warn(listing.error());
     WarnIfTruncated(*listing, path);
     for (const std::string& name : listing->names) {
@@ -920,7 +906,7 @@ class StaleScan {
     // directories one by one. Another job's directory held by any live store is left alone.
     if (!ours && !LockStale(path_fd, name, job_fd->get(), job_dir)) return;
     Result<DirectoryListing> listing =
-        ListDirectory(job_fd->get(), job_dir, SwapStore::kMaxScanEntries);
+        ListStoreDirectory(job_fd->get(), job_dir, SwapStore::kMaxScanEntries);
     if (!listing) return Warn(listing.error());
     WarnIfTruncated(*listing, job_dir);
     for (const std::string& rank_name : listing->names) {
@@ -942,7 +928,7 @@ class StaleScan {
     std::optional<UniqueFd> rank_fd = OpenOwnDirectory(job_fd, name, rank_dir);
     if (!rank_fd || !LockStale(job_fd, name, rank_fd->get(), rank_dir)) return;
     Result<DirectoryListing> listing =
-        ListDirectory(rank_fd->get(), rank_dir, SwapStore::kMaxScanEntries);
+        ListStoreDirectory(rank_fd->get(), rank_dir, SwapStore::kMaxScanEntries);
     if (!listing) return Warn(listing.error());
     StaleStore stale{.directory = rank_dir, .job_id = job_id, .world_rank = rank};
     std::size_t foreign = listing->truncated ? 1 : 0;

@@ -35,6 +35,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "zinf/core/status.h"
 
@@ -190,6 +191,16 @@ class AtomicFile {
   Overwrite overwrite_ = Overwrite::kNo;
   bool done_ = true;  // committed or abandoned (nothing to remove)
 };
+
+// The names in directory `dir_fd` (without "." and ".."), at most `max_entries` of them;
+// `truncated` when there were more. Reads through its own descriptor (Env::ReadDir), so
+// `dir_fd`'s offset and locks are untouched. Errors: errno errors "readdir <display>".
+struct DirectoryListing {
+  std::vector<std::string> names;
+  bool truncated = false;
+};
+Result<DirectoryListing> ListDirectory(int dir_fd, const std::string& display,
+                                       std::size_t max_entries);
 
 // Clears O_NONBLOCK of `fd` (files are opened with it so that a FIFO cannot block the open).
 // Errors: errno errors naming `display`.
