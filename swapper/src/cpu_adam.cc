@@ -64,8 +64,11 @@ struct Q8Kernels {
 Q8Kernels Q8KernelsFor(SimdPath path) {
   switch (path) {
     case SimdPath::kAvx512:
+      // VBMI is not part of the path: a CPU without it gets the decoding by gathers.
       return {q8::internal::QuantizeBlockAvx512, q8::internal::DequantizeBlockAvx512,
-              internal::AdamStepQ8BlockAvx512, q8::internal::EncodeBlockAvx512};
+              __builtin_cpu_supports("avx512vbmi") ? internal::AdamStepQ8BlockAvx512Vbmi
+                                                   : internal::AdamStepQ8BlockAvx512,
+              q8::internal::EncodeBlockAvx512};
     case SimdPath::kAvx2:
       return {q8::internal::QuantizeBlockAvx2, q8::internal::DequantizeBlockAvx2,
               internal::AdamStepQ8BlockAvx2, q8::internal::EncodeBlockAvx2};
@@ -458,6 +461,8 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
             .v_codes = v_codes,
             .m_map = signed_map.values.data(),
             .v_map = unsigned_map.values.data(),
+            .m_planes = signed_map.planes.data(),
+            .v_planes = unsigned_map.planes.data(),
             .m_scale = exp_avg.scales[b],
             .v_scale = exp_avg_sq.scales[b],
         };

@@ -49,6 +49,9 @@ struct Q8BlockIn {
   const std::uint8_t* v_codes;
   const float* m_map;  // q8::MapValues(kSigned)
   const float* v_map;  // q8::MapValues(kUnsigned)
+  // The maps' values as byte planes (q8::internal::Tables::planes), for the VBMI kernel.
+  const std::uint8_t* m_planes;
+  const std::uint8_t* v_planes;
   float m_scale;
   float v_scale;
 };
@@ -56,6 +59,9 @@ bool AdamStepQ8BlockAvx2(const AdamScalars& s, const AdamArrays& a, const Q8Bloc
                          std::size_t n, float* m_max, float* v_max);
 bool AdamStepQ8BlockAvx512(const AdamScalars& s, const AdamArrays& a, const Q8BlockIn& in,
                            std::size_t n, float* m_max, float* v_max);
+// The same with table lookups instead of gathers; needs AVX512-VBMI besides the AVX-512 path.
+bool AdamStepQ8BlockAvx512Vbmi(const AdamScalars& s, const AdamArrays& a, const Q8BlockIn& in,
+                               std::size_t n, float* m_max, float* v_max);
 
 // Lanes of the fixed-order norm: element i of a block goes to lane i % kNormLanes; the lanes
 // are added 0..15 in order at the end of the block.

@@ -115,6 +115,11 @@ std::uint32_t EntryOffset(const Count& count) {
 Tables Build(MapKind kind) {
   Tables t{};
   t.values = BuildValues(kind);
+  for (std::size_t c = 0; c < t.values.size(); ++c) {
+    const auto bits = std::bit_cast<std::uint32_t>(t.values[c]);
+    for (std::size_t b = 0; b < 4; ++b)
+      t.planes[256 * b + c] = static_cast<std::uint8_t>(bits >> (8 * b));
+  }
   std::array<double, 255> thresholds;
   for (std::size_t c = 0; c < thresholds.size(); ++c) {
     thresholds[c] = (static_cast<double>(t.values[c]) + t.values[c + 1]) / 2;  // exact

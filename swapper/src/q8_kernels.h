@@ -50,6 +50,9 @@ inline constexpr float kMaxReciprocalScale = 0x1p+125f;
 
 struct Tables {
   std::array<float, 256> values;
+  // Byte b of the bits of values[c] at planes[256 * b + c] (little-endian: b = 0 is the lowest),
+  // for kernels that look values up by byte permutes.
+  alignas(64) std::array<std::uint8_t, 1024> planes;
   std::vector<float> t_hi, t_lo;        // 255 thresholds + `walk` of +inf / 0
   std::uint32_t first_slot, last_slot;  // slots of magnitudes below first_slot: `tiny`
   std::vector<std::int32_t> start;      // 2 * (slot - first_slot) + (n < 0)
