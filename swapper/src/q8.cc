@@ -112,6 +112,76 @@ std::uint32_t EntryOffset(const Count& count) {
   return 0;
 }
 
+// The AVX-512 encoder's tables (q8_kernels.h): the positive values from the zero code up cut
+// into regions of equally spaced values, so that within a region code = min(floor(x), top) for
+// the affine x = |n| * a + b, and a table per binade of the boundary between regions in it. Checks
+// what the kernels' exactness rests on; `thresholds` are the exact ones.
+void BuildAffine(const std::array<double, 255>& thresholds, Tables* t) {
+  const int z = t->zero_code;
+  // Negative n: the thresholds below zero mirror those above it.
+  for (int c = 0; c < z; ++c) {
+    ZINF_CHECK(thresholds[c] == -thresholds[2 * z - 1 - c], "q8: threshold {} is not mirrored", c);
+  }
+  ZINF_CHECK(thresholds[z] > 0, "q8: the zero code is not the first non-negative one");
+  t->mirror = 2 * z;
+  // Runs of equal gaps, [first, last] codes. A value joins the run before it only where its gap
+  // continues the run's spacing, so a decade's first value is never taken into the run below,
+  // whose threshold would then lie at an integer x at the decade's bottom.
+  auto gap = [&](int c) { return static_cast<double>(t->values[c + 1]) - t->values[c]; };
+  auto same = [](double a, double b) { return std::fabs(a - b) <= 1e-3 * b; };
+  std::vector<std::pair<int, int>> regions;
+  for (int c = z; c < 256;) {
+    int last = c;
+    if (c + 2 < 256 && same(gap(c + 1), gap(c))) {
+      while (last + 1 < 256 && same(gap(last), gap(c))) ++last;
+    }
+    regions.push_back({c, last});
+    c = last + 1;
+  }
+  ZINF_CHECK(regions.size() <= kMaxRegions, "q8: {} regions", regions.size());
+  for (std::size_t r = 0; r < kMaxRegions; ++r) {
+    const auto [first, last] = regions[std::min(r, regions.size() - 1)];
+    const double v0 = t->values[first];
+    const double spacing = last > first ? static_cast<double>(t->values[first + 1]) - v0 : 0.0;
+    const float a = spacing > 0 ? static_cast<float>(1 / spacing) : 0.0f;
+    const float b = static_cast<float>(first + 0.5 - (spacing > 0 ? v0 / spacing : 0.0));
+    // The smallest and largest |n| of the region (beyond the last one: up to 2, where n' can
+    // still be).
+    const double bottom = r == 0 ? 0.0 : thresholds[first - 1];
+    const double top = r + 1 < regions.size() ? thresholds[last] : 2.0;
+    // |x' - x| for the float x' of n' (q8_kernels.h), with margin.
+    const double error = 0x1p-20 * a * top + 0x1p-23 * (a * top + std::fabs(b));
+    double drift = 0;  // how far a threshold's x is from its integer
+    for (int c = first; c < last; ++c) {
+      drift = std::max(drift, std::fabs(thresholds[c] * a + b - (c + 1)));
+    }
+    ZINF_CHECK(error + drift + 0x1p-30 < kNearFraction, "q8: region {} is not affine enough", r);
+    // x' > first throughout the region: truncation is then the floor, and never below first.
+    ZINF_CHECK(bottom * a + b - error > first, "q8: region {} starts below its code", r);
+    t->region_a[r] = a;
+    t->region_b[r] = b;
+    t->region_top[r] = last;
+  }
+  // The boundaries as float bits: each at least 2 * kBoundSteps from a binade's edge, one per
+  // binade at most.
+  t->binade_bound.fill(std::bit_cast<std::int32_t>(std::numeric_limits<float>::infinity()));
+  t->binade_region.fill(0);
+  for (std::size_t r = 1; r < regions.size(); ++r) {
+    const auto bound =
+        std::bit_cast<std::int32_t>(static_cast<float>(thresholds[regions[r].first - 1]));
+    const std::int32_t binade = (bound >> 23) - kBinadeBase;
+    const std::int32_t edge = bound & 0x7fffff;
+    ZINF_CHECK(binade >= 1 && binade < kBinades - 1 && edge >= 2 * kBoundSteps &&
+                   edge <= 0x7fffff - 2 * kBoundSteps,
+               "q8: region boundary {} is outside the binades or near an edge", r);
+    ZINF_CHECK(t->binade_bound[binade] ==
+                   std::bit_cast<std::int32_t>(std::numeric_limits<float>::infinity()),
+               "q8: two region boundaries in one binade");
+    t->binade_bound[binade] = bound;
+    for (int i = binade + 1; i < kBinades; ++i) t->binade_region[i] = static_cast<std::int32_t>(r);
+  }
+}
+
 Tables Build(MapKind kind) {
   Tables t{};
   t.values = BuildValues(kind);
@@ -158,6 +228,7 @@ Tables Build(MapKind kind) {
     t.t_lo.push_back(0.0f);
   }
   ZINF_CHECK(walk == 1, "q8 slots hold up to {} thresholds; the packed table needs 1", walk);
+  BuildAffine(thresholds, &t);
   t.entry_offset = EntryOffset(count);
   t.entry = Entries(count, t.entry_offset);
   return t;

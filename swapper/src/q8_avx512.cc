@@ -43,6 +43,52 @@ ZINF_AVX512_TARGET inline __m128i Codes16(const Entries& t, __m512 n, __mmask16*
   return _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(entry, above, entry, _mm512_set1_epi32(1)));
 }
 
+// The affine encoder's tables (q8_kernels.h) in registers.
+struct Affine {
+  __m512i bound_lo, bound_hi, region_lo, region_hi;  // by binade
+  __m512 a, b;                                       // by region
+  __m512i top;
+  __m512i mirror;
+};
+
+ZINF_AVX512_TARGET inline Affine AffineOf(const Tables& t) {
+  return {_mm512_load_si512(t.binade_bound.data()),  _mm512_load_si512(t.binade_bound.data() + 16),
+          _mm512_load_si512(t.binade_region.data()), _mm512_load_si512(t.binade_region.data() + 16),
+          _mm512_load_ps(t.region_a.data()),         _mm512_load_ps(t.region_b.data()),
+          _mm512_load_si512(t.region_top.data()),    _mm512_set1_epi32(t.mirror)};
+}
+
+// The codes of 16 values n' = x * (1 / scale) without a table gather (q8_kernels.h); *near gets
+// the lanes where n' may have another code than x / scale.
+ZINF_AVX512_TARGET inline __m128i AffineCodes16(const Affine& t, __m512 n, __mmask16* near) {
+  const __m512i bits = _mm512_castps_si512(n);
+  const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+  // The exponent is at most 255: a saturating 16-bit subtraction clamps it at kBinadeBase.
+  const __m512i binade = _mm512_min_epi32(
+      _mm512_subs_epu16(_mm512_srli_epi32(mag, 23), _mm512_set1_epi32(kBinadeBase)),
+      _mm512_set1_epi32(kBinades - 1));
+  const __m512i from_bound =
+      _mm512_sub_epi32(mag, _mm512_permutex2var_epi32(t.bound_lo, binade, t.bound_hi));
+  const __mmask16 above = _mm512_cmpgt_epi32_mask(from_bound, _mm512_setzero_si512());
+  const __mmask16 at_bound =
+      _mm512_cmple_epu32_mask(_mm512_add_epi32(from_bound, _mm512_set1_epi32(kBoundSteps)),
+                              _mm512_set1_epi32(2 * kBoundSteps));
+  __m512i region = _mm512_permutex2var_epi32(t.region_lo, binade, t.region_hi);
+  region = _mm512_mask_add_epi32(region, above, region, _mm512_set1_epi32(1));
+  const __m512 x =
+      _mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_permutexvar_ps(region, t.a)),
+                    _mm512_permutexvar_ps(region, t.b));
+  // x - rint(x): near an integer, a threshold may lie between n' and n.
+  const __m512 fraction = _mm512_abs_ps(_mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT));
+  *near = at_bound | _mm512_cmplt_ps_mask(fraction, _mm512_set1_ps(kNearFraction));
+  const __m512i code =
+      _mm512_min_epi32(_mm512_cvttps_epi32(x), _mm512_permutexvar_epi32(region, t.top));
+  const __mmask16 negative = _mm512_movepi32_mask(bits);
+  const __m512i mirrored =
+      _mm512_max_epi32(_mm512_sub_epi32(t.mirror, code), _mm512_setzero_si512());
+  return _mm512_cvtepi32_epi8(_mm512_mask_mov_epi32(code, negative, mirrored));
+}
+
 }  // namespace
 
 ZINF_AVX512_TARGET void EncodeBlockAvx512(const Tables& t, const float* x, std::size_t n,
@@ -53,9 +99,10 @@ ZINF_AVX512_TARGET void EncodeBlockAvx512(const Tables& t, const float* x, std::
   __mmask16 near;
   if (scale >= kMinReciprocalScale && scale <= kMaxReciprocalScale) {
     const __m512 reciprocal = _mm512_set1_ps(1.0f / scale);
+    const Affine affine = AffineOf(t);
     for (; i + 16 <= n; i += 16) {
       const __m512 v = _mm512_loadu_ps(x + i);
-      __m128i c = Codes16(e, _mm512_mul_ps(v, reciprocal), &near);
+      __m128i c = AffineCodes16(affine, _mm512_mul_ps(v, reciprocal), &near);
       if (near != 0) c = Codes16(e, _mm512_div_ps(v, vscale), &near);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), c);
     }

@@ -28,6 +28,26 @@
 // near a slot edge, so one lying in the next slot is farther): the kernels test exactly that
 // and recompute such a vector with the division. The codes are therefore the division's codes
 // on every input; only the time depends on how many values lie that close to a threshold.
+//
+// The AVX-512 encoder avoids the gather (~6 ns for 16 lanes on Zen 5) with arithmetic. The
+// values from the zero code up fall into regions of equally spaced values (a decade of the map,
+// zero, 1.0), so within a region of codes [first, top] the code of a = |n| is min(floor(x), top)
+// for x = a * region_a + region_b (a / spacing, shifted so that the region's threshold below
+// code c + 1 has x = c + 1). Only approximately: the values are rounded, so the thresholds drift
+// from the integers, and x' is computed in floats from n'. The tables are built (q8.cc) only
+// when the drift plus a bound on |x' - x| stays below kNearFraction; the bound is
+// 2^-20 * a * region_a (n' is within 4 steps of n: 2^-21 relative; the product's rounding) +
+// 2^-23 * |x'| (the sum's rounding), with margins. Then a lane whose x' is more than
+// kNearFraction from every integer has the exact code, and the others are recomputed as above.
+// (The build also checks x' > first at the region's bottom, so truncation is the floor.) The
+// region comes from the binade of a (its float exponent, clamped to kBinades): binade_region is
+// the region of the binade's lowest a, one more above binade_bound (the float nearest the
+// threshold between two regions, at most one per binade, at least 2 * kBoundSteps from the
+// binade's edges). A lane within kBoundSteps (twice n''s error) of binade_bound is recomputed as
+// well: elsewhere the comparison with the float gives the exact one's answer for n too.
+// Negative n: the thresholds below zero mirror those above (checked), so code(-a) =
+// max(mirror - code(a), 0) with mirror = 2 * zero_code; at a threshold (a tie) the lane is near
+// and recomputed.
 #pragma once
 
 #include <algorithm>
@@ -48,6 +68,14 @@ inline constexpr std::int32_t kNearSteps = 32;  // see the top: 8 x the reciproc
 inline constexpr float kMinReciprocalScale = 0x1p-125f;
 inline constexpr float kMaxReciprocalScale = 0x1p+125f;
 
+// The AVX-512 encoder (see the top): binade i holds the |n| of biased exponent kBinadeBase + i
+// (i = 0: all below, i = kBinades - 1: all above).
+inline constexpr int kBinades = 32;
+inline constexpr std::int32_t kBinadeBase = 127 - (kBinades - 1);
+inline constexpr int kMaxRegions = 16;
+inline constexpr std::int32_t kBoundSteps = 8;    // twice the error of x * (1 / scale)
+inline constexpr float kNearFraction = 0x1p-11f;  // x this close to an integer: recompute
+
 struct Tables {
   std::array<float, 256> values;
   // Byte b of the bits of values[c] at planes[256 * b + c] (little-endian: b = 0 is the lowest),
@@ -62,6 +90,12 @@ struct Tables {
   // The vector kernels' table (see the top): entry[(bits(n) + entry_offset) >> 16].
   std::vector<std::uint32_t> entry;
   std::uint32_t entry_offset;
+  // The AVX-512 encoder's tables (see the top), indexed by binade and by region.
+  alignas(64) std::array<std::int32_t, kBinades> binade_bound;    // float bits; +inf: none
+  alignas(64) std::array<std::int32_t, kBinades> binade_region;   // of the binade's lowest |n|
+  alignas(64) std::array<float, kMaxRegions> region_a, region_b;  // x = |n| * a + b
+  alignas(64) std::array<std::int32_t, kMaxRegions> region_top;
+  std::int32_t mirror;  // code(-a) = max(mirror - code(a), 0)
 };
 
 const Tables& TablesFor(MapKind kind);
