@@ -97,9 +97,25 @@ ZINF_AVX2_TARGET void AdamStepAvx2(const AdamScalars& s, const AdamArrays& a, st
   if (i < end) AdamStepScalar(s, a, i, end);
 }
 
-ZINF_AVX2_TARGET bool AdamStepQ8BlockAvx2(const AdamScalars& s, const AdamArrays& a,
-                                          const Q8BlockIn& in, std::size_t n, float* m_max,
+namespace {
+
+// map[codes[0, 8)] by scalar loads and inserts: on this AMD Zen 5 a third of the time of
+// vgatherdps (0.2 against 0.55 ns per element).
+ZINF_AVX2_TARGET inline __m256 Lookup8(const float* map, const std::uint8_t* codes) {
+  return _mm256_set_m128(_mm_setr_ps(map[codes[4]], map[codes[5]], map[codes[6]], map[codes[7]]),
+                         _mm_setr_ps(map[codes[0]], map[codes[1]], map[codes[2]], map[codes[3]]));
+}
+
+}  // namespace
+
+ZINF_AVX2_TARGET bool AdamStepQ8BlockAvx2(const AdamScalars& scalars, const AdamArrays& arrays,
+                                          const Q8BlockIn& block, std::size_t n, float* m_max,
                                           float* v_max) {
+  // Local copies: the stores through float* could alias the callers' structs, which would be
+  // read again for every vector.
+  const AdamScalars s = scalars;
+  const AdamArrays a = arrays;
+  const Q8BlockIn in = block;
   const Avx2Scalars k = Broadcast(s);
   const __m256 m_scale = _mm256_set1_ps(in.m_scale);
   const __m256 v_scale = _mm256_set1_ps(in.v_scale);
@@ -110,13 +126,9 @@ ZINF_AVX2_TARGET bool AdamStepQ8BlockAvx2(const AdamScalars& s, const AdamArrays
   __m256i bad = _mm256_setzero_si256();
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256i m_code =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.m_codes + i)));
-    const __m256i v_code =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in.v_codes + i)));
     __m256 m, v;
-    Step8(s, k, a, i, _mm256_mul_ps(_mm256_i32gather_ps(in.m_map, m_code, 4), m_scale),
-          _mm256_mul_ps(_mm256_i32gather_ps(in.v_map, v_code, 4), v_scale), &m, &v);
+    Step8(s, k, a, i, _mm256_mul_ps(Lookup8(in.m_map, in.m_codes + i), m_scale),
+          _mm256_mul_ps(Lookup8(in.v_map, in.v_codes + i), v_scale), &m, &v);
     const __m256i m_abs = _mm256_and_si256(_mm256_castps_si256(m), abs_mask);
     const __m256i v_abs = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
     bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi32(m_abs, max_finite),

@@ -36,7 +36,13 @@ ZINF_AVX2_TARGET inline Entries EntriesOf(const Tables& t) {
 ZINF_AVX2_TARGET inline __m256i Codes8(const Entries& t, __m256 n, __m256i* near) {
   const __m256i bits = _mm256_castps_si256(n);
   const __m256i u = _mm256_add_epi32(bits, t.offset);
-  const __m256i entry = _mm256_i32gather_epi32(t.entry, _mm256_srli_epi32(u, kSlotShift), 4);
+  // Scalar loads and inserts instead of vpgatherdd: on this AMD Zen 5 they take a third of the
+  // time.
+  alignas(32) std::int32_t slot[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(slot), _mm256_srli_epi32(u, kSlotShift));
+  const __m256i entry =
+      _mm256_setr_epi32(t.entry[slot[0]], t.entry[slot[1]], t.entry[slot[2]], t.entry[slot[3]],
+                        t.entry[slot[4]], t.entry[slot[5]], t.entry[slot[6]], t.entry[slot[7]]);
   const __m256i low16 = _mm256_set1_epi32(0xffff);
   const __m256i low = _mm256_and_si256(_mm256_xor_si256(u, _mm256_srai_epi32(bits, 31)), low16);
   const __m256i d = _mm256_sub_epi32(low, _mm256_srli_epi32(entry, 8));  // low - key + kNear
