@@ -135,6 +135,18 @@ bool Fails(FaultInjector& injector, FsOp op) {
   return true;
 }
 
+// For a write of `size` bytes (fwrite, pwrite): false when `injector` fails it (errno set);
+// else *allowed is how many bytes to write: all, or half (at least one) for a short write.
+bool WriteAllowed(FaultInjector& injector, FsOp op, std::size_t size, std::size_t* allowed) {
+  const int err = injector.ApplyFs(op);
+  if (err > 0) {
+    errno = err;
+    return false;
+  }
+  *allowed = err < 0 && size > 1 ? size / 2 : size;  // err < 0: short
+  return true;
+}
+
 }  // namespace
 
 int FaultInjectingEnv::OpenAt(int dir_fd, const char* name, int flags, mode_t mode) {
@@ -167,24 +179,18 @@ int FaultInjectingEnv::Allocate(int fd, int mode, off_t offset, off_t length) {
   return base_.Allocate(fd, mode, offset, length);
 }
 ssize_t FaultInjectingEnv::Write(int fd, const void* data, std::size_t size) {
-  const int err = injector_->ApplyFs(FsOp::kWrite);
-  if (err > 0) {
-    errno = err;
-    return -1;
-  }
-  return base_.Write(fd, data, err < 0 && size > 1 ? size / 2 : size);  // err < 0: short
+  std::size_t allowed;
+  if (!WriteAllowed(*injector_, FsOp::kWrite, size, &allowed)) return -1;
+  return base_.Write(fd, data, allowed);
 }
 ssize_t FaultInjectingEnv::Read(int fd, void* data, std::size_t size) {
   if (Fails(*injector_, FsOp::kRead)) return -1;
   return base_.Read(fd, data, size);
 }
 ssize_t FaultInjectingEnv::PWrite(int fd, const void* data, std::size_t size, off_t offset) {
-  const int err = injector_->ApplyFs(FsOp::kPWrite);
-  if (err > 0) {
-    errno = err;
-    return -1;
-  }
-  return base_.PWrite(fd, data, err < 0 && size > 1 ? size / 2 : size, offset);  // err < 0: short
+  std::size_t allowed;
+  if (!WriteAllowed(*injector_, FsOp::kPWrite, size, &allowed)) return -1;
+  return base_.PWrite(fd, data, allowed, offset);
 }
 ssize_t FaultInjectingEnv::PRead(int fd, void* data, std::size_t size, off_t offset) {
   if (Fails(*injector_, FsOp::kPRead)) return -1;
