@@ -51,13 +51,16 @@ StepKernel StepKernelFor(SimdPath path) {
 }
 
 // The q8 block kernels of `path` (q8_kernels.h, cpu_adam_kernels.h). The vector paths fuse
-// decoding into the Adam pass (`step`, which also finds the block scales) and then encode with
-// those scales; the scalar path decodes, steps and quantizes one pass after the other.
+// decoding into the Adam pass (`step`, which also finds the block scales) and encode with those
+// scales; the AVX2 step (`step_encoding`) writes a block's codes during the next block's step
+// (Q8BlockOut). The scalar path decodes, steps and quantizes one pass after the other.
 struct Q8Kernels {
   float (*quantize)(const q8::internal::Tables&, const float*, std::size_t, std::uint8_t*);
   void (*dequantize)(const q8::internal::Tables&, const std::uint8_t*, float, std::size_t, float*);
   bool (*step)(const AdamScalars&, const AdamArrays&, const internal::Q8BlockIn&, std::size_t,
                float*, float*);
+  bool (*step_encoding)(const AdamScalars&, const AdamArrays&, const internal::Q8BlockIn&,
+                        std::size_t, float*, float*, const internal::Q8BlockOut* previous);
   void (*encode)(const q8::internal::Tables&, const float*, std::size_t, float, std::uint8_t*);
 };
 
@@ -68,15 +71,22 @@ Q8Kernels Q8KernelsFor(SimdPath path) {
       return {q8::internal::QuantizeBlockAvx512, q8::internal::DequantizeBlockAvx512,
               __builtin_cpu_supports("avx512vbmi") ? internal::AdamStepQ8BlockAvx512Vbmi
                                                    : internal::AdamStepQ8BlockAvx512,
-              q8::internal::EncodeBlockAvx512};
+              nullptr, q8::internal::EncodeBlockAvx512};
     case SimdPath::kAvx2:
-      return {q8::internal::QuantizeBlockAvx2, q8::internal::DequantizeBlockAvx2,
+      return {q8::internal::QuantizeBlockAvx2, q8::internal::DequantizeBlockAvx2, nullptr,
               internal::AdamStepQ8BlockAvx2, q8::internal::EncodeBlockAvx2};
     case SimdPath::kScalar:
     case SimdPath::kAuto:
       break;
   }
-  return {q8::internal::QuantizeBlockScalar, q8::internal::DequantizeBlockScalar, nullptr, nullptr};
+  return {q8::internal::QuantizeBlockScalar, q8::internal::DequantizeBlockScalar, nullptr, nullptr,
+          nullptr};
+}
+
+// Whether the vector encoders may use 1 / scale (q8_kernels.h): the fused step encodes only
+// such blocks, the others (a zero block among them) are encoded at once.
+bool InReciprocalRange(float scale) {
+  return scale >= q8::internal::kMinReciprocalScale && scale <= q8::internal::kMaxReciprocalScale;
 }
 
 // A block's codes for its scale (the largest |x|, finite).
@@ -421,15 +431,28 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
   static_assert(kChunkNumel % q8::kBlockNumel == 0, "chunks hold whole blocks");
   const StepKernel kernel = StepKernelFor(path_);
   const Q8Kernels codec = Q8KernelsFor(path_);
+  const bool fused = codec.step != nullptr || codec.step_encoding != nullptr;
   const q8::internal::Tables& signed_map = q8::internal::TablesFor(q8::MapKind::kSigned);
   const q8::internal::Tables& unsigned_map = q8::internal::TablesFor(q8::MapKind::kUnsigned);
   std::atomic<std::size_t> bad{std::numeric_limits<std::size_t>::max()};
   const std::size_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
   pool_->Run(chunks, [&](std::size_t c) {
-    std::array<float, q8::kBlockNumel> m;
-    std::array<float, q8::kBlockNumel> v;
+    // The decoded moments of two blocks: the one being stepped, and (step_encoding) the one
+    // before while its codes are written during that step. 32 KiB, on this thread's stack.
+    std::array<float, q8::kBlockNumel> scratch_m[2];
+    std::array<float, q8::kBlockNumel> scratch_v[2];
+    int current = 0;
+    std::optional<internal::Q8BlockOut> pending;
+    auto encode_pending = [&] {
+      if (!pending) return;
+      codec.encode(signed_map, pending->m, pending->n, pending->m_scale, pending->m_codes);
+      codec.encode(unsigned_map, pending->v, pending->n, pending->v_scale, pending->v_codes);
+      pending.reset();
+    };
     const std::size_t chunk_end = std::min(n, (c + 1) * kChunkNumel);
     for (std::size_t begin = c * kChunkNumel; begin < chunk_end; begin += q8::kBlockNumel) {
+      std::array<float, q8::kBlockNumel>& m = scratch_m[current];
+      std::array<float, q8::kBlockNumel>& v = scratch_v[current];
       const std::size_t len = std::min(q8::kBlockNumel, n - begin);
       const std::size_t b = begin / q8::kBlockNumel;
       const AdamArrays arrays = {
@@ -445,7 +468,8 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
       // The segment of the block's first element, and whether the block ends inside it.
       const auto home = std::ranges::upper_bound(segments, begin, {}, &Segment::begin) - 1;
       const bool whole = home->end >= begin + len;
-      if (codec.step == nullptr || !whole) {
+      if (!fused || !whole) {
+        encode_pending();
         // Decoded, stepped (segment by segment where groups meet in the block), encoded.
         codec.dequantize(signed_map, m_codes, exp_avg.scales[b], len, m.data());
         codec.dequantize(unsigned_map, v_codes, exp_avg_sq.scales[b], len, v.data());
@@ -467,11 +491,30 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
             .v_scale = exp_avg_sq.scales[b],
         };
         float m_scale = 0.0f, v_scale = 0.0f;
-        if (codec.step(home->scalars, arrays, in, len, &m_scale, &v_scale)) {
-          Encode(codec, signed_map, m.data(), len, m_scale, m_codes);
-          Encode(codec, unsigned_map, v.data(), len, v_scale, v_codes);
+        const bool finite = codec.step_encoding != nullptr
+                                ? codec.step_encoding(home->scalars, arrays, in, len, &m_scale,
+                                                      &v_scale, pending ? &*pending : nullptr)
+                                : codec.step(home->scalars, arrays, in, len, &m_scale, &v_scale);
+        pending.reset();
+        if (finite) {
           exp_avg.scales[b] = m_scale;
           exp_avg_sq.scales[b] = v_scale;
+          if (codec.step_encoding != nullptr && InReciprocalRange(m_scale) &&
+              InReciprocalRange(v_scale)) {
+            pending = internal::Q8BlockOut{.m_tables = &signed_map,
+                                           .v_tables = &unsigned_map,
+                                           .m = m.data(),
+                                           .v = v.data(),
+                                           .n = len,
+                                           .m_scale = m_scale,
+                                           .v_scale = v_scale,
+                                           .m_codes = m_codes,
+                                           .v_codes = v_codes};
+            current ^= 1;
+          } else {
+            Encode(codec, signed_map, m.data(), len, m_scale, m_codes);
+            Encode(codec, unsigned_map, v.data(), len, v_scale, v_codes);
+          }
         } else {
           exp_avg.scales[b] = -1.0f;
           exp_avg_sq.scales[b] = -1.0f;
@@ -488,6 +531,7 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
         }
       }
     }
+    encode_pending();
   });
   if (bad.load() != std::numeric_limits<std::size_t>::max()) {
     return FailedPreconditionError(fmt::format(

@@ -14,11 +14,14 @@
 #include <cstdint>
 
 #include "cpu_adam_kernels.h"
+#include "q8_avx2_codes.h"
 
 namespace zinf::swapper::internal {
 namespace {
 
 #define ZINF_AVX2_TARGET __attribute__((target("avx2")))
+// For the q8 step's per-vector helpers, which GCC would otherwise leave as calls.
+#define ZINF_AVX2_INLINE __attribute__((target("avx2"), always_inline)) inline
 
 // Round-to-nearest-even float -> bf16 in integer arithmetic (see FloatBitsToBf16); returns the
 // 8 results packed as uint16 in order.
@@ -106,11 +109,69 @@ ZINF_AVX2_TARGET inline __m256 Lookup8(const float* map, const std::uint8_t* cod
                          _mm_setr_ps(map[codes[0]], map[codes[1]], map[codes[2]], map[codes[3]]));
 }
 
+// The block's largest |new moment| per lane, and whether one was not finite.
+struct Q8Tops {
+  __m256 m, v;
+  __m256i bad;
+};
+
+// Eight elements of a q8 block at i (AdamStepQ8BlockAvx2): decodes the old moments, steps them,
+// stores the new ones to the scratch and folds them into *tops.
+ZINF_AVX2_INLINE void StepQ8Lanes(const AdamScalars& s, const Avx2Scalars& k, const AdamArrays& a,
+                                  const Q8BlockIn& in, __m256 m_scale, __m256 v_scale,
+                                  std::size_t i, Q8Tops* tops) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i max_finite = _mm256_set1_epi32(0x7f7fffff);
+  __m256 m, v;
+  Step8(s, k, a, i, _mm256_mul_ps(Lookup8(in.m_map, in.m_codes + i), m_scale),
+        _mm256_mul_ps(Lookup8(in.v_map, in.v_codes + i), v_scale), &m, &v);
+  const __m256i m_abs = _mm256_and_si256(_mm256_castps_si256(m), abs_mask);
+  const __m256i v_abs = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+  tops->bad = _mm256_or_si256(tops->bad, _mm256_or_si256(_mm256_cmpgt_epi32(m_abs, max_finite),
+                                                         _mm256_cmpgt_epi32(v_abs, max_finite)));
+  tops->m = _mm256_max_ps(tops->m, _mm256_castsi256_ps(m_abs));
+  tops->v = _mm256_max_ps(tops->v, _mm256_castsi256_ps(v_abs));
+}
+
+// The block before, to encode during the step (Q8BlockOut): its tables and scales in registers.
+struct Q8Encoders {
+  Q8BlockOut out;  // no elements where there is no block before
+  q8::internal::avx2::Entries m_entries, v_entries;
+  q8::internal::avx2::Scale m_scale, v_scale;
+};
+
+ZINF_AVX2_TARGET inline Q8Encoders EncodersOf(const Q8BlockOut* previous) {
+  if (previous == nullptr) {
+    Q8Encoders none{};
+    return none;
+  }
+  return {*previous, q8::internal::avx2::EntriesOf(*previous->m_tables),
+          q8::internal::avx2::EntriesOf(*previous->v_tables),
+          q8::internal::avx2::ScaleOf(previous->m_scale),
+          q8::internal::avx2::ScaleOf(previous->v_scale)};
+}
+
+// The codes of the block before's elements [i, i + 8).
+ZINF_AVX2_INLINE void EncodeQ8Lanes(const Q8Encoders& e, std::size_t i) {
+  q8::internal::avx2::Encode8(e.m_entries, e.m_scale, _mm256_loadu_ps(e.out.m + i),
+                              e.out.m_codes + i);
+  q8::internal::avx2::Encode8(e.v_entries, e.v_scale, _mm256_loadu_ps(e.out.v + i),
+                              e.out.v_codes + i);
+}
+
+// The block before's codes from element i on, after the step has gone past its end.
+ZINF_AVX2_TARGET inline void EncodeRest(const Q8Encoders& e, std::size_t i) {
+  for (; i + 8 <= e.out.n; i += 8) EncodeQ8Lanes(e, i);
+  const Q8BlockOut& out = e.out;
+  q8::internal::CodesTail(*out.m_tables, out.m, i, out.n, out.m_scale, out.m_codes);
+  q8::internal::CodesTail(*out.v_tables, out.v, i, out.n, out.v_scale, out.v_codes);
+}
+
 }  // namespace
 
 ZINF_AVX2_TARGET bool AdamStepQ8BlockAvx2(const AdamScalars& scalars, const AdamArrays& arrays,
                                           const Q8BlockIn& block, std::size_t n, float* m_max,
-                                          float* v_max) {
+                                          float* v_max, const Q8BlockOut* previous) {
   // Local copies: the stores through float* could alias the callers' structs, which would be
   // read again for every vector.
   const AdamScalars s = scalars;
@@ -119,29 +180,23 @@ ZINF_AVX2_TARGET bool AdamStepQ8BlockAvx2(const AdamScalars& scalars, const Adam
   const Avx2Scalars k = Broadcast(s);
   const __m256 m_scale = _mm256_set1_ps(in.m_scale);
   const __m256 v_scale = _mm256_set1_ps(in.v_scale);
-  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-  const __m256i max_finite = _mm256_set1_epi32(0x7f7fffff);
-  __m256 m_top = _mm256_setzero_ps();
-  __m256 v_top = _mm256_setzero_ps();
-  __m256i bad = _mm256_setzero_si256();
+  const Q8Encoders encoders = EncodersOf(previous);
+  Q8Tops tops = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_si256()};
+  // The step and the encoding side by side as far as both go, then each alone.
+  const std::size_t both = std::min(n, encoders.out.n) / 8 * 8;
   std::size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 m, v;
-    Step8(s, k, a, i, _mm256_mul_ps(Lookup8(in.m_map, in.m_codes + i), m_scale),
-          _mm256_mul_ps(Lookup8(in.v_map, in.v_codes + i), v_scale), &m, &v);
-    const __m256i m_abs = _mm256_and_si256(_mm256_castps_si256(m), abs_mask);
-    const __m256i v_abs = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
-    bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi32(m_abs, max_finite),
-                                               _mm256_cmpgt_epi32(v_abs, max_finite)));
-    m_top = _mm256_max_ps(m_top, _mm256_castsi256_ps(m_abs));
-    v_top = _mm256_max_ps(v_top, _mm256_castsi256_ps(v_abs));
+  for (; i < both; i += 8) {
+    StepQ8Lanes(s, k, a, in, m_scale, v_scale, i, &tops);
+    EncodeQ8Lanes(encoders, i);
   }
+  EncodeRest(encoders, i);
+  for (; i + 8 <= n; i += 8) StepQ8Lanes(s, k, a, in, m_scale, v_scale, i, &tops);
   alignas(32) float lanes[2][8];
-  _mm256_store_ps(lanes[0], m_top);
-  _mm256_store_ps(lanes[1], v_top);
+  _mm256_store_ps(lanes[0], tops.m);
+  _mm256_store_ps(lanes[1], tops.v);
   float m_big = *std::max_element(lanes[0], lanes[0] + 8);
   float v_big = *std::max_element(lanes[1], lanes[1] + 8);
-  bool ok = _mm256_testz_si256(bad, bad);
+  bool ok = _mm256_testz_si256(tops.bad, tops.bad);
   if (i < n) {  // the tail, as the scalar kernel steps it
     for (std::size_t j = i; j < n; ++j) {
       a.exp_avg[j] = in.m_map[in.m_codes[j]] * in.m_scale;

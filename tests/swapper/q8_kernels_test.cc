@@ -1,13 +1,16 @@
 // The q8 vector kernels against the scalar rule they must reproduce bit for bit, called directly
 // (private headers): the AVX-512 arithmetic encoder and the VBMI decoding exist besides the
-// gathers they replace, and CpuAdam picks one of each per CPU, so the public tests see only one.
+// gathers they replace, and CpuAdam picks one of each per CPU, so the public tests see only one;
+// the AVX2 step encodes the block before, which CpuAdam's tests meet only with whole blocks.
 #include <algorithm>
 #include <array>
 #include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <map>
 #include <random>
 #include <string>
 #include <utility>
@@ -28,23 +31,125 @@ bool HasAvx512() {
 }
 
 using EncodeFn = void (*)(const Tables&, const float*, std::size_t, float, std::uint8_t*);
+const swapper::internal::AdamScalars kScalars = {.beta1 = 0.9f,
+                                                 .one_minus_beta1 = 0.1f,
+                                                 .beta2 = 0.999f,
+                                                 .one_minus_beta2 = 0.001f,
+                                                 .step_size = 1e-3f,
+                                                 .bc2_sqrt = 0.3f,
+                                                 .eps = 1e-8f,
+                                                 .grad_scale = 0.5f,
+                                                 .l2_decay = 0.0f,
+                                                 .param_decay = 0.99f,
+                                                 .scale_grad = true,
+                                                 .use_l2 = false,
+                                                 .use_param_decay = true};
 
-// Every vector encoder this CPU runs gives CodesTail's codes for x[0, n) / scale.
+// A block's step input over the two maps, with made-up scales.
+swapper::internal::Q8BlockIn BlockIn(const std::uint8_t* m_codes, const std::uint8_t* v_codes) {
+  const Tables& ms = TablesFor(MapKind::kSigned);
+  const Tables& vs = TablesFor(MapKind::kUnsigned);
+  return {.m_codes = m_codes,
+          .v_codes = v_codes,
+          .m_map = ms.values.data(),
+          .v_map = vs.values.data(),
+          .m_planes = ms.planes.data(),
+          .v_planes = vs.planes.data(),
+          .m_scale = 0.37f,
+          .v_scale = 2.5e-3f};
+}
+
+// The outputs of one q8 step of a block of n elements.
+struct StepOut {
+  std::vector<float> param, m, v;
+  float m_max = 0, v_max = 0;
+  bool ok = false;
+  // Bit for bit.
+  bool operator==(const StepOut& o) const {
+    auto same = [](const std::vector<float>& x, const std::vector<float>& y) {
+      return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * 4) == 0;
+    };
+    return same(param, o.param) && same(m, o.m) && same(v, o.v) &&
+           std::bit_cast<std::uint32_t>(m_max) == std::bit_cast<std::uint32_t>(o.m_max) &&
+           std::bit_cast<std::uint32_t>(v_max) == std::bit_cast<std::uint32_t>(o.v_max) &&
+           ok == o.ok;
+  }
+};
+
+// An AVX2 step of the first n elements of one made-up block of kBlockNumel.
+StepOut RunStepAvx2(std::size_t n, const swapper::internal::Q8BlockOut* previous) {
+  struct Block {
+    std::vector<std::uint8_t> m_codes, v_codes;
+    std::vector<float> grad, param;
+  };
+  static const Block block = [] {
+    std::mt19937 rng(17);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    Block b;
+    for (std::size_t i = 0; i < kBlockNumel; ++i) {
+      b.m_codes.push_back(static_cast<std::uint8_t>(rng()));
+      b.v_codes.push_back(static_cast<std::uint8_t>(rng()));
+      b.grad.push_back(normal(rng));
+      b.param.push_back(normal(rng));
+    }
+    return b;
+  }();
+  StepOut out = {std::vector<float>(block.param.begin(), block.param.begin() + n),
+                 std::vector<float>(n), std::vector<float>(n)};
+  const swapper::internal::Q8BlockIn in = BlockIn(block.m_codes.data(), block.v_codes.data());
+  const swapper::internal::AdamArrays a = {.param = out.param.data(),
+                                           .grad = block.grad.data(),
+                                           .exp_avg = out.m.data(),
+                                           .exp_avg_sq = out.v.data(),
+                                           .max_exp_avg_sq = nullptr,
+                                           .bf16 = nullptr};
+  out.ok =
+      swapper::internal::AdamStepQ8BlockAvx2(kScalars, a, in, n, &out.m_max, &out.v_max, previous);
+  return out;
+}
+
+// Every vector encoder this CPU runs gives CodesTail's codes for x[0, n) / scale: the block
+// encoders, and the AVX2 step, which encodes the block before (Q8BlockOut) beside a block of its
+// own (of another length, so that each outlasts the other) whose results do not change.
 void ExpectScalarCodes(const Tables& t, const std::vector<float>& x, float scale,
                        const std::string& what) {
   std::vector<std::uint8_t> want(x.size());
   CodesTail(t, x.data(), 0, x.size(), scale, want.data());
+  auto expect = [&](const char* name, const std::vector<std::uint8_t>& got) {
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      ASSERT_EQ(got[i], want[i]) << name << ", " << what << ": x = " << std::hexfloat << x[i]
+                                 << ", scale = " << scale << ", x / scale = " << x[i] / scale;
+    }
+  };
   std::vector<std::pair<const char*, EncodeFn>> encoders;
   if (__builtin_cpu_supports("avx2")) encoders.push_back({"avx2", EncodeBlockAvx2});
   if (HasAvx512()) encoders.push_back({"avx512", EncodeBlockAvx512});
   for (const auto& [name, encode] : encoders) {
     std::vector<std::uint8_t> got(x.size());
     encode(t, x.data(), x.size(), scale, got.data());
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      ASSERT_EQ(got[i], want[i]) << name << ", " << what << ": x = " << std::hexfloat << x[i]
-                                 << ", scale = " << scale << ", x / scale = " << x[i] / scale;
-    }
+    expect(name, got);
   }
+  if (!__builtin_cpu_supports("avx2") || scale < kMinReciprocalScale ||
+      scale > kMaxReciprocalScale) {
+    return;
+  }
+  std::vector<std::uint8_t> m_codes(x.size()), v_codes(x.size());
+  const swapper::internal::Q8BlockOut previous = {.m_tables = &TablesFor(MapKind::kSigned),
+                                                  .v_tables = &TablesFor(MapKind::kUnsigned),
+                                                  .m = x.data(),
+                                                  .v = x.data(),
+                                                  .n = x.size(),
+                                                  .m_scale = scale,
+                                                  .v_scale = scale,
+                                                  .m_codes = m_codes.data(),
+                                                  .v_codes = v_codes.data()};
+  const std::size_t step_n = (x.size() * 7 + 13) % kBlockNumel + 1;
+  static std::map<std::size_t, StepOut> alone;  // the step without a block before, by length
+  auto [it, fresh] = alone.try_emplace(step_n);
+  if (fresh) it->second = RunStepAvx2(step_n, nullptr);
+  ASSERT_TRUE(RunStepAvx2(step_n, &previous) == it->second)
+      << what << ": encoding the block before changed the AVX2 step";
+  expect("avx2 step", &t == &TablesFor(MapKind::kSigned) ? m_codes : v_codes);
 }
 
 const MapKind kKinds[] = {MapKind::kSigned, MapKind::kUnsigned};
@@ -124,21 +229,7 @@ TEST(Q8Kernels, VbmiStepEqualsTheGatherStep) {
   using swapper::internal::Q8BlockIn;
   std::mt19937 rng(13);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  const Tables& ms = TablesFor(MapKind::kSigned);
-  const Tables& vs = TablesFor(MapKind::kUnsigned);
-  const AdamScalars s = {.beta1 = 0.9f,
-                         .one_minus_beta1 = 0.1f,
-                         .beta2 = 0.999f,
-                         .one_minus_beta2 = 0.001f,
-                         .step_size = 1e-3f,
-                         .bc2_sqrt = 0.3f,
-                         .eps = 1e-8f,
-                         .grad_scale = 0.5f,
-                         .l2_decay = 0.0f,
-                         .param_decay = 0.99f,
-                         .scale_grad = true,
-                         .use_l2 = false,
-                         .use_param_decay = true};
+  const AdamScalars& s = kScalars;
   for (std::size_t n : {std::size_t{1}, std::size_t{15}, std::size_t{63}, std::size_t{64},
                         std::size_t{65}, std::size_t{1000}, kBlockNumel}) {
     std::vector<std::uint8_t> m_codes(n), v_codes(n);
@@ -149,14 +240,7 @@ TEST(Q8Kernels, VbmiStepEqualsTheGatherStep) {
       grad[i] = normal(rng);
       param[i] = normal(rng);
     }
-    const Q8BlockIn in = {.m_codes = m_codes.data(),
-                          .v_codes = v_codes.data(),
-                          .m_map = ms.values.data(),
-                          .v_map = vs.values.data(),
-                          .m_planes = ms.planes.data(),
-                          .v_planes = vs.planes.data(),
-                          .m_scale = 0.37f,
-                          .v_scale = 2.5e-3f};
+    const Q8BlockIn in = BlockIn(m_codes.data(), v_codes.data());
     struct Out {
       std::vector<float> param, m, v;
       std::vector<std::uint16_t> bf16;

@@ -174,8 +174,9 @@ class CpuAdam {
   // (unsigned map) are decoded into fp32, stepped with Step()'s operations in Step()'s order
   // (the vector paths decode inside that pass and find the block scales in it), and encoded
   // again (q8.h): the same bits on every path and thread count. The new moments exist
-  // one block at a time on each thread's stack (2 x 8 KiB): no scratch grows with the
-  // sub-group, so a q8 step needs no memory beyond its spans. With extras.segments a block
+  // one block at a time on each thread's stack (2 x 8 KiB; AVX2: two blocks, its step writes a
+  // block's codes during the next block's): no scratch grows with the sub-group, so a q8 step
+  // needs no memory beyond its spans. With extras.segments a block
   // that holds elements of two segments is decoded, stepped segment by segment and encoded
   // again: the block scales are those of the whole block, wherever the groups meet. `codes` have
   // the param's size, `scales` q8::NumBlocks of it. Errors: those of Step(); InvalidArgument with
