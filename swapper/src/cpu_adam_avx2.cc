@@ -161,8 +161,9 @@ ZINF_AVX2_INLINE void EncodeQ8Lanes(const Q8Encoders& e, std::size_t i) {
 
 // The block before's codes from element i on, after the step has gone past its end.
 ZINF_AVX2_TARGET inline void EncodeRest(const Q8Encoders& e, std::size_t i) {
-  for (; i + 8 <= e.out.n; i += 8) EncodeQ8Lanes(e, i);
   const Q8BlockOut& out = e.out;
+  for (; i + 8 <= out.n; i += 8) EncodeQ8Lanes(e, i);
+  if (i >= out.n) return;  // also where there is no block before: its tables are null
   q8::internal::CodesTail(*out.m_tables, out.m, i, out.n, out.m_scale, out.m_codes);
   q8::internal::CodesTail(*out.v_tables, out.v, i, out.n, out.v_scale, out.v_codes);
 }
