@@ -159,13 +159,12 @@ ZINF_AVX2_INLINE void EncodeQ8Lanes(const Q8Encoders& e, std::size_t i) {
                               e.out.v_codes + i);
 }
 
-// The block before's codes from element i on, after the step has gone past its end.
-ZINF_AVX2_TARGET inline void EncodeRest(const Q8Encoders& e, std::size_t i) {
-  const Q8BlockOut& out = e.out;
-  for (; i + 8 <= out.n; i += 8) EncodeQ8Lanes(e, i);
+// The block before's codes from element i on (a multiple of 8), after the step has gone past
+// its end: the block encoder's codes for the rest, which it encodes alone.
+void EncodeRest(const Q8BlockOut& out, std::size_t i) {
   if (i >= out.n) return;  // also where there is no block before: its tables are null
-  q8::internal::CodesTail(*out.m_tables, out.m, i, out.n, out.m_scale, out.m_codes);
-  q8::internal::CodesTail(*out.v_tables, out.v, i, out.n, out.v_scale, out.v_codes);
+  q8::internal::EncodeBlockAvx2(*out.m_tables, out.m + i, out.n - i, out.m_scale, out.m_codes + i);
+  q8::internal::EncodeBlockAvx2(*out.v_tables, out.v + i, out.n - i, out.v_scale, out.v_codes + i);
 }
 
 }  // namespace
@@ -190,7 +189,7 @@ ZINF_AVX2_TARGET bool AdamStepQ8BlockAvx2(const AdamScalars& scalars, const Adam
     StepQ8Lanes(s, k, a, in, m_scale, v_scale, i, &tops);
     EncodeQ8Lanes(encoders, i);
   }
-  EncodeRest(encoders, i);
+  EncodeRest(encoders.out, i);
   for (; i + 8 <= n; i += 8) StepQ8Lanes(s, k, a, in, m_scale, v_scale, i, &tops);
   alignas(32) float lanes[2][8];
   _mm256_store_ps(lanes[0], tops.m);
