@@ -83,12 +83,6 @@ Q8Kernels Q8KernelsFor(SimdPath path) {
           nullptr};
 }
 
-// Whether the vector encoders may use 1 / scale (q8_kernels.h): the fused step encodes only
-// such blocks, the others (a zero block among them) are encoded at once.
-bool InReciprocalRange(float scale) {
-  return scale >= q8::internal::kMinReciprocalScale && scale <= q8::internal::kMaxReciprocalScale;
-}
-
 // A block's codes for its scale (the largest |x|, finite).
 void Encode(const Q8Kernels& codec, const q8::internal::Tables& t, const float* x, std::size_t n,
             float scale, std::uint8_t* codes) {
@@ -499,8 +493,10 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
         if (finite) {
           exp_avg.scales[b] = m_scale;
           exp_avg_sq.scales[b] = v_scale;
-          if (codec.step_encoding != nullptr && InReciprocalRange(m_scale) &&
-              InReciprocalRange(v_scale)) {
+          // The fused step encodes only blocks whose scales allow 1 / scale (q8_kernels.h); the
+          // others, a zero block among them, are encoded at once.
+          if (codec.step_encoding != nullptr && q8::internal::InReciprocalRange(m_scale) &&
+              q8::internal::InReciprocalRange(v_scale)) {
             pending = internal::Q8BlockOut{.m_tables = &signed_map,
                                            .v_tables = &unsigned_map,
                                            .m = m.data(),

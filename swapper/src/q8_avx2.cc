@@ -22,7 +22,7 @@ ZINF_AVX2_TARGET void EncodeBlockAvx2(const Tables& t, const float* x, std::size
                                       std::uint8_t* codes) {
   const avx2::Entries e = avx2::EntriesOf(t);
   std::size_t i = 0;
-  if (scale >= kMinReciprocalScale && scale <= kMaxReciprocalScale) {
+  if (InReciprocalRange(scale)) {
     const avx2::Scale s = avx2::ScaleOf(scale);
     for (; i + 8 <= n; i += 8) avx2::Encode8(e, s, _mm256_loadu_ps(x + i), codes + i);
   } else {

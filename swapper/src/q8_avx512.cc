@@ -97,7 +97,7 @@ ZINF_AVX512_TARGET void EncodeBlockAvx512(const Tables& t, const float* x, std::
   const Entries e = EntriesOf(t);
   std::size_t i = 0;
   __mmask16 near;
-  if (scale >= kMinReciprocalScale && scale <= kMaxReciprocalScale) {
+  if (InReciprocalRange(scale)) {
     const __m512 reciprocal = _mm512_set1_ps(1.0f / scale);
     const Affine affine = AffineOf(t);
     for (; i + 16 <= n; i += 16) {

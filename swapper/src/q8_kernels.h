@@ -67,6 +67,10 @@ inline constexpr std::int32_t kNearSteps = 32;  // see the top: 8 x the reciproc
 // 1 / scale is a normal float with at most half a unit of rounding error in this range.
 inline constexpr float kMinReciprocalScale = 0x1p-125f;
 inline constexpr float kMaxReciprocalScale = 0x1p+125f;
+// Whether the vector encoders may use 1 / scale for this block scale.
+inline bool InReciprocalRange(float scale) {
+  return scale >= kMinReciprocalScale && scale <= kMaxReciprocalScale;
+}
 
 // The AVX-512 encoder (see the top): binade i holds the |n| of biased exponent kBinadeBase + i
 // (i = 0: all below, i = kBinades - 1: all above).

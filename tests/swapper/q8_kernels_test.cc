@@ -129,8 +129,7 @@ void ExpectScalarCodes(const Tables& t, const std::vector<float>& x, float scale
     encode(t, x.data(), x.size(), scale, got.data());
     expect(name, got);
   }
-  if (!__builtin_cpu_supports("avx2") || scale < kMinReciprocalScale ||
-      scale > kMaxReciprocalScale) {
+  if (!__builtin_cpu_supports("avx2") || !InReciprocalRange(scale)) {
     return;
   }
   std::vector<std::uint8_t> m_codes(x.size()), v_codes(x.size());
