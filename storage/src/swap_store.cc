@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "swap_manifest.h"
 #include "zinf/core/check.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
@@ -49,14 +50,10 @@ constexpr std::uint64_t kMaxManifestBytes = 1 << 20;
 constexpr std::chrono::milliseconds kJobLockWait{30'000};
 constexpr std::chrono::milliseconds kJobLockPoll{10};
 constexpr int kJobDirAttempts = 8;
-// Version 2 added the path_weights line; a version 1 manifest is a store of equal shares.
-constexpr const char* kManifestMagic = "zinf-swap-store 2";
-constexpr const char* kManifestMagicV1 = "zinf-swap-store 1";
 constexpr std::size_t kMaxJobIdLength = 200;
 // Probed paths whose bandwidths are all within this factor of each other get equal shares: a
 // short probe of equal drives differs by some percent from run to run.
 constexpr double kProbeEqualWithin = 1.15;
-constexpr std::size_t kMaxTensorNameLength = 1024;
 
 std::string JobDirName(const SwapStoreOptions& options) { return "zinf-" + options.job_id; }
 std::string RankDirName(const SwapStoreOptions& options) {
@@ -85,21 +82,6 @@ Status ValidateJobId(const std::string& job_id) {
   }
   if (job_id.find("..") != std::string::npos || job_id == ".") {
     return InvalidArgumentError(fmt::format("swap store: job_id '{}' contains '..'", job_id));
-  }
-  return OkStatus();
-}
-
-Status ValidateTensorName(const std::string& name) {
-  if (name.empty()) return InvalidArgumentError("swap store: tensor name is empty");
-  if (name.size() > kMaxTensorNameLength) {
-    return InvalidArgumentError(fmt::format("swap store: tensor name of {} characters (at most {})",
-                                            name.size(), kMaxTensorNameLength));
-  }
-  for (unsigned char c : name) {
-    if (c <= ' ' || c == 0x7f) {
-      return InvalidArgumentError(fmt::format(
-          "swap store: tensor name '{}' contains whitespace or a control character", name));
-    }
   }
   return OkStatus();
 }
@@ -351,6 +333,68 @@ bool IsStoreFileName(std::string_view name) {
                      [&](const char* known) { return name == known; });
 }
 
+// What a rank directory holds, and whether it is provably a store that zinf made: nothing but
+// regular files of the store's names, one of them a manifest of the current version that parses
+// and whose checksum matches. A user's directory that happens to be called zinf-<id>/rank<r>, a
+// store of an older zinf (no checksum) and one whose creation was killed before its manifest was
+// written all fail the proof: they are never emptied or removed automatically.
+struct RankDirectoryFacts {
+  std::vector<std::string> entries;  // the names listed
+  std::uint64_t size_bytes = 0;      // sum of the sizes of its regular files
+  bool kept = false;                 // it has the `kept` marker
+  std::size_t foreign = 0;           // entries a store never has (other names or file types)
+  bool truncated = false;            // more than kMaxScanEntries entries
+  std::string unproven;              // why it is not provably a store; empty when it is
+};
+
+// `rank_fd` is the directory `rank_dir`, opened without following a link. Errors: those of
+// listing it; the manifest's own problems are `unproven`, not errors.
+Result<RankDirectoryFacts> ExamineRankDirectory(int rank_fd, const std::string& rank_dir) {
+  ZINF_ASSIGN_OR_RETURN(DirectoryListing listing,
+                        ListStoreDirectory(rank_fd, rank_dir, SwapStore::kMaxScanEntries));
+  RankDirectoryFacts facts;
+  facts.truncated = listing.truncated;
+  bool has_manifest = false;
+  for (const std::string& entry : listing.names) {
+    struct stat st {};
+    if (Env::Default().StatAt(rank_fd, entry.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      if (errno != ENOENT) ++facts.foreign;
+      continue;
+    }
+    if (!IsStoreFileName(entry) || !S_ISREG(st.st_mode)) {
+      ++facts.foreign;
+      continue;
+    }
+    facts.size_bytes += static_cast<std::uint64_t>(st.st_size);
+    facts.kept = facts.kept || entry == kKeptName;
+    has_manifest = has_manifest || entry == kManifestName;
+  }
+  facts.entries = std::move(listing.names);
+  if (facts.foreign != 0 || facts.truncated) return facts;
+  if (!has_manifest) {
+    facts.unproven =
+        "it has no manifest (a store whose creation was killed early, or not a swap store)";
+    return facts;
+  }
+  const std::string path = rank_dir + "/" + kManifestName;
+  Result<std::string> text =
+      ReadSmallFileAt(rank_fd, kManifestName, path, kMaxManifestBytes, Follow::kNo);
+  if (!text) {
+    facts.unproven = fmt::format("its manifest cannot be read: {}", text.error().message());
+    return facts;
+  }
+  Result<Manifest> manifest = ParseManifest(*text);
+  if (!manifest) {
+    facts.unproven =
+        fmt::format("{} is not a swap store manifest: {}", path, manifest.error().message());
+  } else if (manifest->version != kManifestVersion) {
+    facts.unproven = fmt::format(
+        "its manifest is of version {} (an older zinf's), which carries no checksum to prove it",
+        manifest->version);
+  }
+  return facts;
+}
+
 }  // namespace
 
 SwapStore::SwapStore(const SwapStoreOptions& options) : options_(options) {
@@ -445,6 +489,18 @@ Status SwapStore::OpenImpl() {
         })->rank_dir));
   }
   resumed_ = present != 0;
+  if (!resumed_) {
+    // The weights of a new store, written into each rank directory's manifest as soon as it
+    // exists (a probe's are known only after pass 3: equal shares until then).
+    if (options_.probe_path_weights) {
+      stripe_map_ = StripeMap::Equal(paths_.size());
+    } else {
+      ZINF_RETURN_IF_ERROR(ChooseWeights());
+    }
+  }
+  for (PathState& ps : paths_) {
+    if (ps.stale) ZINF_RETURN_IF_ERROR(EmptyStaleRankDirectory(ps));
+  }
   // Pass 3: create the rank directories of a new store, then open (or create) the data files.
   for (PathState& ps : paths_) {
     if (!resumed_ && !ps.rank_fd) ZINF_RETURN_IF_ERROR(CreateRankDirectory(ps));
@@ -460,10 +516,18 @@ Status SwapStore::OpenImpl() {
         options_.stripe_unit_bytes, alignment_));
   }
   ZINF_RETURN_IF_ERROR(MarkKept());
-  ZINF_RETURN_IF_ERROR(resumed_ ? ReadManifest() : ChooseWeights());
+  const bool probed = !resumed_ && options_.probe_path_weights;
+  if (resumed_) {
+    ZINF_RETURN_IF_ERROR(ReadManifest());
+  } else if (probed) {
+    ZINF_RETURN_IF_ERROR(ChooseWeights());
+  }
   options_.path_weights = stripe_map_.weights();
   options_.probe_path_weights = false;
-  return resumed_ ? OkStatus() : WriteManifest();
+  // The probed weights; a resumed store of an older zinf gets a manifest of this version, with
+  // its checksum, on every path (so that it is provably a store once its owner is gone).
+  if (probed || (resumed_ && manifest_version_ != kManifestVersion)) return WriteManifest();
+  return OkStatus();
 }
 
 Status SwapStore::OpenPath(PathState& ps, const std::string& path,
@@ -511,19 +575,29 @@ Result<bool> SwapStore::OpenExistingRankDirectory(PathState& ps) {
         ps.rank_dir));
   }
   if (!options_.resume && options_.reclaim_stale) {
-    // Nobody holds the lock: a killed instance left this store behind. Its data is scratch.
-    struct stat kept {};
-    const bool was_kept =
-        Env::Default().StatAt(ps.rank_fd.get(), kKeptName, &kept, AT_SYMLINK_NOFOLLOW) == 0;
-    ZINF_LOG_WARN(
-        "swap store {}: removing the store a killed instance of job '{}' left "
-        "behind{}",
-        ps.rank_dir, options_.job_id,
-        was_kept ? " (it was kept with keep_swap; this run does not keep it)" : "");
-    for (const char* name : kStoreFileNames) {
-      ZINF_RETURN_IF_ERROR(UnlinkIfPresent(ps.rank_fd.get(), name, 0, ps.rank_dir + "/" + name));
+    // Nobody holds the lock: a killed instance left this store behind, if the directory proves
+    // to be one. It is emptied once every path's proves so (EmptyStaleRankDirectory).
+    Result<RankDirectoryFacts> facts = ExamineRankDirectory(ps.rank_fd.get(), ps.rank_dir);
+    std::string why;
+    if (!facts) {
+      why = std::string(facts.error().message());
+    } else if (facts->foreign != 0 || facts->truncated) {
+      why = facts->truncated ? fmt::format("it has more than {} entries", kMaxScanEntries)
+                             : fmt::format("it holds {} entr{} a swap store never has",
+                                           facts->foreign, facts->foreign == 1 ? "y" : "ies");
+    } else {
+      why = facts->unproven;
     }
-    ps.created_rank_dir = true;  // ours now: removed at Close like a new one
+    if (!why.empty()) {
+      ps.rank_fd.Reset();  // not ours: never touched by the cleanup of this failed open
+      return AlreadyExistsError(fmt::format(
+          "swap store {} exists, but is not provably a swap store that zinf made ({}), so it is "
+          "not emptied for reuse; if a killed run of job '{}' left it behind, remove it with: "
+          "rm -rf {}; otherwise give this run another job_id or nvme_path",
+          ps.rank_dir, why, options_.job_id, ps.rank_dir));
+    }
+    ps.stale = true;
+    ps.stale_was_kept = facts->kept;
     return false;
   }
   if (!options_.resume) {
@@ -533,6 +607,23 @@ Result<bool> SwapStore::OpenExistingRankDirectory(PathState& ps) {
         ps.rank_dir, options_.job_id, options_.world_rank));
   }
   return true;
+}
+
+Status SwapStore::EmptyStaleRankDirectory(PathState& ps) {
+  ZINF_LOG_WARN(
+      "swap store {}: removing the store a killed instance of job '{}' left behind{}", ps.rank_dir,
+      options_.job_id,
+      ps.stale_was_kept ? " (it was kept with keep_swap; this run does not keep it)" : "");
+  // The new manifest first (it replaces the old one atomically): the directory stays provably a
+  // store whenever this process is killed.
+  ps.created_rank_dir = true;  // ours now: removed at Close (or a failed Open) like a new one
+  ZINF_RETURN_IF_ERROR(
+      WriteManifestAt(ps, ManifestText(options_.stripe_unit_bytes, stripe_map_, {})));
+  for (const char* name : kStoreFileNames) {
+    if (std::string_view(name) == kManifestName) continue;
+    ZINF_RETURN_IF_ERROR(UnlinkIfPresent(ps.rank_fd.get(), name, 0, ps.rank_dir + "/" + name));
+  }
+  return OkStatus();
 }
 
 Status SwapStore::CreateRankDirectory(PathState& ps) {
@@ -557,7 +648,8 @@ Status SwapStore::CreateRankDirectory(PathState& ps) {
         "swap store {} was created or removed concurrently by another instance of job '{}'",
         ps.rank_dir, options_.job_id));
   }
-  return OkStatus();
+  // At once: a directory without a manifest is never taken for a store (ExamineRankDirectory).
+  return WriteManifestAt(ps, ManifestText(options_.stripe_unit_bytes, stripe_map_, {}));
 }
 
 Status SwapStore::OpenDataFile(PathState& ps) {
@@ -674,44 +766,25 @@ Status SwapStore::MarkKept() {
   return OkStatus();
 }
 
-namespace {
-
-// The weights of a manifest's line "path_weights 1 3": one decimal integer per path.
-Result<StripeMap> ParseManifestWeights(const std::string& line, std::size_t num_paths) {
-  std::istringstream in(line);
-  std::string key;
-  if (!(in >> key) || key != "path_weights") {
-    return DataLossError(fmt::format("expected path_weights, got '{}'", line));
-  }
-  std::vector<std::uint32_t> weights;
-  for (std::string word; in >> word;) {
-    std::uint32_t w = 0;
-    const auto [end, ec] = std::from_chars(word.data(), word.data() + word.size(), w);
-    if (ec != std::errc() || end != word.data() + word.size()) {
-      return DataLossError(fmt::format("path weight '{}' is not an integer in [1, {}]", word,
-                                       std::numeric_limits<std::uint32_t>::max()));
-    }
-    weights.push_back(w);
-  }
-  if (weights.size() != num_paths) {
-    return DataLossError(fmt::format("{} path weights for {} paths", weights.size(), num_paths));
-  }
-  return StripeMap::FromWeights(weights);
-}
-
-}  // namespace
-
-Status SwapStore::WriteManifest() {
-  std::string text =
-      fmt::format("{}\nstripe_unit_bytes {}\npaths {}\npath_weights {}\ntensors {}\n",
-                  kManifestMagic, options_.stripe_unit_bytes, paths_.size(),
-                  fmt::join(stripe_map_.weights(), " "), tensors_.size());
-  for (const Tensor& t : tensors_) {
-    text += fmt::format("tensor {} {}\n", t.extent.size_bytes, t.extent.name);
-  }
-  const PathState& ps = paths_[0];
+Status SwapStore::WriteManifestAt(const PathState& ps, const std::string& text) {
   return Annotate(WriteFileAtomicAt(ps.rank_fd.get(), ps.rank_dir, kManifestName, text, 0600),
                   "swap store: ");
+}
+
+Status SwapStore::WriteManifest() {
+  // A resumed store whose tensors are not all reserved again yet keeps the manifest's list (the
+  // reserved ones are its prefix, Reserve checks).
+  std::vector<TensorSpec> specs = manifest_tensors_;
+  if (tensors_.size() >= manifest_tensors_.size()) {
+    specs.clear();
+    for (const Tensor& t : tensors_) specs.push_back({t.extent.name, t.extent.size_bytes});
+  }
+  const std::string text = ManifestText(options_.stripe_unit_bytes, stripe_map_, specs);
+  // The first path's (the one a resume reads) last: a failure leaves it as it was.
+  for (std::size_t i = paths_.size(); i-- > 0;) {
+    ZINF_RETURN_IF_ERROR(WriteManifestAt(paths_[i], text));
+  }
+  return OkStatus();
 }
 
 Status SwapStore::ReadManifest() {
@@ -733,53 +806,32 @@ Status SwapStore::ReadManifest() {
     }
     return std::move(read).error().WithContext("swap store: ");
   }
-  const std::string text = std::move(*read);
-
-  auto corrupt = [&](std::string_view why) {
-    return DataLossError(fmt::format("swap store: manifest {} is corrupt: {}", path, why));
-  };
-  std::istringstream in(text);
-  std::string line;
-  if (!std::getline(in, line) || (line != kManifestMagic && line != kManifestMagicV1)) {
-    return corrupt("bad first line");
+  Result<Manifest> manifest = ParseManifest(*read);
+  if (!manifest) {
+    return DataLossError(
+        fmt::format("swap store: manifest {} is corrupt: {}", path, manifest.error().message()));
   }
-  const bool has_weights = line == kManifestMagic;
-  std::string key;
-  std::uint64_t stripe_unit = 0, num_paths = 0, num_tensors = 0;
-  if (!(in >> key >> stripe_unit) || key != "stripe_unit_bytes") return corrupt("stripe unit");
-  if (!(in >> key >> num_paths) || key != "paths") return corrupt("path count");
-  if (stripe_unit != options_.stripe_unit_bytes || num_paths != paths_.size()) {
+  if (manifest->stripe_unit_bytes != options_.stripe_unit_bytes ||
+      manifest->num_paths != paths_.size()) {
     return FailedPreconditionError(fmt::format(
         "swap store: cannot resume {}: it was created with stripe_unit_bytes {} over {} path(s), "
         "now configured {} over {}",
-        ps.rank_dir, stripe_unit, num_paths, options_.stripe_unit_bytes, paths_.size()));
+        ps.rank_dir, manifest->stripe_unit_bytes, manifest->num_paths, options_.stripe_unit_bytes,
+        paths_.size()));
   }
-  Result<StripeMap> map = StripeMap::Equal(paths_.size());
-  if (has_weights) {
-    std::getline(in, line);  // the end of the "paths" line
-    if (!std::getline(in, line)) return corrupt("no path_weights line");
-    map = ParseManifestWeights(line, paths_.size());
-    if (!map) return corrupt(map.error().message());
-  }
-  if (!(in >> key >> num_tensors) || key != "tensors") return corrupt("tensor count");
+  const StripeMap& map = manifest->map;
   Result<StripeMap> asked = MapOfOptions(options_);  // validated by Open
-  if (options_.probe_path_weights || (asked && *asked != *map)) {
+  if (options_.probe_path_weights || (asked && *asked != map)) {
     ZINF_LOG_INFO("swap store {}: resumed with the path weights {} it was created with ({})",
-                  ps.rank_dir, map->WeightsText(),
+                  ps.rank_dir, map.WeightsText(),
                   options_.probe_path_weights     ? "not probed again"
                   : options_.path_weights.empty() ? "no weights given"
                                                   : fmt::format("{} given", asked->WeightsText()));
   }
-  stripe_map_ = std::move(*map);
+  stripe_map_ = map;
   weights_source_ = "from the manifest";
-  manifest_tensors_.clear();
-  for (std::uint64_t i = 0; i < num_tensors; ++i) {
-    TensorSpec spec;
-    if (!(in >> key >> spec.size_bytes >> spec.name) || key != "tensor") {
-      return corrupt(fmt::format("tensor {} of {}", i, num_tensors));
-    }
-    manifest_tensors_.push_back(std::move(spec));
-  }
+  manifest_version_ = manifest->version;
+  manifest_tensors_ = std::move(manifest->tensors);
   return OkStatus();
 }
 
@@ -909,13 +961,17 @@ class StaleScan {
         ListStoreDirectory(job_fd->get(), job_dir, SwapStore::kMaxScanEntries);
     if (!listing) return Warn(listing.error());
     WarnIfTruncated(*listing, job_dir);
+    std::size_t removed = 0;
     for (const std::string& rank_name : listing->names) {
       const std::optional<int> rank = ParseRankDirName(rank_name);
       if (!rank) continue;
-      ScanRankDirectory(job_fd->get(), rank_name, job_dir + "/" + rank_name, job_id, *rank);
+      if (ScanRankDirectory(job_fd->get(), rank_name, job_dir + "/" + rank_name, job_id, *rank)) {
+        ++removed;
+      }
     }
-    if (ours) return;
-    // Removed when it became empty (ENOTEMPTY: a kept store or foreign entries stay in it).
+    // Removed when this scan emptied it of proven stores (ENOTEMPTY: a kept store or other
+    // entries stay in it); a job directory that held none may be anybody's.
+    if (ours || removed == 0) return;
     Result<bool> linked = StillLinked(path_fd, name, job_fd->get(), job_dir);
     if (linked && *linked && Env::Default().UnlinkAt(path_fd, name.c_str(), AT_REMOVEDIR) != 0 &&
         errno != ENOTEMPTY && errno != EEXIST && errno != ENOENT) {
@@ -923,48 +979,45 @@ class StaleScan {
     }
   }
 
-  void ScanRankDirectory(int job_fd, const std::string& name, const std::string& rank_dir,
+  // True when it removed the rank directory: a proven store that no live process holds.
+  bool ScanRankDirectory(int job_fd, const std::string& name, const std::string& rank_dir,
                          const std::string& job_id, int rank) {
     std::optional<UniqueFd> rank_fd = OpenOwnDirectory(job_fd, name, rank_dir);
-    if (!rank_fd || !LockStale(job_fd, name, rank_fd->get(), rank_dir)) return;
-    Result<DirectoryListing> listing =
-        ListStoreDirectory(rank_fd->get(), rank_dir, SwapStore::kMaxScanEntries);
-    if (!listing) return Warn(listing.error());
-    StaleStore stale{.directory = rank_dir, .job_id = job_id, .world_rank = rank};
-    std::size_t foreign = listing->truncated ? 1 : 0;
-    bool kept = false;
-    for (const std::string& entry : listing->names) {
-      struct stat st {};
-      if (Env::Default().StatAt(rank_fd->get(), entry.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
-        if (errno != ENOENT) ++foreign;
-        continue;
-      }
-      if (!IsStoreFileName(entry) || S_ISDIR(st.st_mode)) {
-        ++foreign;
-        continue;
-      }
-      if (S_ISREG(st.st_mode)) stale.size_bytes += static_cast<std::uint64_t>(st.st_size);
-      kept = kept || entry == kKeptName;
+    if (!rank_fd || !LockStale(job_fd, name, rank_fd->get(), rank_dir)) return false;
+    Result<RankDirectoryFacts> facts = ExamineRankDirectory(rank_fd->get(), rank_dir);
+    if (!facts) {
+      Warn(facts.error());
+      return false;
     }
+    StaleStore stale{.directory = rank_dir,
+                     .job_id = job_id,
+                     .world_rank = rank,
+                     .size_bytes = facts->size_bytes};
     const std::string size = FormatBytes(stale.size_bytes);
-    if (kept) {
+    if (facts->foreign != 0 || facts->truncated) {
+      const std::string what = facts->truncated
+                                   ? fmt::format("more than {} entries", SwapStore::kMaxScanEntries)
+                                   : fmt::format("{} entr{} a swap store never has", facts->foreign,
+                                                 facts->foreign == 1 ? "y" : "ies");
+      ZINF_LOG_WARN(
+          "swap store {} ({}) that a killed run of job '{}' may have left behind holds {}; not "
+          "removed: remove it with: rm -rf {}",
+          rank_dir, size, job_id, what, rank_dir);
+      stale.action = StaleAction::kLeft;
+    } else if (!facts->unproven.empty()) {
+      ZINF_LOG_WARN(
+          "{} ({}) is not provably a swap store that zinf made: {}; not removed: if a killed run "
+          "of job '{}' left it behind, remove it with: rm -rf {}",
+          rank_dir, size, facts->unproven, job_id, rank_dir);
+      stale.action = StaleAction::kLeft;
+    } else if (facts->kept) {
       ZINF_LOG_WARN(
           "swap store {} ({}) of job '{}' was kept (keep_swap) by a run that has ended; it is "
           "not removed automatically: remove it with: rm -rf {}",
           rank_dir, size, job_id, rank_dir);
       stale.action = StaleAction::kKept;
-    } else if (foreign != 0) {
-      const std::string what = listing->truncated
-                                   ? fmt::format("more than {} entries", SwapStore::kMaxScanEntries)
-                                   : fmt::format("{} entr{} a swap store never has", foreign,
-                                                 foreign == 1 ? "y" : "ies");
-      ZINF_LOG_WARN(
-          "swap store {} ({}) that a killed run of job '{}' left behind holds {}; not removed: "
-          "remove it with: rm -rf {}",
-          rank_dir, size, job_id, what, rank_dir);
-      stale.action = StaleAction::kLeft;
     } else {
-      stale.action = Remove(job_fd, name, rank_fd->get(), rank_dir, listing->names)
+      stale.action = Remove(job_fd, name, rank_fd->get(), rank_dir, facts->entries)
                          ? StaleAction::kRemoved
                          : StaleAction::kLeft;
       if (stale.action == StaleAction::kRemoved) {
@@ -972,7 +1025,9 @@ class StaleScan {
                       rank_dir, size, job_id);
       }
     }
+    const bool removed = stale.action == StaleAction::kRemoved;
     found_->push_back(std::move(stale));
+    return removed;
   }
 
   // Unlinks the store's files (`entries`, all known names) and the rank directory itself.

@@ -41,6 +41,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::zinf::testing::IsOk;
 using ::zinf::testing::ScratchDir;
 using ::zinf::testing::StatusIs;
@@ -405,38 +406,6 @@ TEST(SwapStore, ExistingStoreWithoutResumeIsAlreadyExists) {
   ZINF_ASSERT_OK_AND_ASSIGN(auto other,
                             SwapStore::Open(MakeOptions({dir.path()}, UniqueJob("exists2"))));
   EXPECT_NE(other->directory(0), first->directory(0));
-}
-
-TEST(SwapStore, ReclaimStaleReusesOnlyADeadInstancesStore) {
-  ScratchDir dir("swap");
-  SwapStoreOptions options = MakeOptions({dir.path()}, UniqueJob("stale"));
-  options.reclaim_stale = true;
-  std::string rank_dir;
-  {
-    ZINF_ASSERT_OK_AND_ASSIGN(auto live, SwapStore::Open(options));
-    rank_dir = live->directory(0);
-    ZINF_ASSERT_OK(live->Reserve({{"x", 100}}));
-    // A live instance holds its store: reclaim_stale must not take it.
-    EXPECT_THAT(SwapStore::Open(options),
-                StatusIs(ErrorCode::kAlreadyExists, HasSubstr("another running instance")));
-    std::vector<std::byte> out(100);
-    ZINF_ASSERT_OK(live->Read("x", out));
-  }
-  // A killed instance: its files stay behind, nobody holds the lock.
-  ASSERT_TRUE(fs::create_directories(rank_dir));
-  { std::ofstream(rank_dir + "/swap.bin") << "stale"; }
-  { std::ofstream(rank_dir + "/manifest") << "stale"; }
-  options.reclaim_stale = false;
-  EXPECT_THAT(SwapStore::Open(options), StatusIs(ErrorCode::kAlreadyExists, HasSubstr("resume")));
-  options.reclaim_stale = true;
-  {
-    ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
-    EXPECT_FALSE(store->resumed());
-    ZINF_ASSERT_OK(store->Reserve({{"y", 64}}));
-    ZINF_ASSERT_OK(store->Write("y", Pattern("y", 64)));
-    ZINF_ASSERT_OK(store->Close());
-  }
-  EXPECT_FALSE(fs::exists(rank_dir));
 }
 
 TEST(SwapStore, ResumeReopensAndDataSurvives) {
@@ -852,6 +821,39 @@ Result<std::vector<StaleStore>> ReclaimCapturing(const SwapStoreOptions& options
   return found;
 }
 
+TEST(SwapStore, ReclaimStaleReusesOnlyADeadInstancesStore) {
+  ScratchDir dir("swap");
+  SwapStoreOptions options = MakeOptions({dir.path()}, UniqueJob("stale"));
+  options.reclaim_stale = true;
+  std::string rank_dir;
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto live, SwapStore::Open(options));
+    rank_dir = live->directory(0);
+    ZINF_ASSERT_OK(live->Reserve({{"x", 100}}));
+    // A live instance holds its store: reclaim_stale must not take it.
+    EXPECT_THAT(SwapStore::Open(options),
+                StatusIs(ErrorCode::kAlreadyExists, HasSubstr("another running instance")));
+    std::vector<std::byte> out(100);
+    ZINF_ASSERT_OK(live->Read("x", out));
+  }
+  // A killed instance: its files stay behind, nobody holds the lock.
+  ASSERT_TRUE(LeaveStaleStore(options));
+  ASSERT_TRUE(fs::exists(rank_dir + "/manifest"));
+  options.reclaim_stale = false;
+  EXPECT_THAT(SwapStore::Open(options), StatusIs(ErrorCode::kAlreadyExists, HasSubstr("resume")));
+  options.reclaim_stale = true;
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
+    EXPECT_FALSE(store->resumed());
+    ZINF_ASSERT_OK(store->Reserve({{"y", 64}}));
+    ZINF_ASSERT_OK(store->Write("y", Pattern("y", 64)));
+    EXPECT_THAT(ReadFileText(rank_dir + "/manifest"),
+                AllOf(HasSubstr("tensor 64 y\n"), Not(HasSubstr(" x\n"))));
+    ZINF_ASSERT_OK(store->Close());
+  }
+  EXPECT_FALSE(fs::exists(rank_dir));
+}
+
 TEST(SwapStoreReclaim, KilledProcesssStoreIsRemovedByAnotherJob) {
   ScratchDir a("swap-a"), b("swap-b");
   const SwapStoreOptions killed = MakeOptions({a.path(), b.path()}, UniqueJob("killed"), 4096);
@@ -860,6 +862,9 @@ TEST(SwapStoreReclaim, KilledProcesssStoreIsRemovedByAnotherJob) {
   ASSERT_TRUE(fs::exists(job_a + "/rank3/swap.bin"));
   ASSERT_TRUE(fs::exists(job_a + "/rank3/manifest"));
   ASSERT_TRUE(fs::exists(b.path() + "/zinf-" + killed.job_id + "/rank3/swap.bin"));
+  // Every path's rank directory carries the manifest that proves it a store.
+  EXPECT_EQ(ReadFileText(b.path() + "/zinf-" + killed.job_id + "/rank3/manifest"),
+            ReadFileText(job_a + "/rank3/manifest"));
   EXPECT_FALSE(fs::exists(job_a + "/rank3/kept"));
 
   std::string log;
@@ -1013,13 +1018,15 @@ TEST(SwapStoreReclaim, PlantedSymlinksAreNeverFollowed) {
   EXPECT_THAT(log, HasSubstr("symbolic link"));
   EXPECT_TRUE(fs::exists(dir.Join("zinf-real/rank2/manifest")));
 
+  // A rank directory whose store names are a link and a FIFO is no store: left as it is.
   ZINF_ASSERT_OK_AND_ASSIGN(found,
                             SwapStore::ReclaimStale(MakeOptions({dir.path()}, UniqueJob("next"))));
   ASSERT_EQ(found.size(), 1u);
   EXPECT_EQ(found[0].directory, dir.Join("zinf-real/rank2"));
-  EXPECT_EQ(found[0].action, StaleAction::kRemoved);
-  EXPECT_FALSE(fs::exists(dir.Join("zinf-real/rank2")));
-  // The links stay (the job directory with one is not empty), their targets are untouched.
+  EXPECT_EQ(found[0].action, StaleAction::kLeft);
+  EXPECT_TRUE(fs::is_symlink(dir.Join("zinf-real/rank2/swap.bin")));
+  EXPECT_TRUE(fs::is_fifo(dir.Join("zinf-real/rank2/manifest")));
+  // The links stay, their targets are untouched.
   EXPECT_TRUE(fs::is_symlink(dir.Join("zinf-planted")));
   EXPECT_TRUE(fs::is_symlink(dir.Join("zinf-real/rank1")));
   EXPECT_EQ(ReadFileText(elsewhere.Join("rank0/swap.bin")), "precious");
@@ -1058,6 +1065,171 @@ TEST(SwapStoreReclaim, ForeignEntriesAndHugeDirectoriesAreLeftWithAWarning) {
   EXPECT_TRUE(fs::exists(dir.Join("zinf-odd/rank0/notes.txt")));
   EXPECT_TRUE(fs::exists(dir.Join("zinf-x/rank-1")));
   EXPECT_TRUE(fs::exists(dir.Join("other/rank0")));
+}
+
+// ---- Only what is provably a store that zinf made is ever removed ----
+
+// Replaces `from` by `to` in the text of the file `path` (once; the test fails without it).
+void EditFile(const std::string& path, const std::string& from, const std::string& to) {
+  std::string text = ReadFileText(path);
+  const std::size_t at = text.find(from);
+  ASSERT_NE(at, std::string::npos) << path << " has no '" << from << "' in:\n" << text;
+  text.replace(at, from.size(), to);
+  std::ofstream(path, std::ios::trunc) << text;
+}
+
+// Opens `options` with reclaim_stale, stderr captured into *log.
+Result<std::unique_ptr<SwapStore>> OpenCapturing(SwapStoreOptions options, std::string* log) {
+  options.reclaim_stale = true;
+  ::testing::internal::CaptureStderr();
+  Result<std::unique_ptr<SwapStore>> store = SwapStore::Open(options);
+  *log = ::testing::internal::GetCapturedStderr();
+  return store;
+}
+
+// Issue 41: <nvme_path>/zinf-mynotes/rank0/manifest holding "my notes" was removed as a swap
+// store that a killed run of job 'mynotes' left behind.
+TEST(SwapStoreReclaim, AUsersDirectoryThatLooksLikeAStoreIsNeverRemoved) {
+  ScratchDir dir("swap");
+  const std::string job = UniqueJob("mynotes");
+  const std::string rank_dir = dir.Join("zinf-" + job + "/rank0");
+  ASSERT_TRUE(fs::create_directories(rank_dir));
+  { std::ofstream(rank_dir + "/manifest") << "my notes"; }
+
+  std::string log;
+  ZINF_ASSERT_OK_AND_ASSIGN(std::vector<StaleStore> found,
+                            ReclaimCapturing(MakeOptions({dir.path()}, UniqueJob("next")), &log));
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].directory, rank_dir);
+  EXPECT_EQ(found[0].action, StaleAction::kLeft);
+  EXPECT_THAT(log, AllOf(HasSubstr("[warn"),
+                         HasSubstr(rank_dir + " (8 B) is not provably a swap "
+                                              "store that zinf made"),
+                         HasSubstr("bad first line"), HasSubstr("rm -rf " + rank_dir)));
+  EXPECT_THAT(log, Not(HasSubstr("removed the swap store")));
+  EXPECT_EQ(ReadFileText(rank_dir + "/manifest"), "my notes");
+
+  // The same job and rank with reclaim_stale: a clear error, nothing emptied.
+  SwapStoreOptions same = MakeOptions({dir.path()}, job);
+  same.world_rank = 0;
+  EXPECT_THAT(OpenCapturing(same, &log),
+              StatusIs(ErrorCode::kAlreadyExists,
+                       AllOf(HasSubstr(rank_dir), HasSubstr("not provably a swap store"),
+                             HasSubstr("bad first line"), HasSubstr("rm -rf " + rank_dir))));
+  EXPECT_THAT(log, Not(HasSubstr("removing")));
+  EXPECT_EQ(ReadFileText(rank_dir + "/manifest"), "my notes");
+  EXPECT_EQ(std::distance(fs::directory_iterator(rank_dir), fs::directory_iterator()), 1);
+}
+
+TEST(SwapStoreReclaim, AManifestWithAWrongChecksumIsNoProof) {
+  ScratchDir dir("swap");
+  SwapStoreOptions killed = MakeOptions({dir.path()}, UniqueJob("checksum"));
+  ASSERT_TRUE(LeaveStaleStore(killed, 4096));
+  const std::string rank_dir = dir.Join("zinf-" + killed.job_id + "/rank3");
+  // Same length, one digit changed: only the checksum tells.
+  EditFile(rank_dir + "/manifest", "tensor 4096 x", "tensor 4097 x");
+
+  std::string log;
+  ZINF_ASSERT_OK_AND_ASSIGN(std::vector<StaleStore> found,
+                            ReclaimCapturing(MakeOptions({dir.path()}, UniqueJob("next")), &log));
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].action, StaleAction::kLeft);
+  EXPECT_THAT(log, AllOf(HasSubstr("checksum mismatch"), HasSubstr("rm -rf " + rank_dir)));
+  EXPECT_TRUE(fs::exists(rank_dir + "/swap.bin"));
+
+  EXPECT_THAT(OpenCapturing(killed, &log),
+              StatusIs(ErrorCode::kAlreadyExists,
+                       AllOf(HasSubstr(rank_dir), HasSubstr("checksum mismatch"))));
+  EXPECT_TRUE(fs::exists(rank_dir + "/swap.bin"));
+  // Resuming it is DataLoss.
+  killed.resume = true;
+  EXPECT_THAT(SwapStore::Open(killed),
+              StatusIs(ErrorCode::kDataLoss, AllOf(HasSubstr(rank_dir + "/manifest is corrupt"),
+                                                   HasSubstr("checksum mismatch"))));
+}
+
+// A store of an older zinf (manifest version 2, no checksum) is left with a WARN; resumed, it
+// gets a manifest of this version and is removable from then on.
+TEST(SwapStoreReclaim, AnOlderVersionsStoreIsLeftUntilResumed) {
+  ScratchDir a("swap-a"), b("swap-b");
+  SwapStoreOptions old = MakeOptions({a.path(), b.path()}, UniqueJob("v2"), 4096);
+  ASSERT_TRUE(LeaveStaleStore(old, 4096));
+  const std::string rank_a = a.Join("zinf-" + old.job_id + "/rank3");
+  const std::string rank_b = b.Join("zinf-" + old.job_id + "/rank3");
+  // What the zinf of version 2 wrote: no checksum line, and a manifest on the first path only.
+  std::string text = ReadFileText(rank_a + "/manifest");
+  ASSERT_THAT(text, HasSubstr("zinf-swap-store 3\n"));
+  text.replace(text.find("zinf-swap-store 3"), 17, "zinf-swap-store 2");
+  text.erase(text.find("checksum "));
+  std::ofstream(rank_a + "/manifest", std::ios::trunc) << text;
+  ASSERT_EQ(::unlink((rank_b + "/manifest").c_str()), 0);
+
+  std::string log;
+  ZINF_ASSERT_OK_AND_ASSIGN(std::vector<StaleStore> found,
+                            ReclaimCapturing(MakeOptions({a.path(), b.path()}, "next"), &log));
+  ASSERT_EQ(found.size(), 2u);
+  for (const StaleStore& stale : found) EXPECT_EQ(stale.action, StaleAction::kLeft);
+  EXPECT_THAT(log, AllOf(HasSubstr("[warn"), HasSubstr("version 2"), HasSubstr("rm -rf " + rank_a),
+                         HasSubstr("no manifest"), HasSubstr("rm -rf " + rank_b)));
+  EXPECT_TRUE(fs::exists(rank_a + "/swap.bin"));
+  EXPECT_TRUE(fs::exists(rank_b + "/swap.bin"));
+
+  // Resumed (and killed again): now it proves itself on both paths.
+  old.resume = true;
+  ASSERT_TRUE(RunAndDie([&] {
+    auto store = SwapStore::Open(old);
+    if (!store) return false;
+    (void)store->release();
+    return true;
+  }));
+  EXPECT_THAT(ReadFileText(rank_a + "/manifest"),
+              AllOf(HasSubstr("zinf-swap-store 3\n"), HasSubstr("tensor 4096 x\n"),
+                    HasSubstr("\nchecksum 0x")));
+  EXPECT_EQ(ReadFileText(rank_b + "/manifest"), ReadFileText(rank_a + "/manifest"));
+  ZINF_ASSERT_OK_AND_ASSIGN(found, SwapStore::ReclaimStale(MakeOptions({a.path(), b.path()}, "n")));
+  ASSERT_EQ(found.size(), 2u);
+  for (const StaleStore& stale : found) EXPECT_EQ(stale.action, StaleAction::kRemoved);
+  EXPECT_TRUE(fs::is_empty(a.path()));
+  EXPECT_TRUE(fs::is_empty(b.path()));
+}
+
+// A directory without a manifest (a creation killed before it wrote one looks the same) stays.
+TEST(SwapStoreReclaim, ARankDirectoryWithoutAManifestIsLeft) {
+  ScratchDir dir("swap");
+  const std::string rank_dir = dir.Join("zinf-early/rank0");
+  ASSERT_TRUE(fs::create_directories(rank_dir));
+  { std::ofstream(rank_dir + "/swap.bin") << ""; }
+  std::string log;
+  ZINF_ASSERT_OK_AND_ASSIGN(std::vector<StaleStore> found,
+                            ReclaimCapturing(MakeOptions({dir.path()}, UniqueJob("next")), &log));
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].action, StaleAction::kLeft);
+  EXPECT_THAT(log, AllOf(HasSubstr("no manifest"), HasSubstr("rm -rf " + rank_dir)));
+  EXPECT_TRUE(fs::exists(rank_dir + "/swap.bin"));
+}
+
+// A store's manifest exists from the moment its rank directory does (Open writes it at once).
+TEST(SwapStoreReclaim, AnOpenStoreHasItsManifestBeforeAnyReserve) {
+  ScratchDir a("swap-a"), b("swap-b");
+  ZINF_ASSERT_OK_AND_ASSIGN(auto store,
+                            SwapStore::Open(MakeOptions({a.path(), b.path()}, UniqueJob("m"))));
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_THAT(ReadFileText(store->directory(i) + "/manifest"),
+                AllOf(HasSubstr("zinf-swap-store 3\n"), HasSubstr("tensors 0\nchecksum 0x")));
+  }
+  ZINF_ASSERT_OK(store->Close());
+}
+
+// Job directories are removed only when the scan emptied them of proven stores.
+TEST(SwapStoreReclaim, AJobDirectoryWithoutAStoreStays) {
+  ScratchDir dir("swap");
+  ASSERT_TRUE(fs::create_directories(dir.Join("zinf-x")));
+  ASSERT_TRUE(fs::create_directories(dir.Join("zinf-y/notes")));
+  ZINF_ASSERT_OK_AND_ASSIGN(std::vector<StaleStore> found,
+                            SwapStore::ReclaimStale(MakeOptions({dir.path()}, UniqueJob("next"))));
+  EXPECT_TRUE(found.empty());
+  EXPECT_TRUE(fs::is_directory(dir.Join("zinf-x")));
+  EXPECT_TRUE(fs::is_directory(dir.Join("zinf-y/notes")));
 }
 
 TEST(SwapStoreReclaim, OpenWaitsForAReclaimerAndSurvivesItRemovingTheJobDirectory) {

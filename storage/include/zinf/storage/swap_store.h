@@ -6,9 +6,12 @@
 //   <P>/zinf-<job_id>/rank<r>/         this rank's store directory, 0700
 //   <P>/zinf-<job_id>/rank<r>/swap.bin preallocated (fallocate) data file, 0600, O_NOFOLLOW,
 //                                      O_DIRECT where the file system supports it
-//   <P0>/zinf-<job_id>/rank<r>/manifest  (first path only) stripe unit, path count, path
-//                                      weights and the reserved tensors in order; checked when
-//                                      resuming
+//   <P>/zinf-<job_id>/rank<r>/manifest "zinf-swap-store 3", stripe unit, path count, path
+//                                      weights, the reserved tensors in order and an XXH3-64
+//                                      checksum of all that (swap_manifest.h); the same text on
+//                                      every path, written when the rank directory is made and
+//                                      replaced atomically; the first path's is read when
+//                                      resuming (versions 1 and 2 of older zinf too)
 //   <P>/zinf-<job_id>/rank<r>/probe.tmp  only while Open probes the path's bandwidth (unlinked
 //                                      right after it is created)
 //   <P>/zinf-<job_id>/rank<r>/kept     empty, 0600: the store was opened with `keep` (written at
@@ -57,18 +60,27 @@
 // Open (and a store opened without `keep` removes one it finds), so a kept store is
 // recognisable even after its process was killed.
 //
-// Stale stores. Left by a killed run, a store is reclaimed by the next run on the same path:
-//   - the same job_id and rank: Open with reclaim_stale empties and reuses it (WARN line, also
-//     for a kept one), without reclaim_stale it is AlreadyExists unless `resume`;
+// Stale stores. Left by a killed run, a store is reclaimed by the next run on the same path,
+// but only a directory that proves to be a store that zinf made: it holds nothing but regular
+// files of the store's names, and its manifest is of version 3, parses fully and its checksum
+// matches. Anything else named zinf-<id>/rank<r> (a user's files, a store of an older zinf, a
+// creation killed before its manifest was written) is never emptied or removed:
+//   - the same job_id and rank: Open with reclaim_stale empties and reuses a proven store (WARN
+//     line, also for a kept one); a directory that is not one is AlreadyExists naming it, why,
+//     and `rm -rf <dir>`; without reclaim_stale either is AlreadyExists unless `resume`;
 //   - any other stale store on a configured path: ReclaimStale() removes it (WARN line naming
 //     it and its size), unless it is kept (WARN line naming it, its size and `rm -rf <dir>`),
-//     owned by another uid (skipped silently) or holds entries a store never has (left, WARN).
+//     owned by another uid (skipped silently), holds entries a store never has or is not
+//     provably a store (left, WARN line saying why and naming `rm -rf <dir>`). A job directory
+//     is removed only when the scan removed a store from it and it is then empty.
+// A store of an older zinf that is resumed gets a version 3 manifest on every path.
 //
 // Hostile directories. Every configured path, job and rank directory is opened with O_NOFOLLOW
 // and checked for its owner; files are created exclusively; ReclaimStale examines at most
 // kMaxScanEntries entries of any directory (WARN when there are more), only names of the forms
 // zinf-<job_id> and rank<r>, only directories that are not symbolic links, and removes only the
-// store's own file names (swap.bin, manifest, manifest.tmp, kept, probe.tmp) with unlinkat.
+// store's own file names (swap.bin, manifest, manifest.tmp, kept, probe.tmp), regular files
+// only, with unlinkat.
 // Nothing follows a planted symlink, blocks on a FIFO, or loops without bound.
 //
 // Verification (`verify_swap`). A checksum (XXH3-64) is recorded per stripe unit of a tensor
@@ -137,7 +149,8 @@ struct SwapStoreOptions {
 enum class StaleAction {
   kRemoved,  // its files and rank directory were removed
   kKept,     // it has the `kept` marker (keep_swap): left, with a WARN line naming rm -rf <dir>
-  kLeft,     // it holds unexpected entries, or removing it failed: left, with a WARN line
+  kLeft,     // it holds unexpected entries, is not provably a store (no current manifest with
+             // a matching checksum), or removing it failed: left, with a WARN line
 };
 struct StaleStore {
   std::string directory;         // <P>/zinf-<job_id>/rank<r>
@@ -182,11 +195,13 @@ class SwapStore {
   // the job or rank directory or a file is a symlink or not a directory/file, a store directory
   // or file is owned by another uid, a resumed store is incomplete or its manifest disagrees
   // with `options` on stripe unit or path count); DataLoss (a corrupt manifest, bad weights in
-  // it included); errors of the probe's engine and I/O, naming the path; AlreadyExists (the rank
-  // directory exists and `resume` is false, or a live instance holds it); Unavailable (a job
-  // directory stayed locked exclusively for 30 s, or was removed under us again and again; the rank
-  // directory was removed while we opened it); errno errors from mkdir/open. On failure, whatever
-  // this call created is removed again.
+  // it included, and a version 3 manifest whose checksum does not match); errors of the probe's
+  // engine and I/O, naming the path; AlreadyExists (the rank directory exists and `resume` is
+  // false, or a live instance holds it; with reclaim_stale, one that is not provably a store,
+  // the message saying why and naming `rm -rf <dir>`); Unavailable (a job directory stayed
+  // locked exclusively for 30 s, or was removed under us again and again; the rank directory was
+  // removed while we opened it); errno errors from mkdir/open. On failure, whatever this call
+  // created is removed again.
   static Result<std::unique_ptr<SwapStore>> Open(const SwapStoreOptions& options);
 
   // The space a fresh store with `specs` (reserved in this order) needs on each path of
@@ -206,8 +221,9 @@ class SwapStore {
   // (LOCK_EX | LOCK_NB on the job directory succeeds), and in this job's directory
   // (zinf-<options.job_id>) each rank directory whose LOCK_EX | LOCK_NB succeeds (this job's
   // live stores, in this process or another, hold theirs). A stale rank directory is removed
-  // unless kept, owned by another uid or holding other entries; an other job's directory is
-  // removed when it became empty (this job's never). Only paths, job_id and world_rank of
+  // only when it is provably a store (see "Stale stores") and not kept; an other job's
+  // directory is removed when this scan removed a store from it and it became empty (this
+  // job's never). Only paths, job_id and world_rank of
   // `options` are used; run it after this job's stores were opened, so their locks are held.
   // Returns the stale stores found, each with what was done; removals and everything left
   // behind are WARN lines (every rank that calls it logs its own). Problems with single
@@ -319,6 +335,8 @@ class SwapStore {
     UniqueFd rank_fd;  // holds LOCK_EX while the store is open
     bool created_job_dir = false;
     bool created_rank_dir = false;
+    bool stale = false;           // a killed instance's proven store, emptied for reuse
+    bool stale_was_kept = false;  // ... which had the `kept` marker
     File file;
   };
   struct Tensor {
@@ -346,10 +364,14 @@ class SwapStore {
   // Creates or opens the job directory of `ps` and takes LOCK_SH.
   Status OpenJobDirectory(PathState& ps);
   // Pass 2: true when this rank's store exists at `ps` and is ours to resume (locked); a killed
-  // instance's store is emptied when reclaim_stale is set and resume is not (false); errors
-  // for a store in use or one that exists without resume.
+  // instance's store that proves to be one is marked `stale` when reclaim_stale is set and
+  // resume is not (false); errors for a store in use, a directory that is not provably a store
+  // (with reclaim_stale), or one that exists without resume.
   Result<bool> OpenExistingRankDirectory(PathState& ps);
-  // Pass 3 of a new store: makes and locks the rank directory.
+  // After pass 2 of a new store: replaces the manifest of a `stale` rank directory and removes
+  // its other files (WARN line).
+  Status EmptyStaleRankDirectory(PathState& ps);
+  // Pass 3 of a new store: makes and locks the rank directory and writes its manifest.
   Status CreateRankDirectory(PathState& ps);
   // Opens (resumed) or creates the data file of `ps` and checks its type, owner and mode.
   Status OpenDataFile(PathState& ps);
@@ -360,8 +382,12 @@ class SwapStore {
   // Bytes per second of each path: a timed write and read of probe_bytes through a temporary
   // file in its rank directory.
   Result<std::vector<double>> ProbeBandwidths() const;
+  // The first path's manifest (any version) into stripe_map_, manifest_tensors_ and
+  // manifest_version_.
   Status ReadManifest();
+  // The manifest of the store's weights and tensors, into every rank directory.
   Status WriteManifest();
+  Status WriteManifestAt(const PathState& ps, const std::string& text);
   Result<std::size_t> Find(std::string_view name) const;
   Status CheckRange(const Tensor& tensor, std::uint64_t offset_bytes, std::uint64_t length_bytes,
                     std::size_t buffer_size, const void* buffer_address) const;
@@ -389,6 +415,7 @@ class SwapStore {
   bool resumed_ = false;
   bool closed_ = false;
   std::vector<TensorSpec> manifest_tensors_;  // from the manifest when resumed
+  int manifest_version_ = 0;                  // of the manifest when resumed
   std::vector<Tensor> tensors_;
   std::unordered_map<std::string, std::size_t> index_;
   mutable std::mutex checksum_mutex_;
