@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "mpi_util.h"
 #include "zinf/comm/mpi_native.h"
@@ -39,7 +41,9 @@ bool MpiIsFinalized() {
   return finalized != 0;
 }
 
-constexpr int kLeaveTag = 1;
+// Tags of the notices on a failure domain's control communicator.
+constexpr int kLeaveTag = 1;    // "<agreements> <rejoin or -> <reason>" (Communicator::Leave)
+constexpr int kArrivalTag = 2;  // "<agreement index>": the sender waits in that agreement
 constexpr std::size_t kNoticeBytes = 1024;
 
 // Ends the job from inside an agreement that cannot complete: the pending MPI request can be
@@ -71,8 +75,9 @@ int CallTag(std::string_view call) {
 }  // namespace
 
 // The ranks' shared fate for a communicator and its Dup()s: a private control communicator on
-// which a rank that leaves tells the others, the count of agreements entered (the same sequence
-// on every rank), and the wait timeout.
+// which a rank that leaves tells the others (and a rank that waits long in an agreement says it
+// arrived), the count of agreements entered (the same sequence on every rank), and the wait
+// timeout.
 struct FailureDomain {
   struct Departure {
     int rank = 0;
@@ -88,6 +93,14 @@ struct FailureDomain {
   std::atomic<std::int64_t> timeout_ms{
       std::chrono::duration_cast<std::chrono::milliseconds>(kDefaultWaitTimeout).count()};
   std::vector<Departure> departed;  // touched only inside agreements (one thread at a time)
+  // Rank -> the latest agreement it announced it waits in (Announce); inside agreements only.
+  std::vector<std::optional<std::uint64_t>> arrived;
+  // Announcements still being sent: their text lives until every send completed.
+  struct Announcement {
+    std::string text;
+    std::vector<MPI_Request> sends;
+  };
+  std::vector<std::unique_ptr<Announcement>> announcements;
   // Set alike on every rank when an agreement found the ranks in different calls: their
   // sequences of collectives diverged for good, so every later agreement fails with it at once.
   std::optional<Error> diverged;
@@ -97,7 +110,16 @@ struct FailureDomain {
   FailureDomain& operator=(const FailureDomain&) = delete;
 
   ~FailureDomain() {
-    if (notice_request == MPI_REQUEST_NULL || MpiIsFinalized()) return;
+    if (MpiIsFinalized()) return;
+    for (std::unique_ptr<Announcement>& a : announcements) {
+      // A send to a rank that never receives it may never complete: let MPI finish it, and
+      // leave its few bytes of text to it.
+      for (MPI_Request& send : a->sends) {
+        if (send != MPI_REQUEST_NULL) MPI_Request_free(&send);
+      }
+      (void)a.release();
+    }
+    if (notice_request == MPI_REQUEST_NULL) return;
     MPI_Cancel(&notice_request);
     MPI_Wait(&notice_request, MPI_STATUS_IGNORE);
     // `control` is never freed: a notice another rank sends after this one let go would stay
@@ -119,25 +141,34 @@ struct FailureDomain {
 
   Status PostReceive() {
     return MpiStatus(MPI_Irecv(notice.data(), static_cast<int>(notice.size()), MPI_CHAR,
-                               MPI_ANY_SOURCE, kLeaveTag, control, &notice_request),
+                               MPI_ANY_SOURCE, MPI_ANY_TAG, control, &notice_request),
                      "MPI_Irecv");
   }
 
-  // Takes in the departures that arrived.
+  // Takes in the notices that arrived: departures and arrivals.
   void TakeNotices() {
+    ReapAnnouncements();
     for (;;) {
-      int arrived = 0;
+      int received = 0;
       MPI_Status status;
       if (notice_request == MPI_REQUEST_NULL ||
-          MPI_Test(&notice_request, &arrived, &status) != MPI_SUCCESS || !arrived) {
+          MPI_Test(&notice_request, &received, &status) != MPI_SUCCESS || !received) {
         break;
       }
       int length = 0;
       MPI_Get_count(&status, MPI_CHAR, &length);
       const std::string text(notice.data(), static_cast<std::size_t>(std::max(length, 0)));
+      if (!PostReceive()) notice_request = MPI_REQUEST_NULL;
+      if (status.MPI_TAG == kArrivalTag) {
+        const auto source = static_cast<std::size_t>(status.MPI_SOURCE);
+        if (arrived.size() <= source) arrived.resize(source + 1);
+        const std::uint64_t index = std::strtoull(text.c_str(), nullptr, 10);
+        if (!arrived[source] || *arrived[source] < index) arrived[source] = index;
+        continue;
+      }
+      if (status.MPI_TAG != kLeaveTag) continue;
       Departure d;
       d.rank = status.MPI_SOURCE;
-      if (!PostReceive()) notice_request = MPI_REQUEST_NULL;
       // "<agreements> <rejoin or -> <reason>" (Communicator::Leave).
       char* end = nullptr;
       d.agreements = std::strtoull(text.c_str(), &end, 10);
@@ -157,6 +188,47 @@ struct FailureDomain {
       if (d.agreements <= index && d.rejoin != label) return &d;
     }
     return nullptr;
+  }
+
+  // Tells the other ranks of the control communicator (`rank` of `size`) that this rank waits in
+  // agreement `index`, so that a rank that times out there can name the ones that never came.
+  // Nonblocking; sent only by ranks that waited long (the common path sends nothing).
+  void Announce(std::uint64_t index, int rank, int size) {
+    if (control == MPI_COMM_NULL || size <= 1) return;
+    auto a = std::make_unique<Announcement>();
+    a->text = std::to_string(index);
+    for (int r = 0; r < size; ++r) {
+      if (r == rank) continue;
+      MPI_Request send = MPI_REQUEST_NULL;
+      if (MPI_Isend(a->text.data(), static_cast<int>(a->text.size()), MPI_CHAR, r, kArrivalTag,
+                    control, &send) == MPI_SUCCESS) {
+        a->sends.push_back(send);
+      }
+    }
+    announcements.push_back(std::move(a));
+  }
+
+  // Frees the announcements whose sends completed.
+  void ReapAnnouncements() {
+    std::erase_if(announcements, [](std::unique_ptr<Announcement>& a) {
+      int done = 0;
+      return MPI_Testall(static_cast<int>(a->sends.size()), a->sends.data(), &done,
+                         MPI_STATUSES_IGNORE) == MPI_SUCCESS &&
+             done != 0;
+    });
+  }
+
+  // The ranks of `size` other than `rank` that announced no arrival at agreement `index` (or a
+  // later one), in order.
+  std::vector<int> Absent(std::uint64_t index, int rank, int size) {
+    TakeNotices();
+    std::vector<int> absent;
+    for (int r = 0; r < size; ++r) {
+      const auto k = static_cast<std::size_t>(r);
+      const bool came = k < arrived.size() && arrived[k] && *arrived[k] >= index;
+      if (r != rank && !came) absent.push_back(r);
+    }
+    return absent;
   }
 
   // Agreement `label` completed: the ranks that left to make only that call took part in it.
@@ -396,11 +468,30 @@ Status Communicator::AgreeOnCall(std::string_view call, const Status& local,
   return Agree(local, CallTag(call), call, loc);
 }
 
+namespace {
+
+// Why an agreement timed out, as far as the arrivals announced tell.
+std::string WhoDidNotArrive(const std::vector<int>& absent, bool announced) {
+  if (!announced) return "a rank failed, stopped or left without a word";
+  if (absent.empty()) {
+    return "every rank arrived, yet the agreement did not complete: a rank failed while waiting";
+  }
+  return fmt::format(
+      "{} {} did not arrive: failed, stopped, hangs in its own code or left without a word",
+      absent.size() == 1 ? "rank" : "ranks", fmt::join(absent, ", "));
+}
+
+}  // namespace
+
 Status Communicator::WaitForRanks(void* request, std::string_view what) const {
   FailureDomain& domain = *domain_;
   const std::uint64_t index = domain.agreements.fetch_add(1);
   const auto start = Clock::now();
   const auto timeout = std::chrono::milliseconds(domain.timeout_ms.load());
+  // A rank that waited half the timeout says it arrived: by the timeout, the others' word has
+  // come, and whoever has not spoken is named.
+  const bool announces = domain.control != MPI_COMM_NULL && size_ > 1;
+  bool announced = false;
   auto pause = std::chrono::microseconds(0);
   for (std::uint64_t polls = 0;; ++polls) {
     // Departures first: a rank's notice goes out before anything it sends later, so a rank that
@@ -421,11 +512,16 @@ Status Communicator::WaitForRanks(void* request, std::string_view what) const {
     // Spin for the first milliseconds (a collective's usual wait), then poll ever more slowly,
     // so that a rank waiting for a slow one leaves the cores to it.
     const auto waited = Clock::now() - start;
+    if (announces && !announced && waited > timeout / 2) {
+      domain.Announce(index, rank_, size_);
+      announced = true;
+    }
     if (waited > timeout) {
       EndJob(fmt::format(
-          "{}: waited {} s for the other ranks (zinf.collective_timeout_seconds); a rank failed, "
-          "stopped or left without a word",
-          what, std::chrono::duration_cast<std::chrono::seconds>(waited).count()));
+          "{}: waited {} s for the other ranks (zinf.collective_timeout_seconds); {}", what,
+          std::chrono::duration_cast<std::chrono::seconds>(waited).count(),
+          WhoDidNotArrive(announces ? domain.Absent(index, rank_, size_) : std::vector<int>{},
+                          announces)));
     }
     if (waited > std::chrono::milliseconds(2)) {
       pause = std::clamp(pause * 2, std::chrono::microseconds(20), std::chrono::microseconds(1000));

@@ -17,7 +17,10 @@
 //     collective Close) before entering this agreement: within milliseconds; or
 //   - it waited longer than the domain's wait timeout (SetWaitTimeout; default
 //     kDefaultWaitTimeout) for the others: a rank stopped, hangs in its own code, or left
-//     without a word.
+//     without a word. The ERROR names the ranks that did not arrive: a rank that has waited half
+//     the timeout in an agreement tells the others so (a few bytes per rank, on the domain's
+//     control communicator; a completed agreement sends nothing), and whoever said nothing by
+//     the timeout is named.
 // A failure domain is a communicator and every Dup() of it; DupDomain() starts a new one (an
 // engine's private communicator and the ones its parts dup from it). The ranks' agreements in a
 // domain are counted, so a rank that left after its last agreement never fails a slower rank
