@@ -121,7 +121,7 @@ Result<StripeMap> StripeMap::FromWeights(std::span<const std::uint32_t> weights)
 
 Result<StripeMap> StripeMap::FromRatios(std::span<const double> ratios) {
   if (ratios.empty()) return InvalidArgumentError("path bandwidth ratios: none given");
-  double total = 0.0;
+  double largest = 0.0;
   for (std::size_t i = 0; i < ratios.size(); ++i) {
     if (!std::isfinite(ratios[i]) || !(ratios[i] > 0.0)) {
       return InvalidArgumentError(fmt::format(
@@ -129,7 +129,15 @@ Result<StripeMap> StripeMap::FromRatios(std::span<const double> ratios) {
           "number)",
           i + 1, i, ratios[i]));
     }
-    total += ratios[i];
+    largest = std::max(largest, ratios[i]);
+  }
+  // Scaled to (0, 1] before summing: the sum of ratios near the largest double would overflow
+  // to infinity (and every share become 0), whatever their proportions.
+  std::vector<double> scaled;
+  double total = 0.0;
+  for (double r : ratios) {
+    scaled.push_back(r / largest);
+    total += scaled.back();
   }
   if (std::all_of(ratios.begin(), ratios.end(), [&](double r) { return r == ratios[0]; })) {
     return Equal(ratios.size());
@@ -140,7 +148,7 @@ Result<StripeMap> StripeMap::FromRatios(std::span<const double> ratios) {
                     kMaxCycleUnits));
   }
   std::vector<double> shares;
-  for (double r : ratios) shares.push_back(r / total);
+  for (double r : scaled) shares.push_back(r / total);
   std::vector<std::uint32_t> best;
   double best_error = 0.0;
   for (std::uint32_t cycle = static_cast<std::uint32_t>(ratios.size()); cycle <= kMaxCycleUnits;

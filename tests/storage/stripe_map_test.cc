@@ -156,6 +156,27 @@ TEST(StripeMap, RatiosBecomeSmallIntegerWeights) {
   EXPECT_EQ(weights_of(std::vector<double>(100, 0.5)), Weights(100, 1));
 }
 
+// Issue 41: ratios whose sum overflows a double (or that are tiny) keep their proportions; 2:3
+// is 2:3 at any scale, never equal shares.
+TEST(StripeMap, RatiosOfAnyMagnitudeKeepTheirProportions) {
+  const double max = std::numeric_limits<double>::max();
+  const double denormal_min = std::numeric_limits<double>::denorm_min();
+  for (const double scale :
+       {1.0, 1e18, 18446744073709551616.0, 1e300, max / 4, 1e-300, 1e-310, denormal_min * 1000}) {
+    SCOPED_TRACE(scale);
+    Result<StripeMap> map = StripeMap::FromRatios(std::vector<double>{2 * scale, 3 * scale});
+    ASSERT_TRUE(map.has_value()) << map.error().ToString();
+    EXPECT_THAT(map->weights(), ElementsAre(2, 3));
+  }
+  // Overflowing sums of more paths, and a path far below the others.
+  Result<StripeMap> map = StripeMap::FromRatios(std::vector<double>{max, max / 2, max / 4});
+  ASSERT_TRUE(map.has_value()) << map.error().ToString();
+  EXPECT_THAT(map->weights(), ElementsAre(4, 2, 1));
+  map = StripeMap::FromRatios(std::vector<double>{max, denormal_min});
+  ASSERT_TRUE(map.has_value()) << map.error().ToString();
+  EXPECT_THAT(map->weights(), ElementsAre(63, 1));
+}
+
 // Each path's share of the units differs from its share of the bandwidth by less than 1/64 when
 // every path has at least 1/64 of the bandwidth.
 TEST(StripeMap, RatioRoundingIsBounded) {

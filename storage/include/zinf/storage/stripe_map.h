@@ -41,15 +41,16 @@ class StripeMap {
   // weight of 0, a cycle too long), the message naming the weight ("weight 2 of path 1 is 0").
   static Result<StripeMap> FromWeights(std::span<const std::uint32_t> weights);
 
-  // Relative bandwidths, one per path (any positive finite numbers: MB/s, or ratios such as
-  // {1, 2.5}), scaled to integer weights: for every cycle length S <= kMaxCycleUnits, the S
-  // units are apportioned by largest remainders with at least one unit per path, and the S
-  // whose shares differ least from the ratios wins (ties: the shorter cycle). So each path's
-  // share of the units differs from its share of the bandwidth by less than 1 / kMaxCycleUnits,
-  // unless some path has less than 1 / kMaxCycleUnits of the total (it still gets one unit per
-  // cycle). Ratios that are all equal give Equal(n) for any n; weights that are already integers
-  // with a short enough cycle come back exactly. Errors: InvalidArgument (no ratios; a ratio that
-  // is <= 0, NaN or infinite, naming it; more than kMaxCycleUnits paths of unequal ratios).
+  // Relative bandwidths, one per path (any positive finite numbers, of any magnitude: MB/s,
+  // ratios such as {1, 2.5}, or {2e307, 3e307}, whose sum overflows), scaled to integer weights:
+  // for every cycle length S <= kMaxCycleUnits, the S units are apportioned by largest remainders
+  // with at least one unit per path, and the S whose shares differ least from the ratios wins
+  // (ties: the shorter cycle). So each path's share of the units differs from its share of the
+  // bandwidth by less than 1 / kMaxCycleUnits, unless some path has less than 1 / kMaxCycleUnits of
+  // the total (it still gets one unit per cycle). Ratios that are all equal give Equal(n) for any
+  // n; weights that are already integers with a short enough cycle come back exactly. Errors:
+  // InvalidArgument (no ratios; a ratio that is <= 0, NaN or infinite, naming it; more than
+  // kMaxCycleUnits paths of unequal ratios).
   static Result<StripeMap> FromRatios(std::span<const double> ratios);
 
   // Where unit `unit` lives: its path and its unit index in that path's file (multiply by the
