@@ -20,7 +20,9 @@ namespace {
 
 // Exit codes (README.md, "zinf-train").
 constexpr int kExitFailure = 1;  // any failure but the two below
-constexpr int kExitUsage = 2;    // bad command line or config (InvalidArgument)
+// A bad command line or config: InvalidArgument, and every failure to load the config (its file
+// missing or unreadable included), so that --check-config exits 0 or 2 as its help says.
+constexpr int kExitUsage = 2;
 
 std::vector<std::string> SplitCommas(const std::string& text) {
   std::vector<std::string> out;
@@ -76,7 +78,8 @@ int Main(int argc, char** argv) {
         "Run: mpirun -np N zinf-train [--config ds.json] ... (or launch/zinf-run -np N -- "
         "zinf-train ...). Flags override the config's keys. Without --config, a small charlm run "
         "swaps its state under ./zinf-swap.\n"
-        "Exit codes: 0 success, 2 bad command line or config, 1 any other failure, 128+signal "
+        "Exit codes: 0 success, 2 bad command line or config (also a config file that cannot "
+        "be read), 1 any other failure, 128+signal "
         "when stopped by SIGINT, SIGTERM, SIGUSR1 or SIGUSR2 (after the current step, with a "
         "checkpoint when a checkpoint dir is set). Under mpirun send SIGUSR1 to mpirun: Open "
         "MPI forwards it as it is, while it turns SIGINT/SIGTERM into SIGKILL a second later."};
@@ -121,8 +124,9 @@ int Main(int argc, char** argv) {
     app.add_option("--seed", o.seed, "initialization and data seed (zinf.seed)");
     app.add_flag("--help-config", help_config, "print every config key and exit");
     app.add_flag("--check-config", check_config,
-                 "load the config with the flags (collectively, as a run would), print the "
-                 "effective config and the keys ignored, and exit: 0 when it loads, 2 when not");
+                 "load and check the config with the flags as a run would (collectively, the "
+                 "same checks), print the effective config and the keys ignored, and exit: 0 "
+                 "when a run would start with it, 2 when not");
     app.add_flag("--print-key-table", print_key_table,
                  "print the table of every DeepSpeed key (implemented, ignored or refused) in "
                  "Markdown, docs/deepspeed-keys.md, and exit");
@@ -153,7 +157,8 @@ int Main(int argc, char** argv) {
     zinf::Result<zinf::train::TrainConfig> config =
         zinf::train::BuildTrainConfig(world, config_path, o);
     if (!config) {
-      rc = Fail(config.error());
+      (void)Fail(config.error());
+      rc = kExitUsage;
     } else if (check_config) {
       zinf::engine::LogEffectiveConfig(*config);
     } else {

@@ -18,6 +18,7 @@
 #include "zinf/engine/config.h"
 #include "zinf/storage/fs.h"
 #include "zinf/storage/stripe_map.h"
+#include "zinf/swapper/optimizer_swapper.h"
 
 namespace zinf::engine {
 namespace {
@@ -27,6 +28,22 @@ using namespace config_internal;  // NOLINT(google-build-using-namespace): the s
 // What a config file may be: at most 16 MiB, nested at most 32 levels (the schema needs 4).
 constexpr std::uint64_t kMaxConfigBytes = 16u << 20;
 constexpr JsonLimits kConfigJsonLimits{.max_bytes = kMaxConfigBytes, .max_depth = 32};
+// The swap store's limit on zinf.job_id (storage/src/swap_store.cc, ValidateJobId): refused here,
+// when the config is loaded, not when the store is opened.
+constexpr std::size_t kMaxJobIdLength = 200;
+// The smallest swap buffer the optimizer swapper's pool makes: one sub-group's bytes rounded up to
+// the direct-I/O alignment, at least a 4 KiB page (swapper/src/optimizer_swapper.cc, CreatePool).
+constexpr std::uint64_t kMinSwapBufferBytes = 4096;
+
+// A string value with a NUL byte: no path, name or id holds one (the C library would end it
+// there, so a path would name another file than the one the config shows).
+Status RefuseNul(std::string_view path, const Json& value) {
+  const auto& text = value.get_ref<const std::string&>();
+  const std::size_t nul = text.find('\0');
+  if (nul == std::string::npos) return OkStatus();
+  return InvalidArgumentError(
+      fmt::format("{}: {} contains a NUL byte (at offset {})", path, Shown(value), nul));
+}
 
 std::string_view DisplayPath(std::string_view path) { return path.empty() ? "(top level)" : path; }
 
@@ -161,6 +178,7 @@ class Parser {
       ZINF_ASSIGN_OR_RETURN(*(*fd)(c), ReadNumber(path, value, spec));
     } else if (auto* fs = std::get_if<Accessor<std::string>>(&spec.field)) {
       if (!value.is_string()) return TypeError(path, "a string", value);
+      ZINF_RETURN_IF_ERROR(RefuseNul(path, value));
       *(*fs)(c) = value.get<std::string>();
     } else if (auto* fb = std::get_if<Accessor<std::array<double, 2>>>(&spec.field)) {
       if (!value.is_array() || value.size() != 2) {
@@ -202,6 +220,7 @@ class Parser {
       }
       case AppKeyType::kString:
         if (!value.is_string()) return TypeError(path, "a string", value);
+        ZINF_RETURN_IF_ERROR(RefuseNul(path, value));
         return value;
       case AppKeyType::kChoice: {
         ZINF_ASSIGN_OR_RETURN(const int index, ReadChoice(path, value, spec));
@@ -224,9 +243,11 @@ class Parser {
             "\"4096\", \"512M\", \"2GiB\", \"1.5G\")",
             path, text));
       }
-      if (!InRange(static_cast<double>(*bytes), spec.range)) {
-        return InvalidArgumentError(fmt::format("{}: {} is out of range {}", path, Shown(value),
-                                                FormatRange(spec.range, true)));
+      const IntegerBounds bounds = IntegerBoundsOf(spec);  // sizes: min >= 0
+      if (*bytes < static_cast<std::uint64_t>(bounds.min) ||
+          *bytes > static_cast<std::uint64_t>(bounds.max)) {
+        return InvalidArgumentError(fmt::format("{}: {} ({} bytes) is out of range {}", path,
+                                                Shown(value), *bytes, FormatRange(spec)));
       }
       *out = *bytes;
       return OkStatus();
@@ -244,6 +265,7 @@ class Parser {
     constexpr std::string_view kExpected = "a string or a list of strings";
     out->clear();
     if (value.is_string()) {
+      ZINF_RETURN_IF_ERROR(RefuseNul(path, value));
       out->push_back(value.get<std::string>());
     } else if (value.is_array()) {
       if (value.empty()) {
@@ -254,6 +276,7 @@ class Parser {
         const std::string element = fmt::format("{}[{}]", path, i);
         if (!value[i].is_string()) return TypeError(element, "a string", value[i]);
         ZINF_RETURN_IF_ERROR(RefuseAutoPlaceholder(element, value[i], spec));
+        ZINF_RETURN_IF_ERROR(RefuseNul(element, value[i]));
         out->push_back(value[i].get<std::string>());
       }
     } else {
@@ -502,6 +525,12 @@ class Parser {
 
   Status CheckZinf() {
     const std::string& job_id = config_.zinf.job_id;
+    if (job_id.size() > kMaxJobIdLength) {
+      return InvalidArgumentError(fmt::format(
+          "zinf.job_id: {} characters long, at most {} (it names the swap store directory "
+          "zinf-<job_id>)",
+          job_id.size(), kMaxJobIdLength));
+    }
     const bool valid_chars = std::all_of(job_id.begin(), job_id.end(), [](char ch) {
       return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
              ch == '_' || ch == '.' || ch == '-';
@@ -510,6 +539,7 @@ class Parser {
       return InvalidArgumentError(fmt::format(
           "zinf.job_id: \"{}\" may contain only A-Z a-z 0-9 _ . - (and no \"..\")", job_id));
     }
+    ZINF_RETURN_IF_ERROR(CheckPinnedBudget());
     const CheckpointConfig& checkpoint = config_.zinf.checkpoint;
     if ((checkpoint.load == "latest" || checkpoint.load == "auto") && checkpoint.dir.empty()) {
       return InvalidArgumentError(fmt::format(
@@ -518,6 +548,31 @@ class Parser {
           checkpoint.load));
     }
     return OkStatus();
+  }
+
+  // With the state on NVMe the pool holds BuffersPerSubGroup swap buffers at least, each of at
+  // least kMinSwapBufferBytes however small the sub-groups: a smaller budget (a size string "3"
+  // is 3 bytes, as the integer 3) is refused by every run, so it is refused here. A budget above
+  // this floor can still be too small for the model's largest sub-group: the swapper says so
+  // when it sizes the pool (ResourceExhausted, with the bytes it needs). Device "cpu" keeps
+  // everything in memory and uses no budget.
+  Status CheckPinnedBudget() const {
+    const std::uint64_t budget = config_.zinf.pinned_budget_bytes;
+    if (budget == 0 ||
+        config_.zero_optimization.offload_optimizer.device != OffloadDevice::kNvme) {
+      return OkStatus();
+    }
+    const swapper::StateFormat format = config_.zinf.optimizer_state;
+    const std::uint64_t buffers = swapper::OptimizerSwapper::BuffersPerSubGroup(format);
+    const std::uint64_t floor = buffers * kMinSwapBufferBytes;
+    if (budget >= floor) return OkStatus();
+    return InvalidArgumentError(fmt::format(
+        "zinf.pinned_budget_bytes: {} bytes cannot hold the swap buffers of a step with {} state "
+        "({} buffers of at least {} bytes each, {} bytes, more for sub-groups above {} "
+        "elements); give at least {}, or 0 for offload_optimizer.buffer_count buffers of the "
+        "largest sub-group",
+        budget, swapper::StateFormatName(format), buffers, kMinSwapBufferBytes, floor,
+        kMinSwapBufferBytes / sizeof(float), floor));
   }
 
   Status CheckPrecision() {
@@ -610,6 +665,16 @@ Result<Config> LoadConfigFile(const std::string& path, const ConfigContext& ctx,
                               std::span<const AppKey> app_keys) {
   ZINF_ASSIGN_OR_RETURN(std::string text, ReadConfigFile(path));
   return Annotate(ParseConfig(text, ctx, app_keys), fmt::format("config {}: ", path));
+}
+
+Status CheckEngineConfig(const Config& config) {
+  if (config.zero_optimization.offload_optimizer.device == OffloadDevice::kNone) {
+    return InvalidArgumentError(
+        "zero_optimization.offload_optimizer.device: \"none\" (also the default when it is not "
+        "given): zinf steps the optimizer on the CPU; set it to \"cpu\" (the state in host "
+        "memory) or \"nvme\" (with a nvme_path)");
+  }
+  return OkStatus();
 }
 
 ConfigContext ContextOf(const comm::Communicator& world) {

@@ -34,18 +34,14 @@ std::size_t EditDistance(std::string_view a, std::string_view b) {
   return row[b.size()];
 }
 
-std::string FormatBound(double bound, bool integer) {
+std::string FormatBound(double bound) {
   if (std::isinf(bound)) return bound > 0 ? "inf" : "-inf";
-  if (integer) return fmt::format("{}", static_cast<std::int64_t>(bound));
   return fmt::format("{}", bound);
 }
 
-Status CheckRange(std::string_view path, const Json& shown, double value, const KeySpec& spec) {
-  if (!InRange(value, spec.range)) {
-    return InvalidArgumentError(fmt::format("{}: {} is out of range {}", path, Shown(shown),
-                                            FormatRange(spec.range, IsIntegerKind(spec.field))));
-  }
-  return OkStatus();
+Error OutOfRange(std::string_view path, const Json& shown, const KeySpec& spec) {
+  return InvalidArgumentError(
+      fmt::format("{}: {} is out of range {}", path, Shown(shown), FormatRange(spec)));
 }
 
 // ---- The DeepSpeed keys zinf accepts with no effect or refuses ----
@@ -1054,10 +1050,40 @@ bool IsIntegerKind(const Field& field) {
           std::get<AppAccess>(field).key->type == AppKeyType::kInteger);
 }
 
-std::string FormatRange(const Range& range, bool integer) {
-  return fmt::format("{}{}, {}{}", range.min_open ? "(" : "[", FormatBound(range.min, integer),
-                     FormatBound(range.max, integer),
-                     (range.max_open || std::isinf(range.max)) ? ")" : "]");
+IntegerBounds IntegerBoundsOf(const KeySpec& spec) {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  IntegerBounds b{.min = std::numeric_limits<std::int64_t>::min(), .max = kMax};
+  if (std::holds_alternative<Accessor<int>>(spec.field)) {
+    b = {.min = std::numeric_limits<int>::min(), .max = std::numeric_limits<int>::max()};
+  } else if (std::holds_alternative<Accessor<std::uint64_t>>(spec.field) ||
+             std::holds_alternative<SizeAccess>(spec.field)) {
+    b.min = 0;
+  }
+  // 2^63 and beyond is no int64: such a bound (inf included) leaves the field's own.
+  const Range& r = spec.range;
+  if (r.min >= -0x1p63) {
+    const double up = std::ceil(r.min);
+    std::int64_t min = up >= 0x1p63 ? kMax : static_cast<std::int64_t>(up);
+    if (r.min_open && up == r.min && min < kMax) ++min;
+    b.min = std::max(b.min, min);
+  }
+  if (r.max < 0x1p63) {
+    const double down = std::floor(r.max);
+    std::int64_t max = down < -0x1p63 ? b.min : static_cast<std::int64_t>(down);
+    if (r.max_open && down == r.max && max > std::numeric_limits<std::int64_t>::min()) --max;
+    b.max = std::min(b.max, max);
+  }
+  return b;
+}
+
+std::string FormatRange(const KeySpec& spec) {
+  if (IsIntegerKind(spec.field)) {
+    const IntegerBounds b = IntegerBoundsOf(spec);
+    return fmt::format("[{}, {}]", b.min, b.max);
+  }
+  const Range& range = spec.range;
+  return fmt::format("{}{}, {}{}", range.min_open ? "(" : "[", FormatBound(range.min),
+                     FormatBound(range.max), (range.max_open || std::isinf(range.max)) ? ")" : "]");
 }
 
 bool InRange(double value, const Range& range) {
@@ -1073,8 +1099,7 @@ Result<std::int64_t> ReadInteger(std::string_view path, const Json& value, const
   if (value.is_number_unsigned()) {
     const auto u = value.get<std::uint64_t>();
     if (u > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
-      return InvalidArgumentError(fmt::format("{}: {} is out of range {}", path, Shown(value),
-                                              FormatRange(spec.range, true)));
+      return OutOfRange(path, value, spec);
     }
     result = static_cast<std::int64_t>(u);
   } else if (value.is_number_integer()) {
@@ -1085,15 +1110,13 @@ Result<std::int64_t> ReadInteger(std::string_view path, const Json& value, const
       return InvalidArgumentError(fmt::format("{}: expected an integer, got -0.0", path));
     }
     if (!std::isfinite(d) || d != std::trunc(d)) return TypeError(path, "an integer", value);
-    if (std::fabs(d) >= 0x1p63) {
-      return InvalidArgumentError(fmt::format("{}: {} is out of range {}", path, Shown(value),
-                                              FormatRange(spec.range, true)));
-    }
+    if (std::fabs(d) >= 0x1p63) return OutOfRange(path, value, spec);
     result = static_cast<std::int64_t>(d);
   } else {
     return TypeError(path, "an integer", value);
   }
-  ZINF_RETURN_IF_ERROR(CheckRange(path, value, static_cast<double>(result), spec));
+  const IntegerBounds bounds = IntegerBoundsOf(spec);
+  if (result < bounds.min || result > bounds.max) return OutOfRange(path, value, spec);
   if (spec.multiple_of != 0 && result % static_cast<std::int64_t>(spec.multiple_of) != 0) {
     return InvalidArgumentError(
         fmt::format("{}: {} is not a multiple of {}", path, Shown(value), spec.multiple_of));
@@ -1104,7 +1127,7 @@ Result<std::int64_t> ReadInteger(std::string_view path, const Json& value, const
 Result<double> ReadNumber(std::string_view path, const Json& value, const KeySpec& spec) {
   if (!value.is_number()) return TypeError(path, "a number", value);
   const double d = value.get<double>();
-  ZINF_RETURN_IF_ERROR(CheckRange(path, value, d, spec));
+  if (!InRange(d, spec.range)) return OutOfRange(path, value, spec);
   return d;
 }
 

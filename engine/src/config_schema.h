@@ -191,7 +191,18 @@ std::string JoinQuoted(std::span<const std::string_view> items, std::string_view
 std::string Shown(const Json& value);
 Error TypeError(std::string_view path, std::string_view expected, const Json& got);
 bool IsIntegerKind(const Field& field);
-std::string FormatRange(const Range& range, bool integer);
+// The values an integer key accepts, inclusive: its Range with open ends moved inward, within
+// what its field holds (int: 32 bits; unsigned fields and sizes: from 0; every integer at most
+// 2^63 - 1, the largest a JSON integer is read as). Range errors print these bounds, so the
+// printed limit is the largest value accepted, never "inf".
+struct IntegerBounds {
+  std::int64_t min = 0;
+  std::int64_t max = 0;
+};
+IntegerBounds IntegerBoundsOf(const KeySpec& spec);
+// "[1, 4096]" (integers: IntegerBoundsOf), "(0, 1)", "[0, inf)" (numbers, whose open upper end
+// is exact: no finite number is excluded).
+std::string FormatRange(const KeySpec& spec);
 bool InRange(double value, const Range& range);
 // An integer: a JSON integer, or a float with an integral value (1e9; not -0.0), within the
 // range.

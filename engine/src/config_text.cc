@@ -96,7 +96,7 @@ std::string DescribeConfigKeys(std::span<const AppKey> app_keys) {
     if (!std::holds_alternative<std::monostate>(spec.field)) {
       line += fmt::format(", default {}", DefaultText(spec, canonical));
       if (spec.range.min != -kInf || spec.range.max != kInf) {
-        line += fmt::format(", range {}", FormatRange(spec.range, IsIntegerKind(spec.field)));
+        line += fmt::format(", range {}", FormatRange(spec));
       }
       if (spec.multiple_of != 0) line += fmt::format(", a multiple of {}", spec.multiple_of);
       if (const std::string types = SchedulerTypesText(spec); !types.empty()) {
@@ -157,7 +157,7 @@ std::string DeepSpeedKeyTable() {
       if (!std::holds_alternative<std::monostate>(spec.field)) {
         type += fmt::format(", {}", DefaultText(spec, canonical));
         if (spec.range.min != -kInf || spec.range.max != kInf) {
-          type += fmt::format(", {}", FormatRange(spec.range, IsIntegerKind(spec.field)));
+          type += fmt::format(", {}", FormatRange(spec));
         }
         if (const std::string types = SchedulerTypesText(spec); !types.empty()) {
           what += fmt::format(" ({})", types);

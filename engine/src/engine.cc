@@ -812,10 +812,8 @@ Result<std::unique_ptr<ZeroEngine>> ZeroEngine::Create(const comm::Communicator&
 
 Status ZeroEngine::Impl::Build(std::vector<Param> params) {
   State& s = *state_;
-  if (config_.zero_optimization.offload_optimizer.device == OffloadDevice::kNone) {
-    return comm().AgreeOnStatus(InvalidArgumentError(
-        "zero_optimization.offload_optimizer.device: \"none\": zinf steps the optimizer on the "
-        "CPU; set it to \"cpu\" (the state in host memory) or \"nvme\" (with a nvme_path)"));
+  if (Status usable = CheckEngineConfig(config_); !usable) {
+    return comm().AgreeOnStatus(std::move(usable));
   }
   if (config_.world_size != world_.size()) {
     return comm().AgreeOnStatus(InvalidArgumentError(fmt::format(

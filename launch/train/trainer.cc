@@ -326,7 +326,14 @@ Result<TrainConfig> BuildTrainConfig(const comm::Communicator& world,
     if (!config_path.empty()) {
       ZINF_ASSIGN_OR_RETURN(text, engine::ReadConfigFile(config_path));
     }
-    return Annotate(ParseTrainConfig(text, ctx, overrides), where);
+    ZINF_ASSIGN_OR_RETURN(TrainConfig parsed,
+                          Annotate(ParseTrainConfig(text, ctx, overrides), where));
+    // What the engine would refuse of this config, refused now: a run and --check-config load
+    // the config through this one function and refuse the same configs.
+    if (Status usable = engine::CheckEngineConfig(parsed); !usable) {
+      return std::move(usable).error().WithContext(where);
+    }
+    return parsed;
   }();
   return engine::AgreeOnConfig(world, std::move(config));
 }

@@ -577,10 +577,16 @@ TEST_P(BadConfig, IsRejectedWithItsMessage) {
   while (!expect.empty() && (expect.back() == '\n' || expect.back() == '\r')) expect.pop_back();
   ASSERT_FALSE(expect.empty()) << GetParam() << ".expect is empty";
   ASSERT_EQ(expect.find('\n'), std::string::npos) << GetParam() << ".expect has several lines";
-  const auto result = LoadTrainConfig((dir / (GetParam() + ".json")).string(), {});
-  EXPECT_THAT(result, StatusIs(ErrorCode::kInvalidArgument, HasSubstr(expect)));
+  // As zinf-train's BuildTrainConfig loads a config (for a run and for --check-config alike):
+  // parsed, then what the engine refuses of it (CheckEngineConfig).
+  auto refusal = [](Result<TrainConfig> config) -> Status {
+    if (!config) return std::move(config).error();
+    return CheckEngineConfig(*config);
+  };
+  EXPECT_THAT(refusal(LoadTrainConfig((dir / (GetParam() + ".json")).string(), {})),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr(expect)));
   // The same text parsed from memory gives the same message (without the file prefix).
-  EXPECT_THAT(ParseTrainConfig(ReadFile(dir / (GetParam() + ".json")), {}),
+  EXPECT_THAT(refusal(ParseTrainConfig(ReadFile(dir / (GetParam() + ".json")), {})),
               StatusIs(ErrorCode::kInvalidArgument, HasSubstr(expect)));
 }
 
@@ -987,7 +993,7 @@ TEST(Stage3Config, DefaultsAreDeepSpeeds) {
   EXPECT_THAT(help, HasSubstr("zero_optimization.offload_param.buffer_count (integer, default 5, "
                               "range [1, 1024])"));
   EXPECT_THAT(help, HasSubstr("zero_optimization.stage3_max_reuse_distance (integer, default "
-                              "1000000000, range [0, inf))"));
+                              "1000000000, range [0, 9223372036854775807])"));
   ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig again, ParseTrainConfig(effective, {}));
   EXPECT_EQ(ConfigHash(again), ConfigHash(c));
 }
@@ -1063,9 +1069,11 @@ TEST(Stage3Config, ValuesOutOfRangeAndWrongTypesNameTheKey) {
            Case{R"("offload_param": {"buffer_count": 1025})",
                 "zero_optimization.offload_param.buffer_count: 1025 is out of range"},
            Case{R"("offload_param": {"buffer_size": 0})",
-                "zero_optimization.offload_param.buffer_size: 0 is out of range [1, inf)"},
+                "zero_optimization.offload_param.buffer_size: 0 is out of range [1, "
+                "9223372036854775807]"},
            Case{R"("offload_param": {"max_in_cpu": -1})",
-                "zero_optimization.offload_param.max_in_cpu: -1 is out of range [0, inf)"},
+                "zero_optimization.offload_param.max_in_cpu: -1 is out of range [0, "
+                "9223372036854775807]"},
            Case{R"("offload_param": {"buffer_size": 1.5})",
                 "zero_optimization.offload_param.buffer_size: expected an integer"},
            Case{R"("offload_param": {"device": "NVMe"})",
@@ -1079,9 +1087,11 @@ TEST(Stage3Config, ValuesOutOfRangeAndWrongTypesNameTheKey) {
                 "zero_optimization.offload_param.nvme_path: expected a string or a list"},
            Case{R"("offload_param": "cpu")", "zero_optimization.offload_param: expected an object"},
            Case{R"("stage3_prefetch_bucket_size": -1)",
-                "zero_optimization.stage3_prefetch_bucket_size: -1 is out of range [0, inf)"},
+                "zero_optimization.stage3_prefetch_bucket_size: -1 is out of range [0, "
+                "9223372036854775807]"},
            Case{R"("stage3_max_live_parameters": 1e19)",
-                "zero_optimization.stage3_max_live_parameters: 1e+19 is out of range"},
+                "zero_optimization.stage3_max_live_parameters: 1e+19 is out of range [0, "
+                "9223372036854775807]"},
            Case{R"("stage3_param_persistence_threshold": "auto")",
                 "zero_optimization.stage3_param_persistence_threshold: \"auto\" is a "
                 "placeholder"},
@@ -1196,6 +1206,139 @@ TEST(Stage3Config, OffloadParamNvmePathWithAnotherDeviceIsAcceptedUnused) {
                          HasSubstr("give zero_optimization.offload_param {device: cpu} instead")))
         << old;
   }
+}
+
+// ---- What a run refuses, the config refuses (issue 41): zinf-train --check-config loads
+// the config through the same functions (ParseConfig, then CheckEngineConfig). ----
+
+TEST(RunChecks, OffloadDeviceNoneIsRefusedBeforeTheEngine) {
+  // DeepSpeed's default (no offload_optimizer block) and "none" written out: parsed (any
+  // DeepSpeed config loads), refused by CheckEngineConfig, which ZeroEngine::Create calls too.
+  for (const char* json :
+       {R"({"train_batch_size": 1})",
+        R"({"train_batch_size": 1, "zero_optimization": {"offload_optimizer": {"device": "none"}}})"}) {
+    SCOPED_TRACE(json);
+    ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseTrainConfig(json, {}));
+    EXPECT_THAT(CheckEngineConfig(c),
+                StatusIs(ErrorCode::kInvalidArgument,
+                         HasSubstr("zero_optimization.offload_optimizer.device: \"none\" (also "
+                                   "the default when it is not given)")));
+  }
+  for (const char* offload : {R"({"device": "cpu"})", R"({"device": "nvme", "nvme_path": "/n"})"}) {
+    SCOPED_TRACE(offload);
+    ZINF_ASSERT_OK_AND_ASSIGN(
+        TrainConfig c,
+        ParseTrainConfig(std::string(R"({"train_batch_size": 1, "zero_optimization": )"
+                                     R"({"offload_optimizer": )") +
+                             offload + "}}",
+                         {}));
+    ZINF_EXPECT_OK(CheckEngineConfig(c));
+  }
+}
+
+TEST(RunChecks, JobIdIsAtMostTheSwapStoresLimit) {
+  auto parse = [](std::size_t length) {
+    return ParseTrainConfig(
+        R"({"train_batch_size": 1, "zinf": {"job_id": ")" + std::string(length, 'j') + "\"}}", {});
+  };
+  ZINF_EXPECT_OK(parse(200));
+  EXPECT_THAT(parse(201), StatusIs(ErrorCode::kInvalidArgument,
+                                   HasSubstr("zinf.job_id: 201 characters long, at most 200")));
+}
+
+TEST(RunChecks, PinnedBudgetBelowTheSmallestPoolIsRefused) {
+  auto parse = [](const std::string& budget, const std::string& device, const char* state) {
+    return ParseTrainConfig(
+        R"({"train_batch_size": 1, "zero_optimization": {"offload_optimizer": {"device": ")" +
+            device + R"(", "nvme_path": "/n"}}, "zinf": {"pinned_budget_bytes": )" + budget +
+            R"(, "optimizer_state": ")" + state + "\"}}",
+        {});
+  };
+  // A size string without a unit is bytes, as the integer: "3" and 3 alike.
+  for (const char* three : {R"("3")", "3"}) {
+    SCOPED_TRACE(three);
+    EXPECT_THAT(parse(three, "nvme", "fp32"),
+                StatusIs(ErrorCode::kInvalidArgument,
+                         HasSubstr("zinf.pinned_budget_bytes: 3 bytes cannot hold the swap "
+                                   "buffers")));
+  }
+  EXPECT_THAT(parse(R"("16383")", "nvme", "fp32"),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("16383 bytes cannot hold the swap buffers of a step with fp32 "
+                                 "state (4 buffers of at least 4096 bytes each, 16384 bytes")));
+  ZINF_EXPECT_OK(parse(R"("16K")", "nvme", "fp32"));
+  ZINF_EXPECT_OK(parse("0", "nvme", "fp32"));  // 0: buffer_count buffers
+  EXPECT_THAT(parse("12287", "nvme", "q8"),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("(3 buffers of at least 4096")));
+  ZINF_EXPECT_OK(parse("12288", "nvme", "q8"));
+  // Device cpu keeps the state in memory and uses no budget.
+  ZINF_EXPECT_OK(parse(R"("3")", "cpu", "fp32"));
+}
+
+TEST(RunChecks, NoStringValueHoldsANulByte) {
+  const std::string nul("\\u0000");  // JSON's escape of the byte 0
+  for (const std::string& json : {
+           R"({"train_batch_size": 1, "zinf": {"checkpoint": {"dir": "/c)" + nul + R"("}}})",
+           R"({"train_batch_size": 1, "zinf": {"job_id": "a)" + nul + R"("}})",
+           R"({"train_batch_size": 1, "zinf": {"checkpoint": {"load": ")" + nul + R"("}}})",
+           R"({"train_batch_size": 1, "zinf": {"data": {"path": "d)" + nul + R"("}}})",
+           R"({"train_batch_size": 1, "zero_optimization": {"offload_optimizer": )"
+           R"({"device": "nvme", "nvme_path": ["/a", "/b)" +
+               nul + R"("]}}})",
+           R"({"train_batch_size": 1, "zero_optimization": {"offload_param": )"
+           R"({"nvme_path": "/p)" +
+               nul + R"("}}})",
+       }) {
+    SCOPED_TRACE(json);
+    EXPECT_THAT(ParseTrainConfig(json, {}),
+                StatusIs(ErrorCode::kInvalidArgument, HasSubstr("contains a NUL byte")));
+  }
+}
+
+// Range errors print the range of values accepted: for an integer without an upper limit of its
+// own, the largest int64 (not "inf"), the same whether the value is an integer, an integral
+// float or a size string.
+TEST(RangeErrors, PrintTheLargestValueAccepted) {
+  auto parse = [](const std::string& zero, const std::string& zinf) {
+    return ParseTrainConfig(R"({"train_batch_size": 1, "zero_optimization": {)" + zero +
+                                R"(}, "zinf": {)" + zinf + "}}",
+                            {});
+  };
+  ZINF_ASSERT_OK_AND_ASSIGN(TrainConfig c,
+                            parse(R"("sub_group_size": 9223372036854775807)",
+                                  R"("host_cache_bytes": "8388607T", "seed": 9223372036854775807)"));
+  EXPECT_EQ(c.zero_optimization.sub_group_size, 9223372036854775807u);
+  EXPECT_EQ(c.zinf.host_cache_bytes, 8388607 * (kGiB * 1024));
+  EXPECT_EQ(c.seed, INT64_MAX);
+  const std::string kMax = "9223372036854775807]";
+  for (const auto& [zero, zinf, want] : std::vector<std::array<std::string, 3>>{
+           {R"("sub_group_size": 9223372036854775808)", "",
+            "zero_optimization.sub_group_size: 9223372036854775808 is out of range [1, " + kMax},
+           {R"("sub_group_size": 0)", "", "zero_optimization.sub_group_size: 0 is out of range [1, " + kMax},
+           {R"("sub_group_size": 1e19)", "", "sub_group_size: 1e+19 is out of range [1, " + kMax},
+           {"", R"("host_cache_bytes": "8388608T")",
+            "zinf.host_cache_bytes: \"8388608T\" (9223372036854775808 bytes) is out of range "
+            "[0, " + kMax},
+           {"", R"("host_cache_bytes": 18446744073709551615)",
+            "zinf.host_cache_bytes: 18446744073709551615 is out of range [0, " + kMax},
+           {"", R"("seed": -1)", "zinf.seed: -1 is out of range [0, " + kMax},
+           {"", R"("checkpoint": {"every": 0})", "zinf.checkpoint.every: 0 is out of range [1, " + kMax},
+           // A key of its own range keeps it; an int key without one is bounded by int.
+           {"", R"("adam_threads": 4096)", "zinf.adam_threads: 4096 is out of range [0, 1024]"},
+           {"", R"("steps": 9007199254740992)",
+            "zinf.steps: 9007199254740992 is out of range [1, 9007199254740991]"},
+       }) {
+    SCOPED_TRACE(want);
+    EXPECT_THAT(parse(zero, zinf), StatusIs(ErrorCode::kInvalidArgument, HasSubstr(want)));
+  }
+  // A number key keeps its open end: no finite number is excluded by it.
+  EXPECT_THAT(ParseTrainConfig(R"({"train_batch_size": 1, "gradient_clipping": -1})", {}),
+              StatusIs(ErrorCode::kInvalidArgument,
+                       HasSubstr("gradient_clipping: -1 is out of range [0, inf)")));
+  // --help shows the same ranges.
+  EXPECT_THAT(DescribeConfigKeys(),
+              HasSubstr("zero_optimization.sub_group_size (integer, default 1000000000, range "
+                        "[1, 9223372036854775807])"));
 }
 
 }  // namespace

@@ -7,9 +7,10 @@
 # is left out for that file (--nvme-path where the file has an offload_optimizer block, --steps
 # where it sets zinf.steps). Then bad command lines: --steps 0 or -3, --model nope, an unknown
 # flag, --resume latest without a checkpoint directory (2) or with an empty one (1), --resume of
-# a missing file, --data and --config naming missing paths (1): each names what is wrong. Last, a
-# few of them on 2 ranks under mpirun: the same exit code, and each rank prints the same one-line
-# error. Hostile inputs: a 400k-deep config, a 20 MB one, FIFOs and devices as config, data,
+# a missing file and --data naming a missing path (1), --config naming one (2: a config that
+# cannot be loaded is a bad config, --check-config's exit code too): each names what is wrong.
+# Last, a few of them on 2 ranks under mpirun: the same exit code, and each rank prints the same
+# one-line error. Hostile inputs: a 400k-deep config, a 20 MB one, FIFOs and devices as config, data,
 # metrics and checkpoint, a micro-batch of 2^31-1, bad ZINF_* values: each a clean error (or a WARN
 # with the value escaped), never a crash or a hang.
 #
@@ -100,9 +101,9 @@ expect_failure resume-missing-file 1 "$work/no-such-step-5.h5" \
   --resume "$work/no-such-step-5.h5" --steps 1 "${swap[@]}"
 expect_failure data-missing 1 /nonexistent/zinf-e2e-corpus.txt \
   --data /nonexistent/zinf-e2e-corpus.txt --steps 1 "${swap[@]}"
-# A config file that is not there: NotFound (1) by the letter of the exit codes, arguably a bad
-# command line (2); either is accepted, the message must name the path.
-expect_failure config-missing '1|2' /nonexistent/zinf-e2e.json \
+# A config file that is not there, or not a regular file: a bad command line (2), whatever the
+# error's code (NotFound here); the message names the path.
+expect_failure config-missing 2 /nonexistent/zinf-e2e.json \
   --config /nonexistent/zinf-e2e.json --steps 1 "${swap[@]}"
 
 check "hostile inputs: special files, huge and deep files, sizes that cannot fit, bad environment"
@@ -117,9 +118,9 @@ expect_failure config-400k-deep 2 'JSON nesting deeper than 32 levels' \
   --config "$work/deep.json" --steps 1 "${swap[@]}"
 expect_failure config-20mb 2 'larger than 16777216 bytes' --config "$work/huge.json" --steps 1 \
   "${swap[@]}"
-expect_failure config-fifo 1 'a FIFO, not a regular file' --config "$work/fifo" --steps 1 \
+expect_failure config-fifo 2 'a FIFO, not a regular file' --config "$work/fifo" --steps 1 \
   "${swap[@]}"
-expect_failure config-device 1 'a character device, not a regular file' --config /dev/zero \
+expect_failure config-device 2 'a character device, not a regular file' --config /dev/zero \
   --steps 1 "${swap[@]}"
 expect_failure data-fifo 1 'a FIFO, not a regular file' --data "$work/fifo" --steps 1 "${swap[@]}"
 expect_failure metrics-fifo 1 'not a regular file' --metrics "$work/fifo" --steps 1 "${swap[@]}"

@@ -42,7 +42,8 @@
 // Strictness. Every error is InvalidArgument and starts with the key path:
 //   "zero_optimization.sub_grop_size: unknown key; did you mean 'sub_group_size'?"
 //   "optimizer.params.lr: expected a number, got string \"fast\""
-//   "aio.queue_depth: 0 is out of range [1, 4096]"
+//   "aio.queue_depth: 0 is out of range [1, 4096]" (an integer's range is the values accepted:
+//    "[1, 9223372036854775807]" where the key has no upper limit of its own)
 //   "train_batch_size: 30 != train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps 2 *
 //    world_size 4 = 32"
 // JSON syntax errors carry nlohmann's line and column; the text is parsed bounded (ParseJson: at
@@ -353,12 +354,24 @@ struct AppKey {
 //   - offload_param.device "nvme" needs zero_optimization.stage 3 and offload_optimizer.device
 //     "nvme", and each of its nvme_path entries must be one of offload_optimizer.nvme_path (as
 //     written).
+//   - zinf.job_id: at most 200 characters of [A-Za-z0-9_.-], no ".."; no string value holds a
+//     NUL byte; with offload_optimizer.device "nvme", zinf.pinned_budget_bytes is 0 or holds the
+//     swap buffers of a step of the smallest sub-group (4 buffers of 4 KiB for fp32 state, 3 for
+//     q8).
 // Logs a WARN line (every rank) for `aio.thread_count` and for questionable but valid values,
 // and one INFO line naming the keys accepted with no effect (Config::ignored_keys).
 // Errors: InvalidArgument whose message starts with the key path (see the top of the file).
 // `app_keys` must outlive the call.
 Result<Config> ParseConfig(std::string_view json_text, const ConfigContext& ctx,
                            std::span<const AppKey> app_keys = {});
+
+// What ZeroEngine::Create refuses of a parsed config by itself, before it looks at the parameters
+// or the world: offload_optimizer.device "none" (DeepSpeed's default, which ParseConfig accepts
+// so that every DeepSpeed config loads; zinf steps the optimizer on the CPU: "cpu" or "nvme").
+// ZeroEngine::Create calls it, and so does a program that checks a config without running it
+// (zinf-train --check-config), so that both refuse the same configs with the same error.
+// Errors: InvalidArgument starting with the key path.
+Status CheckEngineConfig(const Config& config);
 
 // The text of the config file at `path` (at most 16 MiB). Errors: NotFound (no such file),
 // FailedPrecondition (not a regular file), other errno codes (unreadable), InvalidArgument (too

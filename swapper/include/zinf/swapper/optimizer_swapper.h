@@ -228,6 +228,10 @@ struct StepOptions {
 
 class OptimizerSwapper {
  public:
+  // Buffers per swapped sub-group: one per slot tensor, plus its gradient: fp32: fp32, exp_avg,
+  // exp_avg_sq, gradient; q8: fp32, moments, gradient. The fewest a step's pool holds.
+  static std::size_t BuffersPerSubGroup(StateFormat format);
+
   virtual ~OptimizerSwapper();
   OptimizerSwapper(const OptimizerSwapper&) = delete;
   OptimizerSwapper& operator=(const OptimizerSwapper&) = delete;
@@ -350,10 +354,7 @@ class OptimizerSwapper {
     std::vector<std::string> labels_;
   };
 
-  // Buffers per swapped sub-group: one per slot tensor, plus its gradient: fp32: fp32, exp_avg,
-  // exp_avg_sq, gradient; q8: fp32, moments, gradient.
   static constexpr std::size_t kMaxBuffersPerSubGroup = 4;
-  static std::size_t BuffersPerSubGroup(StateFormat format);
   std::size_t buffers_per_sub_group() const { return BuffersPerSubGroup(options_.state_format); }
 
   // Where one sub-group's slot tensors are while it is stepped or moved: pool buffers (in any
