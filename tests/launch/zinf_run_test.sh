@@ -26,7 +26,8 @@ fail() {
 pass() { checks=$((checks + 1)); }
 
 command -v mpirun > /dev/null || { echo "SKIP: mpirun not found" >&2; exit 0; }
-cores=$(nproc)
+# As zinf-run counts them: OMP_NUM_THREADS / OMP_THREAD_LIMIT do not change it.
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 # zinf-run exports the ZINF_* variables of its environment across hosts: the expected command
 # lines below assume none is set but those a check sets itself.
 while IFS= read -r name; do unset "$name"; done < <(compgen -e | grep '^ZINF_' || true)
@@ -195,8 +196,31 @@ usage_error "--nvme twice" "--nvme: the NVMe path list given twice" \
   -np 1 --nvme /a --nvme /b -- echo a
 usage_error "-np through --mpi-arg" "--mpi-arg -np: the number of ranks is given with" \
   -np 1 --mpi-arg -np --mpi-arg 2 -- echo a
-run_zr -np 1048576 --dry-run -- echo a
-expect_rc "-np 2^20 is accepted" 0
+run_zr -np 1048576 --oversubscribe --dry-run -- echo a
+expect_rc "-np 2^20 is accepted (with --oversubscribe)" 0
+# More than 4 ranks per core on one host: refused unless --oversubscribe (zinf-run's own or
+# through --mpi-arg) or a hostfile / --host says where else they go.
+limit=$((4 * cores))
+usage_error "-np above 4 x cores" \
+  "-np $((limit + 1)) on this host's $cores core\\(s\\) is more than 4 ranks per core: give --oversubscribe" \
+  -np $((limit + 1)) --dry-run -- echo a
+usage_error "-np 2^20 without --oversubscribe" "more than 4 ranks per core" \
+  -np 1048576 --dry-run -- echo a
+run_zr -np "$limit" --dry-run -- echo a
+expect_rc "-np 4 x cores is accepted" 0
+OMP_NUM_THREADS=1 OMP_THREAD_LIMIT=1 run_zr -np "$limit" --dry-run -- echo a
+expect_rc "-np 4 x cores with OMP_NUM_THREADS=1 (nproc would say 1)" 0
+run_zr -np $((limit + 1)) --oversubscribe --dry-run -- echo a
+expect_rc "--oversubscribe" 0
+expect_argv "--oversubscribe" mpirun "${root[@]}" --oversubscribe --bind-to none \
+  "${single_host[@]}" -np $((limit + 1)) echo a
+run_zr -np $((limit + 1)) --mpi-arg --oversubscribe --dry-run -- echo a
+expect_rc "--mpi-arg --oversubscribe" 0
+run_zr -np $((limit + 1)) --hostfile "$work/hosts" --dry-run -- echo a
+expect_rc "a hostfile, many ranks" 0
+run_zr -np 2 --oversubscribe --dry-run -- echo a
+expect_argv "--oversubscribe below the cores" mpirun "${root[@]}" --oversubscribe \
+  "${single_host[@]}" -np 2 echo a
 usage_error "missing --" "missing '--'" -np 2
 usage_error "program without --" "put '--' before the program" -np 2 echo a
 usage_error "missing program" "missing program after '--'" -np 2 --
