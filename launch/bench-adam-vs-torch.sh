@@ -8,6 +8,7 @@
 # Both sides report the best step time; gb_per_s counts 28 bytes per element for both.
 # torch is optional: without it the script says how to install it and exits 0 with
 # {"torch":"unavailable"}. /usr/bin/python3 is used on purpose, not a pyenv/venv python3 on PATH.
+# --numel (up to 2^30), --threads (up to 1024) and --steps are integers >= 1 (else exit 2).
 set -euo pipefail
 
 numel=67108864
@@ -17,16 +18,24 @@ repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bench="${ZINF_BENCH:-${repo_root}/build/bin/zinf-bench}"
 python=/usr/bin/python3
 
+# shellcheck source=lib/args.sh
+source "${repo_root}/launch/lib/args.sh"
+args_script="bench-adam-vs-torch.sh"
+
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --numel) numel="$2"; shift 2 ;;
-    --threads) threads="$2"; shift 2 ;;
-    --steps) steps="$2"; shift 2 ;;
-    --bench) bench="$2"; shift 2 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
-    *) echo "bench-adam-vs-torch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    --numel) need_value "$@"; numel="$2"; shift 2 ;;
+    --threads) need_value "$@"; threads="$2"; shift 2 ;;
+    --steps) need_value "$@"; steps="$2"; shift 2 ;;
+    --bench) need_value "$@"; bench="$2"; shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
+    *) usage_die "unknown argument '$1' (see --help)" ;;
   esac
 done
+# torch's Python side takes plain integers: --numel is one too (no K/M/G).
+check_count --numel "${numel}" 1 "$((1 << 30))"
+check_count --threads "${threads}" 1 1024
+check_count --steps "${steps}" 1 100000
 
 if [[ ! -x "${bench}" ]]; then
   echo "bench-adam-vs-torch.sh: ${bench} is not built (cmake --build <dir> --target zinf-bench," \

@@ -19,6 +19,8 @@
 #   launch/bench-checkpoint.sh [--dir DIR] [--state 4G] [--ranks 2] [--trials 3] [--target 1.25]
 #                              [--bench build/bin/zinf-bench] [--no-drop-caches]
 #                              [--csv] [--keep-logs]
+# (--state: a size, at least 12 bytes; --ranks 1-1024 and --trials 1-1000: integers; a bad value
+# exits 2 before anything is made.)
 #
 # Builds nothing: expects build/bin/zinf-bench (cmake --build build --target zinf-bench), or
 # --bench PATH. DIR must hold about 2x the state plus one sub-group (swap store + checkpoint; fio
@@ -65,22 +67,32 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # As root on a single node over loopback; ZINF_MPIRUN_ARGS replaces these.
 MPIRUN_ARGS=${ZINF_MPIRUN_ARGS:-"--allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader,tcp --mca btl_tcp_if_include lo"}
 
+# shellcheck source=lib/args.sh
+source "$here/lib/args.sh"
+args_script="bench-checkpoint"
+
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --dir) DIR="$2"; shift 2 ;;
-    --state) STATE="$2"; shift 2 ;;
-    --ranks) RANKS="$2"; shift 2 ;;
-    --trials) TRIALS="$2"; shift 2 ;;
-    --target) TARGET="$2"; shift 2 ;;
-    --bench) BENCH="$2"; shift 2 ;;
+    --dir) need_value "$@"; DIR="$2"; shift 2 ;;
+    --state) need_value "$@"; STATE="$2"; shift 2 ;;
+    --ranks) need_value "$@"; RANKS="$2"; shift 2 ;;
+    --trials) need_value "$@"; TRIALS="$2"; shift 2 ;;
+    --target) need_value "$@"; TARGET="$2"; shift 2 ;;
+    --bench) need_value "$@"; BENCH="$2"; shift 2 ;;
     --single-pass) SINGLE_PASS=1; shift ;;  # the default; kept for old command lines
     --no-drop-caches) DROP=0; shift ;;
     --csv) CSV=1; shift ;;
     --keep-logs) KEEP_LOGS=1; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
-    *) echo "bench-checkpoint: unknown argument '$1'" >&2; exit 2 ;;
+    *) usage_die "unknown argument '$1'" ;;
   esac
 done
+# Every flag checked before DIR is made or a tool runs.
+state_bytes=$(check_size --state "$STATE" 12) || exit 2
+check_count --ranks "$RANKS" 1 1024
+check_count --trials "$TRIALS" 1 1000
+check_number --target "$TARGET"
+[[ -n $DIR ]] || usage_die "--dir needs a non-empty directory"
 
 [[ -n "$BENCH" ]] || BENCH="$here/../build/bin/zinf-bench"
 if [[ ! -x "$BENCH" ]]; then
@@ -103,12 +115,7 @@ fi
   "restores may read from it" >&2
 
 # The exact byte count zinf-bench uses (12-byte elements), and fio's per-job size in MiB.
-bytes=$(python3 -c '
-import re, sys
-m = re.fullmatch(r"(\d+)([KMGT]?)i?B?", sys.argv[1], re.I)
-if not m: sys.exit("bad size " + sys.argv[1])
-n = int(m.group(1)) << (10 * " KMGT".index(m.group(2).upper() or " "))
-print(max(n // 12, 1) * 12)' "$STATE")
+bytes=$((state_bytes / 12 * 12))
 job_mib=$(( (bytes / RANKS + 1048575) / 1048576 ))
 fio_bytes=$(( job_mib * 1048576 * RANKS ))
 

@@ -6,6 +6,8 @@
 #
 #   launch/bench-io-vs-fio.sh [--dir DIR] [--size 1G] [--trials 3] [--bench PATH] [--target 0.95]
 #
+# --size is a multiple of 1 MiB (such as 1G), --trials an integer 1-1000, --target a positive
+# number: a bad value (or a flag without one) exits 2 before anything runs.
 # Exit status: 0 when both median ratios reach the target, 1 when not, 2 on usage/tool errors.
 set -euo pipefail
 
@@ -16,17 +18,27 @@ TARGET=0.95
 BENCH=""
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
+# shellcheck source=lib/args.sh
+source "$here/lib/args.sh"
+args_script="bench-io-vs-fio"
+
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --dir) DIR="$2"; shift 2 ;;
-    --size) SIZE="$2"; shift 2 ;;
-    --trials) TRIALS="$2"; shift 2 ;;
-    --bench) BENCH="$2"; shift 2 ;;
-    --target) TARGET="$2"; shift 2 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
-    *) echo "bench-io-vs-fio: unknown argument '$1'" >&2; exit 2 ;;
+    --dir) need_value "$@"; DIR="$2"; shift 2 ;;
+    --size) need_value "$@"; SIZE="$2"; shift 2 ;;
+    --trials) need_value "$@"; TRIALS="$2"; shift 2 ;;
+    --bench) need_value "$@"; BENCH="$2"; shift 2 ;;
+    --target) need_value "$@"; TARGET="$2"; shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
+    *) usage_die "unknown argument '$1'" ;;
   esac
 done
+# Every flag checked before a directory is made or a tool runs. fio and zinf-bench move whole
+# 1 MiB blocks.
+size_bytes=$(check_size --size "$SIZE" $((1 << 20))) || exit 2
+((size_bytes % (1 << 20) == 0)) || usage_die "--size '$SIZE': not a multiple of the 1 MiB block"
+check_count --trials "$TRIALS" 1 1000
+check_number --target "$TARGET"
 
 if [[ -z "$BENCH" ]]; then
   for candidate in "$here/../build/bin/zinf-bench" "$here"/../build*/bin/zinf-bench; do

@@ -10,13 +10,18 @@
 #                                 [--hidden 2048] [--rounds 2] [--steps 3] [--np 2]
 #                                 [--no-memory-run] [--no-side-by-side]
 #
+# --layers 1-4096, --hidden 1-65536, --rounds 1-100, --steps 1-1000, --np 1-1024 (integers; a bad
+# value or a flag without one exits 2 before anything is made).
 # JSON lines on stdout (zinf-bench's, then one {"bench": "offload-param-memory-run", ...});
 # logs on stderr. Needs free space in --path for about 20 bytes per parameter (state, gradient,
 # spare sub-groups) and, for the side-by-side memory mode, about 16 bytes per parameter of RAM.
 set -euo pipefail
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
-die() { echo "bench-param-offload.sh: $*" >&2; exit 2; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+# shellcheck source=lib/args.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/args.sh"
+args_script="bench-param-offload.sh"
+die() { usage_die "$@"; }
 
 path=/tmp/zinf-bench-param
 bin=build/bin/zinf-bench
@@ -30,7 +35,7 @@ side_by_side=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --path|--bin|--layers|--hidden|--rounds|--steps|--np)
-      [[ $# -ge 2 ]] || die "$1 needs a value"
+      need_value "$@"
       case "$1" in
         --path) path=$2 ;; --bin) bin=$2 ;; --layers) layers=$2 ;; --hidden) hidden=$2 ;;
         --rounds) rounds=$2 ;; --steps) steps=$2 ;; --np) np=$2 ;;
@@ -42,9 +47,14 @@ while [[ $# -gt 0 ]]; do
     *) usage >&2; die "unknown argument $1" ;;
   esac
 done
-for n in "$layers" "$hidden" "$rounds" "$steps" "$np"; do
-  [[ $n =~ ^[1-9][0-9]*$ ]] || die "not a positive integer: $n"
-done
+# zinf-bench offload-param's own limits, checked here before anything is made or run (and so
+# that the size arithmetic below stays far inside 64 bits).
+check_count --layers "$layers" 1 4096
+check_count --hidden "$hidden" 1 65536
+check_count --rounds "$rounds" 1 100
+check_count --steps "$steps" 1 1000
+check_count --np "$np" 1 1024
+[[ -n $path ]] || die "--path needs a non-empty directory"
 [[ -x $bin ]] || die "$bin is not an executable (build first: cmake --build --preset default)"
 mkdir -p "$path"
 mpi=(mpirun --oversubscribe)

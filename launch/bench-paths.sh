@@ -26,6 +26,9 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=lib/outdir.sh
 source "$here/lib/outdir.sh"
+# shellcheck source=lib/args.sh
+source "$here/lib/args.sh"
+args_script="bench-paths"
 
 fast=/dev/shm
 slow=/var/tmp
@@ -41,15 +44,12 @@ weightings=equal,given,probe
 block_size=1M
 queue_depth=16
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
-die() {
-  echo "bench-paths: $*" >&2
-  exit 2
-}
+die() { usage_die "$@"; }
 while (($# > 0)); do
   case $1 in
     --fast | --slow | --state | --size | --sub-group-size | --rounds | --mode | --bin | --out | \
       --target | --weightings)
-      (($# >= 2)) || die "$1 needs a value"
+      need_value "$@"
       case $1 in
         --fast) fast=$2 ;;
         --slow) slow=$2 ;;
@@ -70,6 +70,18 @@ while (($# > 0)); do
   esac
 done
 
+# The flags first, then the tools: a bad command line exits 2 before anything is made or run.
+[[ $mode == pipeline || $mode == sync ]] ||
+  die "--mode is pipeline or sync, not '$mode'"
+check_count --rounds "$rounds" 1 1000
+check_size --state "$state" 12 > /dev/null || exit 2
+check_size --size "$size" > /dev/null || exit 2
+check_size --sub-group-size "$sub_group" > /dev/null || exit 2
+check_number --target "$target"
+for weighting in ${weightings//,/ }; do
+  [[ $weighting =~ ^(equal|given|probe)$ ]] ||
+    die "--weightings takes equal, given, probe, not '$weighting'"
+done
 if [[ -z $bin ]]; then
   for candidate in "$here/../build/bin/zinf-bench" "$here"/../build*/bin/zinf-bench; do
     if [[ -x $candidate ]]; then bin=$candidate; break; fi
@@ -77,13 +89,6 @@ if [[ -z $bin ]]; then
 fi
 [[ -n $bin && -x $bin ]] || die "zinf-bench not found; pass --bin"
 command -v python3 >/dev/null || die "python3 is not installed"
-[[ $mode == pipeline || $mode == sync ]] ||
-  die "--mode is pipeline or sync, not '$mode'"
-[[ $rounds =~ ^[1-9][0-9]*$ ]] || die "--rounds '$rounds'"
-for weighting in ${weightings//,/ }; do
-  [[ $weighting =~ ^(equal|given|probe)$ ]] ||
-    die "--weightings takes equal, given, probe, not '$weighting'"
-done
 for dir in "$fast" "$slow"; do
   [[ -d $dir ]] || die "$dir is not a directory"
 done

@@ -46,10 +46,10 @@ seed=1234
 out=/tmp/zinf-q8-quality
 bin=$repo/build/bin/zinf-train
 
-die() {
-  echo "bench-q8-quality: $*" >&2
-  exit 2
-}
+# shellcheck source=lib/args.sh
+source "$repo/launch/lib/args.sh"
+args_script="bench-q8-quality"
+die() { usage_die "$@"; }
 fail() {
   echo "bench-q8-quality: $*" >&2
   exit 1
@@ -59,7 +59,7 @@ usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
 while (($# > 0)); do
   case $1 in
     --steps | --ranks | --seed | --out | --bin)
-      (($# >= 2)) || die "$1 needs a value"
+      need_value "$@"
       case $1 in
         --steps) steps=$2 ;;
         --seed) seed=$2 ;;
@@ -73,9 +73,10 @@ while (($# > 0)); do
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
-[[ $steps =~ ^[1-9][0-9]*$ ]] || die "--steps '$steps': expected an integer >= 1"
-[[ $ranks =~ ^[1-9][0-9]*$ ]] || die "--ranks '$ranks': expected an integer >= 1"
-[[ $seed =~ ^[0-9]+$ ]] || die "--seed '$seed': expected an integer >= 0"
+check_count --steps "$steps"
+check_count --ranks "$ranks" 1 1024
+check_count --seed "$seed" 0
+[[ -n $out ]] || die "--out needs a non-empty directory"
 [[ -x $bin ]] || die "--bin '$bin' is not an executable (build zinf-train first)"
 claim_dir "$out" bench-q8-quality.sh || exit 2
 out=$(cd -- "$out" && pwd)

@@ -8,6 +8,8 @@
 #   launch/bench-q8-speed.sh [--bin build/bin/zinf-bench] [--path DIR]... [--state 4G]
 #                            [--numel 64M] [--threads 2] [--rounds 3] [--simd avx512,avx2]
 #
+# --rounds 1-99 and --threads 0-1024 (0: all cores) are integers, --state and --numel sizes; a bad
+# value (or a flag without one) exits 2 before anything runs.
 # JSON lines on stdout: one per kernel pair and per step round, then one summary per measurement,
 # path and SIMD path (min, median and max of q8/fp32); the benchmarks' own logs go to stderr.
 # Each step run works in a fresh directory under its --path, removed afterwards: it needs the
@@ -21,22 +23,28 @@ numel=64M
 threads=2
 rounds=3
 simd=""
+# shellcheck source=lib/args.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/args.sh"
+args_script="bench-q8-speed"
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --bin) bin=$2; shift 2 ;;
-    --path) paths+=("$2"); shift 2 ;;
-    --state) state=$2; shift 2 ;;
-    --numel) numel=$2; shift 2 ;;
-    --threads) threads=$2; shift 2 ;;
-    --rounds) rounds=$2; shift 2 ;;
-    --simd) simd=$2; shift 2 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
-    *) echo "bench-q8-speed: unknown argument $1 (--help lists them)" >&2; exit 2 ;;
+    --bin) need_value "$@"; bin=$2; shift 2 ;;
+    --path) need_value "$@"; paths+=("$2"); shift 2 ;;
+    --state) need_value "$@"; state=$2; shift 2 ;;
+    --numel) need_value "$@"; numel=$2; shift 2 ;;
+    --threads) need_value "$@"; threads=$2; shift 2 ;;
+    --rounds) need_value "$@"; rounds=$2; shift 2 ;;
+    --simd) need_value "$@"; simd=$2; shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
+    *) usage_die "unknown argument $1 (--help lists them)" ;;
   esac
 done
-[[ -x $bin ]] || { echo "bench-q8-speed: $bin is not an executable (build first)" >&2; exit 2; }
-[[ $rounds =~ ^[1-9][0-9]?$ ]] || { echo "bench-q8-speed: --rounds must be 1-99" >&2; exit 2; }
-[[ $threads =~ ^[0-9]{1,4}$ ]] || { echo "bench-q8-speed: --threads must be 0-9999" >&2; exit 2; }
+# The flags first, then the tools: a bad command line exits 2 before anything runs.
+check_count --rounds "$rounds" 1 99
+check_count --threads "$threads" 0 1024
+check_size --state "$state" 12 > /dev/null || exit 2
+check_size --numel "$numel" > /dev/null || exit 2
+[[ -x $bin ]] || usage_die "$bin is not an executable (build first)"
 if [[ ${#paths[@]} == 0 ]]; then paths=(/tmp); fi
 for p in "${paths[@]}"; do
   [[ -d $p && ! -L $p ]] || { echo "bench-q8-speed: --path $p is not a directory" >&2; exit 2; }

@@ -45,7 +45,11 @@ repo=$(cd -- "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")/.." && pwd)
 # claim_dir.
 # shellcheck source=lib/outdir.sh
 source "$repo/launch/lib/outdir.sh"
+# need_value, check_count, check_size.
+# shellcheck source=lib/args.sh
+source "$repo/launch/lib/args.sh"
 script="bench-vs-deepspeed.sh"
+args_script="bench-vs-deepspeed"
 dir=/tmp/zinf-vs-deepspeed
 ds_dir=$repo/../shared/bench/deepspeed
 ds_build=/tmp/ds/build
@@ -60,10 +64,7 @@ steps=3
 threads=$(nproc)
 readonly queue_depth=8 block_size=$((1 << 20))
 
-die() {
-  echo "bench-vs-deepspeed: $*" >&2
-  exit 2
-}
+die() { usage_die "$@"; }
 fail() {
   echo "bench-vs-deepspeed: $*" >&2
   exit 1
@@ -74,7 +75,7 @@ while (($# > 0)); do
   case $1 in
     --dir | --deepspeed | --ds-build | --ds-src | --bench | --python | --rounds | --size | \
       --elements | --sub-group | --steps | --threads)
-      (($# >= 2)) || die "$1 needs a value"
+      need_value "$@"
       case $1 in
         --dir) dir=$2 ;;
         --deepspeed) ds_dir=$2 ;;
@@ -96,20 +97,14 @@ while (($# > 0)); do
   esac
 done
 
-# count TEXT OPTION: TEXT (an integer with an optional K, M or G: binary multiples) as a number.
-count() {
-  local text=${1^^}
-  [[ $text =~ ^([1-9][0-9]*)([KMG]?)$ ]] || die "$2 '$1': expected an integer >= 1 with an optional K, M or G"
-  local shift_by=0
-  case ${BASH_REMATCH[2]} in K) shift_by=10 ;; M) shift_by=20 ;; G) shift_by=30 ;; esac
-  echo $((BASH_REMATCH[1] << shift_by))
-}
-size_bytes=$(count "$size" --size)
-numel=$(count "$elements" --elements)
-sub_numel=$(count "$sub_group" --sub-group)
-[[ $rounds =~ ^[1-9][0-9]*$ ]] || die "--rounds '$rounds': expected an integer >= 1"
-[[ $steps =~ ^[1-9][0-9]*$ ]] || die "--steps '$steps': expected an integer >= 1"
-[[ $threads =~ ^[1-9][0-9]*$ ]] || die "--threads '$threads': expected an integer >= 1"
+# Sizes and element counts with an optional K, M, G or T (binary multiples), checked against
+# overflow (lib/args.sh); counts as integers.
+size_bytes=$(check_size --size "$size") || exit 2
+numel=$(check_size --elements "$elements") || exit 2
+sub_numel=$(check_size --sub-group "$sub_group") || exit 2
+check_count --rounds "$rounds" 1 1000
+check_count --steps "$steps" 1 1000
+check_count --threads "$threads" 1 1024
 ((size_bytes % block_size == 0)) || die "--size $size: not a multiple of the 1 MiB block"
 ((sub_numel <= numel)) || die "--sub-group $sub_group is larger than --elements $elements"
 

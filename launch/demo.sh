@@ -11,20 +11,30 @@
 #
 # --dir (default ./zinf-demo) is emptied and reused on every run, so it must be a directory
 # demo.sh made (it holds .made-by-demo.sh), a new or an empty one: any other is refused (exit 2).
+# --ranks (1-1024), --steps and --more are integers >= 1; a bad value exits 2 before anything.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# shellcheck source=lib/args.sh
+source launch/lib/args.sh
+args_script="demo.sh"
 
 ranks=2 work=$PWD/zinf-demo steps=1000 more=200
 while (($#)); do
   case $1 in
-    --ranks) ranks=$2; shift 2 ;;
-    --dir) work=$2; shift 2 ;;
-    --steps) steps=$2; shift 2 ;;
-    --more) more=$2; shift 2 ;;
-    -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
-    *) echo "demo.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    --ranks) need_value "$@"; ranks=$2; shift 2 ;;
+    --dir) need_value "$@"; work=$2; shift 2 ;;
+    --steps) need_value "$@"; steps=$2; shift 2 ;;
+    --more) need_value "$@"; more=$2; shift 2 ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
+    *) usage_die "unknown argument '$1' (see --help)" ;;
   esac
 done
+# Checked before the demo directory is made or anything is installed or built.
+check_count --ranks "$ranks" 1 1024
+check_count --steps "$steps"
+check_count --more "$more"
+[[ -n $work ]] || usage_die "--dir needs a non-empty directory"
 [[ $work = /* ]] || work=$PWD/$work
 
 # A fresh demo directory each time: the swap store lives there during the run (removed at exit),

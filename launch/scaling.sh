@@ -19,7 +19,9 @@
 # efficiency_vs_1) and exits 77 where simulated hosts cannot be made.
 #
 # The optimizer state is 12 bytes per parameter (fp32 weights, exp_avg, exp_avg_sq), so a run
-# of state S trains S / 12 parameters. Sizes take K/M/G/T suffixes (powers of 1024). The first W
+# of state S trains S / 12 parameters. Sizes take K/M/G/T suffixes (powers of 1024), from 12
+# bytes to 1T; rank counts are 1-1024; a bad value (or a flag without one) exits 2 before
+# anything is made. The first W
 # steps (default: 2 of 5 or more steps, else 1) are warm-up and left out of the medians.
 # --repeat R (default 1) runs the whole series R times, round after round, and takes the medians
 # over the measured steps of all rounds: use it on a machine that is not quiet.
@@ -51,7 +53,7 @@
 set -euo pipefail
 
 repo=$(cd -- "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")/.." && pwd)
-# metric_after, median, parse_size.
+# metric_after, median; and (lib/args.sh) need_value, check_count, check_size.
 # shellcheck source=lib/metrics.sh
 source "$repo/launch/lib/metrics.sh"
 # claim_dir.
@@ -71,17 +73,16 @@ bin=$repo/build/bin/zinf-train
 force=0
 hosts_list=""
 
-die() {
-  echo "scaling: $*" >&2
-  exit 2
-}
+# shellcheck disable=SC2034  # read by lib/args.sh's messages
+args_script="scaling"
+die() { usage_die "$@"; }
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 
 while (($# > 0)); do
   case $1 in
     --state-per-rank | --strong-total | --ranks | --steps | --warmup | --repeat | --modes | \
       --sub-group-size | --path | --out | --bin)
-      (($# >= 2)) || die "$1 needs a value"
+      need_value "$@"
       case $1 in
         --state-per-rank) state_per_rank=$2 ;;
         --strong-total) strong_total=$2 ;;
@@ -100,7 +101,7 @@ while (($# > 0)); do
     --hosts)
       # Weak scaling over simulated hosts (needs root and namespaces; exit 77 otherwise):
       # tests/multihost/scaling_hosts.sh with this script's sizes.
-      (($# >= 2)) || die "--hosts needs a list such as \"1 2 3\""
+      if (($# < 2)) || [[ $2 == --* ]]; then die "--hosts needs a list such as \"1 2 3\""; fi
       hosts_list=$2
       shift 2
       ;;
@@ -117,17 +118,19 @@ if [[ -n ${hosts_list:-} ]]; then
   [[ -n $out ]] && host_args+=(--out "$out")
   exec bash "$repo/tests/multihost/scaling_hosts.sh" "${host_args[@]}"
 fi
-per_rank_bytes=$(parse_size "$state_per_rank") || die "--state-per-rank '$state_per_rank': expected a size such as 1G"
-strong_bytes=$(parse_size "$strong_total") || die "--strong-total '$strong_total': expected a size such as 2G"
-[[ $steps =~ ^[1-9][0-9]*$ ]] || die "--steps '$steps': expected an integer >= 1"
+# Sizes up to 1 TiB and up to 1024 ranks: the memory estimate below (bytes x ranks x 16) stays
+# inside bash's 64-bit arithmetic.
+per_rank_bytes=$(check_size --state-per-rank "$state_per_rank" 12 "$((1 << 40))") || exit 2
+strong_bytes=$(check_size --strong-total "$strong_total" 12 "$((1 << 40))") || exit 2
+check_count --steps "$steps" 1 100000
 [[ -n $warmup ]] || warmup=$((steps >= 5 ? 2 : 1))
-[[ $warmup =~ ^[0-9]+$ ]] || die "--warmup '$warmup': expected an integer >= 0"
-[[ $repeat =~ ^[1-9][0-9]*$ ]] || die "--repeat '$repeat': expected an integer >= 1"
+check_count --warmup "$warmup" 0 100000
+check_count --repeat "$repeat" 1 1000
 ((steps > warmup)) || die "--steps $steps leaves no step after $warmup warm-up step(s)"
-[[ $sub_group =~ ^[1-9][0-9]*$ ]] || die "--sub-group-size '$sub_group': expected elements >= 1"
+check_count --sub-group-size "$sub_group" 1 "$((1 << 40))"
 read -r -a rank_list <<< "$ranks"
 ((${#rank_list[@]} > 0)) || die "--ranks is empty"
-for n in "${rank_list[@]}"; do [[ $n =~ ^[1-9][0-9]*$ ]] || die "--ranks: bad rank count '$n'"; done
+for n in "${rank_list[@]}"; do check_count --ranks "$n" 1 1024; done
 read -r -a mode_list <<< "$modes"
 for m in "${mode_list[@]}"; do [[ $m == weak || $m == strong ]] || die "--modes: '$m' is not weak or strong"; done
 ((per_rank_bytes >= 12 && strong_bytes >= 12 * ${rank_list[-1]})) || die "sizes too small (12 bytes per parameter)"

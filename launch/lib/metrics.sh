@@ -1,7 +1,11 @@
 # shellcheck shell=bash
 # Reading zinf-train's --metrics files from bash (sourced by launch/scaling.sh and the tests):
 # one flat JSON object per line, e.g. {"step":3,"loss":4.12,...}, read with Python's json module.
-# Also the two small helpers every script that turns them into figures needs: sizes and medians.
+# Also the two small helpers every script that turns them into figures needs: sizes (parse_size,
+# from args.sh) and medians.
+
+# shellcheck source=args.sh
+source "$(dirname "${BASH_SOURCE[0]}")/args.sh"
 
 # metric FILE KEY: "STEP VALUE" per line, VALUE as written in the JSON (the raw number text, so
 # that exact comparisons are string comparisons; true/false/null for those; empty when the line
@@ -48,20 +52,4 @@ median() {
   sort -g | awk '{v[NR] = $1} END {
     if (NR == 0) { print "nan"; exit }
     if (NR % 2) printf "%.9g\n", v[(NR + 1) / 2]; else printf "%.9g\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
-}
-
-# parse_size SIZE: bytes of 123, 64K, 512M, 1G, 2T, 1GiB, 1GB (all powers of 1024); status 1 for
-# anything else.
-parse_size() {
-  local s=$1 num unit
-  [[ $s =~ ^([0-9]+)([KMGTkmgt]?)(i?[Bb])?$ ]] || return 1
-  num=${BASH_REMATCH[1]}
-  unit=${BASH_REMATCH[2]^^}
-  case $unit in
-    "") echo "$num" ;;
-    K) echo $((num << 10)) ;;
-    M) echo $((num << 20)) ;;
-    G) echo $((num << 30)) ;;
-    T) echo $((num << 40)) ;;
-  esac
 }
