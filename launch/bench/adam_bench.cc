@@ -262,8 +262,11 @@ const bool kRegistered = RegisterBenchCommand(
       auto flags = std::make_shared<AdamFlags>();
       app.add_option("--numel", flags->numel,
                      "elements per step; K/M/G are binary multiples (64M = 67108864)")
-          ->capture_default_str();
-      app.add_option("--threads", flags->threads, "threads, 0 = all cores")->capture_default_str();
+          ->capture_default_str()
+          ->check(SizeIn(1));
+      app.add_option("--threads", flags->threads, "threads, 0 = all cores")
+          ->capture_default_str()
+          ->check(CLI::Range(0, 1024));
       app.add_option("--steps", flags->steps, "timed steps (after one warm-up)")
           ->capture_default_str();
       app.add_option("--simd", flags->simd, "auto, scalar, avx2 or avx512")->capture_default_str();
@@ -272,7 +275,8 @@ const bool kRegistered = RegisterBenchCommand(
           ->capture_default_str();
       app.add_flag("--json", flags->json, "print one JSON object");
       app.add_option("--triad-mib", flags->triad_mib, "MiB per triad array, 0 = max(128, 4 x L3)")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(CLI::Range(0, 1 << 20));
       app.add_option("--triad-reps", flags->triad_reps, "triad repetitions (first is warm-up)")
           ->capture_default_str();
       return [flags] { return RunAdam(*flags); };

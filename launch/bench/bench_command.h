@@ -15,6 +15,7 @@
 // chosen; the run function returns the process exit code (0 success, 1 failure, 2 bad usage).
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -24,6 +25,16 @@ namespace zinf::bench {
 
 using RunFn = std::function<int()>;
 using SetupFn = std::function<RunFn(CLI::App& app)>;
+
+// The largest byte size (and element count) a size flag takes: 1 PiB, far beyond any machine the
+// benchmarks run on, and small enough that the arithmetic on it (x 12 bytes of state, x 4 bytes
+// per element, aligned up) never overflows 64 bits.
+inline constexpr std::uint64_t kMaxSizeFlag = std::uint64_t{1} << 50;
+
+// A CLI11 check for a size flag written as a byte size or element count ("4G", "32M", 4096:
+// zinf::ParseBytes, binary multiples) in [min, max]: zero, a negative, a malformed or a huge
+// value is a usage error (exit 2) naming the flag, before the subcommand does any work.
+CLI::Validator SizeIn(std::uint64_t min, std::uint64_t max = kMaxSizeFlag);
 
 // Returns true (for a static initializer). A duplicate name aborts at startup.
 bool RegisterBenchCommand(std::string name, std::string description, SetupFn setup);

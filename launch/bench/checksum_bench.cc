@@ -118,7 +118,8 @@ const bool kRegistered = RegisterBenchCommand(
     [](CLI::App& app) -> RunFn {
       auto flags = std::make_shared<ChecksumFlags>();
       app.add_option("--size", flags->size, "bytes to checksum (and read), e.g. 256M")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(SizeIn(1));
       app.add_option("--path", flags->path, "directory for the read comparison (file removed)");
       app.add_option("--reps", flags->reps, "checksum repetitions (best is reported)")
           ->check(CLI::PositiveNumber)

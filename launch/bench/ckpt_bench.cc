@@ -253,13 +253,18 @@ const bool kRegistered = RegisterBenchCommand(
           ->required();
       app.add_option("--state-bytes", flags->state_bytes,
                      "bytes of fp32 + exp_avg + exp_avg_sq over all ranks, e.g. 4G")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(SizeIn(kStateBytesPerElement));
       app.add_option("--sub-group-size", flags->sub_group_size,
                      "elements per sub-group, e.g. 32M (binary multiples)")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(SizeIn(1));
       app.add_option("--chunk-numel", flags->chunk_numel, "checkpoint chunk (elements), e.g. 1M")
-          ->capture_default_str();
-      app.add_option("--trials", flags->trials, "save + restore rounds")->capture_default_str();
+          ->capture_default_str()
+          ->check(SizeIn(1));
+      app.add_option("--trials", flags->trials, "save + restore rounds")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 1000));
       app.add_option("--verify-before-write", flags->verify_before_write,
                      "restore mode measured first (true: verify, then write)")
           ->capture_default_str();

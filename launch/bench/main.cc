@@ -5,10 +5,13 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
 #include "bench_command.h"
 #include "zinf/core/check.h"
+#include "zinf/core/status.h"
+#include "zinf/core/units.h"
 
 namespace zinf::bench {
 namespace {
@@ -33,6 +36,19 @@ bool RegisterBenchCommand(std::string name, std::string description, SetupFn set
   }
   Registry().push_back(Command{std::move(name), std::move(description), std::move(setup)});
   return true;
+}
+
+CLI::Validator SizeIn(std::uint64_t min, std::uint64_t max) {
+  return CLI::Validator(
+      [min, max](std::string& text) -> std::string {
+        Result<std::uint64_t> value = ParseBytes(text);
+        if (!value) return value.error().message();
+        if (*value < min || *value > max) {
+          return fmt::format("{} is out of range [{}, {}]", text, min, max);
+        }
+        return {};
+      },
+      fmt::format("SIZE in [{}, {}]", min, max));
 }
 
 }  // namespace zinf::bench

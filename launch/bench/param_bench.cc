@@ -343,7 +343,8 @@ const bool kRegistered = RegisterBenchCommand(
           ->check(CLI::Range(1, 1000));
       app.add_option("--rounds", flags->rounds, "rounds, the mode order rotated each")
           ->check(CLI::Range(1, 100));
-      app.add_option("--sub-group-size", flags->sub_group_size, "bytes of fp32 per sub-group");
+      app.add_option("--sub-group-size", flags->sub_group_size, "bytes of fp32 per sub-group")
+          ->check(SizeIn(sizeof(float)));
       app.add_option("--modes", flags->modes, "offload, memory, io")
           ->delimiter(',')
           ->check(CLI::IsMember({"offload", "memory", "io"}));

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -155,6 +156,18 @@ std::uint64_t HostCacheBytes(double fraction, std::uint64_t numel, std::uint64_t
   return resident * swapper::SubGroupStateBytes(sub_group_numel, format, 4096);
 }
 
+// --host-cache's fraction, or "cpu" (nullopt).
+Result<std::optional<double>> ParseTier(const std::string& tier) {
+  if (tier == "cpu") return std::optional<double>();
+  double fraction = 0;
+  const char* end = tier.data() + tier.size();
+  if (std::from_chars(tier.data(), end, fraction).ptr != end || !(fraction >= 0) || fraction > 1) {
+    return InvalidArgumentError(
+        fmt::format("--host-cache '{}': expected fractions in [0, 1] or cpu", tier));
+  }
+  return std::optional<double>(fraction);
+}
+
 Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags& flags,
                                bool pipelined, StateFormat format, const std::string& tier) {
   ZINF_ASSIGN_OR_RETURN(std::uint64_t state_bytes, ParseBytes(flags.state_bytes));
@@ -181,17 +194,11 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
   if (!flags.budget.empty()) {
     ZINF_ASSIGN_OR_RETURN(options.pinned_budget_bytes, ParseBytes(flags.budget));
   }
-  double host_fraction = 1.0;
-  if (tier == "cpu") {
+  ZINF_ASSIGN_OR_RETURN(const std::optional<double> host_fraction, ParseTier(tier));
+  if (!host_fraction) {
     options.all_resident = true;
   } else {
-    const char* end = tier.data() + tier.size();
-    if (std::from_chars(tier.data(), end, host_fraction).ptr != end || !(host_fraction >= 0) ||
-        host_fraction > 1) {
-      return InvalidArgumentError(
-          fmt::format("--host-cache '{}': expected fractions in [0, 1] or cpu", tier));
-    }
-    options.host_cache_bytes = HostCacheBytes(host_fraction, numel, sub_group_numel, format);
+    options.host_cache_bytes = HostCacheBytes(*host_fraction, numel, sub_group_numel, format);
   }
   // The previous mode's pool is freed by now: without the reset, a q8 run after an fp32 run
   // (whose pool is a third larger) would report the fp32 run's peak as its own.
@@ -287,6 +294,13 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
 }
 
 int RunStep(const StepFlags& flags) {
+  // A bad --host-cache is a usage error before anything runs (the sizes are CLI checks).
+  for (const std::string& tier : flags.host_cache) {
+    if (Result<std::optional<double>> parsed = ParseTier(tier); !parsed) {
+      std::fprintf(stderr, "zinf-bench step: %s\n", parsed.error().message().c_str());
+      return 2;
+    }
+  }
   // MPI singleton init: the swapper's collectives work on one rank without mpirun.
   Result<comm::MpiSession> session = comm::MpiSession::Init(nullptr, nullptr);
   if (!session) {
@@ -359,7 +373,8 @@ const bool kRegistered = RegisterBenchCommand(
                      "\"probe\" (measured at open); default: equal shares");
       app.add_option("--state-bytes", flags->state_bytes,
                      "the parameter count, as bytes of fp32 state (12 per element), e.g. 4G")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(SizeIn(kStateBytesPerElement));
       app.add_option("--state-format", flags->state_formats,
                      "fp32, q8, or both (fp32,q8: alternating on the same parameters)")
           ->delimiter(',')
@@ -370,9 +385,11 @@ const bool kRegistered = RegisterBenchCommand(
           ->check(CLI::Range(1, 1000));
       app.add_option("--sub-group-size", flags->sub_group_size,
                      "elements per sub-group, e.g. 32M (binary multiples)")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(SizeIn(1));
       app.add_option("--budget", flags->budget,
-                     "zinf.pinned_budget_bytes (default: 4 buffers sync, 10 pipelined; q8: 3, 7)");
+                     "zinf.pinned_budget_bytes (default: 4 buffers sync, 10 pipelined; q8: 3, 7)")
+          ->check(SizeIn(1));
       app.add_flag("!--no-io-only", flags->io_only,
                    "skip the engine-alone pass after each timed step (it doubles the disk "
                    "traffic: for comparisons with tools that do not run one)");
@@ -385,19 +402,28 @@ const bool kRegistered = RegisterBenchCommand(
                      "timed steps, each followed by an engine-alone pass over the same bytes")
           ->capture_default_str()
           ->check(CLI::Range(1, 1000));
-      app.add_option("--warmup", flags->warmup, "untimed steps first")->capture_default_str();
+      app.add_option("--warmup", flags->warmup, "untimed steps first")
+          ->capture_default_str()
+          ->check(CLI::Range(0, 1000));
       app.add_option("--threads", flags->threads, "CPU Adam threads (0: all cores)")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(CLI::Range(0, 1024));
       app.add_option("--engine", flags->engine, "uring, posix or auto")
           ->capture_default_str()
           ->check(CLI::IsMember({"uring", "posix", "auto"}));
-      app.add_option("--block-size", flags->block_size, "aio.block_size")->capture_default_str();
-      app.add_option("--queue-depth", flags->queue_depth, "aio.queue_depth")->capture_default_str();
+      app.add_option("--block-size", flags->block_size, "aio.block_size")
+          ->capture_default_str()
+          ->check(SizeIn(1, std::uint64_t{1} << 30));
+      app.add_option("--queue-depth", flags->queue_depth, "aio.queue_depth")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 4096));
       app.add_option("--intra-op-parallelism", flags->intra_op_parallelism,
                      "aio.intra_op_parallelism")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(CLI::Range(1, 64));
       app.add_option("--stripe-unit", flags->stripe_unit, "swap store stripe unit")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(SizeIn(1));
       return [flags] { return RunStep(*flags); };
     });
 
