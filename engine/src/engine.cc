@@ -180,6 +180,7 @@ class ZeroEngine::Impl {
 
   // ZeroEngine's calls (engine.h).
   Status AccumulateGradients();
+  Status DropGradients();
   Status GradientReady(std::size_t index);
   Status GradientReady(std::size_t index, std::span<const float> grad);
   Result<Gathered> Gather(std::span<const std::string> names);
@@ -214,6 +215,7 @@ class ZeroEngine::Impl {
   Status ReadShard(std::size_t param, std::span<float> out);  // local
   Status CreateBuckets();                                     // local
   Status HandGradient(int micro_batch);
+  Status ForgetStepGradient();  // local
   Result<double> PartitionGradSquaredSum();
   // Step's phases (see Step), and what they hand each other.
   struct StepPlan {
@@ -1218,10 +1220,36 @@ Status ZeroEngine::Impl::AccumulateGradients() {
   // The micro-batch's reductions come first, so that no rank enters another collective while
   // some rank's buckets are still being reduced.
   const Status handed = HandGradient(s.micro_batches);
-  ZINF_RETURN_IF_ERROR(comm().AgreeOnCall("AccumulateGradients", calls));
-  ZINF_RETURN_IF_ERROR(handed);
+  Status agreed = comm().AgreeOnCall("AccumulateGradients", calls);
+  if (agreed && !handed) agreed = handed;
+  if (!agreed) {
+    // Refused: the step's gradient is dropped, so that the loop goes on with a clean step
+    // instead of adding this micro-batch twice. (A write-behind error of the dropped gradient
+    // is dropped with it; a failing store fails the next write again.)
+    (void)ForgetStepGradient();
+    return agreed;
+  }
   ++s.micro_batches;
   return OkStatus();
+}
+
+// The step's gradient forgotten: the next micro-batch is 0 again, which overwrites the reduced
+// partition gradient; with zinf.swap_gradients the dropped micro-batch's write-behind is waited
+// for, so that none of it lands after the next micro-batch 0's writes to the same sub-groups.
+Status ZeroEngine::Impl::ForgetStepGradient() {
+  State& s = *state_;
+  s.micro_batches = 0;
+  swapper::GradientSwapper* gradients = s.swapper->gradient_swapper();
+  return gradients != nullptr ? gradients->Flush() : OkStatus();
+}
+
+Status ZeroEngine::Impl::DropGradients() {
+  State& s = *state_;
+  if (closed_) return FailedPreconditionError("engine: DropGradients after Close");
+  // The micro-batch's reductions first (as AccumulateGradients), then it is forgotten.
+  const Status handed = HandGradient(s.micro_batches);
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnCall("DropGradients", ForgetStepGradient()));
+  return handed;
 }
 
 // ---- Stage 3: Gather (engine.h, "Stage 3") ----
@@ -1963,6 +1991,7 @@ Status ZeroEngine::Impl::Close() {
 // ---- The interface: each call forwards to Impl's ----
 
 Status ZeroEngine::AccumulateGradients() { return impl_->AccumulateGradients(); }
+Status ZeroEngine::DropGradients() { return impl_->DropGradients(); }
 Status ZeroEngine::GradientReady(std::size_t index) { return impl_->GradientReady(index); }
 Status ZeroEngine::GradientReady(std::size_t index, std::span<const float> grad) {
   return impl_->GradientReady(index, grad);

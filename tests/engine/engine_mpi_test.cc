@@ -564,6 +564,55 @@ TEST_F(EngineErrors, BufferSizeAndAccumulateCalls) {
   EXPECT_THAT(engine->Step(), StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("after Close")));
 }
 
+// DropGradients (a loop skipping a bad batch) and a refused AccumulateGradients drop the step's
+// gradient: the next micro-batches make the step alone, bitwise as in a run that never saw the
+// dropped ones. One rank's recorded GradientReady error fails DropGradients on every rank, and
+// the micro-batch is dropped all the same.
+TEST_F(EngineErrors, DroppedGradientsLeaveTheStepToTheNextMicroBatches) {
+  const Case gas2{.name = "gas2", .gas = 2};
+  auto bad = [](Model& m) {
+    for (auto& g : m.g) std::fill(g.begin(), g.end(), 5.0f);
+  };
+  Model clean = MakeModel();
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto engine, Create(clean));
+    for (std::int64_t step = 1; step <= 3; ++step) {
+      ZINF_ASSERT_OK(RunStep(*engine, clean, gas2, step));
+    }
+    ZINF_ASSERT_OK(engine->Close());
+  }
+  Model model = MakeModel();
+  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, Create(model));
+  // Step 1: a whole micro-batch and part of the next one (handed), dropped.
+  bad(model);
+  ZINF_ASSERT_OK(engine->AccumulateGradients());
+  bad(model);
+  ZINF_ASSERT_OK(engine->GradientReady(3));
+  ZINF_ASSERT_OK(engine->DropGradients());
+  for (const auto& g : model.g) EXPECT_EQ(*std::max_element(g.begin(), g.end()), 0.0f);
+  ZINF_ASSERT_OK(RunStep(*engine, model, gas2, 1));
+  // Step 2: AccumulateGradients once too often: refused, the step's gradient dropped.
+  bad(model);
+  ZINF_ASSERT_OK(engine->AccumulateGradients());
+  bad(model);
+  EXPECT_THAT(engine->AccumulateGradients(),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("called 2 times")));
+  ZINF_ASSERT_OK(RunStep(*engine, model, gas2, 2));
+  // Step 3: one rank hands a parameter that does not exist.
+  bad(model);
+  if (World().rank() == World().size() - 1) {
+    EXPECT_THAT(engine->GradientReady(4), StatusIs(ErrorCode::kInvalidArgument));
+  }
+  EXPECT_THAT(engine->DropGradients(),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("GradientReady(4)")));
+  ZINF_ASSERT_OK(RunStep(*engine, model, gas2, 3));
+  EXPECT_EQ(engine->step_count(), 3);
+  for (std::size_t i = 0; i < model.w.size(); ++i) EXPECT_EQ(model.w[i], clean.w[i]) << i;
+  ZINF_ASSERT_OK(engine->Close());
+  EXPECT_THAT(engine->DropGradients(),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("after Close")));
+}
+
 // One rank closes while the others step: every rank is told which call each rank is in, and the
 // engine can only be closed. Then the destructor of an engine not
 // closed is local: on every rank, at different times, it removes the rank's own store.

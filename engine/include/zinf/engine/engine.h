@@ -287,8 +287,19 @@ class ZeroEngine {
   // Collective. Hands the gradient accumulated in the `grads` buffers since the last call to the
   // engine (reduce-scatter; with zinf.swap_gradients written behind to NVMe) and zeroes them. For
   // every micro-batch of a step but the last. Errors: FailedPrecondition when called
-  // gradient_accumulation_steps times in one step; the swapper's I/O errors.
+  // gradient_accumulation_steps times in one step; the swapper's I/O errors. A refused call has
+  // still reduced the micro-batch (no rank is left in a collective) and then drops the step's
+  // gradient, as DropGradients does: the next micro-batch begins the step afresh.
   Status AccumulateGradients();
+
+  // Collective. Drops the step's gradient: the micro-batch in progress (its remaining buckets are
+  // reduced first, so that no rank is left in a collective, then discarded) and the micro-batches
+  // AccumulateGradients ended since the last Step; the `grads` buffers are zeroed. The next
+  // micro-batch begins the step afresh (a loop skipping a bad batch after its backward pass).
+  // Costs one reduce-scatter of what the micro-batch has not reduced yet. Errors:
+  // FailedPrecondition (ranks in different calls, after Close), the reductions' errors (the
+  // gradient is dropped all the same).
+  Status DropGradients();
 
   // Hands parameter `index`'s gradient (its position in Create's params) of the current
   // micro-batch to the engine as soon as the backward pass has finished writing it, so that its
@@ -330,9 +341,10 @@ class ZeroEngine {
   // fp16, for an fp16 overflow at fp16.min_loss_scale, for a gradient that is zero on every rank
   // (Step before any gradient was written), and for AccumulateGradients called a number of times
   // other than 0 or gradient_accumulation_steps - 1, for a Gathered scope still alive; the
-  // swapper's errors. A Step refused for the calls it follows (the count, a live scope) has
-  // still reduced the micro-batch's gradient, so that no rank is left in a collective: hand it
-  // again before the next Step.
+  // swapper's errors. Every refused Step has still reduced the micro-batch's gradient, so that no
+  // rank is left in a collective, and consumed the step's gradient (the micro-batches handed
+  // since the last Step; the `grads` buffers zeroed): the next micro-batch begins the next
+  // step's gradient, so a loop skips a refused batch by going on with the next one.
   Result<StepInfo> Step(std::optional<double> loss = std::nullopt);
 
   // Collective. Saves checkpoint step_count() into `dir` (empty: zinf.checkpoint.dir) with
