@@ -195,6 +195,18 @@ Result<TrainerState> ReadTrainerState(const checkpoint::CheckpointInfo& info) {
                            "world_size {}",
                            *micro, *gas, info.world_size));
   }
+  if (!trainer.contains("loss_scaler") && info.config.is_object() &&
+      info.config.contains("fp16")) {
+    // A dynamic scale's state (scale, iteration, hysteresis left) goes with the weights it
+    // scaled: a checkpoint of a dynamic fp16 run without it would resume at the first scale.
+    ZINF_ASSIGN_OR_RETURN(const Fp16Config writer,
+                          Annotate(SavedFp16Config(info.config), info.path + ": "));
+    if (writer.enabled && writer.loss_scale == 0) {
+      return bad("loss_scaler",
+                 "the loss scaler's state, as the checkpoint's config (fp16 with a dynamic loss "
+                 "scale)");
+    }
+  }
   if (trainer.contains("loss_scaler")) {
     ZINF_ASSIGN_OR_RETURN(const Fp16Config writer,
                           Annotate(SavedFp16Config(info.config), info.path + ": "));

@@ -743,6 +743,16 @@ void AddTrainerStateCases(Corpus& c, const std::string& ok) {
                         {"last_overflow_iteration", -1},
                         {"hysteresis", 2}};
   });
+  // A dynamic scale's state is part of the checkpoint: without it a resume would start over at
+  // the first scale. A static scale's state holds nothing a resume uses.
+  engine_case("loss_scaler_missing", 1,
+              "trainer state loss_scaler is missing, expected the loss scaler's state, as the "
+              "checkpoint's config (fp16 with a dynamic loss scale)",
+              [](Json& t, Json&) { t.erase("loss_scaler"); });
+  engine_case("loss_scaler_missing_static", 0, ok, [](Json& t, Json& config) {
+    config["fp16"]["loss_scale"] = 128;
+    t.erase("loss_scaler");
+  });
   engine_case("config_min_loss_scale_negative", 1,
               "fp16.min_loss_scale is -1, expected a finite number > 0",
               [](Json&, Json& config) { config["fp16"]["min_loss_scale"] = -1; });

@@ -21,7 +21,8 @@
 //   without it holds one group of every parameter);
 //   loss_scaler: LossScaler::ParseState against the stored config's fp16 block (a dynamic
 //   state needs a dynamic fp16 config, a scale in [fp16.min_loss_scale, LossScaler's cap], an
-//   iteration in [0, step], the hysteresis left in [1, fp16.hysteresis], ...).
+//   iteration in [0, step], the hysteresis left in [1, fp16.hysteresis], ...); required when
+//   the stored config has fp16 with a dynamic loss scale (its state must not be lost).
 // What depends on the *resuming* run's config (a loss scale below its fp16.min_loss_scale, the
 // parameters' layout, the optimizer type) can only be checked by the resume itself.
 //
