@@ -117,6 +117,96 @@ TEST(Checkpoint, RoundTripIsBitExactAndCommitsAtomically) {
   ZINF_ASSERT_OK(s.Close());
 }
 
+// Every state tensor of every sub-group, as bytes (q8: the weights, the moments' codes and
+// scales). Local.
+Result<std::vector<std::vector<std::byte>>> StateBytesOf(OptimizerSwapper& s) {
+  std::vector<std::vector<std::byte>> all;
+  auto add = [&all](const void* data, std::size_t bytes) {
+    const auto* b = static_cast<const std::byte*>(data);
+    all.emplace_back(b, b + bytes);
+  };
+  for (std::size_t i = 0; i < s.num_sub_groups(); ++i) {
+    std::vector<float> values(s.swap_info(i).sub_group.numel);
+    const bool q8 = s.state_format() == StateFormat::kQ8;
+    for (StateTensor which : {StateTensor::kFp32, StateTensor::kExpAvg, StateTensor::kExpAvgSq}) {
+      if (q8 && which != StateTensor::kFp32) continue;
+      ZINF_RETURN_IF_ERROR(s.ReadState(i, which, 0, values));
+      add(values.data(), values.size() * sizeof(float));
+    }
+    if (!q8) continue;
+    ZINF_RETURN_IF_ERROR(s.ReadQ8Moments(i, [&](const Q8Moments& m) {
+      for (const Q8Moment* moment : {&m.exp_avg, &m.exp_avg_sq}) {
+        add(moment->codes.data(), moment->codes.size());
+        add(moment->scales.data(), moment->scales.size() * sizeof(float));
+      }
+      return OkStatus();
+    }));
+  }
+  return all;
+}
+
+// The host memory tier (zinf.host_cache_bytes: every sub-group resident here) with flat (ZeRO
+// 1/2) and per-parameter (ZeRO 3) plans: the checkpoint reads each run of a resident sub-group
+// from its element offset in host memory, and holds what the untiered swapper's holds: restored
+// into the untiered swapper, its state is the untiered state, byte for byte, fp32 and q8. Runs
+// at a nonzero offset exist in resident sub-groups (per-parameter plans: a sub-group's second
+// parameter starts after the first's padding).
+TEST(Checkpoint, HostTierSubGroupsSaveTheRightValuesAtEveryOffset) {
+  SharedScratchDir dir("ckpt-tier");
+  for (bool per_param : {false, true}) {
+    for (StateFormat format : {StateFormat::kFp32, StateFormat::kQ8}) {
+      const std::string name =
+          fmt::format("{}-{}", per_param ? "stage3" : "stage2", swapper::StateFormatName(format));
+      SCOPED_TRACE(name);
+      SwapperSetup setup = {.store_dir = dir.path(),
+                            .job_id = "tiered-" + name,
+                            .world_size = World().size(),
+                            .per_param = per_param,
+                            .state_format = format,
+                            .host_cache_bytes = std::uint64_t{1} << 30};
+      ZINF_ASSERT_OK_AND_ASSIGN(TestSwapper tiered, MakeSwapper(World(), setup));
+      setup.job_id = "untiered-" + name;
+      setup.host_cache_bytes = 0;
+      ZINF_ASSERT_OK_AND_ASSIGN(TestSwapper untiered, MakeSwapper(World(), setup));
+      OptimizerSwapper& t = *tiered.swapper;
+      OptimizerSwapper& u = *untiered.swapper;
+      ASSERT_EQ(t.num_resident(), t.num_sub_groups());
+      ASSERT_EQ(u.num_resident(), 0u);
+      std::int64_t offset_runs = 0;
+      for (std::size_t i = 0; i < t.num_sub_groups(); ++i) {
+        for (const partition::SubGroupFragment& f : t.swap_info(i).sub_group.fragments) {
+          offset_runs += f.sub_group_offset > 0 ? 1 : 0;
+        }
+      }
+      ZINF_ASSERT_OK(World().AllreduceInPlace<std::int64_t>(std::span(&offset_runs, 1),
+                                                            comm::ReduceOp::kSum));
+      if (per_param) {
+        EXPECT_GT(offset_runs, 0) << "no run at a nonzero offset: the test is moot";
+      }
+      ZINF_ASSERT_OK(World().AgreeOnStatus(FillState(t, 3)));
+      ZINF_ASSERT_OK(World().AgreeOnStatus(FillState(u, 3)));
+      ZINF_ASSERT_OK_AND_ASSIGN(const auto want, StateBytesOf(u));
+      ZINF_ASSERT_OK_AND_ASSIGN(const auto tiered_state, StateBytesOf(t));
+      EXPECT_TRUE(tiered_state == want) << "the tier changed the state itself";
+      ZINF_ASSERT_OK_AND_ASSIGN(SavedCheckpoint saved,
+                                SaveCheckpoint(t, 3, SaveOptions(dir.Join("ckpt-" + name))));
+      ZINF_ASSERT_OK(World().AgreeOnStatus(FillState(u, 4)));
+      ZINF_ASSERT_OK(RestoreCheckpoint(u, saved.path, RestoreOptions()));
+      ZINF_ASSERT_OK_AND_ASSIGN(const auto got, StateBytesOf(u));
+      ASSERT_EQ(got.size(), want.size());
+      for (std::size_t k = 0; k < want.size(); ++k) {
+        EXPECT_TRUE(got[k] == want[k]) << "rank " << World().rank() << ": state tensor " << k
+                                       << " of the tiered checkpoint differs from the untiered";
+      }
+      if (format == StateFormat::kFp32) {
+        ZINF_EXPECT_OK(World().AgreeOnStatus(CheckState(u, 3)));
+      }
+      ZINF_ASSERT_OK(t.Close());
+      ZINF_ASSERT_OK(u.Close());
+    }
+  }
+}
+
 // N -> M for every pair in 1..4 (flat plans), plus per-parameter (ZeRO-3) plans on restore.
 TEST(Checkpoint, RestoresOnAnyWorldSize) {
   if (World().size() != 4) GTEST_SKIP() << "needs 4 ranks (runs every N, M in 1..4)";

@@ -69,6 +69,7 @@ struct SwapperSetup {
   bool other_layout = false;
   std::uint64_t extra_numel = 0;  // appends a parameter "extra" of this numel
   StateFormat state_format = StateFormat::kFp32;
+  std::uint64_t host_cache_bytes = 0;  // SwapperOptions::host_cache_bytes (the host tier)
 };
 
 struct TestSwapper {
@@ -90,6 +91,7 @@ inline Result<TestSwapper> MakeSwapper(const comm::Communicator& comm, const Swa
   options.store.stripe_unit_bytes = 64 << 10;
   options.sub_group_size = s.sub_group_size;
   options.state_format = s.state_format;
+  options.host_cache_bytes = s.host_cache_bytes;
   options.adam = AdamOptions{.lr = 1e-2, .weight_decay = 0.01, .adamw = s.adamw, .threads = 1};
   ZINF_ASSIGN_OR_RETURN(t.swapper, CreateOptimizerSwapper(comm, *t.plan, options));
   ZINF_RETURN_IF_ERROR(t.swapper->Initialize([](std::uint64_t, std::span<float> out) {

@@ -3,6 +3,7 @@
 // learning-rate schedule, computed independently of the engine's code. Plus the engine's
 // argument errors and a checkpoint restore into mismatched parameters.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -698,6 +699,117 @@ TEST(ZeroEngine, OneCycleStepsAtDeepSpeedsLrUntilBeta1ReachesOne) {
   EXPECT_EQ(model.w, before);
   EXPECT_EQ(engine->step_count(), 5);
   ZINF_ASSERT_OK(engine->Close());
+}
+
+// A registered buffer one element longer or shorter than its parameter is refused, weights and
+// grads alike, on every rank (here on one: the others' buffers are right).
+TEST_F(EngineErrors, BuffersOfTheWrongSizeAreRefusedLongerAndShorter) {
+  struct Wrong {
+    bool grads;
+    int delta;
+    const char* message;
+  };
+  const std::vector<Wrong> cases = {
+      {true, +1, "its weights buffer holds 70 and its grads buffer 71"},
+      {true, -1, "its weights buffer holds 70 and its grads buffer 69"},
+      {false, +1, "its weights buffer holds 71 and its grads buffer 70"},
+      {false, -1, "its weights buffer holds 69 and its grads buffer 70"}};
+  for (const Wrong& wrong : cases) {
+    SCOPED_TRACE(wrong.message);
+    Model model = MakeModel();
+    if (World().rank() == World().size() - 1) {
+      std::vector<float>& buffer = wrong.grads ? model.g[1] : model.w[1];
+      buffer.resize(buffer.size() + wrong.delta, 0.0f);
+    }
+    const Result<std::unique_ptr<ZeroEngine>> created = Create(model);
+    ASSERT_FALSE(created.has_value());
+    EXPECT_EQ(created.error().code(), ErrorCode::kInvalidArgument);
+    if (World().rank() == World().size() - 1) {
+      EXPECT_THAT(created.error().message(),
+                  HasSubstr(std::string("'fc1.bias' of shape [70] has 70 elements, but ") +
+                            wrong.message));
+    }
+  }
+}
+
+// Step agrees on every parameter group's values: one rank whose loop set another value of any
+// one of them (each of the five, in either group) makes the step FailedPrecondition on every
+// rank, naming the group and the value, with nothing stepped; the groups set alike again, the
+// loop goes on. The same for groups given differently to Create.
+TEST(ZeroEngine, ParamGroupsThatDifferInAnyOneValueAreRefused) {
+  if (World().size() < 2) GTEST_SKIP() << "needs 2 ranks, have " << World().size();
+  SharedScratchDir dir("engine-groups-differ");
+  const Case c;
+  ZINF_ASSERT_OK_AND_ASSIGN(Config config, ParseFor(c, dir));
+  config.scheduler.type = SchedulerType::kNone;
+  const std::vector<HyperParams> values = {
+      {.lr = 0.01, .betas = {0.9, 0.99}, .eps = 1e-8, .weight_decay = 0.01},
+      {.lr = 0.003, .betas = {0.8, 0.9}, .eps = 1e-6, .weight_decay = 0.0}};
+  constexpr std::array<const char*, 5> kNames = {"lr", "beta1", "beta2", "eps", "weight_decay"};
+  // Value k of `h`, changed a little (still valid).
+  auto changed = [](HyperParams h, std::size_t k) {
+    switch (k) {
+      case 0: h.lr *= 1.5; break;
+      case 1: h.betas[0] -= 0.05; break;
+      case 2: h.betas[1] -= 0.005; break;
+      case 3: h.eps *= 2; break;
+      default: h.weight_decay += 0.02; break;
+    }
+    return h;
+  };
+  const bool odd_one = World().rank() == World().size() - 1;
+  EngineOptions options = {.progress = false, .stop_signals = false, .create_nvme_paths = true};
+  options.param_groups = {{}, {.lr = 0.003, .betas = std::array{0.8, 0.9}, .eps = 1e-6,
+                               .weight_decay = 0.0}};
+  auto grouped = [](Model& model) {
+    std::vector<Param> params = model.Params();
+    params[1].group = 1;
+    params[3].group = 1;
+    return params;
+  };
+  Model model = MakeModel();
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
+                              ZeroEngine::Create(World(), config, grouped(model), options));
+    std::int64_t step = 0;
+    for (std::size_t g = 0; g < values.size(); ++g) {
+      for (std::size_t k = 0; k < kNames.size(); ++k) {
+        SCOPED_TRACE(fmt::format("group {} {}", g, kNames[k]));
+        std::vector<HyperParams> mine = values;
+        if (odd_one) mine[g] = changed(mine[g], k);
+        ZINF_ASSERT_OK(engine->SetHyperParams(mine));
+        const std::vector<std::vector<float>> before = model.w;
+        EXPECT_THAT(RunStep(*engine, model, c, step + 1),
+                    StatusIs(ErrorCode::kFailedPrecondition,
+                             HasSubstr(fmt::format("parameter group {}'s {} differs between the "
+                                                   "ranks",
+                                                   g, kNames[k]))));
+        EXPECT_TRUE(model.w == before) << "a refused step changed the weights";
+        EXPECT_EQ(engine->step_count(), step);
+        for (std::vector<float>& grad : model.g) std::ranges::fill(grad, 0.0f);  // handed
+        ZINF_ASSERT_OK(engine->SetHyperParams(values));
+        ZINF_ASSERT_OK(RunStep(*engine, model, c, ++step));
+      }
+    }
+    ZINF_ASSERT_OK(engine->Close());
+  }
+  for (std::size_t k = 0; k < kNames.size(); ++k) {
+    SCOPED_TRACE(fmt::format("Create's group 1 {}", kNames[k]));
+    EngineOptions mine = options;
+    if (odd_one) {
+      const HyperParams h = changed(values[1], k);
+      mine.param_groups[1] = {.lr = h.lr, .betas = h.betas, .eps = h.eps,
+                              .weight_decay = h.weight_decay};
+    }
+    Model fresh = MakeModel();
+    ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
+                              ZeroEngine::Create(World(), config, grouped(fresh), mine));
+    EXPECT_THAT(RunStep(*engine, fresh, c, 1),
+                StatusIs(ErrorCode::kFailedPrecondition,
+                         HasSubstr(fmt::format("parameter group 1's {} differs", kNames[k]))));
+    EXPECT_EQ(engine->step_count(), 0);
+    ZINF_ASSERT_OK(engine->Close());
+  }
 }
 
 }  // namespace

@@ -17,7 +17,8 @@
 namespace zinf::engine {
 namespace {
 
-// Reads shard p as the values p, p+1, ...; a read waits while the gate is closed; parameter 13
+// Reads shard p as the values p + 1000 g, p + 1000 g + 1, ... (g: the store's generation, as
+// an optimizer step changes the master); a read waits while the gate is closed; parameter 13
 // fails.
 class FakeStore {
  public:
@@ -27,8 +28,11 @@ class FakeStore {
       started_.push_back(p);
       cv_.notify_all();
       cv_.wait(lock, [this] { return open_; });
+      ++done_;
+      cv_.notify_all();
       if (p == 13) return DataLossError("shard 13: checksum mismatch");
-      for (std::size_t k = 0; k < out.size(); ++k) out[k] = static_cast<float>(p + k);
+      for (std::size_t k = 0; k < out.size(); ++k)
+        out[k] = static_cast<float>(p + k + 1000 * generation_);
       return OkStatus();
     };
   }
@@ -42,6 +46,15 @@ class FakeStore {
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return started_.size() >= n; });
   }
+  // Waits until `n` reads have returned (or are about to).
+  void WaitDone(std::size_t n) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return done_ >= n; });
+  }
+  void NextGeneration() {
+    std::lock_guard lock(mu_);
+    ++generation_;
+  }
   std::vector<std::size_t> started() {
     std::lock_guard lock(mu_);
     return started_;
@@ -51,6 +64,8 @@ class FakeStore {
   std::mutex mu_;
   std::condition_variable cv_;
   bool open_ = false;
+  std::size_t done_ = 0;
+  std::size_t generation_ = 0;
   std::vector<std::size_t> started_;
 };
 
@@ -153,6 +168,30 @@ TEST(ShardReader, CancelWaitsForTheReadInFlightAndDropsTheRest) {
   ASSERT_TRUE(four.has_value());
   ZINF_ASSERT_OK(*four);
   EXPECT_EQ((**four)[0], 4.0f);
+}
+
+// A shard read before a Cancel (the engine cancels before every optimizer step and Load) is
+// never taken after it, even once its read has ended: a new Queue reads the new values.
+TEST(ShardReader, AShardReadBeforeACancelIsNeverTakenAfterIt) {
+  FakeStore store;
+  store.Open();
+  ShardReader reader(store.Reader(), 4, 100);
+  ASSERT_TRUE(reader.Queue(1, 4));
+  ASSERT_TRUE(reader.Queue(2, 4));
+  store.WaitDone(2);
+  reader.Cancel();
+  store.NextGeneration();
+  EXPECT_FALSE(reader.queued(1));
+  EXPECT_FALSE(reader.queued(2));
+  bool waited = false;
+  EXPECT_FALSE(reader.Take(2, waited).has_value());
+  // Its room is free again, and the shard is read anew.
+  ASSERT_TRUE(reader.Queue(1, 100));
+  std::optional<Result<std::vector<float>>> one = reader.Take(1, waited);
+  ASSERT_TRUE(one.has_value());
+  ZINF_ASSERT_OK(*one);
+  EXPECT_EQ((**one)[0], 1001.0f);
+  EXPECT_EQ(store.started(), (std::vector<std::size_t>{1, 2, 1}));
 }
 
 TEST(ShardReader, DestroyedWithReadsQueued) {

@@ -195,7 +195,7 @@ class Harness {
           std::memcpy(bf16_.data() + sg.partition_offset, bf16.data(), bf16.size() * 2);
           return OkStatus();
         },
-        StepOptions{.lr = std::nullopt, .grad_scale = 0.5f});
+        StepOptions{.lr = std::nullopt, .grad_scale = 0.5f, .segments = segments_});
   }
 
   // The reference step: CpuAdam over the whole in-memory partition (fp32), or sub-group by
@@ -204,17 +204,28 @@ class Harness {
     auto adam = CpuAdam::Create(options_.adam);
     ZINF_CHECK(adam.has_value());
     if (options_.state_format == StateFormat::kFp32) {
-      Status s =
-          adam->Step(step, ref_.fp32, summed_, ref_.exp_avg, ref_.exp_avg_sq, {.grad_scale = 0.5f});
+      Status s = adam->Step(step, ref_.fp32, summed_, ref_.exp_avg, ref_.exp_avg_sq,
+                            {.grad_scale = 0.5f, .segments = segments_});
       ZINF_CHECK(s.has_value(), "{}", s.error().ToString());
       return;
     }
     for (std::size_t i = 0; i < swapper_->num_sub_groups(); ++i) {
       const partition::SubGroup& sg = swapper_->swap_info(i).sub_group;
+      // The segments that meet the sub-group, from its first element: the one it begins in,
+      // and those beginning strictly inside it.
+      std::vector<AdamSegment> segments;
+      for (const AdamSegment& seg : segments_) {
+        if (seg.begin <= sg.partition_offset) {
+          segments.assign(1, {.begin = 0, .hyper = seg.hyper});
+        } else if (seg.begin < sg.partition_offset + sg.numel) {
+          segments.push_back({.begin = seg.begin - sg.partition_offset, .hyper = seg.hyper});
+        }
+      }
       Status s = adam->StepQ8(step, std::span(ref_.fp32).subspan(sg.partition_offset, sg.numel),
                               std::span(summed_).subspan(sg.partition_offset, sg.numel),
                               {ref_.m_codes[i], ref_.m_scales[i]},
-                              {ref_.v_codes[i], ref_.v_scales[i]}, {.grad_scale = 0.5f});
+                              {ref_.v_codes[i], ref_.v_scales[i]},
+                              {.grad_scale = 0.5f, .segments = segments});
       ZINF_CHECK(s.has_value(), "{}", s.error().ToString());
     }
   }
@@ -278,6 +289,8 @@ class Harness {
   }
 
   RefState ref_;
+  // Parameter groups' runs (StepOptions::segments, partition offsets); empty: none.
+  std::vector<AdamSegment> segments_;
   std::vector<float> summed_, working_;
   std::vector<std::uint16_t> bf16_;
 
@@ -466,10 +479,60 @@ TEST(OptimizerSwapper, AGradientViewOfTheWrongSizeIsRefusedBeforeAnythingChanges
                 StatusIs(ErrorCode::kInvalidArgument,
                          HasSubstr("the gradient view of sub-group 0 has 100 elements; the "
                                    "sub-group has 2048")));
+    // One element more: refused alike (the step must not read a prefix of someone's buffer).
+    const std::vector<float> long_gradient(2049, 1.0f);
+    const GradientSource long_view =
+        GradientSource::FromView([&](const partition::SubGroup&) -> Result<std::span<const float>> {
+          return std::span<const float>(long_gradient);
+        });
+    EXPECT_THAT(h.swapper().Step(1, long_view, {}),
+                StatusIs(ErrorCode::kInvalidArgument,
+                         HasSubstr("the gradient view of sub-group 0 has 2049 elements; the "
+                                   "sub-group has 2048")));
     for (std::size_t i = 0; i < h.swapper().num_sub_groups(); ++i) {
       EXPECT_EQ(h.swapper().last_step(i), 0) << i;
     }
     h.ExpectStateEqualsReference();
+  }
+}
+
+// Parameter groups (StepOptions::segments) whose runs begin exactly where a sub-group begins
+// (the previous one's end), and inside one: each element steps with its own group's values,
+// bitwise as CpuAdam over the whole partition (fp32) or the sub-group (q8, whose blocks are the
+// sub-group's), in memory, swapped and resident, synchronous and pipelined.
+TEST(OptimizerSwapper, GroupSegmentsStartingAtASubGroupsEndStepWithTheirOwnValues) {
+  SharedScratchDir dir("swapper");
+  const AdamHyperParams h0 = {.lr = 1e-2, .betas = {0.9, 0.999}, .eps = 1e-8, .weight_decay = 0.01};
+  const AdamHyperParams h1 = {.lr = 3e-3, .betas = {0.8, 0.95}, .eps = 1e-6, .weight_decay = 0.0};
+  for (StateFormat format : {StateFormat::kFp32, StateFormat::kQ8}) {
+    for (bool pipelined : {false, true}) {
+      for (bool resident : {false, true}) {
+        SCOPED_TRACE(fmt::format("{} {} {}", StateFormatName(format),
+                                 pipelined ? "pipelined" : "sync",
+                                 resident ? "sub-groups 0-1 resident" : "swapped"));
+        Harness h(dir.path(), 2048, pipelined, GradMode::kCopy, 1, format);
+        h.options().store.job_id = fmt::format("segments-{}-{}-{}", StateFormatName(format),
+                                               pipelined, resident);
+        const std::uint64_t one = format == StateFormat::kFp32 ? 3 * 8192 : 16384;
+        if (resident) h.options().host_cache_bytes = 2 * one;
+        // Sub-groups of 2048 elements: 2048, 4096 and 6144 are sub-group ends (each rank's
+        // partition has more than 6144 elements on 1-4 ranks); 3000 lies inside sub-group 1.
+        ASSERT_GT(h.plan().partition_numel(), 6144u);
+        h.segments_ = {{.begin = 0, .hyper = h0},
+                       {.begin = 2048, .hyper = h1},
+                       {.begin = 3000, .hyper = h0},
+                       {.begin = 4096, .hyper = h1},
+                       {.begin = 6144, .hyper = h0}};
+        ZINF_ASSERT_OK(h.Create());
+        for (std::int64_t step = 1; step <= 3; ++step) {
+          ZINF_ASSERT_OK(h.Backward(step));
+          h.StepAndCompare(step);
+          if (::testing::Test::HasFatalFailure()) return;
+        }
+        h.ExpectStateEqualsReference();
+        ZINF_ASSERT_OK(h.swapper().Close());
+      }
+    }
   }
 }
 

@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <random>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -211,6 +212,59 @@ TEST(Q8Kernels, EncodersGiveTheScalarCodesNearThresholdsAndEverywhere) {
         std::vector<float> block(lanes.begin() + begin, lanes.begin() + begin + len);
         for (float& v : block) v = std::fmin(std::fmax(v, -scale), scale);
         ExpectScalarCodes(t, block, scale, "round " + std::to_string(round));
+        begin += len;
+      }
+    }
+  }
+}
+
+// Block scales at the ends of the float range, where 1 / scale stops being a normal float:
+// 2^125 to 2^127 (and FLT_MAX) at the top, where 1 / scale is subnormal from 2^126 on, and their
+// mirror images at the bottom (subnormal scales among them; from 2^-128 down 1 / scale
+// overflows). Every
+// encoder must still give the scalar rule's codes: values a few steps from each threshold, log-
+// uniform magnitudes, +-scale and 0; each value in a vector of its own, tails too.
+TEST(Q8Kernels, EncodersGiveTheScalarCodesAtTheEndsOfTheFloatRange) {
+  if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no vector encoder";
+  const float top = std::numeric_limits<float>::max();
+  std::vector<float> scales = {0x1p124f, 0x1.6a09e6p124f, 0x1p125f, std::nextafter(0x1p125f, top),
+                               0x1.6a09e6p125f, std::nextafter(0x1p126f, 0.0f), 0x1p126f,
+                               std::nextafter(0x1p126f, top), 0x1.6a09e6p126f, 0x1.8p126f,
+                               0x1p127f, 0x1.fffffcp127f, top};
+  // The bottom: 2^-125 (the range's lower edge) and below, into the subnormals.
+  for (float s : {0x1p-124f, 0x1p-125f, std::nextafter(0x1p-125f, 0.0f), 0x1p-126f, 0x1p-127f,
+                  0x1.8p-128f, 0x1p-128f, 0x1.6a09e6p-129f, 0x1p-129f, 0x1p-130f, 0x1p-140f,
+                  0x1p-149f}) {
+    scales.push_back(s);
+  }
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<float> log_mag(-30.0f, 0.0f);
+  for (MapKind kind : kKinds) {
+    const Tables& t = TablesFor(kind);
+    for (float scale : scales) {
+      std::vector<float> x;
+      for (std::size_t c = 0; c + 1 < 256; ++c) {
+        const double th = (static_cast<double>(t.values[c]) + t.values[c + 1]) / 2;
+        const float on = static_cast<float>(th * scale);
+        for (float toward : {0.0f, std::numeric_limits<float>::infinity()}) {
+          float v = on;
+          for (int k = 0; k < 64; ++k, v = std::nextafter(v, toward)) x.push_back(v);
+        }
+      }
+      for (int i = 0; i < 500; ++i) {
+        const float mag = static_cast<float>(std::exp2(static_cast<double>(log_mag(rng))) * scale);
+        x.push_back(rng() % 2 ? mag : -mag);
+      }
+      for (float v : {0.0f, -0.0f, scale, -scale, scale / 2, -scale / 3}) x.push_back(v);
+      std::vector<float> lanes;
+      for (float v : x) lanes.insert(lanes.end(), 16, std::fmin(std::fmax(v, -scale), scale));
+      for (std::size_t begin = 0; begin < lanes.size();) {
+        const std::size_t len = std::min<std::size_t>(kBlockNumel - 5, lanes.size() - begin);
+        std::vector<float> block(lanes.begin() + begin, lanes.begin() + begin + len);
+        std::ostringstream what;
+        what << "scale " << std::hexfloat << scale;
+        ExpectScalarCodes(t, block, scale, what.str());
+        if (::testing::Test::HasFatalFailure()) return;
         begin += len;
       }
     }

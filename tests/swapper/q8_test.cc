@@ -436,8 +436,11 @@ std::vector<float> AdversarialGrad() {
   const auto& values = MapValues(MapKind::kSigned);
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-  // 1 / scale is normal for scales in [2^-125, 2^125]; the squares (exp_avg_sq) must stay finite.
-  for (float scale : {1.0f, 0.7f, 3e-5f, 0x1p-125f, 1e-39f, 0x1p-63f, 0x1p+62f, 1e19f}) {
+  // 1 / scale is normal for scales in [2^-125, 2^125]; the squares (exp_avg_sq) must stay finite:
+  // from 0x1.6a09e6p+62 on their block scales lie in [2^125, 2^127], where 1 / scale is at best
+  // subnormal.
+  for (float scale : {1.0f, 0.7f, 3e-5f, 0x1p-125f, 1e-39f, 0x1p-63f, 0x1p+62f, 0x1.6a09e6p+62f,
+                      0x1.8p+62f, 0x1p+63f, 1e19f, 0x1.6a09e6p+63f, 0x1.fffp+63f}) {
     std::vector<float> block;
     for (int c = 0; c + 1 < 256; ++c) {
       const double t = (static_cast<double>(values[c]) + values[c + 1]) / 2;
