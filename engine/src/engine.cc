@@ -1872,7 +1872,7 @@ Result<SavedCheckpointInfo> ZeroEngine::Impl::SaveCheckpoint(const nlohmann::jso
                          {"skipped_steps", skipped_steps_},
                          {"loss_scaler", s.scaler->ToJson()},
                          {"param_groups", GroupsJson()},
-                         {kUserStateKey, user_state.is_null() ? Json::object() : user_state}};
+                         {kUserStateKey, user_state}};  // null stays null
   options.progress = options_.progress;
   comm::ScopedTimer timer(s.timers, "checkpoint");
   ZINF_ASSIGN_OR_RETURN(checkpoint::SavedCheckpoint saved,

@@ -226,10 +226,12 @@ Result<TrainerState> ReadTrainerState(const checkpoint::CheckpointInfo& info) {
   if (trainer.contains("param_groups")) {
     ZINF_RETURN_IF_ERROR(ReadParamGroups(trainer.at("param_groups"), info, where, &state));
   }
-  // A checkpoint of ZeroEngine holds the loop's JSON under "user" (an object, SaveCheckpoint
-  // checks); one of an older zinf-train holds the trainer's state itself.
+  // A checkpoint of ZeroEngine holds the loop's JSON under "user" (an object or null,
+  // SaveCheckpoint checks); one of an older zinf-train holds the trainer's state itself.
   if (trainer.contains("user")) {
-    if (!trainer.at("user").is_object()) return bad("user", "a JSON object");
+    if (!trainer.at("user").is_object() && !trainer.at("user").is_null()) {
+      return bad("user", "a JSON object or null");
+    }
     state.user = trainer.at("user");
   } else {
     state.user = trainer;

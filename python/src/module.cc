@@ -17,8 +17,11 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <span>
@@ -283,10 +286,16 @@ class EngineHandle {
         opts.param_groups.push_back(g);
       }
     }
-    Result<std::unique_ptr<engine::ZeroEngine>> created = [&] {
+    const std::vector<engine::Param> again = list;  // for a second Create after a take-over
+    auto create = [&](std::vector<engine::Param> registered) {
       py::gil_scoped_release release;
-      return engine::ZeroEngine::Create(world, cfg, std::move(list), opts);
-    }();
+      return engine::ZeroEngine::Create(world, cfg, std::move(registered), opts);
+    };
+    Result<std::unique_ptr<engine::ZeroEngine>> created = create(std::move(list));
+    if (!created && created.error().code() == ErrorCode::kAlreadyExists) {
+      const Status taken = TakeOverOwnStore(world, cfg, created.error());
+      created = taken ? create(again) : Result<std::unique_ptr<engine::ZeroEngine>>(taken.error());
+    }
     *init_live = false;
     engine_ = Value(std::move(created));
     serial_ = GetRuntime().next_serial++;
@@ -325,6 +334,91 @@ class EngineHandle {
   EngineHandle(const EngineHandle&) = delete;
   EngineHandle& operator=(const EngineHandle&) = delete;
 
+ private:
+  // Create failed with AlreadyExists, which the swap store says when another instance of the
+  // job holds it: that may be this process's own optimizer on the same nvme_path. Collective over
+  // `world` (every rank's Create failed alike). When every rank holds the store in the same
+  // optimizer dropped without close() (an Orphan, open until exit), that one is closed now,
+  // collectively as at exit, and OK returned: the new optimizer takes its store over (the caller
+  // creates again). When some rank holds it in an optimizer still open, or in one dropped on
+  // some ranks only, returns `failed` saying so; otherwise `failed` as it is (another process).
+  static Status TakeOverOwnStore(const comm::Communicator& world, const engine::Config& cfg,
+                                 const Error& failed) {
+    Runtime& rt = GetRuntime();
+    auto shares_path = [&cfg](const engine::Config& other) {
+      for (const std::string& a : cfg.zero_optimization.offload_optimizer.resolved_nvme_paths) {
+        for (const std::string& b : other.zero_optimization.offload_optimizer.resolved_nvme_paths) {
+          std::error_code ec;
+          if (a == b || std::filesystem::equivalent(a, b, ec)) return true;
+        }
+      }
+      return false;
+    };
+    std::int64_t live = 0;
+    for (const EngineHandle* e : rt.engines) {
+      if (e->engine_ && shares_path(e->engine_->config())) live = 1;
+    }
+    std::int64_t orphan = -1;  // the newest dropped optimizer on the path
+    for (const Orphan& o : rt.orphans) {
+      if (shares_path(o.engine->config())) {
+        orphan = std::max(orphan, static_cast<std::int64_t>(o.serial));
+      }
+    }
+    // Under MAX: open somewhere, the newest orphan, and minus the oldest (-1 on a rank without).
+    std::array<std::int64_t, 3> facts = {live, orphan, -orphan};
+    Status reduced = [&] {
+      py::gil_scoped_release release;
+      return world.AllreduceInPlace<std::int64_t>(facts, comm::ReduceOp::kMax);
+    }();
+    ZINF_RETURN_IF_ERROR(reduced);
+    const bool open_somewhere = facts[0] > 0;
+    const std::int64_t newest = facts[1];
+    const std::int64_t oldest = -facts[2];
+    if (!open_somewhere && newest >= 0 && newest == oldest) {
+      auto it = std::find_if(rt.orphans.begin(), rt.orphans.end(), [newest](const Orphan& o) {
+        return static_cast<std::int64_t>(o.serial) == newest;
+      });
+      Orphan dropped = std::move(*it);
+      rt.orphans.erase(it);
+      Status closed = [&] {
+        py::gil_scoped_release release;
+        Status c = dropped.engine->Close();
+        dropped.engine.reset();
+        return c;
+      }();
+      if (!closed) {
+        return Error(closed.error().code(),
+                     fmt::format("closing the optimizer dropped without close() that held this "
+                                 "swap store, for the new one to take it over: {}",
+                                 closed.error().message()),
+                     closed.error().sys_errno());
+      }
+      LogLine(LogLevel::kWarn,
+              "zinf: an optimizer dropped without close() held the swap store on this "
+              "nvme_path; it was closed, and the new optimizer takes its store over (close() an "
+              "optimizer before dropping it)");
+      return OkStatus();
+    }
+    std::string why;
+    if (open_somewhere) {
+      why =
+          "another ZeroOptimizer of this process, still open, holds this swap store: close() it "
+          "before creating a new one on the same nvme_path and job (`opt = ZeroOptimizer(...)` "
+          "creates the new one before the old one is dropped), or give the new one another "
+          "zinf.job_id";
+    } else if (newest >= 0) {
+      why =
+          "an optimizer of this process dropped without close() holds this swap store (zinf "
+          "keeps a dropped optimizer open until exit, where it is closed with the other ranks'), "
+          "but not every rank dropped the same one: close() an optimizer on every rank before "
+          "creating a new one on the same nvme_path and job";
+    } else {
+      return Status(failed);
+    }
+    return Error(failed.code(), fmt::format("{}: {}", why, failed.message()), failed.sys_errno());
+  }
+
+ public:
   // Local: every group's lr, betas, eps and weight_decay for the next Step (dicts, in order).
   void SetHyperParams(const py::list& groups) {
     std::vector<engine::HyperParams> values;
@@ -368,6 +462,16 @@ class EngineHandle {
     Status status = [&] {
       py::gil_scoped_release release;
       return engine.AccumulateGradients();
+    }();
+    Check(status);
+  }
+
+  // Collective: ZeroEngine::DropGradients (zero_grad() after gradients were handed).
+  void DropGradients() {
+    engine::ZeroEngine& engine = Open();  // raises with the GIL held
+    Status status = [&] {
+      py::gil_scoped_release release;
+      return engine.DropGradients();
     }();
     Check(status);
   }
@@ -601,10 +705,37 @@ void Finalize() {
   comm::MpiSession::AbortJob(1);
 }
 
+// The module-level collectives below are over the world and each names the API call it belongs
+// to (`call`: "gathered()", "ZeroOptimizer()", ...): its first agreement is tagged with it
+// (Communicator::AgreeOnCall), so ranks in different calls all raise FailedPrecondition "the
+// ranks are in different calls (rank 0 in gathered(), rank 1 in ZeroOptimizer()) ..." instead
+// of matching one call's collective with another's (an MPI operation of other sizes that may
+// never end).
+
 // Collective: raises on every rank the agreed error when `message` is not empty on some rank.
-void Agree(const std::string& code, const std::string& message) {
+void Agree(const std::string& code, const std::string& message, const std::string& call) {
   const Status local = Problem(code, message);
   const comm::Communicator& world = World();
+  Status status = [&] {
+    py::gil_scoped_release release;
+    return world.AgreeOnCall(call, local);
+  }();
+  Check(status);
+}
+
+// Collective: raises on every rank `message` ("rank r: ..." for the lowest rank r whose `text`
+// differs from rank 0's) when some rank's `text` differs from rank 0's.
+void AgreeSame(const std::string& code, const std::string& message, const std::string& text,
+               const std::string& call) {
+  const comm::Communicator& world = World();
+  std::string root_text = text;
+  Status sent = [&]() -> Status {
+    py::gil_scoped_release release;
+    ZINF_RETURN_IF_ERROR(world.AgreeOnCall(call));  // every rank in `call` before the broadcast
+    return world.BroadcastString(&root_text, 0);
+  }();
+  Check(sent);
+  const Status local = Problem(code, root_text == text ? "" : message);
   Status status = [&] {
     py::gil_scoped_release release;
     return world.AgreeOnStatus(local);
@@ -612,24 +743,11 @@ void Agree(const std::string& code, const std::string& message) {
   Check(status);
 }
 
-// Collective: raises on every rank `message` ("rank r: ..." for the lowest rank r whose `text`
-// differs from rank 0's) when some rank's `text` differs from rank 0's.
-void AgreeSame(const std::string& code, const std::string& message, const std::string& text) {
-  const comm::Communicator& world = World();
-  std::string root_text = text;
-  Status sent = [&] {
-    py::gil_scoped_release release;
-    return world.BroadcastString(&root_text, 0);
-  }();
-  Check(sent);
-  Agree(code, root_text == text ? "" : message);
-}
-
 // Collective over the world: `recv` (float32, sum(counts) elements) gets every rank's `send`
 // (counts[rank] elements) in rank order. For zinf.torch's partitioned parameters before an
 // optimizer owns them (zinf.torch.gathered).
 void Allgatherv(const py::buffer& send, const py::buffer& recv,
-                const std::vector<std::int64_t>& counts) {
+                const std::vector<std::int64_t>& counts, const std::string& call) {
   const comm::Communicator& world = World();
   std::int64_t total = 0;
   for (std::int64_t c : counts) total += c;
@@ -642,24 +760,40 @@ void Allgatherv(const py::buffer& send, const py::buffer& recv,
   const Status local = out ? OkStatus() : Status(out.error());
   Status status = [&]() -> Status {
     py::gil_scoped_release release;
-    ZINF_RETURN_IF_ERROR(world.AgreeOnStatus(local));
+    ZINF_RETURN_IF_ERROR(world.AgreeOnCall(call, local));
     return world.Allgatherv<float>(*in, *out, counts);
   }();
   Check(status);
 }
 
 // Collective over the world: rank `root`'s float32 `data` into every rank's (the same size).
-void Broadcast(const py::buffer& data, int root) {
+void Broadcast(const py::buffer& data, int root, const std::string& call) {
   const comm::Communicator& world = World();
   const std::int64_t numel = data.request(/*writable=*/true).size;
   Result<std::span<float>> span = FloatSpan(data, numel, "broadcast data");
   const Status local = span ? OkStatus() : Status(span.error());
   Status status = [&]() -> Status {
     py::gil_scoped_release release;
-    ZINF_RETURN_IF_ERROR(world.AgreeOnStatus(local));
+    ZINF_RETURN_IF_ERROR(world.AgreeOnCall(call, local));
     return world.Broadcast<float>(*span, root);
   }();
   Check(status);
+}
+
+// Local: how long the world's collectives (the ones above, zinf.torch's before an optimizer
+// owns the parameters) wait for the other ranks before they end the job: the config's
+// zinf.collective_timeout_seconds (default 600), set by zinf.torch.init(config) and by each
+// ZeroOptimizer from its config. Every rank sets the same value.
+void SetWaitTimeout(double seconds) {
+  if (!(seconds >= 1 && seconds <= 7 * 24 * 3600)) {
+    Raise(
+        InvalidArgumentError(fmt::format(
+            "set_wait_timeout: {} s; zinf.collective_timeout_seconds is in [1, 604800]", seconds)),
+        /*agreed=*/false);
+  }
+  World();  // raises before zinf.init()
+  GetRuntime().session->world().SetWaitTimeout(
+      std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000)));
 }
 
 void Log(const std::string& level, const std::string& message) {
@@ -695,16 +829,21 @@ PYBIND11_MODULE(_zinf, m) {
   m.attr("ERROR_CODES") = codes;
   m.def("finalize", &zinf::python::Finalize,
         "Closes the open engines and finalizes MPI if init() initialized it.");
-  m.def("agree", &zinf::python::Agree, py::arg("code"), py::arg("message"),
-        "Collective: raises on every rank when some rank passes a message.");
+  // The world's collectives, each tagged with the API call (`call`) it belongs to.
+  m.def("agree", &zinf::python::Agree, py::arg("code"), py::arg("message"), py::kw_only(),
+        py::arg("call"),
+        "Collective in `call`: raises on every rank when some rank passes a message.");
   m.def("agree_same", &zinf::python::AgreeSame, py::arg("code"), py::arg("message"),
-        py::arg("text"),
-        "Collective: raises `message` on every rank, naming the lowest rank whose text differs "
-        "from rank 0's, when some rank's does.");
+        py::arg("text"), py::kw_only(), py::arg("call"),
+        "Collective in `call`: raises `message` on every rank, naming the lowest rank whose text "
+        "differs from rank 0's, when some rank's does.");
   m.def("allgatherv", &zinf::python::Allgatherv, py::arg("send"), py::arg("recv"),
-        py::arg("counts"), "Collective: every rank's float32 `send` into `recv`, in rank order.");
-  m.def("broadcast", &zinf::python::Broadcast, py::arg("data"), py::arg("root"),
-        "Collective: rank root's float32 `data` into every rank's.");
+        py::arg("counts"), py::kw_only(), py::arg("call"),
+        "Collective in `call`: every rank's float32 `send` into `recv`, in rank order.");
+  m.def("broadcast", &zinf::python::Broadcast, py::arg("data"), py::arg("root"), py::kw_only(),
+        py::arg("call"), "Collective in `call`: rank root's float32 `data` into every rank's.");
+  m.def("set_wait_timeout", &zinf::python::SetWaitTimeout, py::arg("seconds"),
+        "Local: the world's collectives wait this long for the other ranks, then end the job.");
   m.def("log", &zinf::python::Log, py::arg("level"), py::arg("message"));
   m.def("abort_job", &zinf::python::AbortJob, py::arg("message"),
         "Logs an ERROR line and ends every process of the job (MPI_Abort).");
@@ -714,6 +853,7 @@ PYBIND11_MODULE(_zinf, m) {
       .def("agree", &EngineHandle::Agree, py::arg("call"), py::arg("code"), py::arg("message"))
       .def("step", &EngineHandle::Step, py::arg("loss") = py::none())
       .def("accumulate_gradients", &EngineHandle::AccumulateGradients)
+      .def("drop_gradients", &EngineHandle::DropGradients)
       .def("gather", &EngineHandle::Gather, py::arg("indices"))
       .def("gradient_ready", &EngineHandle::GradientReady, py::arg("index"),
            py::arg("grad") = py::none())

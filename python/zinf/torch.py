@@ -25,6 +25,7 @@ config's scheduler block does, not both). docs/python.md teaches the rest.
 
 import contextlib
 import functools
+import gc
 import json
 import math
 import os
@@ -194,9 +195,12 @@ class _Partition:
     shard of its values until an optimizer owns it, and whether p.data holds it whole now."""
 
     __slots__ = ("shape", "numel", "rank", "world", "begin", "end", "shard", "full", "uses",
-                 "owner", "index")
+                 "owner", "index", "name", "holder", "root")
 
     def __init__(self, shape, rank, world, shard):
+        self.name = "a parameter"  # its path in the outermost module built with it: "fc.weight"
+        self.holder = ""           # the path of the module that holds it ("fc"; "" the root)
+        self.root = ""             # the class of that outermost module
         self.shape = tuple(shape)
         self.numel = math.prod(self.shape)
         self.rank, self.world = rank, world
@@ -249,9 +253,9 @@ def _partition(p, rank, world):
     p.data = _empty(p)
 
 
-def _allgather(p):
-    """Collective over the world: p.data = the whole weights from every rank's shard (before an
-    optimizer owns the parameter)."""
+def _allgather(p, call):
+    """Collective over the world in the API call `call` ("gathered()", ...): p.data = the whole
+    weights from every rank's shard (before an optimizer owns the parameter)."""
     part = _part(p)
     if part.shard is None:
         raise RuntimeError(f"a partitioned parameter of shape {_shape(part.shape)} has no values: "
@@ -259,32 +263,67 @@ def _allgather(p):
     counts = [e - b for b, e in (_shard_range(part.numel, r, part.world)
                                  for r in range(part.world))]
     whole = torch.empty(part.numel, dtype=torch.float32)
-    _zinf.allgatherv(part.shard.numpy(), whole.numpy(), counts)
+    _zinf.allgatherv(part.shard.numpy(), whole.numpy(), counts, call=call)
     p.data = whole.view(part.shape)
     part.full = True
 
 
-def _gather(params):
-    """Collective: the whole weights into p.data for each of `params` (partitioned, not whole
-    now): through the engine of the optimizer that owns them (one call per optimizer, in
-    registration order), from the shards before one does."""
+def _gather(params, call):
+    """Collective in the API call `call`: the whole weights into p.data for each of `params`
+    (partitioned, not whole now): through the engine of the optimizer that owns them (one call
+    per optimizer, in registration order), from the shards before one does."""
     groups = {}
     for p in params:
         opt = _part(p).optimizer()
         groups.setdefault(id(opt), (opt, []))[1].append(p)
     for opt, ps in groups.values():
         if opt is None:
+            if _linear_users > 0:
+                frozen = [p for p in ps if not p.requires_grad]
+                if frozen:
+                    # A world collective here could run beside an engine's own MPI calls on its
+                    # reduction thread (MPI_THREAD_SERIALIZED), and the engine never steps it.
+                    part = _part(frozen[0])
+                    raise zinf.errors.FailedPreconditionError(
+                        f"{call}: parameter {part.name} of {part.root} is partitioned (stage 3) "
+                        "and frozen (requires_grad False), and no ZeroOptimizer holds it: give "
+                        "the optimizer every parameter (model.named_parameters(), frozen ones "
+                        "included), which makes frozen partitioned parameters whole on every "
+                        "rank and never steps them", "FailedPrecondition")
             for p in ps:
-                _allgather(p)
+                _allgather(p, call)
         else:
             opt._gather(ps)
 
 
-def _acquire(params):
-    """The partitioned `params` whole until the matching _unuse (forward, gathered())."""
+def _converted(p):
+    """How a partitioned parameter was converted ("" if it was not), to follow its name: stage 3
+    keeps them float32 on the CPU (its shard and the engine's master weights are), so
+    model.half(), .double() or .cuda() on a partitioned model would be undone by the next
+    gather."""
+    if p.dtype == torch.float32 and p.device.type == "cpu":
+        return ""
+    owned = _part(p).optimizer() is not None
+    return (f"is partitioned (stage 3) and was converted to "
+            f"{p.dtype} on {p.device} (model.half(), .to(), .cuda(), ...)"
+            f"{' while a ZeroOptimizer holds it' if owned else ''}; partitioned parameters stay "
+            "float32 on the CPU, as their shards and the engine's fp32 master weights are: "
+            "convert it back (model.float()), and build and train stage 3 models in float32 on "
+            "the CPU")
+
+
+def _acquire(params, call):
+    """The partitioned `params` whole until the matching _unuse (forward, gathered()).
+    Collective in the API call `call` when some are not whole now."""
+    for p in params:
+        problem = _converted(p)
+        if problem:
+            part = _part(p)
+            raise zinf.errors.FailedPreconditionError(
+                f"{call}: parameter {part.name} of {part.root} {problem}", "FailedPrecondition")
     need = [p for p in params if not _part(p).full]
     if need:
-        _gather(need)
+        _gather(need, call)
     for p in params:
         _part(p).uses += 1
 
@@ -315,7 +354,7 @@ def _tensors(value):
 def _pre_forward(module, inputs):
     params = _partitioned_of(module)
     if params:
-        _acquire(params)
+        _acquire(params, f"the forward of {type(module).__name__}")
 
 
 def _post_forward(module, inputs, output):
@@ -336,7 +375,7 @@ def _post_forward(module, inputs, output):
             pending[0] = False
             need = [p for p in params if not _part(p).full]
             if need:
-                _gather(need)
+                _gather(need, f"the backward of {type(module).__name__}")
         return None
 
     for t in outputs:
@@ -391,6 +430,7 @@ class _PartitionedLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
+_optimizers = weakref.WeakSet()  # the ZeroOptimizers created (open or closed) not yet collected
 _original_linear = torch.nn.functional.linear  # what the patch falls back to (and restores)
 _linear_users = 0  # open optimizers that hold partitioned parameters
 
@@ -400,12 +440,28 @@ def _linear(input, weight, bias=None):
     partitioned 2-D weight under autograd goes through _PartitionedLinear, anything else (no
     gradient, autocast, a tensor subclass with __torch_function__) to torch's own."""
     part = _part(weight)
+    if part is not None and not part.full:
+        raise zinf.errors.FailedPreconditionError(_used_outside(part), "FailedPrecondition")
     if (part is None or len(part.shape) != 2 or not torch.is_grad_enabled()
             or not weight.requires_grad or torch.is_autocast_enabled()
             or torch.is_autocast_cpu_enabled()
             or torch.overrides.has_torch_function((input, weight, bias))):
         return _original_linear(input, weight, bias)
     return _PartitionedLinear.apply(input, weight, bias)
+
+
+def _used_outside(part):
+    """The error of a partitioned parameter used where it is empty: outside the forward of the
+    module that holds it (nn.MultiheadAttention's forward reads out_proj.weight without calling
+    out_proj)."""
+    holder = f"{part.holder}'s" if part.holder else f"{part.root}'s own"
+    return (f"{part.name} of {part.root} is partitioned (stage 3) and used outside {holder} "
+            f"forward, where it is empty (shape [0]): zinf gathers a partitioned parameter "
+            "only around the forward and backward of the module that holds it in _parameters. "
+            "Call that module instead of reading its parameter (nn.MultiheadAttention's forward "
+            "reads out_proj.weight without calling out_proj: not supported at stage 3), or tie "
+            "a shared weight by assignment (self.head.weight = self.tok.weight), which puts it "
+            "in both modules")
 
 
 def _patch_linear():
@@ -426,18 +482,38 @@ def _unpatch_linear():
         torch.nn.functional.linear = _original_linear
 
 
-def _stage_of(config):
-    """The config's zero_optimization.stage (None when it cannot be read here)."""
+def _config_dict(config):
+    """A config path or dict as a dict (None when it cannot be read here: the optimizer's
+    parse reports it)."""
     if isinstance(config, (str, os.PathLike)):
         try:
             with open(config) as f:
                 config = json.load(f)
         except (OSError, ValueError):
             return None
-    if not isinstance(config, dict):
+    return config if isinstance(config, dict) else None
+
+
+def _stage_of(config):
+    """The config's zero_optimization.stage (None when it cannot be read here)."""
+    config = _config_dict(config)
+    if config is None:
         return None
     zero = config.get("zero_optimization", {})
     return zero.get("stage", 0) if isinstance(zero, dict) else None
+
+
+def _set_wait_timeout(config):
+    """The world's collectives (zinf.torch's before an optimizer owns the parameters: gathers
+    from the shards, gathered(modify=True), the constructor's agreements) wait for the other
+    ranks at most the config's zinf.collective_timeout_seconds (default 600), as an engine's
+    do; a config that does not set it leaves the current value."""
+    config = _config_dict(config)
+    section = config.get("zinf") if config is not None else None
+    seconds = section.get("collective_timeout_seconds") if isinstance(section, dict) else None
+    if (isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+            and 1 <= seconds <= 604800):
+        _zinf.set_wait_timeout(float(seconds))
 
 
 class _InitContext:
@@ -478,10 +554,21 @@ class _InitContext:
     def partition(self, module):
         if "_modules" not in module.__dict__:
             return  # its __init__ did not call nn.Module's
-        for m in module.modules():
-            for p in m._parameters.values():
-                if p is not None and p.requires_grad and _part(p) is None:
+        # Each partitioned parameter is named by its path in the outermost module built with it
+        # (a child's, partitioned when the child's __init__ returned, renamed by its parent's),
+        # for the errors that name it.
+        root, named = type(module).__name__, set()
+        for prefix, m in module.named_modules():
+            for key, p in m._parameters.items():
+                if p is None:
+                    continue
+                if p.requires_grad and _part(p) is None:
                     _partition(p, self.rank, self.world)
+                part = _part(p)
+                if part is not None and id(p) not in named:  # a tied one: its first path
+                    named.add(id(p))
+                    part.name = f"{prefix}.{key}" if prefix else key
+                    part.holder, part.root = prefix, root
 
     def enter(self):
         pending = [torch.nn.Module]
@@ -533,6 +620,8 @@ def init(config=None):
         yield
         return
     facts = zinf.init()
+    if config is not None:
+        _set_wait_timeout(config)
     context = _InitContext(facts["rank"], facts["world_size"])
     _install_module_hooks()
     context.enter()
@@ -553,7 +642,8 @@ def gathered(params, modify=False):
     rank's (each keeps its shard of them). Collective: every rank passes the same parameters in
     the same order. Parameters that are not partitioned are left alone. With modify=False a
     change is discarded on exit; modify=True on parameters an optimizer owns raises ValueError
-    (the engine holds their fp32 master weights: restore a checkpoint instead)."""
+    (the engine holds their fp32 master weights: restore a checkpoint instead). Scopes nest:
+    an inner scope or a forward pass inside one leaves the outer scope's whole weights."""
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
     elif isinstance(params, torch.Tensor):
@@ -572,7 +662,7 @@ def gathered(params, modify=False):
                 f"{_shape(_part(owned[0]).shape)}) belong to a ZeroOptimizer, whose engine holds "
                 "their fp32 master weights: set the weights before creating the optimizer, or "
                 "restore a checkpoint")
-    _acquire(chosen)
+    _acquire(chosen, "gathered()")
     try:
         yield
         if modify:
@@ -591,14 +681,37 @@ def _broadcast_from_rank0(params):
                        f"tensor of shape {_shape(p.shape)} on {p.device}; set its values in place "
                        f"(a float32 CPU tensor of shape {_shape(part.shape)})")
             break
-    _zinf.agree("InvalidArgument", problem)
+    _zinf.agree("InvalidArgument", problem, call="gathered()")
     for p in params:
         part = _part(p)
         whole = p.detach().reshape(-1).contiguous().clone()
-        _zinf.broadcast(whole.numpy(), 0)
+        _zinf.broadcast(whole.numpy(), 0, call="gathered()")
         part.shard = whole[part.begin:part.end].clone()
         p.data = whole.view(part.shape)
         part.full = True
+
+
+def _json_change(value, where):
+    """What a JSON round trip would change in `value` ("" if nothing; json.dumps refuses what
+    it cannot write): a key that is not a str (it comes back as one), a tuple (a list), an int
+    beyond 64 bits (the checkpoint's JSON reads it as a float)."""
+    pending = [(value, where)]
+    while pending:
+        v, at = pending.pop()
+        if isinstance(v, dict):
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    return (f"{at} has the {type(k).__name__} key {k!r}, which would come back "
+                            "as a str: use str keys")
+                pending.append((item, f"{at}[{k!r}]"))
+        elif isinstance(v, tuple):
+            return f"{at} is a tuple, which would come back as a list: pass a list"
+        elif isinstance(v, list):
+            pending.extend((item, f"{at}[{i}]") for i, item in enumerate(v))
+        elif isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**64:
+            return (f"{at} is the int {v}, beyond 64 bits, which would come back as a float: "
+                    "pass it as a str")
+    return ""
 
 
 def _grad_array(r, g):
@@ -618,7 +731,7 @@ def _on_registered_gradient(optimizer_ref, r):
     def hook(grad_inputs, grad_outputs):
         opt = optimizer_ref()
         if opt is not None and opt._engine is not None and not opt._engine.closed:
-            opt._hand_registered(r)
+            opt._hand_registered(r, grad_outputs[0] if grad_outputs else None)
     return hook
 
 
@@ -628,7 +741,7 @@ def _on_gradient(optimizer_ref, r):
     def hook(grad_inputs, grad_outputs):
         opt = optimizer_ref()
         if opt is not None and opt._engine is not None and not opt._engine.closed:
-            opt._hand(r)
+            opt._hand(r, grad_outputs[0] if grad_outputs else None)
     return hook
 
 
@@ -652,8 +765,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         bfloat16 with bf16.enabled. float32 CPU parameters are used in place (no copy of weights
         or gradients); CUDA and float16/bfloat16 parameters are staged through fp32 host
         buffers around every step (pinned for CUDA). Frozen parameters
-        (requires_grad False) are left out. add_param_group raises ValueError: every group is
-        given here.
+        (requires_grad False) are left out (partitioned ones made whole on every rank), and
+        requires_grad must stay as it was (a change is refused at step()). add_param_group
+        raises ValueError: every group is given here.
       config: a DeepSpeed config file path or dict. offload_optimizer.device must be "nvme".
       load: restore this checkpoint (a file, or a directory's `latest`) instead of the config's
         zinf.checkpoint.load ("latest", "auto", a path).
@@ -669,8 +783,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         AccumulateGrad hook, as soon as the backward pass completes it, so that its
         reduce-scatter (and with zinf.swap_gradients its write-behind) overlaps the rest of the
         backward pass (docs/python.md, "Overlap"). Its .grad is then None until step() (the
-        engine owns the buffer), and a step's backward passes must be the config's
-        gradient_accumulation_steps (each is a micro-batch; losses not divided).
+        engine owns the buffer and has reduced it: a .grad set on it before step() is refused
+        there, zero_grad() drops the batch), and a step's backward passes must be the config's
+        gradient_accumulation_steps (each is a micro-batch; losses not divided; one too many
+        raises, dropping the step's gradient).
 
     Gradients: the engine reads them from fp32 buffers of its own; a float32 CPU parameter's
     .grad is a view of its buffer, kept for the optimizer's whole life (zero_grad zeroes it and
@@ -693,6 +809,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     state, starting as the parameters' values; the working weights are rounded to fp16.
     """
 
+    _micro_batches = 0  # accumulate_gradients() hand-overs (also a backward pass's) this step
+
     def __init__(self, params, config, *, load=None, metrics_path=None, total_steps=0,
                  progress=True, stop_signals=True, create_nvme_paths=False,
                  gradient_memory_limit=256 << 20, overlap_backward=False):
@@ -705,9 +823,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._linear_patched = False
         problem = ""
         self._constructing = True
+        self._frozen = []
         try:
-            groups = self._groups(params)
+            groups, self._frozen = self._groups(params)
             config_text, is_text = self._config(config)
+            self._options = {
+                "metrics_path": "" if metrics_path is None else os.fspath(metrics_path),
+                "total_steps": int(total_steps),
+                "progress": bool(progress),
+                "stop_signals": bool(stop_signals),
+                "create_nvme_paths": bool(create_nvme_paths),
+                "gradient_memory_limit_bytes": int(gradient_memory_limit),
+            }
             named = [(g, name, p) for g, (_, members) in enumerate(groups) for name, p in members]
             super().__init__([dict(options, params=[p for _, p in members])
                               for options, members in groups], {"lr": 0.0})
@@ -722,18 +849,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             problem = (str(e) if isinstance(e, (TypeError, ValueError))
                        else f"{type(e).__name__}: {e}")
         self._constructing = False
-        _zinf.agree("InvalidArgument", problem)
+        _zinf.agree("InvalidArgument", problem, call="ZeroOptimizer()")
+        self._make_frozen_whole()
         self.last_step_info = None
-        self._options = {
-            "metrics_path": "" if metrics_path is None else os.fspath(metrics_path),
-            "total_steps": int(total_steps),
-            "progress": bool(progress),
-            "stop_signals": bool(stop_signals),
-            "create_nvme_paths": bool(create_nvme_paths),
-            "gradient_memory_limit_bytes": int(gradient_memory_limit),
-        }
         self._config_source = (config_text, is_text)
+        if any(not o._engine.closed for o in _optimizers if o._engine is not None):
+            # One dropped without close() but not collected yet (a reference cycle) would still
+            # hold its swap store: collected now, the new engine can take that store over.
+            gc.collect()
         self._open(None if load is None else os.fspath(load))
+        _optimizers.add(self)
         # Stage 1/2 with overlap_backward: each float32 CPU parameter's gradient goes to the
         # engine from its AccumulateGrad hook (stage 3 always hands them so).
         self._overlap = bool(overlap_backward) and not self._lent
@@ -744,10 +869,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # --- construction -------------------------------------------------------------------------
 
+    def _make_frozen_whole(self):
+        """Collective, after the constructor's agreement: the frozen parameters given that
+        zinf.torch.init partitioned (frozen after it did: requires_grad_(False) in a parent's
+        __init__ or on the finished model, the usual fine-tuning setup) become whole tensors
+        again on every rank, gathered from the ranks' shards: the engine never steps them, and
+        the forward pass reads them as they are (they cost their whole size on every rank, as
+        frozen parameters that init left whole do)."""
+        thaw = [(name, p) for name, p in self._frozen if _part(p) is not None]
+        listed = repr([(name, _part(p).shape) for name, p in thaw])
+        _zinf.agree_same("InvalidArgument", "ZeroOptimizer: the frozen partitioned parameters "
+                         "(requires_grad False) differ from rank 0's; freeze the same parameters "
+                         "on every rank", listed, call="ZeroOptimizer()")
+        for _, p in thaw:
+            if not _part(p).full:
+                _allgather(p, "ZeroOptimizer()")
+            del p._zinf_part
+
     @staticmethod
     def _groups(params):
         """[(options, [(name, parameter), ...]) per param group] from `params`: parameters,
-        (name, parameter) pairs, or param group dicts; frozen parameters left out."""
+        (name, parameter) pairs, or param group dicts; frozen parameters left out, and returned
+        as the second item: [(name, parameter), ...]."""
         if isinstance(params, torch.Tensor):
             raise TypeError("params: expected an iterable of parameters or (name, parameter) "
                             "pairs, got a single tensor")
@@ -757,7 +900,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise TypeError("params: a mix of param group dicts and parameters; pass either "
                             "parameters or a list of param group dicts")
         groups = items if items and all(dicts) else [{"params": items}]
-        out, seen, index = [], {}, 0
+        out, seen, index, frozen = [], {}, 0, {}
         for g, group in enumerate(groups):
             if "params" not in group:
                 raise ValueError(f"param group {g} has no 'params'")
@@ -784,16 +927,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if not isinstance(p, torch.Tensor):
                     raise TypeError(f"params: {name} is a {type(p).__name__}, not a tensor")
                 part = _part(p)
-                if part is not None and not p.requires_grad:
-                    raise ValueError(f"parameter {name} is partitioned (built inside "
-                                     "zinf.torch.init) but does not require a gradient; freeze "
-                                     "parameters inside the module's __init__ (frozen ones stay "
-                                     "whole) or leave them trainable")
-                if not p.requires_grad:
-                    continue  # frozen: not optimized
                 if part is not None and part.optimizer() is not None:
                     raise ValueError(f"parameter {name} is partitioned and belongs to another "
                                      "ZeroOptimizer (close it first)")
+                if not p.requires_grad:  # frozen: not optimized
+                    if part is not None and part.uses > 0:
+                        raise ValueError(f"parameter {name} is partitioned, frozen and gathered "
+                                         "(inside gathered() or a forward pass): create the "
+                                         "optimizer outside them")
+                    if part is not None and part.shard is None:
+                        raise ValueError(f"parameter {name} is partitioned and has no values: "
+                                         "the ZeroOptimizer that held them was dropped without "
+                                         "close()")
+                    frozen.setdefault(id(p), (str(name), p))
+                    continue
                 if id(p) in seen:
                     raise ValueError(f"params: {name} is given twice" if seen[id(p)] == g else
                                      f"params: {name} is in param groups {seen[id(p)]} and {g}")
@@ -812,7 +959,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             out.append((options, named))
         if not seen:
             raise ValueError("params: no parameter that requires a gradient")
-        return out
+        return out, list(frozen.values())
 
     @staticmethod
     def _config(config):
@@ -869,8 +1016,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         config_text, is_text = self._config_source
         self._engine = _zinf.Engine(config_text, is_text, buffers, options)
         settings = json.loads(self._engine.effective_config)
+        _set_wait_timeout(settings)  # the world's waits too (gathered(), frozen parameters)
         try:  # every rank has the same config: they agree unless their parameters differ
-            _zinf.agree("InvalidArgument", self._check_precision(settings))
+            _zinf.agree("InvalidArgument", self._check_precision(settings),
+                        call="ZeroOptimizer()")
         except Exception:
             self._engine.close()
             raise
@@ -925,7 +1074,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     r.node = r.param.expand_as(r.param).grad_fn.next_functions[0][0]
                     r.hook = r.node.register_hook(_on_registered_gradient(me, r))
 
-    def _hand_registered(self, r):
+    def _hand_registered(self, r, incoming=None):
         """overlap_backward: r's gradient of this backward pass to the engine (its registered
         buffer: no copy), then .grad None while the engine owns the buffer. A second pass in one
         step is the next micro-batch: the previous one is handed over first
@@ -935,10 +1084,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         engine = self._open_engine()
         if r.handed:
-            # Every rank reaches this hook first in its next backward pass: collective.
-            engine.accumulate_gradients()
-            self._end_micro_batch()
-            p.grad = g  # this pass's gradient, in a tensor of its own (.grad was None)
+            self._next_micro_batch(r, incoming)
         if self._gradient_in(r):
             return  # a .grad the step refuses: it raises there, on every rank
         engine.gradient_ready(r.index)
@@ -973,17 +1119,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             p.data = torch.from_numpy(array).view(part.shape)
             part.full = True
 
-    def _hand(self, r):
+    def _hand(self, r, incoming=None):
         """Lent gradients: r's .grad to the engine (copied), then .grad None and, for a
-        partitioned parameter no forward or gathered() holds, .data empty again."""
+        partitioned parameter no forward or gathered() holds, .data empty again. From the
+        AccumulateGrad hook (`incoming`: the gradient this pass added): a second gradient of r
+        in one micro-batch (the step's next backward pass) begins the next micro-batch; step()
+        refuses a .grad set on a handed parameter before it gets here."""
         p, g = r.param, r.param.grad
         if g is None:
             return
         if r.handed:
-            raise RuntimeError(f"parameter {r.name}: a second gradient in one micro-batch; with "
-                               "partitioned parameters (stage 3) each gradient goes to the engine "
-                               "as the backward pass completes it: call "
-                               "opt.accumulate_gradients() after each micro-batch but the last")
+            self._next_micro_batch(r, incoming)
         self._open_engine().gradient_ready(r.index, _grad_array(r, g))
         r.handed = True
         p.grad = None
@@ -995,6 +1141,85 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if r.handed and self._overlap:  # the engine zeroed it: .grad is the buffer again
                 r.param.grad = r.grads.detach()
             r.handed = False
+
+    def _next_micro_batch(self, r, incoming):
+        """A backward pass that finds r's gradient of this micro-batch handed already
+        (overlap_backward, stage 3) is the step's next micro-batch: the previous one is handed
+        over first, as accumulate_gradients() does. Collective: every rank's next backward pass
+        reaches its first gradient hook here (`incoming`: the gradient this pass added to r's
+        .grad). Refused, on every rank, for a .grad the program set on a handed parameter since
+        the previous pass (r's then holds more than `incoming`), and by the engine (a step
+        takes the config's gradient_accumulation_steps passes): the step's gradient is dropped
+        on every rank and the pass raises the agreed error."""
+        g, done = r.param.grad, self._micro_batches
+        engine = self._open_engine()
+        problem = next((self._grad_after_handing(q) for q in self._params
+                        if q.handed and q is not r and q.param.grad is not None), "")
+        if not problem and incoming is not None and g is not incoming and not (
+                g.dtype == incoming.dtype and g.shape == incoming.shape
+                and torch.allclose(g, incoming, rtol=0, atol=0, equal_nan=True)):
+            problem = self._grad_after_handing(r)  # this pass added into the program's .grad
+        try:
+            engine.agree("backward()", "FailedPrecondition", problem)
+        except zinf.ZinfError as e:
+            try:
+                engine.drop_gradients()
+            finally:
+                self._forget_gradients()
+            raised = type(e)(
+                f"backward(): {e.message}; a further backward pass cannot add to it either, "
+                "so the step's gradient (every micro-batch since the last step()) was dropped on "
+                "every rank, nothing stepped: go on with the next batch", e.code, e.errno)
+            raised.agreed = e.agreed
+            raise raised from None
+        try:
+            engine.accumulate_gradients()
+        except zinf.ZinfError as e:
+            self._forget_gradients()
+            mode = "overlap_backward" if self._overlap else "partitioned parameters (stage 3)"
+            raised = type(e)(
+                f"backward(): this backward pass began micro-batch {done + 2} of the step, "
+                f"handing micro-batch {done + 1} over: {e.message}. "
+                f"With {mode} each backward pass is a micro-batch, its gradients handed to the "
+                "engine as the pass completes them, and a step takes the config's "
+                "gradient_accumulation_steps of them (losses undivided). The step's gradient "
+                "(every micro-batch since the last step()) was dropped on every rank, nothing "
+                "stepped: go on with the next batch (zero_grad() after a backward pass drops "
+                "that batch)", e.code, e.errno)
+            raised.agreed = e.agreed
+            raise raised from None
+        self._end_micro_batch()
+        self._micro_batches += 1
+        r.param.grad = g  # this pass's gradient, in a tensor of its own (.grad was None)
+
+    def _forget_gradients(self):
+        """After the engine dropped the step's gradient on every rank (a refused step or
+        hand-over, zero_grad()): nothing handed, no micro-batch accumulated, every .grad zeroed
+        (an in-place parameter's: its registered buffer, which the engine no longer reads)."""
+        self._end_micro_batch()
+        self._micro_batches = 0
+        self._zero_grads()
+
+    def _grad_after_handing(self, r, at_step=False):
+        """The problem ("" if none) of a .grad on a parameter whose gradient this micro-batch
+        went to the engine already (overlap_backward, stage 3): the program set it after the
+        backward pass, and the engine has reduced the handed gradient over the ranks. With
+        `at_step`, what step() and accumulate_gradients() say, nothing changed."""
+        if r.param.grad is None:
+            return ""
+        if at_step:
+            return (self._grad_after_handing(r) + ": set .grad to None to step the handed "
+                    "gradient, or call zero_grad() to drop this batch; nothing was stepped")
+        if self._overlap:
+            how, surgery = ("with overlap_backward each gradient goes", "ZeroOptimizer(..., "
+                            "overlap_backward=False) for gradient surgery")
+        else:
+            how, surgery = ("at stage 3 every gradient goes", "no gradient surgery at stage 3 "
+                            "(no rank holds the whole gradient)")
+        return (f"parameter {r.name}: its .grad was set after the backward pass handed its "
+                f"gradient to the engine ({how} to the engine as the pass completes it, reduced "
+                f"over the ranks at once), so it cannot replace the handed one ({surgery}; the "
+                "config's gradient_clipping clips the reduced gradient)")
 
     def _check_precision(self, settings):
         """float16/bfloat16 parameters need the config block that rounds the working weights
@@ -1123,7 +1348,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = float(loss.detach().float().mean())
             elif loss is not None:
                 loss = float(loss)
-            problem = self._stage(hyper)
+            problem = self._frozen_problem() or self._stage(hyper)
         except Exception as e:  # agreed below, so that no rank waits alone
             problem = f"{type(e).__name__}: {e}"
         engine = self._open_engine()
@@ -1134,9 +1359,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "FailedPrecondition",
                 f"{call}: param_groups' lr, betas, eps or weight_decay differ from rank 0's (a "
                 "scheduler or a write that ran on some ranks only); every rank must step with the "
-                "same values", repr(values))
+                "same values", repr(values), call=call)
             engine.set_hyper_params(values)
         return loss
+
+    def _frozen_problem(self):
+        """A parameter frozen when the optimizer was created that requires a gradient now ("" if
+        none): it is not optimized (the engine has no state for it), so its gradient would be
+        ignored, where torch's optimizers would train it."""
+        for name, p in self._frozen:
+            if p.requires_grad:
+                return (f"parameter {name} was frozen (requires_grad False) when the optimizer "
+                        "was created, so it is not optimized, and now requires a gradient: the "
+                        "engine's state and checkpoints are laid out for the parameters it was "
+                        "created with; create a new optimizer (and checkpoint) to train it")
+        return ""
 
     def _stage(self, hyper=False):
         if hyper:
@@ -1145,7 +1382,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 return problem
         if self._lent:
             for r in self._params:
-                problem = self._parameter_problem(r)
+                problem = self._parameter_problem(r) or (
+                    self._grad_after_handing(r, at_step=True) if r.handed else "")
                 if problem:
                     return problem
             # A .grad the backward pass did not hand (set by the program), in the order a
@@ -1158,7 +1396,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     _release(r.param)
             return ""
         for r in self._params:  # handed ones (overlap_backward) are the engine's until the step
-            problem = self._parameter_problem(r) or ("" if r.handed else self._gradient_in(r))
+            problem = self._parameter_problem(r) or (
+                self._grad_after_handing(r, at_step=True) if r.handed else self._gradient_in(r))
             if problem:
                 return problem
         return ""
@@ -1169,8 +1408,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ("" if nothing): it keeps the weights of the registered tensor, element by element as
         laid out then, and (in place) writes the new ones into that memory."""
         p = r.param
+        if not p.requires_grad:
+            return (f"parameter {r.name} was frozen (requires_grad_(False)) after the optimizer "
+                    "was created: the engine would go on stepping it (momentum and weight decay "
+                    "move it without a gradient); freeze parameters before creating the "
+                    "optimizer, which leaves frozen ones out, or create a new one (and "
+                    "checkpoint)")
         if r.part is not None:
-            return ""  # partitioned: .data is the hooks' (empty or a gathered copy)
+            # Partitioned: .data is the hooks' (empty or a gathered copy), but its dtype and
+            # device are the parameter's (model.half() converts the empty tensor).
+            problem = _converted(p)
+            return f"parameter {r.name} {problem}" if problem else ""
         if tuple(None if b is None else b.data_ptr() for b in (r.weights, r.grads)) != r.addresses:
             return (f"parameter {r.name}: the memory the optimizer registered for it was "
                     "reallocated (resize_() or share_memory_() on a tensor or storage sharing "
@@ -1231,6 +1479,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # The engine zeroed the registered grads; staged parameters get the new weights (a
         # skipped step left them as they were) and their own .grad zeroed.
         self._end_micro_batch()
+        self._micro_batches = 0
         for r in self._params:
             if r.staged:
                 r.param.data.copy_(r.weights, non_blocking=False)
@@ -1252,7 +1501,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         a non-finite gradient norm without fp16, an fp16 overflow at fp16.min_loss_scale, a
         gradient that is zero on every rank, a parameter that changed since the optimizer was
         created, a param_groups value out of its range, written under a config scheduler, or
-        different on some rank."""
+        different on some rank, a .grad set on a parameter whose gradient was handed
+        (overlap_backward, stage 3). A step the engine refuses (the loss, the gradient, the
+        counts) has consumed the step's gradient on every rank: .grad is zero (None with lent
+        gradients), nothing is handed, and the loop goes on with its next batch. One refused
+        before (a parameter, .grad or param_groups value) leaves the gradients as they were,
+        for a step() once that is fixed; zero_grad() drops them."""
         result = None
         if closure is not None:
             with torch.enable_grad():
@@ -1260,7 +1514,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if loss is None:
                 loss = result
         engine = self._open_engine()
-        info = StepInfo(engine.step(self._check_and_stage("step()", loss, hyper=True)))
+        loss = self._check_and_stage("step()", loss, hyper=True)
+        try:
+            info = StepInfo(engine.step(loss))
+        except zinf.ZinfError:
+            self._forget_gradients()  # the engine consumed them, on every rank
+            raise
         self.last_step_info = info
         self._after_step()
         return result if closure is not None else info
@@ -1269,11 +1528,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def accumulate_gradients(self):
         """Hands this micro-batch's gradient to the engine (reduce-scatter; with
         zinf.swap_gradients written behind to NVMe) and zeroes .grad: call it after every
-        micro-batch of a step but the last (gradient_accumulation_steps). Collective."""
+        micro-batch of a step but the last (gradient_accumulation_steps). Collective. Refused
+        by the engine (called gradient_accumulation_steps times in a step): the step's gradient
+        is dropped on every rank, as by a refused step()."""
         engine = self._open_engine()
         self._check_and_stage("accumulate_gradients()")
-        engine.accumulate_gradients()
+        try:
+            engine.accumulate_gradients()
+        except zinf.ZinfError:
+            self._forget_gradients()  # the engine dropped them, on every rank
+            raise
         self._end_micro_batch()
+        self._micro_batches += 1
         for r in self._params:
             if r.staged and r.param.grad is not None:
                 r.param.grad.zero_()
@@ -1284,16 +1550,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         .grad is (again) the registered tensor, zeroed, also with set_to_none=True; a staged
         parameter's .grad is zeroed (a replaced one of another dtype, shape, device or layout
         becomes zeros like the parameter). step() already leaves them zero. With lent gradients
-        (partitioned parameters, stage 3) .grad is None already: each went to the engine as the
-        backward pass completed it, so this only drops a .grad the program set itself."""
+        (partitioned parameters, stage 3) .grad is None: each went to the engine as the
+        backward pass completed it; a .grad the program set itself is dropped.
+
+        Gradients handed to the engine since the last step (a backward pass with
+        overlap_backward or at stage 3, accumulate_gradients()) are dropped too, as torch's
+        zero_grad drops an accumulated gradient: the next backward pass begins the step afresh
+        (skipping a bad batch). That is collective (the engine finishes the micro-batch's
+        reductions): every rank calls it, as SPMD loops do; otherwise it is local."""
+        if self._micro_batches or any(r.handed for r in self._params):
+            if self._engine is not None and not self._engine.closed:  # closed: nothing to drop
+                self._engine.agree("zero_grad()", "FailedPrecondition", "")  # names the call
+                self._engine.drop_gradients()
+            self._end_micro_batch()
+            self._micro_batches = 0
+        self._zero_grads()
+
+    def _zero_grads(self):
         if self._lent:
             for r in self._params:
                 r.param.grad = None
+                if r.part is not None and r.part.full and r.part.uses == 0:
+                    _release(r.param)  # what a broken-off backward pass left gathered
             return
-        if any(r.handed for r in self._params):
-            raise RuntimeError("zero_grad() after a backward pass with overlap_backward: the "
-                               "gradients went to the engine as the pass completed them and "
-                               "cannot be taken back; call step() first")
         for r in self._params:
             p, g = r.param, r.param.grad
             r.grads.zero_()
@@ -1315,7 +1594,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         config's zinf.checkpoint.dir when None) and points <dir>/latest at it; keep_last from
         the config. `client_state` (a JSON-serializable dict, the same on every rank: a rank
         whose client_state differs from rank 0's is an InvalidArgumentError on every rank naming
-        it) is stored and returned by load_checkpoint. Returns the file's path."""
+        it) is stored and returned by load_checkpoint exactly as given: what a JSON round trip
+        would change (an int beyond 64 bits, a tuple, a key that is not a str) is an
+        InvalidArgumentError on every rank, nothing saved. Returns the file's path."""
         engine = self._open_engine()
         problem = ""
         try:
@@ -1324,6 +1605,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # Compared across ranks as JSON with sorted keys (the checkpoint keeps them sorted).
             text = json.dumps(json.loads(json.dumps(client_state, allow_nan=False)),
                               sort_keys=True)
+            changed = _json_change(client_state, "client_state")
+            if changed:
+                problem = (f"save_checkpoint: {changed}; a checkpoint keeps client_state as JSON "
+                           "and load_checkpoint gives back exactly what was saved (dicts with "
+                           "str keys, lists, str, int in [-2**63, 2**64), finite float, bool, "
+                           "None)")
         except Exception as e:  # TypeError, ValueError, RecursionError, ...
             problem, text = f"save_checkpoint: client_state is not JSON-serializable: {e}", "null"
         # The groups' values as param_groups holds them now (a scheduler stepped after the last
@@ -1333,11 +1620,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self._scheduled:
             values = self._hyper_values()
             _zinf.agree_same("InvalidArgument", "save_checkpoint: param_groups' lr, betas, eps or "
-                             "weight_decay differ from rank 0's", repr(values))
+                             "weight_decay differ from rank 0's", repr(values),
+                             call="save_checkpoint()")
             engine.set_hyper_params(values)
         _zinf.agree_same("InvalidArgument", "save_checkpoint: client_state differs from rank "
                          "0's; a checkpoint keeps one client_state: pass the same on every rank",
-                         text)
+                         text, call="save_checkpoint()")
         saved = engine.save_checkpoint(text, "" if dir is None else os.fspath(dir))
         self._last_checkpoint = saved["path"]
         return saved["path"]
@@ -1424,7 +1712,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 or [len(g["params"]) for g in groups] != sizes):
             problem = (f"load_state_dict: the state_dict's param_groups differ from this "
                        f"optimizer's ({len(sizes)} group(s) of {sizes} parameters)")
-        _zinf.agree("InvalidArgument", problem)
+        _zinf.agree("InvalidArgument", problem, call="load_state_dict()")
         if meta["checkpoint"] is not None:
             self.load_checkpoint(meta["checkpoint"])
         # As torch: the groups' other keys (a scheduler's initial_lr, ...) and, without a

@@ -83,7 +83,7 @@ WAYS = ["in place", "float64", "float16", "bfloat16", "strided =", "strided .dat
 
 def agree_ok(what, problem):
     """Every rank's outcome of a sub-case: a failure on any rank fails it on every rank."""
-    _zinf.agree("Internal", f"{what}: {problem}" if problem else "")
+    _zinf.agree("Internal", f"{what}: {problem}" if problem else "", call="agree_ok")
 
 
 def expect_error(what, cls, pattern, action):

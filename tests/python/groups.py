@@ -258,12 +258,14 @@ def bad(work):
     opt = create(groups_of(model, named=True))
     expect(ValueError, "add_param_group", lambda: opt.add_param_group({"params": []}))
     opt.close()
-    # overlap_backward: the gradients of a finished pass are the engine's: zero_grad refuses.
+    # overlap_backward: zero_grad() after a finished pass drops its gradients (handed.py checks
+    # the weights), so the next pass is the step's only micro-batch.
     opt = zinf.torch.ZeroOptimizer(groups_of(model, named=True), config=config(work, world, gas=1),
                                    progress=False, overlap_backward=True)
     x, y = micro_batches(1, rank, world)[0]
     common.loss_fn(model, x, y).backward()
-    expect(RuntimeError, "cannot be taken back", opt.zero_grad)
+    opt.zero_grad()
+    common.loss_fn(model, x, y).backward()
     opt.step()
     opt.close()
     opt = create(groups_of(model, named=True))
