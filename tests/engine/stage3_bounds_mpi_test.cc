@@ -28,12 +28,15 @@
 #include "testing/status_matchers.h"
 #include "zinf/engine/config.h"
 #include "zinf/engine/engine.h"
+#include "gather_counters.h"
 
 namespace zinf::engine {
 namespace {
 
 using ::zinf::testing::SharedScratchDir;
 using ::zinf::testing::World;
+using ::zinf::engine::testing::Delta;
+using ::zinf::engine::testing::Show;
 
 constexpr std::size_t kNumParams = 6;
 constexpr std::uint64_t kNumel = 12288;
@@ -201,24 +204,7 @@ Result<GatherCounters> GatherAndCheck(ZeroEngine& engine, std::size_t p,
   const std::vector<std::string> names = {Name(p)};
   ZINF_ASSIGN_OR_RETURN(Gathered gathered, engine.Gather(std::span<const std::string>(names)));
   ExpectNear(gathered[0], want, fmt::format("{}: {}", when, Name(p)));
-  const GatherCounters& now = engine.gather_counters();
-  return GatherCounters{.calls = now.calls - before.calls,
-                        .asked = now.asked - before.asked,
-                        .gathered = now.gathered - before.gathered,
-                        .prefetched = now.prefetched - before.prefetched,
-                        .served = now.served - before.served,
-                        .disk_reads = now.disk_reads - before.disk_reads,
-                        .read_ahead = now.read_ahead - before.read_ahead,
-                        .disk_waits = now.disk_waits - before.disk_waits,
-                        .peak_live_elems = now.peak_live_elems};
-}
-
-std::string Show(const GatherCounters& c) {
-  return fmt::format(
-      "calls {} asked {} gathered {} prefetched {} served {} disk_reads {} read_ahead {} "
-      "disk_waits {}",
-      c.calls, c.asked, c.gathered, c.prefetched, c.served, c.disk_reads, c.read_ahead,
-      c.disk_waits);
+  return Delta(engine.gather_counters(), before);
 }
 
 // One step of the loop that gathers w0 .. w5 one at a time (checking each against the

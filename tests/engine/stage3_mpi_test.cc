@@ -27,6 +27,7 @@
 #include "testing/status_matchers.h"
 #include "zinf/engine/config.h"
 #include "zinf/engine/engine.h"
+#include "gather_counters.h"
 
 namespace zinf::engine {
 namespace {
@@ -35,6 +36,8 @@ using ::testing::HasSubstr;
 using ::zinf::testing::SharedScratchDir;
 using ::zinf::testing::StatusIs;
 using ::zinf::testing::World;
+using ::zinf::engine::testing::Delta;
+using ::zinf::engine::testing::Show;
 
 // zero_optimization.stage3_param_persistence_threshold of every test: parameters above it are
 // partitioned, those at or below it stay whole on every rank.
@@ -361,26 +364,6 @@ Status HandConstantGradients(ZeroEngine& engine, float value = 0.25f) {
     ZINF_RETURN_IF_ERROR(engine.GradientReady(i, grad));
   }
   return OkStatus();
-}
-
-GatherCounters Delta(const GatherCounters& now, const GatherCounters& before) {
-  return {.calls = now.calls - before.calls,
-          .asked = now.asked - before.asked,
-          .gathered = now.gathered - before.gathered,
-          .prefetched = now.prefetched - before.prefetched,
-          .served = now.served - before.served,
-          .disk_reads = now.disk_reads - before.disk_reads,
-          .read_ahead = now.read_ahead - before.read_ahead,
-          .disk_waits = now.disk_waits - before.disk_waits,
-          .peak_live_elems = now.peak_live_elems};
-}
-
-std::string Show(const GatherCounters& c) {
-  return fmt::format(
-      "calls {} asked {} gathered {} prefetched {} served {} disk_reads {} read_ahead {} "
-      "disk_waits {} peak_live_elems {}",
-      c.calls, c.asked, c.gathered, c.prefetched, c.served, c.disk_reads, c.read_ahead,
-      c.disk_waits, c.peak_live_elems);
 }
 
 // Every ask is either served without an all-gather or all-gathered on demand; the other

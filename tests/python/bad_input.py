@@ -18,15 +18,6 @@ import common
 import zinf.torch
 
 
-def train(model, opt, steps):
-    for step in range(1, steps + 1):
-        x, y = common.batch(step)
-        common.loss_fn(model, common.shard(x, opt.rank, opt.world_size),
-                       common.shard(y, opt.rank, opt.world_size)).backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def main():
     case, work = sys.argv[1], sys.argv[2]
     swap = os.path.join(work, "swap")
@@ -37,14 +28,14 @@ def main():
     try:
         if case == "shape":
             opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
-            train(model, opt, 2)
+            common.train(model, opt, 2)
             model[2].weight.data = torch.zeros(128, 256)
             opt.step()
         elif case == "transposed":
             opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
-            train(model, opt, 1)
+            common.train(model, opt, 1)
             model[2].weight.data = model[2].weight.data.t()
-            train(model, opt, 1)
+            common.train(model, opt, 1)
         elif case == "dtype":
             zinf.torch.ZeroOptimizer(model.double().named_parameters(), config=cfg)
         elif case == "fp16_disabled":  # float16 parameters, the config without fp16.enabled
@@ -57,14 +48,14 @@ def main():
             zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
         elif case == "io_fault":
             opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
-            train(model, opt, 3)
+            common.train(model, opt, 3)
         elif case == "client_state":
             opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
-            train(model, opt, 1)
+            common.train(model, opt, 1)
             opt.save_checkpoint(os.path.join(work, "ckpt"), client_state={"t": torch.zeros(1)})
         elif case == "client_state_deep":  # JSON, but deeper than a restore reads back
             opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg)
-            train(model, opt, 1)
+            common.train(model, opt, 1)
             deep = {}
             for _ in range(100):
                 deep = {"k": deep}

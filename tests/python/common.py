@@ -56,6 +56,16 @@ def config(swap, optimizer="AdamW", adam_w_mode=None, lr=0.02, warmup=5, clip=0.
     return cfg
 
 
+def train(model, opt, steps):
+    """`steps` steps of the common loop: each rank its shard of common.batch(step)."""
+    for step in range(1, steps + 1):
+        x, y = batch(step)
+        loss_fn(model, shard(x, opt.rank, opt.world_size),
+                shard(y, opt.rank, opt.world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def warmup_lr(step, lr=0.02, warmup=5):
     """DeepSpeed's WarmupLR (linear, from 0) for 1-based step `step`: the scheduler's
     last_batch_iteration is step - 2 (its constructor sets the first step's lr, the min)."""

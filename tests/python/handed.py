@@ -50,6 +50,18 @@ def agree_ok(what, problem):
     _zinf.agree("Internal", f"{what}: {problem}" if problem else "", call="handed.py")
 
 
+def weights(model):
+    """The whole weights of `model` (gathered at stage 3), copied."""
+    with zinf.torch.gathered(model.parameters()):
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def unchanged(model, what, before):
+    """Agreed: `model`'s weights are still `before` after `what`."""
+    agree_ok(what, "" if all(torch.equal(a, b) for a, b in zip(before, weights(model)))
+             else "the weights changed")
+
+
 def expect_error(what, cls, pattern, action):
     try:
         action()
@@ -95,14 +107,6 @@ def mishaps(mode, work):
         loss.backward()
         return loss
 
-    def weights():
-        with zinf.torch.gathered(model.parameters()):
-            return [p.detach().clone() for p in model.parameters()]
-
-    def unchanged(what, before):
-        agree_ok(what, "" if all(torch.equal(a, b) for a, b in zip(before, weights()))
-                 else "the weights changed")
-
     def set_grad(p, last_rank_only=False):
         # At stage 3 p.data is empty outside gathered(): torch takes a whole .grad only there.
         with zinf.torch.gathered([p]):
@@ -114,7 +118,7 @@ def mishaps(mode, work):
                  else "a .grad is not None after backward(): not handed")
 
     for step in range(1, STEPS + 1):
-        before = weights()
+        before = weights(model)
         if step == 2:
             # A .grad written after backward() on a handed parameter (on the last rank only):
             # refused on every rank, nothing stepped; set back to None, the handed gradient is
@@ -126,7 +130,7 @@ def mishaps(mode, work):
                          r"parameter 2\.weight: its \.grad was set after the backward pass "
                          r"handed its gradient to the engine.*set \.grad to None.*zero_grad\(\)",
                          lambda: opt.step(loss=loss))
-            unchanged("a refused .grad", before)
+            unchanged(model, "a refused .grad", before)
             weight.grad = None
             opt.step(loss=loss)
         elif step == 3:
@@ -135,7 +139,7 @@ def mishaps(mode, work):
             loss.backward()
             expect_error("a NaN batch", zinf.errors.FailedPreconditionError, "not finite",
                          lambda: opt.step(loss=loss))
-            unchanged("a NaN batch", before)
+            unchanged(model, "a NaN batch", before)
             opt.step(loss=backward(step))
         elif step == 4:
             # One backward pass too many (gradient_accumulation_steps 1): the second raises and
@@ -145,7 +149,7 @@ def mishaps(mode, work):
                          r"began micro-batch 2 of the step.*gradient_accumulation_steps 1.*"
                          r"dropped on every rank",
                          lambda: bad(step + 50).backward())
-            unchanged("a second backward pass", before)
+            unchanged(model, "a second backward pass", before)
             opt.step(loss=backward(step))
         elif step == 5:
             # A closure that raises after its backward pass; the next closure zeroes first.
@@ -159,7 +163,7 @@ def mishaps(mode, work):
             except ValueError:
                 problem = ""
             agree_ok("a closure that raises", problem)
-            unchanged("a closure that raises", before)
+            unchanged(model, "a closure that raises", before)
 
             def closure():
                 opt.zero_grad()
@@ -171,7 +175,7 @@ def mishaps(mode, work):
             bad(step).backward()
             handed("a bad backward")
             opt.zero_grad()
-            unchanged("zero_grad", before)
+            unchanged(model, "zero_grad", before)
             opt.step(loss=backward(step))
         elif step == 7:
             # A .grad set after backward() on a handed parameter, then zero_grad(): dropped too.
@@ -184,13 +188,13 @@ def mishaps(mode, work):
             bad(step).backward()
             expect_error("accumulate_gradients", zinf.errors.FailedPreconditionError,
                          "AccumulateGradients called 1 times", opt.accumulate_gradients)
-            unchanged("accumulate_gradients", before)
+            unchanged(model, "accumulate_gradients", before)
             opt.step(loss=backward(step))
         else:
             opt.step(loss=backward(step))
         opt.zero_grad()
 
-    final = weights()
+    final = weights(model)
     ref = common.reference(STEPS)
     worst = max(float((a - b.detach()).norm() / b.detach().norm())
                 for a, b in zip(final, ref.parameters()))
@@ -243,16 +247,8 @@ def accumulation(mode, work, swap_gradients=False):
             opt.accumulate_gradients()
         return loss
 
-    def weights():
-        with zinf.torch.gathered(model.parameters()):
-            return [p.detach().clone() for p in model.parameters()]
-
-    def unchanged(what, before):
-        agree_ok(what, "" if all(torch.equal(a, b) for a, b in zip(before, weights()))
-                 else "the weights changed")
-
     for step in range(1, steps + 1):
-        before = weights()
+        before = weights(model)
         if step == 2:  # a third micro-batch
             micro(step, 0)
             micro(step, 1)
@@ -263,7 +259,7 @@ def accumulation(mode, work, swap_gradients=False):
                 expect_error("a third micro-batch", zinf.errors.FailedPreconditionError,
                              r"began micro-batch 3 of the step.*dropped on every rank",
                              lambda: micro(step + 50, 1))
-            unchanged("a third micro-batch", before)
+            unchanged(model, "a third micro-batch", before)
         elif step == 3:  # zero_grad() after one bad micro-batch
             micro(step + 50, 0)
             opt.zero_grad()
@@ -271,13 +267,13 @@ def accumulation(mode, work, swap_gradients=False):
             micro(step + 50, 0)
             micro(step + 50, 1)
             opt.zero_grad()
-            unchanged("zero_grad", before)
+            unchanged(model, "zero_grad", before)
         elif step == 5:  # a NaN in the second micro-batch
             micro(step, 0)
             loss = micro(step, 1, math.nan)
             expect_error("a NaN micro-batch", zinf.errors.FailedPreconditionError, "not finite",
                          lambda: opt.step(loss=loss))
-            unchanged("a NaN micro-batch", before)
+            unchanged(model, "a NaN micro-batch", before)
         elif step in (6, 7) and mode != "plain":
             # A .grad set on a handed parameter between two passes: the next pass refuses it
             # (whichever of the two last parameters' gradients that pass completes first).
@@ -287,12 +283,12 @@ def accumulation(mode, work, swap_gradients=False):
                          r"parameter 4\.(weight|bias): its \.grad was set after the backward "
                          r"pass handed.*cannot add to it either.*dropped on every rank",
                          lambda: micro(step + 50, 1))
-            unchanged("a .grad set between two passes", before)
+            unchanged(model, "a .grad set between two passes", before)
         micro(step, 0)
         opt.step(loss=micro(step, 1))
         opt.zero_grad()
 
-    final = weights()
+    final = weights(model)
     ref = common.reference(steps)
     worst = max(float((a - b.detach()).norm() / b.detach().norm())
                 for a, b in zip(final, ref.parameters()))

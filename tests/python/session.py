@@ -40,15 +40,6 @@ def expect(what, cls, pattern, action):
     common.check(False, f"{what}: nothing raised, expected {cls.__name__}")
 
 
-def train(model, opt, steps):
-    for step in range(1, steps + 1):
-        x, y = common.batch(step)
-        common.loss_fn(model, common.shard(x, opt.rank, opt.world_size),
-                       common.shard(y, opt.rank, opt.world_size)).backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def calls(work, rank, world):
     cfg = common.config(os.path.join(work, "swap"), world=world)
     cfg["zero_optimization"]["stage"] = 3
@@ -75,10 +66,10 @@ def dropped(work, rank, world):
     cfg = common.config(os.path.join(work, "swap"), world=world)
     model = common.make_model()
     opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg, progress=False)
-    train(model, opt, 1)
+    common.train(model, opt, 1)
     del opt  # dropped without close(): kept open until exit, with its swap store
     opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg, progress=False)
-    train(model, opt, 2)
+    common.train(model, opt, 2)
     common.check(opt.global_step == 2, f"the new optimizer is at step {opt.global_step}")
 
     def second():
@@ -88,7 +79,7 @@ def dropped(work, rank, world):
            r"it before creating a new one", second)
     opt.close()
     opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg, progress=False)
-    train(model, opt, 1)
+    common.train(model, opt, 1)
     opt.close()
 
 
@@ -109,7 +100,7 @@ def client_state(work, rank, world):
     cfg = common.config(os.path.join(work, "swap"), world=world)
     model = common.make_model()
     opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg, progress=False)
-    train(model, opt, 1)
+    common.train(model, opt, 1)
     ckpt = os.path.join(work, "ckpt")
     exact = [None, {}, {"a": None, "b": [None, {}]}, {"n": 2**64 - 1, "m": -2**63, "k": 7},
              {"f": 0.1, "g": -0.0, "h": 1e308, "t": True, "s": "é\u0000\""}]
