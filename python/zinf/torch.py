@@ -23,12 +23,14 @@ weight_decay, and param_groups is what each step uses: torch's lr schedulers dri
 config's scheduler block does, not both). docs/python.md teaches the rest.
 """
 
+import collections
 import contextlib
 import functools
 import gc
 import json
 import math
 import os
+import sys
 import weakref
 
 import torch
@@ -37,7 +39,7 @@ import zinf
 from zinf import _zinf
 
 __all__ = ["ZeroOptimizer", "StepInfo", "log", "init", "gathered", "is_partitioned",
-           "partitioned_shape"]
+           "partitioned_shape", "register_external_parameter"]
 
 
 def log(*args, level="info"):
@@ -337,7 +339,25 @@ def _unuse(params):
 
 
 def _partitioned_of(module):
-    return [p for p in module._parameters.values() if p is not None and _part(p) is not None]
+    own = [p for p in module._parameters.values() if p is not None and _part(p) is not None]
+    external = module.__dict__.get("_zinf_external")
+    if external:
+        own += [p for p in external if _part(p) is not None and all(p is not q for q in own)]
+    return own
+
+
+def register_external_parameter(module, param):
+    """Gather `param` (a partitioned parameter of another module) around every forward and
+    backward of `module`, as if `module` held it: for a parameter that module's forward reaches
+    other than as a module attribute (held in a list or a closure, say). A parameter read as
+    an attribute of a submodule inside a running forward (`self.child.weight`) is gathered
+    without it. Not partitioned: nothing to do."""
+    if not isinstance(module, torch.nn.Module) or not isinstance(param, torch.nn.Parameter):
+        raise TypeError("register_external_parameter(module, param) takes an nn.Module and an "
+                        f"nn.Parameter, not {type(module).__name__} and {type(param).__name__}")
+    external = module.__dict__.setdefault("_zinf_external", [])
+    if all(param is not q for q in external):
+        external.append(param)
 
 
 def _tensors(value):
@@ -351,17 +371,90 @@ def _tensors(value):
             yield from _tensors(v)
 
 
+class _Scope:
+    """A forward pass or __init__ running now (_scopes): the partitioned parameters it holds
+    whole, its own and those lent to it, and the frame that runs it (of Module._call_impl, or
+    of the wrapped __init__), by which a scope whose code raised is found and ended."""
+
+    __slots__ = ("module", "call", "own", "lent", "frame")
+
+    def __init__(self, module, call, own, frame):
+        self.module, self.call, self.own, self.lent, self.frame = module, call, own, [], frame
+
+
+# The forward passes and __init__ calls running now, innermost last. A partitioned parameter
+# that such code reads by name from a module's _parameters (`self.out_proj.weight`:
+# nn.MultiheadAttention's forward passes it to F.multi_head_attention_forward without calling
+# out_proj) is gathered then and lent to the innermost one until it ends; a forward's lent
+# parameters are gathered again before its backward, as its own are.
+_scopes = []
+
+
+def _drop_raised_scopes(frame):
+    """Ends the innermost scopes whose code is no longer running (it raised, so no post-hook
+    ran): their parameters are released. `frame` is the caller's frame; a running scope's
+    frame is among its ancestors, a few frames up."""
+    while _scopes:
+        target, f = _scopes[-1].frame, frame
+        while f is not None and f is not target:
+            f = f.f_back
+        if f is not None:
+            return
+        raised = _scopes.pop()
+        _unuse(raised.own)
+        _unuse(raised.lent)
+
+
+class _Parameters(collections.OrderedDict):
+    """module._parameters of a module whose parameters zinf.torch.init partitioned: reading one
+    by name inside a running forward or __init__ lends it whole to that scope (_scopes).
+    Iteration (values(), items(): named_parameters(), state_dict()) reads them as they are."""
+
+    def __getitem__(self, name):
+        p = super().__getitem__(name)
+        if _scopes and p is not None:
+            part = getattr(p, "_zinf_part", None)
+            if part is not None and not part.full:
+                _drop_raised_scopes(sys._getframe(1))
+                if _scopes:
+                    scope = _scopes[-1]
+                    _acquire([p], scope.call)
+                    scope.lent.append(p)
+        return p
+
+
+def _end_scope(module):
+    """`module`'s scope ends: (its own parameters, those lent to it), still to be released.
+    Scopes above it (a forward inside it that raised) end too, released at once."""
+    for i in range(len(_scopes) - 1, -1, -1):
+        if _scopes[i].module is module:
+            scope = _scopes[i]
+            for raised in _scopes[i + 1:]:
+                _unuse(raised.own)
+                _unuse(raised.lent)
+            del _scopes[i:]
+            return scope.own, scope.lent
+    return [], []
+
+
 def _pre_forward(module, inputs):
+    frame = sys._getframe(1)  # Module._call_impl of `module`
+    if _scopes:
+        _drop_raised_scopes(frame)
+    call = f"the forward of {type(module).__name__}"
     params = _partitioned_of(module)
     if params:
-        _acquire(params, f"the forward of {type(module).__name__}")
+        _acquire(params, call)
+    _scopes.append(_Scope(module, call, params, frame))
 
 
 def _post_forward(module, inputs, output):
-    params = _partitioned_of(module)
-    if not params:
+    params, lent = _end_scope(module)
+    if not params and not lent:
         return
     _unuse(params)
+    _unuse(lent)
+    params = params + [p for p in lent if all(p is not q for q in params)]
     outputs = [t for t in _tensors(output) if t.requires_grad]
     if not outputs:
         return
@@ -451,17 +544,46 @@ def _linear(input, weight, bias=None):
 
 
 def _used_outside(part):
-    """The error of a partitioned parameter used where it is empty: outside the forward of the
-    module that holds it (nn.MultiheadAttention's forward reads out_proj.weight without calling
-    out_proj)."""
-    holder = f"{part.holder}'s" if part.holder else f"{part.root}'s own"
-    return (f"{part.name} of {part.root} is partitioned (stage 3) and used outside {holder} "
-            f"forward, where it is empty (shape [0]): zinf gathers a partitioned parameter "
-            "only around the forward and backward of the module that holds it in _parameters. "
-            "Call that module instead of reading its parameter (nn.MultiheadAttention's forward "
-            "reads out_proj.weight without calling out_proj: not supported at stage 3), or tie "
-            "a shared weight by assignment (self.head.weight = self.tok.weight), which puts it "
-            "in both modules")
+    """The error of a partitioned parameter used where it is empty: outside any forward that
+    holds it or read it by name (F.linear(x, model.fc.weight) outside the model's forward, a
+    weight a forward reaches through a list or a closure, module.forward(x) at the top level)."""
+    return (f"{part.name} of {part.root} is partitioned (stage 3) and used where it is empty "
+            "(shape [0]): zinf gathers a partitioned parameter around the forward and backward "
+            "of the module that holds it, and when a running forward (or __init__) reads it by "
+            "name as a module attribute (self.out_proj.weight). Use it inside a module's "
+            "forward, call modules as module(x) (module.forward(x) runs no hooks), read it "
+            "inside zinf.torch.gathered(...), or register a parameter a forward reaches "
+            "otherwise with zinf.torch.register_external_parameter(module, param)")
+
+
+_original_parameter_deepcopy = torch.nn.Parameter.__deepcopy__
+
+
+def _deepcopy_parameter(p, memo):
+    """torch.nn.Parameter.__deepcopy__ once zinf.torch.init ran: the copy of a partitioned
+    parameter is partitioned, with a shard of its own holding the same values
+    (nn.TransformerEncoder deep-copies the layer it is given); others as torch copies them."""
+    part = _part(p)
+    if part is None:
+        return _original_parameter_deepcopy(p, memo)
+    if id(p) in memo:
+        return memo[id(p)]
+    if part.full:
+        shard = p.detach().reshape(-1)[part.begin:part.end].clone()
+    elif part.shard is not None:
+        shard = part.shard.clone()
+    else:
+        raise zinf.errors.FailedPreconditionError(
+            f"copy.deepcopy: parameter {part.name} of {part.root} is partitioned (stage 3) and "
+            "its values are in the ZeroOptimizer that holds it: copy it inside "
+            "zinf.torch.gathered(...) (collective), or before the optimizer is created",
+            "FailedPrecondition")
+    copied = torch.nn.Parameter(_empty(p), p.requires_grad)
+    new = _Partition(part.shape, part.rank, part.world, shard)
+    new.name, new.holder, new.root = part.name, part.holder, part.root
+    copied._zinf_part = new
+    memo[id(p)] = copied
+    return copied
 
 
 def _patch_linear():
@@ -516,6 +638,13 @@ def _set_wait_timeout(config):
         _zinf.set_wait_timeout(float(seconds))
 
 
+# Modules whose __init__ initializes its submodules' parameters through self.parameters()
+# (nn.Transformer's _reset_parameters: xavier_uniform_ of every matrix), which iterates them as
+# they are: the submodules are partitioned when that __init__ returns, not as each of theirs
+# does, so the module is whole while it is built.
+_WHOLE_WHILE_BUILT = (torch.nn.Transformer,)
+
+
 class _InitContext:
     """zinf.torch.init's work: every nn.Module subclass's __init__ wrapped, so that the
     parameters of a module (and of its submodules not yet partitioned) are partitioned when the
@@ -525,6 +654,7 @@ class _InitContext:
         self.rank, self.world = rank, world
         self.wrapped = {}  # class -> its own __init__
         self.depth = {}    # id(module) -> __init__ calls of that instance in progress
+        self.whole = 0     # _WHOLE_WHILE_BUILT modules being built: their children wait
         self.subclass_hook = None
 
     def wrap(self, cls):
@@ -538,18 +668,45 @@ class _InitContext:
             key = id(module)
             depth = context.depth.get(key, 0)
             context.depth[key] = depth + 1
+            whole = depth == 0 and isinstance(module, _WHOLE_WHILE_BUILT)
+            if depth == 0:
+                # Partitioned parameters of other modules its __init__ reads by name are lent
+                # to it (nn.MultiheadAttention's zeroes out_proj.bias).
+                if _scopes:
+                    _drop_raised_scopes(sys._getframe(0))
+                _scopes.append(_Scope(module, f"the __init__ of {type(module).__name__}", [],
+                                      sys._getframe(0)))
+                context.whole += whole
+            done = False
             try:
                 original(module, *args, **kwargs)
+                done = True
             finally:
                 if depth == 0:
                     del context.depth[key]
+                    context.whole -= whole
+                    _, lent = _end_scope(module)
+                    try:
+                        if done:
+                            context.keep(lent)
+                    finally:
+                        _unuse(lent)
                 else:
                     context.depth[key] = depth
-            if depth == 0:
+            if depth == 0 and not context.whole:
                 context.partition(module)
 
         self.wrapped[cls] = original
         cls.__init__ = __init__
+
+    @staticmethod
+    def keep(lent):
+        """The values an __init__ set in the partitioned parameters lent to it, kept: rank 0's
+        become every rank's shards (collective, as gathered(modify=True)); one an optimizer
+        holds is only read (the engine has its master weights)."""
+        mine = [p for p in lent if _part(p).optimizer() is None]
+        if mine:
+            _broadcast_from_rank0(mine, call="zinf.torch.init")
 
     def partition(self, module):
         if "_modules" not in module.__dict__:
@@ -569,6 +726,9 @@ class _InitContext:
                     named.add(id(p))
                     part.name = f"{prefix}.{key}" if prefix else key
                     part.holder, part.root = prefix, root
+            if type(m._parameters) is not _Parameters and any(
+                    p is not None and _part(p) is not None for p in m._parameters.values()):
+                m.__dict__["_parameters"] = _Parameters(m._parameters)
 
     def enter(self):
         pending = [torch.nn.Module]
@@ -624,6 +784,7 @@ def init(config=None):
         _set_wait_timeout(config)
     context = _InitContext(facts["rank"], facts["world_size"])
     _install_module_hooks()
+    torch.nn.Parameter.__deepcopy__ = _deepcopy_parameter
     context.enter()
     _active_init = context
     try:
@@ -671,21 +832,22 @@ def gathered(params, modify=False):
         _unuse(chosen)
 
 
-def _broadcast_from_rank0(params):
+def _broadcast_from_rank0(params, call="gathered()"):
     """Collective: rank 0's whole weights into every rank's p.data and shard."""
     problem = ""
     for p in params:
         part = _part(p)
         if tuple(p.shape) != part.shape or p.dtype != torch.float32 or p.device.type != "cpu":
-            problem = (f"gathered(modify=True): a parameter's .data was replaced by a {p.dtype} "
+            where = "gathered(modify=True)" if call == "gathered()" else call
+            problem = (f"{where}: parameter {part.name}'s .data was replaced by a {p.dtype} "
                        f"tensor of shape {_shape(p.shape)} on {p.device}; set its values in place "
                        f"(a float32 CPU tensor of shape {_shape(part.shape)})")
             break
-    _zinf.agree("InvalidArgument", problem, call="gathered()")
+    _zinf.agree("InvalidArgument", problem, call=call)
     for p in params:
         part = _part(p)
         whole = p.detach().reshape(-1).contiguous().clone()
-        _zinf.broadcast(whole.numpy(), 0, call="gathered()")
+        _zinf.broadcast(whole.numpy(), 0, call=call)
         part.shard = whole[part.begin:part.end].clone()
         p.data = whole.view(part.shape)
         part.full = True

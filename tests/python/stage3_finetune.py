@@ -8,9 +8,11 @@
   optimizer exists, or unfreezing a frozen one, is a FailedPreconditionError at step() on every
   rank naming the parameter; a frozen partitioned parameter not given to the optimizer is a
   FailedPreconditionError in the forward pass naming it.
-- attention: nn.MultiheadAttention, whose forward uses out_proj.weight without calling
-  out_proj, raises a FailedPreconditionError naming out_proj.weight, MultiheadAttention and
-  out_proj's forward (not torch's "mat2 must be a matrix").
+- external: a forward that reaches a child's partitioned weight other than by name (through a
+  tuple made in __init__), where it is empty, raises a FailedPreconditionError naming it (not
+  torch's "mat2 must be a matrix"); registered with zinf.torch.register_external_parameter it
+  is gathered around that forward and backward (nn.MultiheadAttention, which reads out_proj's
+  parameters by name, is tests/python/stage3_modules.py's).
 - half: model.half() with the optimizer open is a FailedPreconditionError in the next forward
   pass and at step() (as at stages 1 and 2), naming the parameter; model.float() undoes it and
   training goes on.
@@ -127,14 +129,30 @@ def frozen(swap, rank, world):
     opt.close()
 
 
-def attention(swap, rank, world):
+class Aside(torch.nn.Module):
+    """Its forward reaches the Linear's weight through a tuple, not as self.fc.weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+        self.aside = (self.fc.weight,)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.aside[0])
+
+
+def external(swap, rank, world):
     cfg = stage3.config(swap, world)
-    mha = build(cfg, lambda: torch.nn.MultiheadAttention(32, 4))
-    opt = zinf.torch.ZeroOptimizer(mha.named_parameters(), config=cfg, progress=False)
-    x = torch.randn(5, 2, 32)
-    expect("nn.MultiheadAttention", zinf.errors.FailedPreconditionError,
-           ["out_proj.weight of MultiheadAttention is partitioned (stage 3) and used outside "
-            "out_proj's forward"], lambda: mha(x, x, x))
+    model = build(cfg, Aside)
+    opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg, progress=False)
+    x, y = common.batch(1)
+    expect("a weight reached through a tuple", zinf.errors.FailedPreconditionError,
+           ["fc.weight of Aside is partitioned (stage 3) and used where it is empty",
+            "register_external_parameter"], lambda: model(x))
+    zinf.torch.register_external_parameter(model, model.fc.weight)
+    common.loss_fn(model, common.shard(x, rank, world), common.shard(y, rank, world)).backward()
+    opt.step()
+    stage3.check_empty(model, "after a step with an external parameter")
     opt.close()
 
 
@@ -214,7 +232,7 @@ def main():
     os.makedirs(swap, exist_ok=True)
     facts = zinf.init()
     rank, world = facts["rank"], facts["world_size"]
-    for case in (frozen, attention, half, nested):
+    for case in (frozen, external, half, nested):
         case(swap, rank, world)
         zinf.log(f"stage3_finetune: {case.__name__} OK")
     zinf.log("stage3_finetune: OK")

@@ -1,0 +1,186 @@
+"""torch's own layers, unmodified, at ZeRO stage 3: `mpirun -np N python3 stage3_modules.py <dir>`.
+
+Each model is built inside zinf.torch.init (its initial weights must equal torch's built the
+ordinary way with the same seed, exactly) and trained with offload_param nvme (max_in_cpu 0),
+clipping on, gradient accumulation 1 and 2, and must end within 1e-5 relative of
+torch.optim.AdamW on the whole batches:
+
+- lm: a transformer language model of nn.TransformerEncoderLayer (2 layers, d_model 32, 4
+  heads, dropout 0) in an nn.TransformerEncoder, which deep-copies the layer it is given (the
+  copies must be partitioned copies), with a causal mask and a head tied to the token embedding
+  by reading it in the LM's forward (F.linear(h, self.tok.weight));
+- attention: nn.MultiheadAttention alone (self-attention and cross-attention), whose forward
+  reads out_proj.weight and out_proj.bias without calling out_proj, and whose __init__ zeroes
+  out_proj.bias after out_proj's __init__ partitioned it;
+- parent: a module whose forward uses its children's parameters directly (a Linear it never
+  calls, a LayerNorm's weight through F.layer_norm, a Linear run through .forward()) and whose
+  __init__ initializes a child's bias.
+- transformer: nn.Transformer (one encoder and one decoder layer: nn.TransformerDecoderLayer's
+  cross-attention), whose __init__ initializes every matrix through self.parameters().
+"""
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import common
+import stage3
+import zinf.torch
+
+STEPS = 10
+TOLERANCE = 1e-5
+VOCAB, DIM, HEADS, TOKENS = stage3.VOCAB, 32, 4, stage3.TOKENS
+
+
+class TransformerLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(VOCAB, DIM)
+        self.pos = torch.nn.Parameter(torch.randn(TOKENS, DIM) * 0.1)
+        layer = torch.nn.TransformerEncoderLayer(DIM, HEADS, dim_feedforward=64, dropout=0.0,
+                                                 batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2)
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.register_buffer("causal", torch.triu(torch.full((TOKENS, TOKENS), float("-inf")),
+                                                  1))
+
+    def forward(self, idx):
+        h = self.encoder(self.tok(idx) + self.pos, mask=self.causal)
+        return F.linear(self.norm(h), self.tok.weight)  # the head, tied to the embedding
+
+
+def attention():
+    return torch.nn.MultiheadAttention(DIM, HEADS, batch_first=True)
+
+
+class Parent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, DIM)
+        self.b = torch.nn.Linear(DIM, DIM)  # never called: its weight and bias read directly
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.c = torch.nn.Linear(DIM, 4)    # run through .forward(), which runs no hooks
+        torch.nn.init.normal_(self.b.bias, std=0.5)  # a child's parameter, after its __init__
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(h @ self.b.weight.t() + self.b.bias)
+        h = F.layer_norm(h, (DIM,), self.norm.weight, self.norm.bias)
+        return self.c.forward(h)
+
+
+def transformer():
+    return torch.nn.Transformer(DIM, HEADS, num_encoder_layers=1, num_decoder_layers=1,
+                                dim_feedforward=64, dropout=0.0, batch_first=True)
+
+
+def transformer_loss(model, step, micro, rank=0, world=1):
+    g = torch.Generator().manual_seed(3000 + 10 * step + micro)
+    src = torch.randn(common.BATCH, TOKENS, DIM, generator=g)
+    tgt = torch.randn(common.BATCH, 3, DIM, generator=g)
+    y = torch.randn(common.BATCH, 3, DIM, generator=g)
+    src, tgt, y = (common.shard(t, rank, world) for t in (src, tgt, y))
+    return ((model(src, tgt) - y) ** 2).mean()
+
+
+def lm_loss(model, step, micro, rank=0, world=1):
+    return stage3.net_loss(model, step, micro, rank, world)
+
+
+def attention_loss(model, step, micro, rank=0, world=1):
+    g = torch.Generator().manual_seed(2000 + 10 * step + micro)
+    x = torch.randn(common.BATCH, TOKENS, DIM, generator=g)
+    memory = torch.randn(common.BATCH, 3, DIM, generator=g)
+    y = torch.randn(common.BATCH, TOKENS, DIM, generator=g)
+    x, memory, y = (common.shard(t, rank, world) for t in (x, memory, y))
+    own, _ = model(x, x, x, need_weights=False)
+    cross, _ = model(x, memory, memory)
+    return ((own - y) ** 2).mean() + ((cross - y) ** 2).mean()
+
+
+def parent_loss(model, step, micro, rank=0, world=1):
+    return stage3.deep_loss(model, step, micro, rank, world)
+
+
+MODELS = {"lm": (TransformerLM, lm_loss), "attention": (attention, attention_loss),
+          "parent": (Parent, parent_loss), "transformer": (transformer, transformer_loss)}
+
+
+def initial(make):
+    torch.manual_seed(0)
+    return {n: p.detach().clone() for n, p in make().named_parameters()}
+
+
+def comparable(weights):
+    """The weights to compare with torch's: an attention's in_proj_bias without its key part.
+    Softmax is invariant to a bias added to every key, so that part's gradient is zero but for
+    float rounding (~1e-9, different in any other order of summation), which Adam's update
+    turns into steps of the learning rate's size with that noise's sign, in torch's run too."""
+    out = {}
+    for n, w in weights.items():
+        if n.endswith("in_proj_bias"):
+            w = torch.cat([w[:DIM], w[2 * DIM:]])
+        out[n] = w
+    return out
+
+
+def train(swap, name, accumulation):
+    make, loss_of = MODELS[name]
+    facts = zinf.init()
+    rank, world = facts["rank"], facts["world_size"]
+    cfg = stage3.config(swap, world, offload="nvme", accumulation=accumulation)
+    torch.manual_seed(0)
+    with zinf.torch.init(cfg):
+        model = make()
+    stage3.check_empty(model, f"{name}: after construction inside zinf.torch.init")
+    start, expected = stage3.weights(model), initial(make)
+    common.check(sorted(start) == sorted(expected), f"{name}: parameters {sorted(start)}")
+    for n in start:
+        common.check(torch.equal(start[n], expected[n]),
+                     f"{name}: initial {n} differs from torch's built the ordinary way")
+
+    opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg, progress=False,
+                                   create_nvme_paths=True)
+    for step in range(1, STEPS + 1):
+        for micro in range(accumulation):
+            loss = loss_of(model, step, micro, rank, world)
+            loss.backward()
+            stage3.check_empty(model, f"{name}: after backward {step}.{micro}")
+            for n, p in model.named_parameters():
+                common.check(p.grad is None, f"{name}: {n}.grad was not handed to the engine")
+            if micro + 1 < accumulation:
+                opt.accumulate_gradients()
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if step == 3:  # an evaluation pass between steps
+            model.eval()
+            with torch.no_grad():
+                loss_of(model, 0, 0, rank, world)
+            model.train()
+            stage3.check_empty(model, f"{name}: after an evaluation pass")
+    counters = opt.gather_counters()
+    common.check(counters["disk_reads"] > 0, f"{name}: offload_param nvme read nothing")
+    final = stage3.weights(model)
+    opt.close()
+
+    ref = stage3.reference(0, accumulation, make=make, loss_of=loss_of)
+    err = stage3.max_relative_error(comparable(final), comparable(ref))
+    moved = stage3.max_relative_error(final, start)
+    zinf.log(f"stage 3 {name}, offload_param nvme, accumulation {accumulation}, {world} "
+             f"rank(s): {STEPS} steps, max relative weight error vs torch {err:.2e}")
+    common.check(err < TOLERANCE, f"{name}: relative error {err:.3e} >= {TOLERANCE}")
+    common.check(moved > 1e-3, f"{name}: the weights barely moved ({moved:.2e})")
+
+
+def main():
+    swap = sys.argv[1]
+    names = sys.argv[2:] or list(MODELS)
+    for name in names:
+        for accumulation in (1, 2):
+            train(swap, name, accumulation)
+    zinf.log("stage3_modules: OK")
+
+
+if __name__ == "__main__":
+    main()
