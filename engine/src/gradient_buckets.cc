@@ -24,7 +24,48 @@ void ReleasePages(std::span<const float> range) {
   if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
 }
 
+// Each parameter's bucket: parameters in layout order, a new bucket once one holds
+// `bucket_elems` elements (Build's and PlanHostMemory's one cut).
+std::vector<std::size_t> CutIntoBuckets(const partition::PartitionPlan& plan,
+                                        std::uint64_t bucket_elems) {
+  const auto& params = plan.layout().params();
+  std::vector<std::size_t> bucket_of(params.size());
+  std::size_t buckets = 0;
+  std::uint64_t in_bucket = 0;
+  for (std::size_t p = 0; p < params.size(); ++p) {
+    if (buckets == 0 || in_bucket >= bucket_elems) {
+      ++buckets;
+      in_bucket = 0;
+    }
+    bucket_of[p] = buckets - 1;
+    in_bucket += params[p].numel;
+  }
+  return bucket_of;
+}
+
 }  // namespace
+
+GradientBuckets::HostPlan GradientBuckets::PlanHostMemory(const partition::PartitionPlan& plan,
+                                                          int rank, std::uint64_t bucket_elems,
+                                                          bool lent,
+                                                          std::uint64_t max_sub_group_numel) {
+  const std::vector<std::size_t> cut =
+      CutIntoBuckets(plan, std::max<std::uint64_t>(bucket_elems, 1));
+  const std::size_t buckets = cut.empty() ? 0 : cut.back() + 1;
+  std::vector<std::uint64_t> total(buckets, 0), mine(buckets, 0);
+  for (std::size_t p = 0; p < cut.size(); ++p) total[cut[p]] += plan.layout().param(p).numel;
+  for (const partition::Fragment& f : plan.RankFragments(rank)) mine[cut[f.param_index]] += f.numel;
+  HostPlan out;
+  const std::uint64_t largest = total.empty() ? 0 : *std::max_element(total.begin(), total.end());
+  const std::uint64_t largest_mine = mine.empty() ? 0 : *std::max_element(mine.begin(), mine.end());
+  out.max_bucket_elems = largest;
+  out.bucket_bytes = ((lent ? 2 : 1) * largest + largest_mine) * sizeof(float);
+  if (max_sub_group_numel > 0) {
+    out.staging_bytes =
+        std::min(plan.partition_numel(), largest_mine + 2 * max_sub_group_numel) * sizeof(float);
+  }
+  return out;
+}
 
 Result<std::unique_ptr<GradientBuckets>> GradientBuckets::Create(
     const partition::PartitionPlan& plan, int rank, std::vector<std::span<float>> grads,
@@ -48,17 +89,15 @@ Status GradientBuckets::Build(const partition::PartitionPlan& plan, int rank,
   const auto world = static_cast<std::size_t>(plan.world_size());
   bucket_of_.resize(params.size());
   for (const partition::ParamInfo& info : params) sizes_.push_back(info.numel);
-  std::uint64_t in_bucket = 0;
+  const std::vector<std::size_t> cut = CutIntoBuckets(plan, bucket_elems);
   for (std::size_t p = 0; p < params.size(); ++p) {
-    if (buckets_.empty() || in_bucket >= bucket_elems) {
+    if (buckets_.empty() || cut[p] != buckets_.size() - 1) {
       buckets_.emplace_back();
       buckets_.back().first_param = p;
       buckets_.back().counts.assign(world, 0);
-      in_bucket = 0;
     }
     bucket_of_[p] = buckets_.size() - 1;
     buckets_.back().end_param = p + 1;
-    in_bucket += params[p].numel;
   }
   if (lent()) pieces_of_.resize(params.size());
   for (int r = 0; r < plan.world_size(); ++r) {

@@ -73,6 +73,20 @@ class GradientBuckets {
       const partition::PartitionPlan& plan, int rank, std::vector<std::span<float>> grads,
       std::uint64_t bucket_elems, comm::CollectiveBackend* backend, Target target,
       comm::Timers* timers, bool background);
+  // The host memory Create allocates for these arguments, without building (the engine's memory
+  // plan): the send buffer of the largest bucket (lent gradients: two, one being filled while
+  // the one before is reduced; more only when the reduction falls behind the backward pass)
+  // and the receive buffer of this rank's share of it; with a gradient swapper, the staging's
+  // working set (the sub-groups in flight: this rank's share of a bucket and the partially
+  // filled sub-groups on either side of it, at most the partition). Local; allocates nothing.
+  struct HostPlan {
+    std::uint64_t bucket_bytes = 0;   // send + receive buffers
+    std::uint64_t staging_bytes = 0;  // with a gradient swapper; `max_sub_group_numel` > 0
+    std::uint64_t max_bucket_elems = 0;
+  };
+  static HostPlan PlanHostMemory(const partition::PartitionPlan& plan, int rank,
+                                 std::uint64_t bucket_elems, bool lent,
+                                 std::uint64_t max_sub_group_numel);
   ~GradientBuckets();  // lets the worker finish what it was given, then joins it
   GradientBuckets(const GradientBuckets&) = delete;
   GradientBuckets& operator=(const GradientBuckets&) = delete;

@@ -1,6 +1,8 @@
 #include "shard_reader.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <new>
 #include <utility>
 
@@ -29,6 +31,19 @@ std::size_t ShardReader::Find(std::size_t param) const {
       std::find_if(items_.begin(), items_.end(),
                    [param](const std::unique_ptr<Item>& i) { return i->param == param; });
   return static_cast<std::size_t>(it - items_.begin());
+}
+
+std::uint64_t ShardReader::PlanBytes(std::size_t max_shards, std::uint64_t max_elems,
+                                     std::uint64_t max_shard_numel) {
+  // Queue admits a shard only while both bounds hold, so at most this many elements are held.
+  const std::uint64_t by_count = max_shard_numel > std::numeric_limits<std::uint64_t>::max() /
+                                                       std::max<std::uint64_t>(max_shards, 1)
+                                     ? std::numeric_limits<std::uint64_t>::max()
+                                     : max_shards * max_shard_numel;
+  const std::uint64_t elems = std::min(max_elems, by_count);
+  return elems > std::numeric_limits<std::uint64_t>::max() / sizeof(float)
+             ? std::numeric_limits<std::uint64_t>::max()
+             : elems * sizeof(float);
 }
 
 bool ShardReader::Queue(std::size_t param, std::uint64_t numel) {

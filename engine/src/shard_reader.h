@@ -41,6 +41,11 @@ class ShardReader {
   using ReadFn = std::function<Status(std::size_t param, std::span<float> out)>;
 
   ShardReader(ReadFn read, std::size_t max_shards, std::uint64_t max_elems);
+  // The host memory the read-ahead holds at most with these bounds, shards of at most
+  // `max_shard_numel` elements (the engine's memory plan). Allocates nothing.
+  static std::uint64_t PlanBytes(std::size_t max_shards, std::uint64_t max_elems,
+                                 std::uint64_t max_shard_numel);
+
   // Cancels and joins the thread.
   ~ShardReader();
   ShardReader(const ShardReader&) = delete;

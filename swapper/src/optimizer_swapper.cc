@@ -944,20 +944,30 @@ Status CheckHostMemory(const comm::Communicator& comm, std::uint64_t bytes_per_r
   return OkStatus();
 }
 
+// The sub-groups AllocateResident keeps in memory and (`*bytes`) their state's bytes.
+std::vector<std::size_t> ChooseResident(const SwapperOptions& options,
+                                        const std::vector<SubGroupSwapInfo>& infos,
+                                        std::uint64_t alignment, std::uint64_t* bytes) {
+  std::vector<std::size_t> chosen;
+  *bytes = 0;
+  for (std::size_t i = 0; i < infos.size(); ++i) {
+    const std::uint64_t need =
+        SubGroupStateBytes(infos[i].sub_group.numel, options.state_format, alignment);
+    if (!options.all_resident && need > options.host_cache_bytes - *bytes) break;
+    chosen.push_back(i);
+    *bytes += need;
+  }
+  return chosen;
+}
+
 // The resident sub-groups' memory (empty for swapped ones): every sub-group with all_resident,
 // else the first ones whose state fits host_cache_bytes together.
 Result<std::vector<std::vector<storage::AlignedBuffer>>> AllocateResident(
     const comm::Communicator& comm, const SwapperOptions& options,
     const std::vector<SubGroupSwapInfo>& infos, std::uint64_t alignment) {
   const StateFormat format = options.state_format;
-  std::vector<std::size_t> chosen;
   std::uint64_t bytes = 0;
-  for (std::size_t i = 0; i < infos.size(); ++i) {
-    const std::uint64_t need = SubGroupStateBytes(infos[i].sub_group.numel, format, alignment);
-    if (!options.all_resident && need > options.host_cache_bytes - bytes) break;
-    chosen.push_back(i);
-    bytes += need;
-  }
+  const std::vector<std::size_t> chosen = ChooseResident(options, infos, alignment, &bytes);
   if (options.all_resident) {
     ZINF_RETURN_IF_ERROR(CheckHostMemory(
         comm, bytes, "offload_optimizer.device \"cpu\" (the whole optimizer state in memory)"));
@@ -980,11 +990,18 @@ Result<std::vector<std::vector<storage::AlignedBuffer>>> AllocateResident(
   return resident;
 }
 
-// Sizes the pool for the mode (at least `min_buffers` buffers of the largest sub-group) and
-// creates it; `*pipelined`: it holds the pipelined swapper's buffers (WARN if asked but not).
-Result<std::unique_ptr<BufferPool>> CreatePool(const SwapperOptions& options,
-                                               std::uint64_t max_numel, std::uint64_t alignment,
-                                               std::uint64_t min_buffers, bool* pipelined) {
+// A pool's size: `count` buffers of `buffer_bytes`; whether it holds the pipelined swapper's.
+struct PoolSize {
+  std::uint64_t count = 0;
+  std::uint64_t buffer_bytes = 0;
+  std::uint64_t buffer_alignment = 0;
+  bool pipelined = false;
+};
+
+// The pool's buffers at least `min_buffers` of the largest sub-group (CreatePool's and the
+// plan's one sizing).
+Result<PoolSize> SizePool(const SwapperOptions& options, std::uint64_t max_numel,
+                          std::uint64_t alignment, std::uint64_t min_buffers) {
   const std::uint64_t buffer_alignment = std::max<std::uint64_t>(alignment, 4096);
   const std::uint64_t buffer_bytes = AlignUp(max_numel * sizeof(float), buffer_alignment);
   // Pool: the mode decides the minimum number of buffers.
@@ -1012,7 +1029,32 @@ Result<std::unique_ptr<BufferPool>> CreatePool(const SwapperOptions& options,
         StateFormatName(options.state_format), min_buffers, pipeline_buffers,
         min_buffers * buffer_bytes, FormatBytes(min_buffers * buffer_bytes)));
   }
-  *pipelined = want_pipeline && count >= pipeline_buffers && !options.all_resident;
+  return PoolSize{.count = count,
+                  .buffer_bytes = buffer_bytes,
+                  .buffer_alignment = buffer_alignment,
+                  .pipelined = want_pipeline && count >= pipeline_buffers && !options.all_resident};
+}
+
+// The buffers a pool needs at the least: a swapped sub-group's (BuffersPerSubGroup), or with
+// every sub-group resident the gradient's (and q8's work copy).
+std::uint64_t MinPoolBuffers(const SwapperOptions& options) {
+  return options.all_resident ? (options.state_format == StateFormat::kQ8 ? 3 : 1)
+                              : OptimizerSwapper::BuffersPerSubGroup(options.state_format);
+}
+
+// Sizes the pool for the mode (at least `min_buffers` buffers of the largest sub-group) and
+// creates it; `*pipelined`: it holds the pipelined swapper's buffers (WARN if asked but not).
+Result<std::unique_ptr<BufferPool>> CreatePool(const SwapperOptions& options,
+                                               std::uint64_t max_numel, std::uint64_t alignment,
+                                               std::uint64_t min_buffers, bool* pipelined) {
+  ZINF_ASSIGN_OR_RETURN(const PoolSize size, SizePool(options, max_numel, alignment, min_buffers));
+  const std::uint64_t count = size.count;
+  const std::uint64_t buffer_bytes = size.buffer_bytes;
+  const std::uint64_t buffer_alignment = size.buffer_alignment;
+  const bool want_pipeline = options.pipeline_read || options.pipeline_write;
+  const std::uint64_t pipeline_buffers =
+      PipelinedOptimizerSwapper::MinBuffers(options.state_format);
+  *pipelined = size.pipelined;
   if (want_pipeline && !*pipelined && !options.all_resident) {
     ZINF_LOG_WARN(
         "optimizer swapper: pipeline_read/pipeline_write need {} swap buffers of {} ({}), the "
@@ -1124,19 +1166,24 @@ Status ReserveStore(const comm::Communicator& comm, const storage::SwapStoreOpti
   return comm.AgreeOnStatus(Annotate(store.Reserve(specs), on_host + "reserve the swap store: "));
 }
 
+// The gradient the gradient swapper keeps in host memory per rank (GradientSwapper's own
+// buffers: the whole partition in memory, else the unswapped remainders).
+std::uint64_t GradientHostBytes(GradientAccumulation accumulation, std::uint64_t partition_numel,
+                                const std::vector<SubGroupSwapInfo>& infos) {
+  if (accumulation == GradientAccumulation::kInMemory) return partition_numel * sizeof(float);
+  std::uint64_t bytes = 0;
+  for (const SubGroupSwapInfo& info : infos) {
+    for (const partition::GradientPiece& piece : info.unswapped_gradients) {
+      bytes += piece.numel * sizeof(float);
+    }
+  }
+  return bytes;
+}
+
 // Logs the gradient swapper's mode and the gradient it keeps in host memory per rank.
 void LogGradientSwapper(GradientAccumulation accumulation, int gradient_accumulation_steps,
                         std::uint64_t partition_numel, const std::vector<SubGroupSwapInfo>& infos) {
-  std::uint64_t extra_bytes = 0;
-  if (accumulation == GradientAccumulation::kInMemory) {
-    extra_bytes = partition_numel * sizeof(float);
-  } else {
-    for (const SubGroupSwapInfo& info : infos) {
-      for (const partition::GradientPiece& piece : info.unswapped_gradients) {
-        extra_bytes += piece.numel * sizeof(float);
-      }
-    }
-  }
+  const std::uint64_t extra_bytes = GradientHostBytes(accumulation, partition_numel, infos);
   ZINF_LOG_INFO(
       "gradient swapper: {} accumulation over {} micro-batches ({} of gradient in "
       "host memory per rank{})",
@@ -1200,9 +1247,7 @@ Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communica
   ZINF_ASSIGN_OR_RETURN(parts.infos, MakeSwapInfos(sub_groups, alignment, options.state_format,
                                                    gradients_on_disk, options.min_swap_numel));
   ZINF_ASSIGN_OR_RETURN(parts.resident, AllocateResident(comm, options, parts.infos, alignment));
-  const std::uint64_t min_buffers = options.all_resident
-                                        ? (options.state_format == StateFormat::kQ8 ? 3 : 1)
-                                        : BuffersPerSubGroup(options.state_format);
+  const std::uint64_t min_buffers = MinPoolBuffers(options);
   ZINF_ASSIGN_OR_RETURN(parts.pool,
                         CreatePool(options, max_numel, alignment, min_buffers, &setup->pipelined));
   if (parts.store) {
@@ -1226,6 +1271,35 @@ Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communica
         StoreSpecs(parts.num_slots, options.state_format, max_numel, alignment, parts.infos);
   }
   return OkStatus();
+}
+
+Result<SwapperHostPlan> PlanSwapperHostMemory(const partition::PartitionPlan& plan, int rank,
+                                              const SwapperOptions& options,
+                                              std::uint64_t alignment_bytes) {
+  // SetUpLocally's steps, without the store, the engines and the allocations.
+  ZINF_ASSIGN_OR_RETURN(partition::SubGroupPlan sub_groups,
+                        partition::SubGroupPlan::Create(plan, rank, options.sub_group_size));
+  const GradientAccumulation accumulation = ResolveAccumulation(options, plan.partition_numel());
+  const bool gradients_on_disk =
+      options.swap_gradients && accumulation == GradientAccumulation::kReadAddWrite;
+  const std::uint64_t alignment = std::max<std::uint64_t>(alignment_bytes, 1);
+  ZINF_ASSIGN_OR_RETURN(std::vector<SubGroupSwapInfo> infos,
+                        MakeSwapInfos(sub_groups, alignment, options.state_format,
+                                      gradients_on_disk, options.min_swap_numel));
+  SwapperHostPlan out;
+  out.max_sub_group_numel = sub_groups.max_sub_group_numel();
+  (void)ChooseResident(options, infos, alignment, &out.resident_bytes);
+  ZINF_ASSIGN_OR_RETURN(const PoolSize pool, SizePool(options, out.max_sub_group_numel, alignment,
+                                                      MinPoolBuffers(options)));
+  out.pool_buffers = pool.count;
+  out.pool_bytes = pool.count * pool.buffer_bytes;
+  const bool gradient_swapper =
+      gradients_on_disk ||
+      (options.swap_gradients && accumulation == GradientAccumulation::kInMemory);
+  if (gradient_swapper) {
+    out.gradient_bytes = GradientHostBytes(accumulation, plan.partition_numel(), infos);
+  }
+  return out;
 }
 
 Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(

@@ -454,6 +454,26 @@ class OptimizerSwapper {
   std::string mode_name_;
 };
 
+// The host memory a swapper built from these arguments allocates per rank, without building it
+// (the engine's memory plan, engine/src/memory_plan.h): computed by the same functions Create
+// sizes its allocations with, so plan and allocation cannot drift. `alignment_bytes`: the swap
+// store's direct-I/O alignment (known once the store is open; 4096 is the usual one, and the
+// pool's buffers are aligned to at least 4096 either way). Local; allocates nothing.
+struct SwapperHostPlan {
+  std::uint64_t pool_bytes = 0;      // BufferPool: buffer count x buffer bytes
+  std::uint64_t pool_buffers = 0;    // its buffer count
+  std::uint64_t resident_bytes = 0;  // the host tier (zinf.host_cache_bytes; all with device cpu)
+  // The gradient swapper's host share: the whole partition gradient when it accumulates in
+  // memory, the unswapped remainders when it reads, adds and writes; 0 without swap_gradients.
+  std::uint64_t gradient_bytes = 0;
+  std::uint64_t max_sub_group_numel = 0;
+};
+// Errors: those of the sub-group plan (InvalidArgument) and of the pool sizing
+// (ResourceExhausted: a budget below the mode's minimum, the message Create gives).
+Result<SwapperHostPlan> PlanSwapperHostMemory(const partition::PartitionPlan& plan, int rank,
+                                              const SwapperOptions& options,
+                                              std::uint64_t alignment_bytes = 4096);
+
 // Collective over `comm`. Builds the swapper for `options`: the PipelinedOptimizerSwapper when
 // pipeline_read or pipeline_write is set and the pool holds PipelinedOptimizerSwapper::MinBuffers
 // (fp32: 10, q8: 7), else the synchronous PartitionedOptimizerSwapper (with a WARN line
