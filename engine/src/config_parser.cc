@@ -197,6 +197,8 @@ class Parser {
       ZINF_RETURN_IF_ERROR(SetPathList(spec, path, value, fp->get(c)));
     } else if (auto* fw = std::get_if<PathWeightsAccess>(&spec.field)) {
       ZINF_RETURN_IF_ERROR(SetPathWeights(path, value, fw->get(c)));
+    } else if (auto* fh = std::get_if<HostMemoryBudgetAccess>(&spec.field)) {
+      ZINF_RETURN_IF_ERROR(SetHostMemoryBudget(path, value, fh->get(c)));
     } else if (auto* fa = std::get_if<AppAccess>(&spec.field)) {
       ZINF_ASSIGN_OR_RETURN(c.app[PointerOf(path)], ReadAppValue(*fa->key, spec, path, value));
     }
@@ -257,6 +259,47 @@ class Parser {
     }
     ZINF_ASSIGN_OR_RETURN(const std::int64_t v, ReadInteger(path, value, spec));
     *out = static_cast<std::uint64_t>(v);
+    return OkStatus();
+  }
+
+  // "auto", a byte count > 1 (an integer or a size string) or a fraction in (0, 1].
+  static Status SetHostMemoryBudget(const std::string& path, const Json& value,
+                                    HostMemoryBudgetConfig* out) {
+    constexpr std::string_view kExpected =
+        "bytes per node (an integer or a size string: \"8G\"), a fraction in (0, 1] of the "
+        "detected budget (0.5), or \"auto\"";
+    *out = {};
+    if (value.is_string()) {
+      const auto& text = value.get_ref<const std::string&>();
+      if (text == "auto") return OkStatus();
+      Result<std::uint64_t> bytes = ParseBytes(text);
+      if (!bytes || *bytes == 0) {
+        return InvalidArgumentError(fmt::format("{}: {} is not a positive size; expected {}", path,
+                                                Shown(value), kExpected));
+      }
+      out->bytes = *bytes;
+      return OkStatus();
+    }
+    if (value.is_number_unsigned() || value.is_number_integer()) {
+      if (value.is_number_integer() && value.get<std::int64_t>() <= 0) {
+        return InvalidArgumentError(
+            fmt::format("{}: {} is not positive; expected {}", path, Shown(value), kExpected));
+      }
+      const auto v = value.get<std::uint64_t>();
+      if (v == 1) {
+        out->fraction = 1.0;  // the whole detected budget, not one byte
+      } else {
+        out->bytes = v;
+      }
+      return OkStatus();
+    }
+    if (!value.is_number()) return TypeError(path, kExpected, value);
+    const double v = value.get<double>();
+    if (!std::isfinite(v) || !(v > 0) || v > 1) {
+      return InvalidArgumentError(fmt::format("{}: {} is not a fraction in (0, 1]; expected {}",
+                                              path, Shown(value), kExpected));
+    }
+    out->fraction = v;
     return OkStatus();
   }
 

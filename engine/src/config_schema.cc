@@ -865,6 +865,13 @@ const std::vector<KeySpec>& EngineSchema() {
        .description = "Host memory tier per rank: bytes or a size (\"8G\"); the first "
                       "sub-groups whose state fits stay in memory, stepped without I/O; 0: none",
        .range = AtLeast(0)},
+      {.path = "zinf.host_memory_budget",
+       .field = HostMemoryBudget<&T::zinf, &ZC::host_memory_budget>(),
+       .description = "Host memory of a node the engine's memory plan must fit, shared by its "
+                      "ranks: bytes or a size (\"8G\"), or a fraction in (0, 1] of the detected "
+                      "budget (memory cgroup limit, else MemAvailable); \"auto\": the detected one",
+       .default_text = "\"auto\"",
+       .auto_is_a_value = true},
       {.path = "zinf.io_engine",
        .field = Leaf<&T::zinf, &ZC::io_engine>(),
        .description = "auto (io_uring if it works, else POSIX), uring or posix; ZINF_IO_ENGINE "
@@ -1196,6 +1203,11 @@ Json CanonicalJson(const Config& config_in) {
           } else if constexpr (std::is_same_v<F, PathWeightsAccess>) {
             const PathWeightsConfig& weights = *access.get(config);
             value = weights.probe ? Json("probe") : Json(weights.weights);
+          } else if constexpr (std::is_same_v<F, HostMemoryBudgetAccess>) {
+            const HostMemoryBudgetConfig& budget = *access.get(config);
+            value = budget.bytes > 0      ? Json(budget.bytes)
+                    : budget.fraction > 0 ? Json(budget.fraction)
+                                          : Json("auto");
           } else {
             value = *access(config);
           }
@@ -1248,6 +1260,8 @@ std::string TypeText(const KeySpec& spec) {
           return "string or list of strings";
         } else if constexpr (std::is_same_v<F, PathWeightsAccess>) {
           return "list of numbers or \"probe\"";
+        } else if constexpr (std::is_same_v<F, HostMemoryBudgetAccess>) {
+          return "size, fraction or \"auto\"";
         } else if constexpr (std::is_same_v<F, AppAccess>) {
           switch (access.key->type) {
             case AppKeyType::kBool:

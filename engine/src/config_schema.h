@@ -57,6 +57,10 @@ struct PathListAccess {
 struct PathWeightsAccess {
   PathWeightsConfig* (*get)(Config&);
 };
+// zinf.host_memory_budget: "auto", bytes (an integer or a size string) or a fraction in (0, 1].
+struct HostMemoryBudgetAccess {
+  HostMemoryBudgetConfig* (*get)(Config&);
+};
 // An application's key (AppKey): its value lives in Config::app at its path.
 struct AppAccess {
   const AppKey* key;
@@ -65,7 +69,7 @@ struct AppAccess {
 using Field = std::variant<std::monostate, Accessor<bool>, Accessor<int>, Accessor<std::int64_t>,
                            Accessor<std::uint64_t>, Accessor<double>, Accessor<std::string>,
                            Accessor<std::array<double, 2>>, EnumAccess, SizeAccess, PathListAccess,
-                           PathWeightsAccess, AppAccess>;
+                           PathWeightsAccess, HostMemoryBudgetAccess, AppAccess>;
 
 template <auto... Ms>
 Field Leaf() {
@@ -88,6 +92,11 @@ Field PathList() {
 template <auto... Ms>
 Field PathWeights() {
   return PathWeightsAccess{[](Config& c) { return &MemberOf<Ms...>(c); }};
+}
+
+template <auto... Ms>
+Field HostMemoryBudget() {
+  return HostMemoryBudgetAccess{[](Config& c) { return &MemberOf<Ms...>(c); }};
 }
 
 struct Range {

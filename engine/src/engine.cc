@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "gradient_buckets.h"
+#include "memory_plan.h"
 #include "shard_reader.h"
 #include "zinf/checkpoint/checkpoint.h"
 #include "zinf/comm/collective_backend.h"
@@ -202,6 +203,8 @@ class ZeroEngine::Impl {
   // The parts of Create, Step and the rest; each collective unless said otherwise.
   Status Build(std::vector<Param> params);
   Status CheckHostMemory(std::uint64_t round) const;  // local
+  // Local.
+  Status PlanHostMemory(std::uint64_t round, const swapper::SwapperOptions& options);
   Status InitializeOrRestore();
   Status Initialize();
   Status Restore(const std::string& path, bool verify_before_write);
@@ -305,6 +308,7 @@ struct ZeroEngine::Impl::State {
   std::optional<LossScaler> scaler;  // fp16 (scale 1 without)
   std::uint64_t total_numel = 0;
   std::uint64_t partition_numel = 0;
+  std::uint64_t plan_bytes = 0;       // the host memory plan's total per rank (memory_plan.h)
   std::vector<float> partition_grad;  // this rank's reduced gradient (in-memory accumulation)
   // With a gradient swapper: its reduced gradient on its way to NVMe (pages allocated as written
   // and released per sub-group, GradientBuckets::Target).
@@ -865,6 +869,13 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
       config_.zero_optimization.allgather_bucket_size / static_cast<std::uint64_t>(world_.size()),
       1, std::max<std::uint64_t>(whole_numel, 1));
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(CheckHostMemory(round)));
+  swapper::SwapperOptions options = ToSwapperOptions(config_, world_.rank(), s.plan->layout());
+  // Stores left by killed runs are scratch: this job's own is reused, other jobs' are removed
+  // once every rank's store is open (SwapStore::ReclaimStale; kept ones are named in a WARN).
+  options.store.reclaim_stale = !config_.zinf.keep_swap;
+  options.accumulation_memory_limit_bytes = options_.gradient_memory_limit_bytes;
+  // Before anything large is allocated: the plan against the budget, refused on every rank.
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(PlanHostMemory(round, options)));
   ZINF_LOG_INFO(
       "engine: {} parameters in {} tensors; partition {} elements per rank; weights held whole "
       "gathered in {} round(s) of {} elements per rank",
@@ -903,11 +914,6 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
     }
     ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(created));
   }
-  swapper::SwapperOptions options = ToSwapperOptions(config_, world_.rank(), s.plan->layout());
-  // Stores left by killed runs are scratch: this job's own is reused, other jobs' are removed
-  // once every rank's store is open (SwapStore::ReclaimStale; kept ones are named in a WARN).
-  options.store.reclaim_stale = !config_.zinf.keep_swap;
-  options.accumulation_memory_limit_bytes = options_.gradient_memory_limit_bytes;
   ZINF_LOG_INFO("engine: job id {}", options.store.job_id);
   ZINF_ASSIGN_OR_RETURN(s.swapper, swapper::CreateOptimizerSwapper(*s.comm, *s.plan, options));
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(s.CreateReader(config_)));
@@ -949,6 +955,95 @@ Status ZeroEngine::Impl::CheckHostMemory(std::uint64_t round) const {
           ? "run on more nodes or fewer ranks per node, or register the parameters without "
             "weights at stage 3 (engine.h, \"Stage 3\")"
           : "run on more nodes or fewer ranks per node");
+}
+
+// What this rank will hold in host memory (memory_plan.h), each item from the owning module's
+// planning function, against the budget; one INFO line per node. Local (the same decision on
+// every rank of a node; the caller agrees).
+Status ZeroEngine::Impl::PlanHostMemory(std::uint64_t round,
+                                        const swapper::SwapperOptions& options) {
+  State& s = *state_;
+  const ZeroConfig& zero = config_.zero_optimization;
+  const partition::ParamLayout& layout = s.plan->layout();
+  const auto world = static_cast<std::uint64_t>(world_.size());
+  constexpr std::uint64_t kF = sizeof(float);
+  MemoryPlan plan;
+  std::uint64_t loop_floats = 0, persistent = 0, partitioned = 0, largest_partitioned = 0;
+  std::uint64_t largest_on_disk = 0;
+  for (std::size_t p = 0; p < s.params.size(); ++p) {
+    loop_floats += s.params[p].weights.size() + s.params[p].grads.size();
+    if (s.holding[p] == Holding::kPersistent) persistent += layout.param(p).numel;
+    if (s.holding[p] != Holding::kPartitioned) continue;
+    const std::uint64_t whole = s.plan->ShardNumel(p) * world;  // GatherParams' size
+    partitioned += whole;
+    largest_partitioned = std::max(largest_partitioned, whole);
+    if (s.plan->ShardPartitionOffset(p) + s.plan->ShardNumel(p) > s.shard_numel) {
+      largest_on_disk = std::max(largest_on_disk, s.plan->ShardNumel(p));
+    }
+  }
+  // Stage 3: a model registered with its weights is what shrinks most.
+  plan.Add("the caller's registered weights and gradients", loop_floats * kF,
+           "ZeRO stage 3 with the parameters registered without weights and gradients");
+  plan.Add("persistent stage-3 parameters", persistent * kF,
+           "zero_optimization.stage3_param_persistence_threshold, "
+           "stage3_model_persistence_threshold");
+  plan.Add("fp32 shards in memory", s.shard_numel * kF,
+           "zero_optimization.offload_param.device \"nvme\" with offload_param.max_in_cpu");
+  plan.Add("all-gather rounds", round * (1 + world) * kF,
+           "zero_optimization.allgather_bucket_size");
+  if (s.num_partitioned > 0) {
+    // A Gather that asks more than the window at once holds what it asks (the largest
+    // parameter at least).
+    const std::uint64_t window = std::max(
+        std::min<std::uint64_t>(zero.stage3_max_live_parameters, partitioned), largest_partitioned);
+    plan.Add("stage-3 live parameters", window * kF,
+             "zero_optimization.stage3_max_live_parameters");
+  }
+  if (largest_on_disk > 0) {
+    const std::uint64_t staging = kShardStagingBytes + 2 * 4096;  // AllocateShardStaging's
+    plan.Add("shard read-ahead",
+             ShardReader::PlanBytes(static_cast<std::size_t>(zero.offload_param.buffer_count),
+                                    zero.stage3_prefetch_bucket_size, largest_on_disk) +
+                 2 * staging,
+             "zero_optimization.stage3_prefetch_bucket_size, offload_param.buffer_count");
+  }
+  ZINF_ASSIGN_OR_RETURN(const swapper::SwapperHostPlan swap,
+                        swapper::PlanSwapperHostMemory(*s.plan, world_.rank(), options));
+  plan.Add("swap buffer pool", swap.pool_bytes,
+           "zinf.pinned_budget_bytes, offload_optimizer.buffer_count, "
+           "zero_optimization.sub_group_size");
+  plan.Add("optimizer state in memory", swap.resident_bytes,
+           "zinf.host_cache_bytes, offload_optimizer.device \"nvme\"");
+  const bool lent = s.params.empty() || s.params[0].grads.empty();
+  const GradientBuckets::HostPlan buckets =
+      GradientBuckets::PlanHostMemory(*s.plan, world_.rank(), zero.reduce_bucket_size, lent,
+                                      options.swap_gradients ? swap.max_sub_group_numel : 0);
+  plan.Add("reduce buckets", buckets.bucket_bytes, "zero_optimization.reduce_bucket_size");
+  if (options.swap_gradients) {
+    plan.Add("gradient swapper", swap.gradient_bytes,
+             "a partition gradient above the accumulation limit is swapped");
+    plan.Add("gradient staging", buckets.staging_bytes,
+             "zero_optimization.reduce_bucket_size, sub_group_size");
+  } else {
+    plan.Add("partition gradient", s.partition_numel * kF, "zinf.swap_gradients");
+  }
+  s.plan_bytes = plan.total_bytes();
+  ZINF_ASSIGN_OR_RETURN(
+      MemoryBudget budget,
+      ResolveHostMemoryBudget(config_.zinf.host_memory_budget, world_.topology().local_size));
+  // One line per node (its first rank), an exception to "INFO on rank 0": each node has its
+  // own budget.
+  if (world_.topology().local_rank == 0 &&
+      static_cast<int>(GetLogLevel()) <= static_cast<int>(LogLevel::kInfo)) {
+    LogLine(LogLevel::kInfo,
+            fmt::format("engine: host memory plan on host {}: {} per rank ({}); budget {} per "
+                        "rank ({} over {} rank(s), {})",
+                        world_.topology().hostname, FormatBytes(s.plan_bytes), plan.Summary(4),
+                        budget.node_bytes > 0 ? FormatBytes(budget.rank_bytes) : "unknown",
+                        budget.node_bytes > 0 ? FormatBytes(budget.node_bytes) : "unknown",
+                        world_.topology().local_size, budget.source));
+  }
+  return CheckMemoryPlan(plan, budget, world_.topology().local_size);
 }
 
 Status ZeroEngine::Impl::InitializeOrRestore() {
@@ -1816,10 +1911,11 @@ Status ZeroEngine::Impl::Report(const StepInfo& info) {
     }
     ZINF_LOG_INFO(
         "step {}{} loss {:.6f} lr {:.2e} time {:.3f} s swap read {:.2f} GB/s write "
-        "{:.2f} GB/s ({:.2f} + {:.2f} B/element){}{}",
+        "{:.2f} GB/s ({:.2f} + {:.2f} B/element) peak RSS {} (plan {}){}{}",
         info.step, total, info.loss, info.lr, info.step_seconds,
         gbps(info.optimizer_swap_read_bytes), gbps(info.optimizer_swap_write_bytes),
-        info.read_bytes_per_element, info.write_bytes_per_element, fp16,
+        info.read_bytes_per_element, info.write_bytes_per_element, FormatBytes(info.peak_rss_bytes),
+        FormatBytes(s.plan_bytes), fp16,
         info.clipped ? fmt::format(" (clipped, norm {:.3g})", info.grad_norm) : "");
   }
   if (config_.wall_clock_breakdown && print) {
@@ -1829,6 +1925,7 @@ Status ZeroEngine::Impl::Report(const StepInfo& info) {
   if (s.metrics) {
     Json record = StepInfoJson(info);
     record["world_size"] = world_.size();
+    record["plan_bytes"] = s.plan_bytes;  // beside peak_rss_bytes: the plan it is measured against
     written = storage::WriteAll(s.metrics.get(), record.dump() + "\n",
                                 fmt::format("--metrics {}", options_.metrics_path));
   }

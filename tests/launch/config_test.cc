@@ -646,6 +646,7 @@ TEST(OneSpelling, AutoIsRefusedForEveryKeyButWhereItIsAValue) {
   // The keys whose documented values include "auto", with what else they need.
   const std::map<std::string, nlohmann::ordered_json> auto_is_a_value = {
       {"zinf.io_engine", nlohmann::ordered_json::object()},
+      {"zinf.host_memory_budget", nlohmann::ordered_json::object()},
       {"zinf.checkpoint.load", {{"zinf", {{"checkpoint", {{"dir", "/ckpt"}}}}}}},
   };
   const std::vector<std::string> keys = LeafKeys();

@@ -276,6 +276,14 @@ struct PathWeightsConfig {
   std::vector<double> weights;
 };
 
+// zinf.host_memory_budget: the host memory of a node that the engine's memory plan is held
+// against (docs/configs.md, "Memory plan"), shared by the node's ranks. Both 0 ("auto"): the
+// detected budget (the memory cgroup's limit, else MemAvailable).
+struct HostMemoryBudgetConfig {
+  std::uint64_t bytes = 0;  // > 0: this many bytes per node ("8G")
+  double fraction = 0;      // in (0, 1]: this share of the detected budget
+};
+
 // zinf: what DeepSpeed does not have.
 struct ZinfConfig {
   // Host memory for swap buffers, bytes (an integer or a size string "2G", "512MiB"); 0: the
@@ -285,6 +293,7 @@ struct ZinfConfig {
   // whole state fits stay in host memory and are stepped without I/O; 0: every sub-group is
   // swapped. Unused with offload_optimizer.device "cpu" (everything is in memory).
   std::uint64_t host_cache_bytes = 0;
+  HostMemoryBudgetConfig host_memory_budget;  // the memory plan's budget; default: detected
   storage::EngineKind io_engine = storage::EngineKind::kAuto;  // ZINF_IO_ENGINE overrides it
   // The swapped Adam state: "fp32", or "q8" (8-bit block-wise quantized moments, q8.h).
   swapper::StateFormat optimizer_state = swapper::StateFormat::kFp32;

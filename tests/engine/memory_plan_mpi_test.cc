@@ -1,0 +1,342 @@
+// The engine's host memory plan (engine/src/memory_plan.h): each module's planned bytes against
+// what it allocates (the swapper's pool and host tier, the gradient buckets) for stage 2 and
+// stage 3 plans; the budget's detection from a fake /proc and /sys tree (cgroup v2 and v1,
+// "max", MemAvailable, a planted symbolic link); and a budget too small, refused by every rank
+// before anything large is allocated with an error naming the largest item.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "gradient_buckets.h"
+#include "memory_plan.h"
+#include "testing/mpi_env.h"
+#include "testing/status_matchers.h"
+#include "testing/test_env.h"
+#include "zinf/comm/collective_backend.h"
+#include "zinf/core/check.h"
+#include "zinf/engine/config.h"
+#include "zinf/engine/engine.h"
+#include "zinf/partition/plan.h"
+#include "zinf/swapper/optimizer_swapper.h"
+
+namespace zinf::engine {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::IsOk;
+using testing::SharedScratchDir;
+using testing::StatusIs;
+using testing::World;
+
+partition::ParamLayout MakeLayout() {
+  auto layout = partition::ParamLayout::Create({{"embed", {37, 129}},
+                                                {"w1", {2048, 3}},
+                                                {"b1", {17}},
+                                                {"w2", {1500, 7}},
+                                                {"scale", {}},
+                                                {"head", {4099}}});
+  ZINF_CHECK(layout.has_value());
+  return std::move(*layout);
+}
+
+partition::PartitionPlan MakePlan(partition::PlanKind kind) {
+  auto plan = partition::PartitionPlan::Create(
+      MakeLayout(), {.kind = kind, .world_size = World().size(), .alignment_elems = 8});
+  ZINF_CHECK(plan.has_value());
+  return std::move(*plan);
+}
+
+struct SwapCase {
+  std::string name;
+  partition::PlanKind kind;
+  std::uint64_t sub_group_size;
+  void (*adjust)(swapper::SwapperOptions&);
+};
+
+// ---- The swapper: planned pool and host tier == allocated ----
+
+TEST(MemoryPlan, SwapperPlanMatchesItsAllocations) {
+  const std::vector<SwapCase> cases = {
+      {"stage2-sync", partition::PlanKind::kFlat, 4096, [](swapper::SwapperOptions&) {}},
+      {"stage3-sync", partition::PlanKind::kPerParam, 3000, [](swapper::SwapperOptions&) {}},
+      {"stage2-pipelined", partition::PlanKind::kFlat, 5000,
+       [](swapper::SwapperOptions& o) { o.pipeline_read = o.pipeline_write = true; }},
+      {"stage3-budget", partition::PlanKind::kPerParam, 2000,
+       [](swapper::SwapperOptions& o) { o.pinned_budget_bytes = 200 << 10; }},
+      {"stage2-q8", partition::PlanKind::kFlat, 4096,
+       [](swapper::SwapperOptions& o) { o.state_format = swapper::StateFormat::kQ8; }},
+      {"stage3-host-cache", partition::PlanKind::kPerParam, 1024,
+       [](swapper::SwapperOptions& o) { o.host_cache_bytes = 40 << 10; }},
+      {"stage2-device-cpu", partition::PlanKind::kFlat, 4096,
+       [](swapper::SwapperOptions& o) {
+         o.all_resident = true;
+         o.store.paths.clear();
+       }},
+      {"stage3-gradients-in-memory", partition::PlanKind::kPerParam, 4096,
+       [](swapper::SwapperOptions& o) {
+         o.swap_gradients = true;
+         o.accumulation = swapper::GradientAccumulation::kInMemory;
+       }},
+      {"stage2-gradients-on-disk", partition::PlanKind::kFlat, 4096,
+       [](swapper::SwapperOptions& o) {
+         o.swap_gradients = true;
+         o.accumulation = swapper::GradientAccumulation::kReadAddWrite;
+         o.min_swap_numel = 1024;
+       }},
+  };
+  SharedScratchDir dir("memory-plan");
+  for (const SwapCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const partition::PartitionPlan plan = MakePlan(c.kind);
+    swapper::SwapperOptions options;
+    options.store.paths = {dir.Join(c.name)};
+    options.store.job_id = c.name;
+    options.store.stripe_unit_bytes = 64 << 10;
+    options.sub_group_size = c.sub_group_size;
+    options.adam = swapper::AdamOptions{.lr = 1e-2, .threads = 1};
+    c.adjust(options);
+    if (World().rank() == 0 && !options.store.paths.empty()) {
+      std::filesystem::create_directories(options.store.paths.front());
+    }
+    ASSERT_THAT(World().Barrier(), IsOk());
+    ZINF_ASSERT_OK_AND_ASSIGN(std::unique_ptr<swapper::OptimizerSwapper> made,
+                              swapper::CreateOptimizerSwapper(World(), plan, options));
+    const std::uint64_t alignment = made->has_store() ? made->store().alignment() : 4096;
+    ZINF_ASSERT_OK_AND_ASSIGN(
+        const swapper::SwapperHostPlan planned,
+        swapper::PlanSwapperHostMemory(plan, World().rank(), options, alignment));
+    EXPECT_EQ(planned.pool_bytes, made->pool().total_bytes());
+    EXPECT_EQ(planned.pool_buffers, made->pool().buffer_count());
+    EXPECT_EQ(planned.resident_bytes, made->resident_bytes());
+    EXPECT_EQ(planned.max_sub_group_numel, made->sub_groups().max_sub_group_numel());
+    EXPECT_GT(planned.pool_bytes, 0u);
+    if (c.name == "stage3-gradients-in-memory") {
+      EXPECT_EQ(planned.gradient_bytes, plan.partition_numel() * sizeof(float));
+    }
+    if (c.name == "stage2-gradients-on-disk") {
+      std::uint64_t unswapped = 0;
+      for (std::size_t i = 0; i < made->num_sub_groups(); ++i) {
+        for (const partition::GradientPiece& piece : made->swap_info(i).unswapped_gradients) {
+          unswapped += piece.numel * sizeof(float);
+        }
+      }
+      EXPECT_EQ(planned.gradient_bytes, unswapped);
+    }
+    if (c.name == "stage3-host-cache") {
+      EXPECT_GT(planned.resident_bytes, 0u);
+    }
+  }
+}
+
+// A pool budget below the mode's minimum: the plan gives Create's own error.
+TEST(MemoryPlan, SwapperPlanRefusesWhatCreateRefuses) {
+  const partition::PartitionPlan plan = MakePlan(partition::PlanKind::kFlat);
+  swapper::SwapperOptions options;
+  options.store.paths = {"/nonexistent"};
+  options.sub_group_size = 4096;
+  options.pinned_budget_bytes = 4096;
+  EXPECT_THAT(swapper::PlanSwapperHostMemory(plan, World().rank(), options),
+              StatusIs(ErrorCode::kResourceExhausted, HasSubstr("zinf.pinned_budget_bytes")));
+}
+
+// ---- The gradient buckets: planned == built ----
+
+TEST(MemoryPlan, BucketPlanMatchesTheBuckets) {
+  ZINF_ASSERT_OK_AND_ASSIGN(auto backend,
+                            comm::CreateCollectiveBackend(World(), comm::BackendKind::kMpi));
+  comm::Timers timers;
+  for (const partition::PlanKind kind :
+       {partition::PlanKind::kFlat, partition::PlanKind::kPerParam}) {
+    const partition::PartitionPlan plan = MakePlan(kind);
+    for (const std::uint64_t bucket : {1ull, 100ull, 5000ull, 9000ull, 1ull << 30}) {
+      SCOPED_TRACE(fmt::format("kind {} bucket {}", static_cast<int>(kind), bucket));
+      std::vector<float> accumulated(plan.partition_numel());
+      GradientBuckets::Target target;
+      target.accumulated = accumulated;
+      ZINF_ASSERT_OK_AND_ASSIGN(
+          auto built, GradientBuckets::Create(plan, World().rank(), {}, bucket, backend.get(),
+                                              std::move(target), &timers, false));
+      const GradientBuckets::HostPlan planned =
+          GradientBuckets::PlanHostMemory(plan, World().rank(), bucket, true, 0);
+      EXPECT_EQ(planned.max_bucket_elems, built->max_bucket_elems());
+      EXPECT_GE(planned.bucket_bytes, 2 * built->max_bucket_elems() * sizeof(float));
+      EXPECT_EQ(planned.staging_bytes, 0u);
+    }
+  }
+}
+
+// ---- The budget ----
+
+// A fake root: /proc/self/cgroup, /proc/meminfo and cgroup files under it.
+class FakeRoot {
+ public:
+  FakeRoot() : dir_("memory-budget") {}
+  void Write(const std::string& path, const std::string& text) {
+    const std::filesystem::path full = dir_.path() + path;
+    std::filesystem::create_directories(full.parent_path());
+    std::ofstream(full) << text;
+  }
+  const std::string& root() const { return dir_.path(); }
+  std::string Join(const std::string& path) const { return dir_.path() + path; }
+
+ private:
+  testing::ScratchDir dir_;
+};
+
+TEST(MemoryBudget, CgroupV2TakesTheSmallestLimitOnThePath) {
+  FakeRoot fake;
+  fake.Write("/proc/self/cgroup", "0::/job/rank\n");
+  fake.Write("/proc/meminfo", "MemTotal: 100 kB\nMemAvailable: 999999 kB\n");
+  fake.Write("/sys/fs/cgroup/job/rank/memory.max", "max\n");
+  fake.Write("/sys/fs/cgroup/job/memory.max", "2147483648\n");
+  fake.Write("/sys/fs/cgroup/memory.max", "4294967296\n");
+  const MemoryBudget budget = DetectHostMemoryBudget(2, fake.root());
+  EXPECT_EQ(budget.node_bytes, 2147483648u);
+  EXPECT_EQ(budget.rank_bytes, 1073741824u);
+  EXPECT_THAT(budget.source, HasSubstr("/sys/fs/cgroup/job/memory.max"));
+}
+
+TEST(MemoryBudget, CgroupV1MemoryController) {
+  FakeRoot fake;
+  fake.Write("/proc/self/cgroup", "4:cpu,cpuacct:/x\n3:memory:/slurm/job7\n");
+  fake.Write("/sys/fs/cgroup/memory/slurm/job7/memory.limit_in_bytes", "1073741824\n");
+  fake.Write("/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  const MemoryBudget budget = DetectHostMemoryBudget(1, fake.root());
+  EXPECT_EQ(budget.node_bytes, 1073741824u);
+}
+
+TEST(MemoryBudget, NoLimitFallsBackToMemAvailable) {
+  FakeRoot fake;
+  fake.Write("/proc/self/cgroup", "0::/\n");
+  fake.Write("/sys/fs/cgroup/memory.max", "max\n");
+  fake.Write("/proc/meminfo", "MemTotal: 100 kB\nMemAvailable: 3000 kB\n");
+  const MemoryBudget budget = DetectHostMemoryBudget(3, fake.root());
+  EXPECT_EQ(budget.node_bytes, 3000u * 1024);
+  EXPECT_EQ(budget.rank_bytes, 1000u * 1024);
+  EXPECT_THAT(budget.source, HasSubstr("MemAvailable"));
+}
+
+TEST(MemoryBudget, HostilePathsAndLinksAreNotFollowed) {
+  FakeRoot fake;
+  fake.Write("/proc/self/cgroup", "0::/../../etc\n0::/a\n");
+  fake.Write("/secret/limit", "4096\n");
+  std::filesystem::create_directories(fake.Join("/sys/fs/cgroup/a"));
+  std::filesystem::create_symlink(fake.Join("/secret/limit"),
+                                  fake.Join("/sys/fs/cgroup/a/memory.max"));
+  fake.Write("/proc/meminfo", "MemAvailable: 8 kB\n");
+  const MemoryBudget budget = DetectHostMemoryBudget(1, fake.root());
+  EXPECT_EQ(budget.node_bytes, 8192u);  // the link's 4096 not taken
+}
+
+TEST(MemoryBudget, NothingReadableIsUnknown) {
+  FakeRoot fake;
+  const MemoryBudget budget = DetectHostMemoryBudget(1, fake.root());
+  EXPECT_EQ(budget.node_bytes, 0u);
+  MemoryPlan plan;
+  plan.Add("pool", std::uint64_t{1} << 40, "keys");
+  EXPECT_THAT(CheckMemoryPlan(plan, budget, 1), IsOk());  // nothing to check against
+}
+
+TEST(MemoryBudget, ConfigOverridesAndFractions) {
+  FakeRoot fake;
+  fake.Write("/proc/meminfo", "MemAvailable: 4000 kB\n");
+  ZINF_ASSERT_OK_AND_ASSIGN(MemoryBudget bytes,
+                            ResolveHostMemoryBudget({.bytes = 1 << 20}, 2, fake.root()));
+  EXPECT_EQ(bytes.node_bytes, 1u << 20);
+  EXPECT_EQ(bytes.rank_bytes, 1u << 19);
+  EXPECT_EQ(bytes.source, "zinf.host_memory_budget");
+  ZINF_ASSERT_OK_AND_ASSIGN(MemoryBudget half,
+                            ResolveHostMemoryBudget({.fraction = 0.5}, 1, fake.root()));
+  EXPECT_EQ(half.node_bytes, 2000u * 1024);
+  FakeRoot empty;
+  EXPECT_THAT(ResolveHostMemoryBudget({.fraction = 0.5}, 1, empty.root()),
+              StatusIs(ErrorCode::kFailedPrecondition, HasSubstr("give bytes")));
+}
+
+TEST(MemoryBudget, APlanBeyondTheBudgetNamesItsLargestItems) {
+  MemoryPlan plan;
+  plan.Add("small", 10, "a");
+  plan.Add("swap buffer pool", 1000, "zinf.pinned_budget_bytes");
+  plan.Add("nothing", 0, "b");
+  plan.Add("reduce buckets", 500, "zero_optimization.reduce_bucket_size");
+  EXPECT_EQ(plan.items().size(), 3u);
+  EXPECT_EQ(plan.total_bytes(), 1510u);
+  const MemoryBudget budget{.node_bytes = 3000, .rank_bytes = 1000, .source = "test"};
+  EXPECT_THAT(CheckMemoryPlan(plan, budget, 3),
+              StatusIs(ErrorCode::kResourceExhausted,
+                       HasSubstr("largest: swap buffer pool 1000 B (shrink: "
+                                 "zinf.pinned_budget_bytes); reduce buckets")));
+  const MemoryBudget enough{.node_bytes = 1510, .rank_bytes = 1510, .source = "test"};
+  EXPECT_THAT(CheckMemoryPlan(plan, enough, 1), IsOk());
+}
+
+// ---- The engine: a budget too small, refused on every rank ----
+
+// A stage-2 model of six 10000-element parameters with lent gradients (the caller's weights
+// are its only buffer, 240 kB), buckets of one parameter and small all-gather rounds: the pool
+// of 4 buffers of the rank's one sub-group (4 x 4 x 20480 bytes at least) is the plan's largest
+// item on 1 to 3 ranks.
+std::string BudgetConfig(const std::string& swap_dir, const std::string& budget) {
+  return fmt::format(R"({{
+    "train_micro_batch_size_per_gpu": 1,
+    "optimizer": {{"type": "Adam", "params": {{"lr": 0.01}}}},
+    "zero_optimization": {{"stage": 2, "reduce_bucket_size": 10000,
+                           "allgather_bucket_size": 3000,
+                           "offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}}}},
+    "zinf": {{"host_memory_budget": "{}", "adam_threads": 1}}
+  }})",
+                     swap_dir, budget);
+}
+
+std::vector<Param> BudgetParams(std::vector<float>& weights) {
+  std::vector<Param> params;
+  for (int i = 0; i < 6; ++i) {
+    params.push_back({.name = fmt::format("w{}", i),
+                      .shape = {10000},
+                      .weights = std::span<float>(weights).subspan(10000 * i, 10000)});
+  }
+  return params;
+}
+
+TEST(MemoryPlanEngine, ATinyBudgetIsRefusedOnEveryRankBeforeAllocating) {
+  SharedScratchDir dir("memory-plan-engine");
+  std::vector<float> weights(60000, 0.5f);
+  EngineOptions options;
+  options.create_nvme_paths = true;
+  options.stop_signals = false;
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(
+        Config config, ParseConfig(BudgetConfig(dir.Join("swap"), "64K"), ContextOf(World())));
+    Result<std::unique_ptr<ZeroEngine>> engine =
+        ZeroEngine::Create(World(), config, BudgetParams(weights), options);
+    EXPECT_THAT(engine, StatusIs(ErrorCode::kResourceExhausted, HasSubstr("host memory plan: ")));
+    EXPECT_THAT(engine,
+                StatusIs(ErrorCode::kResourceExhausted, HasSubstr("largest: swap buffer pool")));
+    EXPECT_THAT(engine,
+                StatusIs(ErrorCode::kResourceExhausted, HasSubstr("from zinf.host_memory_budget")));
+  }
+  // Refused before anything was made: the swap directory (created after the plan) is not there.
+  ASSERT_THAT(World().Barrier(), IsOk());
+  EXPECT_FALSE(std::filesystem::exists(dir.Join("swap")));
+
+  // The same model with a budget that fits.
+  ZINF_ASSERT_OK_AND_ASSIGN(Config config,
+                            ParseConfig(BudgetConfig(dir.Join("swap"), "1G"), ContextOf(World())));
+  ZINF_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ZeroEngine> engine,
+                            ZeroEngine::Create(World(), config, BudgetParams(weights), options));
+  EXPECT_THAT(engine->Close(), IsOk());
+}
+
+}  // namespace
+}  // namespace zinf::engine
