@@ -525,7 +525,7 @@ class Parser {
   }
 
   // offload_param.device nvme reads each shard from the fp32 master weights in the optimizer's
-  // swap store, so it needs partitioned parameters (stage 3) and that store, and names no
+  // swap store, so it needs partitioned parameters (stage 3) and that store, and uses no
   // directory of its own. With another device nvme_path has no effect (accepted, as DeepSpeed
   // does).
   Status CheckOffloadParam() {
@@ -546,22 +546,23 @@ class Parser {
           "optimizer's swap store); put the optimizer state on nvme, or give device \"cpu\"",
           kDevice, OffloadDeviceName(z.offload_optimizer.device)));
     }
+    // DeepSpeed's configs often give the parameters a directory of their own. zinf keeps no
+    // second copy of them on disk, so such a path is accepted, named once, and never written.
     constexpr std::string_view kPath = "zero_optimization.offload_param.nvme_path";
     const std::vector<std::string>& optimizer_paths = z.offload_optimizer.nvme_path;
-    for (std::size_t i = 0; i < p.nvme_path.size(); ++i) {
-      if (std::find(optimizer_paths.begin(), optimizer_paths.end(), p.nvme_path[i]) !=
+    std::vector<std::string_view> unused;
+    for (const std::string& path : p.nvme_path) {
+      if (std::find(optimizer_paths.begin(), optimizer_paths.end(), path) ==
           optimizer_paths.end()) {
-        continue;
+        unused.push_back(path);
       }
-      const std::string element =
-          p.nvme_path.size() > 1 ? fmt::format("{}[{}]", kPath, i) : std::string(kPath);
+    }
+    if (!unused.empty()) {
       const std::vector<std::string_view> paths(optimizer_paths.begin(), optimizer_paths.end());
-      return InvalidArgumentError(fmt::format(
-          "{}: {} is not one of zero_optimization.offload_optimizer.nvme_path ({}): zinf keeps no "
-          "second copy of the parameters on disk, it reads them from the fp32 master weights in "
-          "the optimizer's swap store; give one of those paths as written, or leave nvme_path "
-          "out",
-          element, Shown(Json(p.nvme_path[i])), JoinQuoted(paths, "\"")));
+      ZINF_LOG_INFO(
+          "config: {} {} not used: the parameters are read from the fp32 master weights in the "
+          "optimizer's swap store ({}), nothing is written there",
+          kPath, JoinQuoted(unused, "\""), JoinQuoted(paths, "\""));
     }
     return OkStatus();
   }

@@ -604,9 +604,9 @@ const std::vector<KeySpec>& EngineSchema() {
        .choices = kDeviceNames},
       {.path = "zero_optimization.offload_param.nvme_path",
        .field = PathList<&T::zero_optimization, &Z::offload_param, &OP::nvme_path>(),
-       .description = "Optional: the shards live in the optimizer's swap store, so with device "
-                      "nvme each entry must be one of offload_optimizer.nvme_path (as written); "
-                      "unused with another device",
+       .description = "Optional and unused: the shards are read from the optimizer's swap store "
+                      "(offload_optimizer.nvme_path); a different path is accepted and named in "
+                      "an INFO line, nothing is written there",
        .default_text = "none"},
       {.path = "zero_optimization.offload_param.buffer_count",
        .field = Leaf<&T::zero_optimization, &Z::offload_param, &OP::buffer_count>(),

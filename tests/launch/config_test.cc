@@ -1158,26 +1158,18 @@ TEST(Stage3Config, OffloadParamNvmeNeedsStage3AndTheOptimizersStore) {
                        HasSubstr("zero_optimization.offload_param.device: \"nvme\" needs "
                                  "zero_optimization.offload_optimizer.device \"nvme\", not "
                                  "\"none\"")));
-  // Each nvme_path is one of the optimizer's, as written (no second copy on disk).
-  EXPECT_THAT(
-      parse(R"("stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"},)"
-            R"( "offload_param": {"device": "nvme", "nvme_path": "/params"})"),
-      StatusIs(ErrorCode::kInvalidArgument,
-               HasSubstr("zero_optimization.offload_param.nvme_path: \"/params\" is not one of "
-                         "zero_optimization.offload_optimizer.nvme_path (\"/n\"): zinf keeps no "
-                         "second copy of the parameters on disk")));
-  EXPECT_THAT(
-      parse(R"("stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ["/a", "/b"]},)"
-            R"( "offload_param": {"device": "nvme", "nvme_path": ["/b", "/c"]})"),
-      StatusIs(ErrorCode::kInvalidArgument,
-               HasSubstr("zero_optimization.offload_param.nvme_path[1]: \"/c\" is not one of "
-                         "zero_optimization.offload_optimizer.nvme_path (\"/a\", \"/b\")")));
-  // As written: the same directory spelled another way, or its expansion, is not the same entry.
-  EXPECT_THAT(
-      parse(R"("stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n{local_rank}"},)"
-            R"( "offload_param": {"device": "nvme", "nvme_path": "/n0"})"),
-      StatusIs(ErrorCode::kInvalidArgument,
-               HasSubstr("zero_optimization.offload_param.nvme_path: \"/n0\" is not one of")));
+  // A path that is not one of the optimizer's (DeepSpeed's configs often give the parameters a
+  // directory of their own) loads, as written: zinf keeps no second copy there (issue 42; the
+  // INFO line that names it: deepspeed_keys_test.cc).
+  for (const char* extra :
+       {R"("stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"},)"
+        R"( "offload_param": {"device": "nvme", "nvme_path": "/params"})",
+        R"("stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ["/a", "/b"]},)"
+        R"( "offload_param": {"device": "nvme", "nvme_path": ["/b", "/c"]})",
+        R"("stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n{local_rank}"},)"
+        R"( "offload_param": {"device": "nvme", "nvme_path": "/n0"})"}) {
+    ZINF_EXPECT_OK(parse(extra));
+  }
   // What loads: nvme_path left out, or the optimizer's own.
   ZINF_ASSERT_OK(parse(R"("stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"},)"
                        R"( "offload_param": {"device": "nvme"})"));

@@ -17,6 +17,8 @@
 #include <nlohmann/json.hpp>
 
 #include "testing/status_matchers.h"
+#include "zinf/core/check.h"
+#include "zinf/core/log.h"
 #include "zinf/engine/config.h"
 
 namespace zinf::engine {
@@ -200,12 +202,25 @@ TEST(DeepSpeedConfigs, ConfigReferenceNvmeExample) {
                     "zero_optimization.zero_hpz_partition_size"}));
   EXPECT_THAT(c.ignored_keys,
               ::testing::Not(Contains(::testing::StartsWith("zero_optimization.offload_param"))));
-  // Parameters in another directory than the optimizer state: zinf keeps no second copy.
-  EXPECT_THAT(ParseConfig(WithParam(text, "nvme_path", "/other_nvme"), {}),
-              StatusIs(ErrorCode::kInvalidArgument,
-                       HasSubstr("zero_optimization.offload_param.nvme_path: \"/other_nvme\" is "
-                                 "not one of zero_optimization.offload_optimizer.nvme_path "
-                                 "(\"/local_nvme\"): zinf keeps no second copy")));
+  // Parameters in another directory than the optimizer state (issue 42): accepted as it is,
+  // named in one INFO line; zinf keeps no second copy, nothing is written there.
+  SetLogLevel(LogLevel::kInfo);
+  SetProcessRank(0, 1);
+  ::testing::internal::CaptureStderr();
+  const auto other = ParseConfig(WithParam(text, "nvme_path", "/other_nvme"), {});
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ZINF_ASSERT_OK(other);
+  EXPECT_THAT(other->zero_optimization.offload_param.nvme_path,
+              ::testing::ElementsAre("/other_nvme"));
+  EXPECT_THAT(log, HasSubstr("[info] [rank 0/1] config: zero_optimization.offload_param.nvme_path "
+                             "\"/other_nvme\" not used: the parameters are read from the fp32 "
+                             "master weights in the optimizer's swap store (\"/local_nvme\"), "
+                             "nothing is written there"));
+  // The same directory as the optimizer's: no line.
+  ::testing::internal::CaptureStderr();
+  ZINF_ASSERT_OK(ParseConfig(text, {}));
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              ::testing::Not(HasSubstr("offload_param.nvme_path")));
   // The parameters' shards in host memory: the NVMe knobs are recorded, unused.
   ZINF_ASSERT_OK_AND_ASSIGN(Config cpu, ParseConfig(WithParam(text, "device", "cpu"), {}));
   EXPECT_EQ(cpu.zero_optimization.offload_param.device, OffloadDevice::kCpu);

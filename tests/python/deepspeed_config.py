@@ -2,11 +2,13 @@
 deepspeed_config.py <work dir>`. The example config of DeepSpeed's config reference
 (tests/launch/deepspeed_configs/config-json-nvme.json: fp16 dynamic loss scaling, WarmupLR, stage 3
 with GPU hints, tensorboard, flops_profiler, activation_checkpointing) with only the NVMe path made
-this test's and the parameters in host memory. Changing only the optimizer's nvme_path leaves
-offload_param on nvme in another directory, which zinf refuses with a message that says why (it
-reads parameter shards from the optimizer's swap store and keeps no second copy), checked first. The optimizer opens with one
-INFO line naming the ignored keys and no warning, and trains with opt.backward at the config's
-first loss scale, 2^16."""
+this test's and the parameters in host memory. Checked first: with only the optimizer's
+nvme_path changed, offload_param stays on nvme in another directory (here one that does not
+exist), which zinf accepts with an INFO line (it reads the parameter shards from the optimizer's
+swap store and writes nothing there) for a model built inside zinf.torch.init, and refuses for a
+model built outside it (nothing to partition), naming the fix. Then, parameters in host memory:
+the optimizer opens with one INFO line naming the ignored keys and no warning, and trains with
+opt.backward at the config's first loss scale, 2^16."""
 
 import json
 import os
@@ -44,13 +46,28 @@ def main():
     cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = swap
     model = common.make_model()
 
-    # Parameters on NVMe in another directory than the optimizer state: refused, on every rank.
+    # offload_param.nvme_path other than the optimizer's: not used, said in an INFO line, and
+    # nothing is made there. A model built outside init has nothing to partition: refused.
+    param_path = cfg["zero_optimization"]["offload_param"]["nvme_path"]
+    common.check(not os.path.exists(param_path), f"{param_path} exists on this machine")
     try:
         zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg, progress=False)
-        common.check(False, "offload_param.nvme_path other than the optimizer's was accepted")
+        common.check(False, "offload_param nvme without a partitioned parameter was accepted")
     except zinf.errors.InvalidArgumentError as e:
-        common.check("zero_optimization.offload_param.nvme_path" in str(e) and
-                     "zinf keeps no second copy" in str(e), f"unexpected message: {e}")
+        common.check("no parameter is partitioned" in str(e), f"unexpected message: {e}")
+    # This test's model is small: every parameter is below the config's persistence threshold.
+    small = json.loads(json.dumps(cfg))
+    small["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    with zinf.torch.init(small):
+        partitioned = common.make_model()
+    opt, log = stderr_of(lambda: zinf.torch.ZeroOptimizer(partitioned.named_parameters(),
+                                                           config=small, progress=False))
+    if opt.rank == 0:
+        common.check(f'offload_param.nvme_path "{param_path}" not used' in log,
+                     f"no INFO line on the unused offload_param.nvme_path:\n{log}")
+    common.check(opt.num_partitioned_params > 0, "nothing partitioned")
+    opt.close()
+    common.check(not os.path.exists(param_path), f"{param_path} was created")
 
     cfg["zero_optimization"]["offload_param"]["device"] = "cpu"
     opt, log = stderr_of(lambda: zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg,
