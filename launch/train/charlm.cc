@@ -322,6 +322,10 @@ Status CharLM::CheckBatch(std::span<const float> flat_weights, const Batch& batc
     return InvalidArgumentError("charlm: weights have " + std::to_string(flat_weights.size()) +
                                 " floats, the model " + std::to_string(layout_.total_numel()));
   }
+  return CheckBatch(batch);
+}
+
+Status CharLM::CheckBatch(const Batch& batch) const {
   if (batch.context_size != options_.context) {
     return InvalidArgumentError("charlm: batch context size " + std::to_string(batch.context_size) +
                                 ", model context " + std::to_string(options_.context));
@@ -356,6 +360,106 @@ Result<double> CharLM::ForwardBackward(std::span<const float> flat_weights, cons
   Forward(net, flat_weights.data(), batch.contexts.data(), rows, acts);
   const double loss = CrossEntropy(net, acts, batch.targets.data(), /*to_grad=*/true);
   Backward(net, flat_weights.data(), batch.contexts.data(), acts, flat_grad.data());
+  return loss;
+}
+
+// The layered pass does what Forward, CrossEntropy and Backward do, a layer at a time on the
+// fetched weights; its gradients start from zero per pass (the engine adds the micro-batches).
+Result<double> CharLM::ForwardBackwardLayered(const Batch& batch, LayerAccess& access) const {
+  const Net net = MakeNet(options_, layout_);
+  const auto rows = static_cast<int>(batch.targets.size());
+  const std::int32_t* contexts = batch.contexts.data();
+  // Layout indices: embed, then layer l's weight and bias, then out.weight and out.bias.
+  const std::size_t embed = 0;
+  const auto weight = [](int l) { return 1 + 2 * Sz(l); };
+  const auto bias = [](int l) { return 2 + 2 * Sz(l); };
+  const std::size_t out_weight = 1 + 2 * Sz(net.layers);
+  const std::size_t out_bias = out_weight + 1;
+
+  Activations acts;
+  acts.rows = rows;
+  const int in0 = net.in0();
+  {
+    const std::size_t ids[] = {embed};
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::span<const float>> w, access.Fetch(ids));
+    acts.x0.resize(Sz(rows) * Sz(in0));
+    for (int r = 0; r < rows; ++r) {
+      for (int c = 0; c < net.context; ++c) {
+        const std::int32_t id = contexts[Sz(r) * Sz(net.context) + Sz(c)];
+        std::copy_n(w[0].data() + Sz(id) * Sz(net.embed_dim), net.embed_dim,
+                    acts.x0.data() + Sz(r) * Sz(in0) + Sz(c) * Sz(net.embed_dim));
+      }
+    }
+  }
+  acts.h.resize(Sz(net.layers));
+  for (int l = 0; l < net.layers; ++l) {
+    const std::size_t ids[] = {weight(l), bias(l)};
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::span<const float>> w, access.Fetch(ids));
+    std::vector<float>& h = acts.h[Sz(l)];
+    h.resize(Sz(rows) * Sz(net.hidden));
+    Gemm(false, false, rows, net.hidden, net.in(l), acts.input(l), net.in(l), w[0].data(),
+         net.hidden, 0.0f, h.data(), net.hidden);
+    AddBias(h.data(), w[1].data(), rows, net.hidden);
+    if (net.activation == Activation::kTanh) {
+      for (float& v : h) v = std::tanh(v);
+    } else {
+      for (float& v : h) v = v > 0.0f ? v : 0.0f;
+    }
+  }
+  // The output layer stays fetched from its forward into its backward.
+  const std::size_t out_ids[] = {out_weight, out_bias};
+  ZINF_ASSIGN_OR_RETURN(std::vector<std::span<const float>> out, access.Fetch(out_ids));
+  acts.logits.resize(Sz(rows) * Sz(net.vocab));
+  Gemm(false, false, rows, net.vocab, net.out_in(), acts.input(net.layers), net.out_in(),
+       out[0].data(), net.vocab, 0.0f, acts.logits.data(), net.vocab);
+  AddBias(acts.logits.data(), out[1].data(), rows, net.vocab);
+  const double loss = CrossEntropy(net, acts, batch.targets.data(), /*to_grad=*/true);
+
+  const float* dlogits = acts.logits.data();
+  std::vector<float> grad_w(Sz(net.out_in()) * Sz(net.vocab), 0.0f);
+  std::vector<float> grad_b(Sz(net.vocab), 0.0f);
+  Gemm(true, false, net.out_in(), net.vocab, rows, acts.input(net.layers), net.out_in(), dlogits,
+       net.vocab, 1.0f, grad_w.data(), net.vocab);
+  AddColumnSums(dlogits, rows, net.vocab, grad_b.data());
+  std::vector<float> d(Sz(rows) * Sz(net.out_in()));
+  Gemm(false, true, rows, net.out_in(), net.vocab, dlogits, net.vocab, out[0].data(), net.vocab,
+       0.0f, d.data(), net.out_in());
+  ZINF_RETURN_IF_ERROR(access.GradientDone(out_bias, grad_b));
+  ZINF_RETURN_IF_ERROR(access.GradientDone(out_weight, grad_w));
+  std::vector<float> d_prev;
+  for (int l = net.layers - 1; l >= 0; --l) {
+    const std::size_t ids[] = {weight(l), bias(l)};
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::span<const float>> w, access.Fetch(ids));
+    const std::vector<float>& h = acts.h[Sz(l)];
+    if (net.activation == Activation::kTanh) {
+      for (std::size_t i = 0; i < d.size(); ++i) d[i] *= 1.0f - h[i] * h[i];
+    } else {
+      for (std::size_t i = 0; i < d.size(); ++i) d[i] = h[i] > 0.0f ? d[i] : 0.0f;
+    }
+    const int in = net.in(l);
+    grad_w.assign(Sz(in) * Sz(net.hidden), 0.0f);
+    grad_b.assign(Sz(net.hidden), 0.0f);
+    Gemm(true, false, in, net.hidden, rows, acts.input(l), in, d.data(), net.hidden, 1.0f,
+         grad_w.data(), net.hidden);
+    AddColumnSums(d.data(), rows, net.hidden, grad_b.data());
+    d_prev.resize(Sz(rows) * Sz(in));
+    Gemm(false, true, rows, in, net.hidden, d.data(), net.hidden, w[0].data(), net.hidden, 0.0f,
+         d_prev.data(), in);
+    std::swap(d, d_prev);
+    ZINF_RETURN_IF_ERROR(access.GradientDone(bias(l), grad_b));
+    ZINF_RETURN_IF_ERROR(access.GradientDone(weight(l), grad_w));
+  }
+  // The embedding's gradient needs no weights: d loss / d x0 scattered into its rows.
+  grad_w.assign(Sz(net.vocab) * Sz(net.embed_dim), 0.0f);
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < net.context; ++c) {
+      const std::int32_t id = contexts[Sz(r) * Sz(net.context) + Sz(c)];
+      const float* src = d.data() + Sz(r) * Sz(in0) + Sz(c) * Sz(net.embed_dim);
+      float* dst = grad_w.data() + Sz(id) * Sz(net.embed_dim);
+      for (int e = 0; e < net.embed_dim; ++e) dst[e] += src[e];
+    }
+  }
+  ZINF_RETURN_IF_ERROR(access.GradientDone(embed, grad_w));
   return loss;
 }
 

@@ -77,6 +77,11 @@ class CharLM final : public Model {
   Result<double> ForwardBackward(std::span<const float> flat_weights, const Batch& batch,
                                  std::span<float> flat_grad) const override;
   Result<double> Loss(std::span<const float> flat_weights, const Batch& batch) const override;
+  Status CheckBatch(const Batch& batch) const override;
+  // Fetches the embedding, each hidden layer's weight and bias, and the output layer (kept
+  // from its forward into its backward), then the hidden layers again from the top; the
+  // embedding's gradient needs no fetch.
+  Result<double> ForwardBackwardLayered(const Batch& batch, LayerAccess& access) const override;
   std::uint64_t WorkingBytes(std::uint64_t examples) const override;
 
   // Mean loss over dataset.EvalBatch(num_examples, context) (the held-out tail), computed in

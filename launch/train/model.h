@@ -58,6 +58,23 @@ struct Batch {
   std::size_t size() const { return num_examples; }
 };
 
+// Stage 3 (zero_optimization.stage 3): what a model's layered pass (Model::ForwardBackwardLayered)
+// sees of the partitioned parameters. The trainer implements it over the engine's Gather scopes
+// and GradientReady; a test may implement it over a flat vector.
+class LayerAccess {
+ public:
+  virtual ~LayerAccess() = default;
+  // Makes the whole weights of the parameters `params` (layout indices, in that order) readable
+  // and gives up those of the previous Fetch: the spans stay valid until the next Fetch or the
+  // end of the pass, never longer. In the trainer collective (every rank fetches the same
+  // parameters in the same order); its errors are then the same on every rank.
+  virtual Result<std::vector<std::span<const float>>> Fetch(
+      std::span<const std::size_t> params) = 0;
+  // Parameter `index`'s gradient of the pass's mean loss, complete (its numel elements); `grad`
+  // is read before the call returns. Each parameter exactly once per pass.
+  virtual Status GradientDone(std::size_t index, std::span<const float> grad) = 0;
+};
+
 class Model {
  public:
   virtual ~Model() = default;
@@ -96,6 +113,20 @@ class Model {
   // (wrong context size, ids out of range, empty batch for a data model).
   virtual Result<double> ForwardBackward(std::span<const float> flat_weights, const Batch& batch,
                                          std::span<float> flat_grad) const = 0;
+
+  // Checks that `batch` is one this model takes (the ForwardBackward errors for a batch), so that
+  // a layered pass, whose fetches are collective, begins only on a batch every rank agreed on.
+  virtual Status CheckBatch(const Batch& batch) const = 0;
+
+  // Stage 3: the same forward and backward pass over `batch`, one layer at a time. The weights
+  // come from `access.Fetch` (a layer's parameters before its forward, and again before its
+  // backward), and each parameter's gradient of the mean loss goes to `access.GradientDone` as
+  // soon as the backward pass has completed it (in reverse layout order), so that no more than
+  // a layer's weights and gradients are held at once. Returns the mean loss. The same loss and
+  // gradient as ForwardBackward up to the order of float sums. The fetches are the same for
+  // every batch (every rank fetches alike). Precondition: CheckBatch(batch) is OK.
+  // Errors: those of `access`.
+  virtual Result<double> ForwardBackwardLayered(const Batch& batch, LayerAccess& access) const = 0;
 
   // The mean loss only (evaluation); same value as ForwardBackward would return.
   // Errors: as ForwardBackward.

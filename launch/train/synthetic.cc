@@ -137,6 +137,39 @@ Result<double> SyntheticModel::ForwardBackward(std::span<const float> flat_weigh
   return Run(flat_weights, batch.key, flat_grad);
 }
 
+Status SyntheticModel::CheckBatch(const Batch&) const { return OkStatus(); }
+
+// Per parameter, in reverse layout order: each element's gradient is that of Run (the noise of
+// flat index i is the same hash of its chunk and place in it); the loss sums in another order.
+Result<double> SyntheticModel::ForwardBackwardLayered(const Batch& batch,
+                                                      LayerAccess& access) const {
+  const std::uint64_t noise_key = internal::Mix64(batch.key ^ 0x6e6f697365000000ULL);  // "noise"
+  double total = 0.0;
+  std::vector<float> grad;
+  for (std::size_t p = layout_.num_params(); p-- > 0;) {
+    const std::size_t ids[] = {p};
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::span<const float>> fetched, access.Fetch(ids));
+    const std::span<const float> w = fetched[0];
+    const std::uint64_t offset = layout_.param(p).flat_offset;
+    grad.resize(w.size());
+    double sum = 0.0;
+    for (std::size_t j = 0; j < w.size(); ++j) {
+      const std::uint64_t i = offset + j;
+      const std::uint64_t c = i / kChunkNumel;
+      const auto chunk_key = static_cast<std::uint32_t>(internal::Mix64(noise_key + c * kGolden));
+      const auto k = static_cast<std::uint32_t>(i % kChunkNumel);
+      const std::uint32_t h = Hash32(chunk_key ^ (k * 0x9e3779b9U));
+      const float noise = static_cast<float>(static_cast<std::int32_t>(h >> 8) - (1 << 23)) *
+                          (1.0f / static_cast<float>(1 << 23));
+      sum += static_cast<double>(w[j]) * static_cast<double>(w[j]);
+      grad[j] = w[j] + kNoise * noise;
+    }
+    total += sum;
+    ZINF_RETURN_IF_ERROR(access.GradientDone(p, grad));
+  }
+  return 0.5 * total / static_cast<double>(layout_.total_numel());
+}
+
 Result<double> SyntheticModel::Loss(std::span<const float> flat_weights, const Batch& batch) const {
   if (flat_weights.size() != layout_.total_numel()) {
     return InvalidArgumentError("synthetic: weights need " + std::to_string(layout_.total_numel()) +

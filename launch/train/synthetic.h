@@ -56,6 +56,10 @@ class SyntheticModel final : public Model {
   Result<double> ForwardBackward(std::span<const float> flat_weights, const Batch& batch,
                                  std::span<float> flat_grad) const override;
   Result<double> Loss(std::span<const float> flat_weights, const Batch& batch) const override;
+  // Every batch is one it takes (only its key is used).
+  Status CheckBatch(const Batch& batch) const override;
+  // One fetch per parameter, in reverse layout order: its gradient needs only its own weights.
+  Result<double> ForwardBackwardLayered(const Batch& batch, LayerAccess& access) const override;
   // A synthetic batch is nominal: no memory per example.
   std::uint64_t WorkingBytes(std::uint64_t) const override { return 0; }
 

@@ -56,6 +56,47 @@ const char kDefaultConfig[] = R"json({
 
 // ---- One run: the workload (model, data) driving the engine ----
 
+// Stage 3: a model's layered pass over the engine's partitioned parameters. One Gather scope at
+// a time (a layer's), released by the next Fetch or Finish; each gradient lent to the engine
+// (with fp16 first scaled by the loss scale and rounded to fp16, as the replicated path does).
+class EngineLayerAccess final : public LayerAccess {
+ public:
+  EngineLayerAccess(engine::ZeroEngine& engine, bool fp16) : engine_(engine), fp16_(fp16) {}
+
+  Result<std::vector<std::span<const float>>> Fetch(std::span<const std::size_t> params) override {
+    held_.Release();
+    ZINF_ASSIGN_OR_RETURN(held_, engine_.GatherByIndex(params));
+    std::vector<std::span<const float>> weights;
+    weights.reserve(held_.size());
+    for (std::size_t i = 0; i < held_.size(); ++i) weights.push_back(held_[i]);
+    return weights;
+  }
+
+  Status GradientDone(std::size_t index, std::span<const float> grad) override {
+    std::span<const float> handed = grad;
+    if (fp16_) {
+      const auto scale = static_cast<float>(engine_.loss_scale());
+      scaled_.resize(grad.size());
+      for (std::size_t i = 0; i < grad.size(); ++i) {
+        scaled_[i] = static_cast<float>(static_cast<_Float16>(grad[i] * scale));
+      }
+      handed = scaled_;
+    }
+    // GradientReady is local; its errors come back from the next AccumulateGradients or Step
+    // on every rank, so the pass goes on (its Gathers are collective) and they are agreed there.
+    static_cast<void>(engine_.GradientReady(index, handed));
+    return OkStatus();
+  }
+
+  void Finish() { held_.Release(); }
+
+ private:
+  engine::ZeroEngine& engine_;
+  const bool fp16_;
+  engine::Gathered held_;
+  std::vector<float> scaled_;
+};
+
 class Run {
  public:
   Run(const comm::Communicator& world, const TrainConfig& config, const TrainOptions& options)
@@ -71,6 +112,8 @@ class Run {
   Result<engine::StepInfo> Step(std::int64_t step);
   Status ForwardBackward(std::int64_t step, int micro_batch, double* loss_sum);
   Status SaveCheckpoint(double loss);
+  // Stage 3: the model's parameters are partitioned (registered without buffers).
+  bool partitioned() const { return config_.zero_optimization.stage == 3; }
   Json UserState(std::int64_t step, double loss) const;
   Status Finish(const TrainSummary& summary);
 
@@ -81,8 +124,10 @@ class Run {
   std::unique_ptr<Model> model_;
   const CharLM* charlm_ = nullptr;  // model_ when it is a CharLM
   std::optional<TextDataset> data_;
-  std::vector<float> weights_;  // the working weights, layout order (the engine writes them)
-  std::vector<float> grads_;    // the gradient of the rank's micro-batches, layout order
+  // The working weights, layout order (the engine writes them); empty at stage 3.
+  std::vector<float> weights_;
+  // The gradient of the rank's micro-batches, layout order; empty at stage 3.
+  std::vector<float> grads_;
   // fp16: one micro-batch's unscaled gradient, before it is scaled and rounded into grads_.
   std::vector<float> micro_grads_;
   std::unique_ptr<engine::ZeroEngine> engine_;
@@ -127,20 +172,26 @@ Status Run::BuildModel() {
 // machine's RAM + swap shared by this node's ranks, before anything is allocated; the engine
 // checks its own buffers the same way.
 Status Run::CheckHostMemory() const {
-  std::uint64_t replicated = 0;
-  if (!CheckedMul(model_->layout().total_numel(), 2 * sizeof(float), &replicated)) {
-    replicated = UINT64_MAX;
+  // Stage 3 holds a layer's weights and gradients at a time (at most two parameters each, the
+  // largest bounding both); the engine checks its shards and gathers itself.
+  std::uint64_t held = model_->layout().total_numel();
+  if (partitioned()) {
+    held = 0;
+    for (const partition::ParamInfo& p : model_->layout().params()) held = std::max(held, p.numel);
+    if (!CheckedMul(held, 2, &held)) held = UINT64_MAX;
   }
+  std::uint64_t replicated = 0;
+  if (!CheckedMul(held, 2 * sizeof(float), &replicated)) replicated = UINT64_MAX;
   const std::uint64_t activations =
       model_->WorkingBytes(static_cast<std::uint64_t>(config_.train_micro_batch_size_per_gpu));
   std::uint64_t need = 0;
   if (!CheckedAdd(replicated, activations, &need)) need = UINT64_MAX;
   return CheckHostMemoryShare(
       need, world_.topology().local_size, "this rank needs",
-      fmt::format(" (replicated weights and gradient {}, the activations of a micro-batch of {} "
+      fmt::format(" ({} weights and gradient {}, the activations of a micro-batch of {} "
                   "examples {})",
-                  FormatBytes(replicated), config_.train_micro_batch_size_per_gpu,
-                  FormatBytes(activations)),
+                  partitioned() ? "a layer's gathered" : "replicated", FormatBytes(replicated),
+                  config_.train_micro_batch_size_per_gpu, FormatBytes(activations)),
       "lower train_micro_batch_size_per_gpu (use gradient_accumulation_steps), the model size, "
       "or the ranks per node");
 }
@@ -149,18 +200,39 @@ Status Run::CreateEngine() {
   const partition::ParamLayout& layout = model_->layout();
   ZINF_LOG_INFO("model: {}", model_->Describe());
   if (data_) ZINF_LOG_INFO("data: {} ({})", data_->source(), FormatBytes(data_->size_bytes()));
-  weights_.assign(layout.total_numel(), 0.0f);
-  grads_.assign(layout.total_numel(), 0.0f);
-  // The initial weights, a pure function of (seed, flat index): the same on every rank. A
-  // restore overwrites them.
-  ZINF_RETURN_IF_ERROR(model_->InitWeights(static_cast<std::uint64_t>(config_.seed), weights_));
+  if (partitioned()) {
+    ZINF_LOG_INFO(
+        "stage 3: the parameters are partitioned, gathered a layer at a time{}",
+        charlm_ != nullptr ? " (no held-out loss or sample: they need the whole weights)" : "");
+  }
   std::vector<engine::Param> params;
   params.reserve(layout.num_params());
-  for (const partition::ParamInfo& p : layout.params()) {
-    params.push_back({.name = p.name,
-                      .shape = p.shape,
-                      .weights = std::span<float>(weights_).subspan(p.flat_offset, p.numel),
-                      .grads = std::span<float>(grads_).subspan(p.flat_offset, p.numel)});
+  const auto seed = static_cast<std::uint64_t>(config_.seed);
+  if (partitioned()) {
+    // Stage 3: no buffers; the engine asks each rank for the initial values of its shards only
+    // (a pure function of (seed, flat index), as below) and gradients are lent per layer.
+    const Model* model = model_.get();
+    for (const partition::ParamInfo& p : layout.params()) {
+      const std::uint64_t flat_offset = p.flat_offset;
+      params.push_back(
+          {.name = p.name,
+           .shape = p.shape,
+           .init = [model, seed, flat_offset](std::uint64_t offset, std::span<float> out) {
+             return model->InitSlice(seed, flat_offset + offset, out);
+           }});
+    }
+  } else {
+    weights_.assign(layout.total_numel(), 0.0f);
+    grads_.assign(layout.total_numel(), 0.0f);
+    // The initial weights, a pure function of (seed, flat index): the same on every rank. A
+    // restore overwrites them.
+    ZINF_RETURN_IF_ERROR(model_->InitWeights(seed, weights_));
+    for (const partition::ParamInfo& p : layout.params()) {
+      params.push_back({.name = p.name,
+                        .shape = p.shape,
+                        .weights = std::span<float>(weights_).subspan(p.flat_offset, p.numel),
+                        .grads = std::span<float>(grads_).subspan(p.flat_offset, p.numel)});
+    }
   }
   ZINF_ASSIGN_OR_RETURN(
       engine_, engine::ZeroEngine::Create(world_, config_, std::move(params),
@@ -186,11 +258,22 @@ Status Run::ForwardBackward(std::int64_t step, int micro_batch, double* loss_sum
                    .world_rank = world_.rank(),
                    .world_size = world_.size()};
   const int batch_size = static_cast<int>(config_.train_micro_batch_size_per_gpu);
-  Batch batch;
-  if (data_) {
-    ZINF_ASSIGN_OR_RETURN(batch, data_->SampleBatch(id, batch_size, config_.model.context));
-  } else {
-    batch = SyntheticModel::MakeBatch(id, static_cast<std::size_t>(batch_size));
+  Result<Batch> made = data_ ? data_->SampleBatch(id, batch_size, config_.model.context)
+                             : SyntheticModel::MakeBatch(id, static_cast<std::size_t>(batch_size));
+  if (partitioned()) {
+    // The fetches are collective: a batch this rank cannot make or take is agreed on before.
+    const Status usable = made ? model_->CheckBatch(*made) : Status(std::unexpected(made.error()));
+    ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(usable));
+  }
+  if (!made) return std::move(made).error();
+  const Batch& batch = *made;
+  if (partitioned()) {
+    EngineLayerAccess access(*engine_, config_.fp16.enabled);
+    Result<double> loss = model_->ForwardBackwardLayered(batch, access);
+    access.Finish();
+    if (!loss) return std::move(loss).error();
+    *loss_sum += *loss;
+    return OkStatus();
   }
   // The model accumulates into grads_, which the engine zeroes after taking it.
   if (!config_.fp16.enabled) {
@@ -215,11 +298,17 @@ Result<engine::StepInfo> Run::Step(std::int64_t step) {
   const int gas = static_cast<int>(config_.gradient_accumulation_steps);
   double loss_sum = 0;
   for (int m = 0; m < gas; ++m) {
-    // Local failures (a bad batch) are agreed on before the engine's collectives.
-    ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(ForwardBackward(step, m, &loss_sum)));
+    // Local failures (a bad batch) are agreed on before the engine's collectives (at stage 3
+    // inside ForwardBackward, whose errors are then the same on every rank).
+    if (partitioned()) {
+      ZINF_RETURN_IF_ERROR(ForwardBackward(step, m, &loss_sum));
+    } else {
+      ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(ForwardBackward(step, m, &loss_sum)));
+    }
     // With swapped gradients every micro-batch is handed over as it comes (reduced and written
-    // behind); otherwise they add up in grads_ and the step takes their sum.
-    if (config_.zinf.swap_gradients && m + 1 < gas) {
+    // behind), and so at stage 3, where the gradients are lent; otherwise they add up in grads_
+    // and the step takes their sum.
+    if ((config_.zinf.swap_gradients || partitioned()) && m + 1 < gas) {
       ZINF_RETURN_IF_ERROR(engine_->AccumulateGradients());
     }
   }
@@ -262,7 +351,7 @@ Result<TrainSummary> Run::Go() {
     loss = info.loss;
     summary.last_step = step;
     if (info.checkpoint_due) ZINF_RETURN_IF_ERROR(SaveCheckpoint(loss));
-    if (charlm_ != nullptr && config_.steps_per_print > 0 &&
+    if (charlm_ != nullptr && !partitioned() && config_.steps_per_print > 0 &&
         (step % config_.steps_per_print == 0 || step == last) && world_.rank() == 0) {
       Result<double> eval = charlm_->EvalLoss(weights_, *data_, kEvalExamples);
       if (eval) ZINF_LOG_INFO("step {}: held-out loss {:.4f}", step, *eval);
@@ -297,7 +386,7 @@ Status Run::Finish(const TrainSummary& summary) {
         summary.seconds / static_cast<double>(steps),
         static_cast<double>(samples) / std::max(summary.seconds, 1e-9), summary.final_loss);
   }
-  if (charlm_ != nullptr && world_.rank() == 0) {
+  if (charlm_ != nullptr && !partitioned() && world_.rank() == 0) {
     Result<std::string> sample =
         charlm_->Sample(weights_, "The ", 240, static_cast<std::uint64_t>(config_.seed));
     if (sample) ZINF_LOG_INFO("sample (temperature 0.8) after \"The \":\nThe {}", *sample);

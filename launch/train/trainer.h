@@ -12,6 +12,13 @@
 // micro-batch with zinf.swap_gradients), then ZeroEngine::Step (reduce-scatter, clipping, the
 // learning rate, the swapped Adam step, all-gather); every zinf.checkpoint.every steps, at the
 // last step and on a stop signal: ZeroEngine::SaveCheckpoint.
+// At zero_optimization.stage 3 the model is partitioned instead: its parameters are registered
+// without buffers (initial shards from Model::InitSlice), each micro-batch runs
+// Model::ForwardBackwardLayered over the engine's Gather scopes (one layer's at a time, in forward
+// and again in backward order) and hands each parameter's gradient with GradientReady as the
+// backward pass completes it; AccumulateGradients ends every micro-batch but the last. charlm's
+// held-out loss and sample are then skipped (they need the whole weights on rank 0). Checkpoints
+// hold the same parameters at every stage, so a run resumes across stages and world sizes.
 // Determinism: batches are pure functions of their BatchId, the models are deterministic for a
 // fixed BLAS thread count (zinf.compute_threads; by default cores / ranks per node) on one kind
 // of CPU, and MPI's reductions are deterministic for a fixed world size, so a run that is

@@ -58,6 +58,121 @@ bool HaveDefaultText() {
   return std::filesystem::is_directory(kDefaultTextDir, ec);
 }
 
+// A LayerAccess over a flat weight vector, as the trainer's is over the engine at stage 3: it
+// copies each Fetch into buffers of its own (dropping the previous ones, so a span kept past the
+// next Fetch reads freed memory under ASan), records the most elements fetched at once, and
+// collects each gradient into a flat vector.
+class FlatLayerAccess final : public LayerAccess {
+ public:
+  FlatLayerAccess(const partition::ParamLayout& layout, const std::vector<float>& weights)
+      : layout_(layout),
+        weights_(weights),
+        grads_(weights.size(), 0.0f),
+        handed_(layout.num_params(), 0) {}
+
+  Result<std::vector<std::span<const float>>> Fetch(std::span<const std::size_t> params) override {
+    held_.clear();
+    std::size_t live = 0;
+    for (const std::size_t p : params) {
+      const partition::ParamInfo& info = layout_.param(p);
+      held_.emplace_back(
+          weights_.begin() + static_cast<std::ptrdiff_t>(info.flat_offset),
+          weights_.begin() + static_cast<std::ptrdiff_t>(info.flat_offset + info.numel));
+      live += info.numel;
+    }
+    peak_live_ = std::max(peak_live_, live);
+    ++fetches_;
+    std::vector<std::span<const float>> out(held_.begin(), held_.end());
+    return out;
+  }
+
+  Status GradientDone(std::size_t index, std::span<const float> grad) override {
+    const partition::ParamInfo& info = layout_.param(index);
+    if (grad.size() != info.numel) return InvalidArgumentError("gradient of the wrong size");
+    std::copy(grad.begin(), grad.end(),
+              grads_.begin() + static_cast<std::ptrdiff_t>(info.flat_offset));
+    ++handed_[index];
+    order_.push_back(index);
+    return OkStatus();
+  }
+
+  const std::vector<float>& grads() const { return grads_; }
+  const std::vector<int>& handed() const { return handed_; }
+  const std::vector<std::size_t>& order() const { return order_; }
+  std::size_t peak_live() const { return peak_live_; }
+  int fetches() const { return fetches_; }
+
+ private:
+  const partition::ParamLayout& layout_;
+  const std::vector<float>& weights_;
+  std::vector<std::vector<float>> held_;
+  std::vector<float> grads_;
+  std::vector<int> handed_;
+  std::vector<std::size_t> order_;
+  std::size_t peak_live_ = 0;
+  int fetches_ = 0;
+};
+
+// Stage 3 (issue 42): the layered pass gives ForwardBackward's loss and gradient, fetching at
+// most one layer at a time and handing each gradient once, in reverse layout order.
+TEST(CharLM, LayeredPassEqualsForwardBackward) {
+  for (const int layers : {0, 1, 3}) {
+    SCOPED_TRACE(layers);
+    ZINF_ASSERT_OK_AND_ASSIGN(
+        CharLM model,
+        CharLM::Create({.context = 5,
+                        .embed_dim = 6,
+                        .hidden = 40,
+                        .layers = layers,
+                        .activation = layers == 1 ? Activation::kRelu : Activation::kTanh}));
+    std::vector<float> w(model.layout().total_numel());
+    ZINF_ASSERT_OK(model.InitWeights(3, w));
+    const Batch batch = RandomBatch(24, 5, 256, 7);
+    std::vector<float> g(w.size(), 0.0f);
+    ZINF_ASSERT_OK_AND_ASSIGN(const double loss, model.ForwardBackward(w, batch, g));
+    ZINF_ASSERT_OK(model.CheckBatch(batch));
+    FlatLayerAccess access(model.layout(), w);
+    ZINF_ASSERT_OK_AND_ASSIGN(const double layered, model.ForwardBackwardLayered(batch, access));
+    EXPECT_EQ(layered, loss);
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      ASSERT_NEAR(access.grads()[i], g[i], 1e-6f * std::abs(g[i]) + 1e-12f) << i;
+    }
+    EXPECT_THAT(access.handed(), ::testing::Each(1));
+    std::vector<std::size_t> reverse(model.layout().num_params());
+    for (std::size_t i = 0; i < reverse.size(); ++i) reverse[i] = reverse.size() - 1 - i;
+    EXPECT_EQ(access.order(), reverse);
+    // The largest layer (weight and bias), never the whole model.
+    std::size_t largest = 0;
+    for (std::size_t p = 1; p + 1 < model.layout().num_params(); p += 2) {
+      largest = std::max(largest, static_cast<std::size_t>(model.layout().param(p).numel +
+                                                           model.layout().param(p + 1).numel));
+    }
+    largest = std::max(largest, static_cast<std::size_t>(model.layout().param(0).numel));
+    EXPECT_EQ(access.peak_live(), largest);
+    EXPECT_EQ(access.fetches(), 2 + 2 * layers);
+  }
+  ZINF_ASSERT_OK_AND_ASSIGN(CharLM model, CharLM::Create({.context = 5}));
+  EXPECT_THAT(model.CheckBatch(RandomBatch(4, 6, 256, 1)), StatusIs(ErrorCode::kInvalidArgument));
+}
+
+TEST(SyntheticModel, LayeredPassEqualsForwardBackward) {
+  // Parameters that straddle the noise chunks (kChunkNumel) at unaligned offsets.
+  ZINF_ASSERT_OK_AND_ASSIGN(SyntheticModel model,
+                            SyntheticModel::Create(3 * SyntheticModel::kChunkNumel + 12345, 5, 2));
+  std::vector<float> w(model.layout().total_numel());
+  ZINF_ASSERT_OK(model.InitWeights(4, w));
+  const Batch batch = SyntheticModel::MakeBatch({.seed = 2, .step = 5, .world_size = 3}, 8);
+  std::vector<float> g(w.size(), 0.0f);
+  ZINF_ASSERT_OK_AND_ASSIGN(const double loss, model.ForwardBackward(w, batch, g));
+  FlatLayerAccess access(model.layout(), w);
+  ZINF_ASSERT_OK_AND_ASSIGN(const double layered, model.ForwardBackwardLayered(batch, access));
+  EXPECT_NEAR(layered, loss, 1e-12 * loss);
+  EXPECT_TRUE(SameBits(access.grads(), g));
+  EXPECT_THAT(access.handed(), ::testing::Each(1));
+  EXPECT_EQ(access.order(), (std::vector<std::size_t>{4, 3, 2, 1, 0}));
+  EXPECT_EQ(access.peak_live(), static_cast<std::size_t>(model.layout().param(0).numel));
+}
+
 // ---------------------------------------------------------------------------------------------
 // CharLM: layout and size
 

@@ -2,10 +2,11 @@
 # A DeepSpeed user's config as it is, with fp16 dynamic loss scaling, on 2 ranks: the config
 # carries DeepSpeed's GPU hints (overlap_comm, contiguous_gradients), a tensorboard block and
 # stage3_gather_16bit_weights_on_model_save, which load with the one INFO line naming them and no
-# warning, and the stage 3 keys and offload_param on the CPU, which are read (zinf-train registers
-# its parameters with weights, so they stay whole and these change nothing). fp16 starts at a loss scale of 2^24, so the first steps overflow (zinf-train rounds
-# each micro-batch's scaled gradient to fp16, as an fp16 backward pass would) and are skipped
-# while the scale halves; the loss then falls. A checkpoint of step 20 resumes (same ranks) with
+# warning, and the stage 3 keys and offload_param on the CPU, which are read (zinf-train at stage 3
+# partitions its parameters above stage3_param_persistence_threshold, shards in host memory, and
+# gathers them a layer at a time). fp16 starts at a loss scale of 2^24, so the first steps
+# overflow (zinf-train rounds each micro-batch's scaled gradient to fp16, as an fp16 backward
+# pass would) and are skipped while the scale halves; the loss then falls. A checkpoint of step 20 resumes (same ranks) with
 # the same loss scale, skipped-step count and losses as the uninterrupted run.
 #
 #   deepspeed_fp16.sh ZINF_TRAIN ZINF_CKPT MPIEXEC
