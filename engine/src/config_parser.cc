@@ -18,6 +18,7 @@
 #include "zinf/engine/config.h"
 #include "zinf/storage/fs.h"
 #include "zinf/storage/stripe_map.h"
+#include "zinf/storage/swap_store.h"
 #include "zinf/swapper/optimizer_swapper.h"
 
 namespace zinf::engine {
@@ -28,9 +29,6 @@ using namespace config_internal;  // NOLINT(google-build-using-namespace): the s
 // What a config file may be: at most 16 MiB, nested at most 32 levels (the schema needs 4).
 constexpr std::uint64_t kMaxConfigBytes = 16u << 20;
 constexpr JsonLimits kConfigJsonLimits{.max_bytes = kMaxConfigBytes, .max_depth = 32};
-// The swap store's limit on zinf.job_id (storage/src/swap_store.cc, ValidateJobId): refused here,
-// when the config is loaded, not when the store is opened.
-constexpr std::size_t kMaxJobIdLength = 200;
 // The smallest swap buffer the optimizer swapper's pool makes: one sub-group's bytes rounded up to
 // the direct-I/O alignment, at least a 4 KiB page (swapper/src/optimizer_swapper.cc, CreatePool).
 constexpr std::uint64_t kMinSwapBufferBytes = 4096;
@@ -569,19 +567,9 @@ class Parser {
 
   Status CheckZinf() {
     const std::string& job_id = config_.zinf.job_id;
-    if (job_id.size() > kMaxJobIdLength) {
-      return InvalidArgumentError(fmt::format(
-          "zinf.job_id: {} characters long, at most {} (it names the swap store directory "
-          "zinf-<job_id>)",
-          job_id.size(), kMaxJobIdLength));
-    }
-    const bool valid_chars = std::all_of(job_id.begin(), job_id.end(), [](char ch) {
-      return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-             ch == '_' || ch == '.' || ch == '-';
-    });
-    if (!valid_chars || job_id.find("..") != std::string::npos || job_id == ".") {
-      return InvalidArgumentError(fmt::format(
-          "zinf.job_id: \"{}\" may contain only A-Z a-z 0-9 _ . - (and no \"..\")", job_id));
+    // The swap store's rule, checked when the config is loaded rather than when the store opens.
+    if (!job_id.empty()) {
+      ZINF_RETURN_IF_ERROR(Annotate(storage::ValidateJobId(job_id), "zinf.job_id: "));
     }
     ZINF_RETURN_IF_ERROR(CheckPinnedBudget());
     const CheckpointConfig& checkpoint = config_.zinf.checkpoint;

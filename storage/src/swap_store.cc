@@ -50,7 +50,6 @@ constexpr std::uint64_t kMaxManifestBytes = 1 << 20;
 constexpr std::chrono::milliseconds kJobLockWait{30'000};
 constexpr std::chrono::milliseconds kJobLockPoll{10};
 constexpr int kJobDirAttempts = 8;
-constexpr std::size_t kMaxJobIdLength = 200;
 // Probed paths whose bandwidths are all within this factor of each other get equal shares: a
 // short probe of equal drives differs by some percent from run to run.
 constexpr double kProbeEqualWithin = 1.15;
@@ -66,25 +65,6 @@ std::string StripTrailingSlashes(std::string path) {
   return path;
 }
 
-Status ValidateJobId(const std::string& job_id) {
-  if (job_id.empty()) return InvalidArgumentError("swap store: job_id is empty");
-  if (job_id.size() > kMaxJobIdLength) {
-    return InvalidArgumentError(fmt::format("swap store: job_id is {} characters long (at most {})",
-                                            job_id.size(), kMaxJobIdLength));
-  }
-  for (char c : job_id) {
-    const bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
-                    c == '_' || c == '.' || c == '-';
-    if (!ok) {
-      return InvalidArgumentError(fmt::format(
-          "swap store: job_id '{}' has character '{}'; allowed are [A-Za-z0-9_.-]", job_id, c));
-    }
-  }
-  if (job_id.find("..") != std::string::npos || job_id == ".") {
-    return InvalidArgumentError(fmt::format("swap store: job_id '{}' contains '..'", job_id));
-  }
-  return OkStatus();
-}
 
 // The stripe map `options` ask for (equal shares when path_weights is empty).
 Result<StripeMap> MapOfOptions(const SwapStoreOptions& options) {
@@ -110,7 +90,7 @@ Status ValidateOptions(const SwapStoreOptions& options) {
           fmt::format("swap store: path '{}' is configured twice in nvme_path", path));
     }
   }
-  ZINF_RETURN_IF_ERROR(ValidateJobId(options.job_id));
+  ZINF_RETURN_IF_ERROR(Annotate(ValidateJobId(options.job_id), "swap store: job_id: "));
   if (options.world_rank < 0) {
     return InvalidArgumentError(
         fmt::format("swap store: world_rank {} is negative", options.world_rank));
@@ -396,6 +376,24 @@ Result<RankDirectoryFacts> ExamineRankDirectory(int rank_fd, const std::string& 
 }
 
 }  // namespace
+
+Status ValidateJobId(std::string_view job_id) {
+  if (job_id.empty()) return InvalidArgumentError("is empty");
+  if (job_id.size() > kMaxJobIdLength) {
+    return InvalidArgumentError(fmt::format(
+        "{} characters long, at most {} (it names the swap store directory zinf-<job_id>)",
+        job_id.size(), kMaxJobIdLength));
+  }
+  const bool valid_chars = std::all_of(job_id.begin(), job_id.end(), [](char c) {
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+           c == '_' || c == '.' || c == '-';
+  });
+  if (!valid_chars || job_id.find("..") != std::string_view::npos || job_id == ".") {
+    return InvalidArgumentError(
+        fmt::format("\"{}\" may contain only A-Z a-z 0-9 _ . - (and no \"..\")", job_id));
+  }
+  return OkStatus();
+}
 
 SwapStore::SwapStore(const SwapStoreOptions& options) : options_(options) {
   for (std::string& path : options_.paths) path = StripTrailingSlashes(path);

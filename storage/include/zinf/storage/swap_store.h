@@ -120,6 +120,15 @@
 
 namespace zinf::storage {
 
+// The longest job_id (SwapStoreOptions::job_id), which names the directory zinf-<job_id>.
+inline constexpr std::size_t kMaxJobIdLength = 200;
+
+// Whether `job_id` can key a store: 1 to kMaxJobIdLength characters of [A-Za-z0-9_.-], neither "."
+// nor holding "..". The one rule for the store and the config (zinf.job_id). Errors:
+// InvalidArgument saying what is wrong, without naming the key (callers prefix it), e.g.
+// "\"my/job\" may contain only A-Z a-z 0-9 _ . - (and no \"..\")".
+Status ValidateJobId(std::string_view job_id);
+
 struct SwapStoreOptions {
   std::vector<std::string> paths;  // node-local directories; at least one; tensors are striped
   std::string job_id;              // [A-Za-z0-9_.-]+, no ".."; keys the store directory
