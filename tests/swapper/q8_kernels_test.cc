@@ -173,6 +173,21 @@ TEST(Q8Kernels, EncodersGiveTheScalarCodesOnASweepOfNormalizedValues) {
   }
 }
 
+// `steps` floats from each threshold between two codes of `t`, times `scale`, toward 0 and
+// toward infinity: where an encoder that rounds 1 / scale differently would pick another code.
+std::vector<float> NearThresholds(const Tables& t, float scale, int steps) {
+  std::vector<float> x;
+  for (std::size_t c = 0; c + 1 < 256; ++c) {
+    const double th = (static_cast<double>(t.values[c]) + t.values[c + 1]) / 2;
+    const float on = static_cast<float>(th * scale);
+    for (float toward : {0.0f, std::numeric_limits<float>::infinity()}) {
+      float v = on;
+      for (int k = 0; k < steps; ++k, v = std::nextafter(v, toward)) x.push_back(v);
+    }
+  }
+  return x;
+}
+
 // Values a few float steps from every threshold times scales whose reciprocals round, mixed
 // with log-uniform magnitudes over all decades, zeros, subnormals and +-scale; tails too.
 TEST(Q8Kernels, EncodersGiveTheScalarCodesNearThresholdsAndEverywhere) {
@@ -185,15 +200,7 @@ TEST(Q8Kernels, EncodersGiveTheScalarCodesNearThresholdsAndEverywhere) {
     for (int round = 0; round < 100; ++round) {
       const float scale = round < 5 ? std::array{1.0f, 0.7f, 3.0f, 1e-30f, 3e-5f}[round]
                                     : std::exp2(log_scale(rng));
-      std::vector<float> x;
-      for (std::size_t c = 0; c + 1 < 256; ++c) {
-        const double th = (static_cast<double>(t.values[c]) + t.values[c + 1]) / 2;
-        const float on = static_cast<float>(th * scale);
-        for (float toward : {0.0f, std::numeric_limits<float>::infinity()}) {
-          float v = on;
-          for (int k = 0; k < 24; ++k, v = std::nextafter(v, toward)) x.push_back(v);
-        }
-      }
+      std::vector<float> x = NearThresholds(t, scale, 24);
       for (int i = 0; i < 2000; ++i) {
         const float mag = std::exp2(log_mag(rng)) * scale;
         x.push_back(rng() % 2 ? mag : -mag);
@@ -242,15 +249,7 @@ TEST(Q8Kernels, EncodersGiveTheScalarCodesAtTheEndsOfTheFloatRange) {
   for (MapKind kind : kKinds) {
     const Tables& t = TablesFor(kind);
     for (float scale : scales) {
-      std::vector<float> x;
-      for (std::size_t c = 0; c + 1 < 256; ++c) {
-        const double th = (static_cast<double>(t.values[c]) + t.values[c + 1]) / 2;
-        const float on = static_cast<float>(th * scale);
-        for (float toward : {0.0f, std::numeric_limits<float>::infinity()}) {
-          float v = on;
-          for (int k = 0; k < 64; ++k, v = std::nextafter(v, toward)) x.push_back(v);
-        }
-      }
+      std::vector<float> x = NearThresholds(t, scale, 64);
       for (int i = 0; i < 500; ++i) {
         const float mag = static_cast<float>(std::exp2(static_cast<double>(log_mag(rng))) * scale);
         x.push_back(rng() % 2 ? mag : -mag);
