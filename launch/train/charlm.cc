@@ -108,12 +108,15 @@ void AddColumnSums(const float* d, int rows, int cols, float* grad_bias) {
   }
 }
 
-void Forward(const Net& net, const float* w, const std::int32_t* contexts, int rows,
-             Activations& acts) {
+// The forward pass's steps, each on the weights it names: the flat pass (Forward) runs them on
+// the whole weights, the layered one on each layer's fetched weights.
+
+// x0 = the context's embeddings, examples in order.
+void EmbedForward(const Net& net, const float* embed, const std::int32_t* contexts, int rows,
+                  Activations& acts) {
   acts.rows = rows;
   const int in0 = net.in0();
   acts.x0.resize(Sz(rows) * Sz(in0));
-  const float* embed = w + net.embed;
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < net.context; ++c) {
       const std::int32_t id = contexts[Sz(r) * Sz(net.context) + Sz(c)];
@@ -122,26 +125,43 @@ void Forward(const Net& net, const float* w, const std::int32_t* contexts, int r
     }
   }
   acts.h.resize(Sz(net.layers));
-  for (int l = 0; l < net.layers; ++l) {
-    std::vector<float>& h = acts.h[Sz(l)];
-    h.resize(Sz(rows) * Sz(net.hidden));
-    Gemm(false, false, rows, net.hidden, net.in(l), acts.input(l), net.in(l), w + net.weight[Sz(l)],
-         net.hidden, 0.0f, h.data(), net.hidden);
-    AddBias(h.data(), w + net.bias[Sz(l)], rows, net.hidden);
-    if (net.activation == Activation::kTanh) {
-      for (float& v : h) v = std::tanh(v);
-    } else {
-      for (float& v : h) v = v > 0.0f ? v : 0.0f;
-    }
-  }
-  acts.logits.resize(Sz(rows) * Sz(net.vocab));
-  Gemm(false, false, rows, net.vocab, net.out_in(), acts.input(net.layers), net.out_in(),
-       w + net.out_weight, net.vocab, 0.0f, acts.logits.data(), net.vocab);
-  AddBias(acts.logits.data(), w + net.out_bias, rows, net.vocab);
 }
 
-// Mean cross-entropy of the logits against `targets`. With `to_grad`, the logits are replaced by
-// d(mean loss)/d(logits) = (softmax - onehot) / rows.
+// h_l = activation(input_l * weight + bias).
+void HiddenForward(const Net& net, int l, const float* weight, const float* bias,
+                   Activations& acts) {
+  const int rows = acts.rows;
+  std::vector<float>& h = acts.h[Sz(l)];
+  h.resize(Sz(rows) * Sz(net.hidden));
+  Gemm(false, false, rows, net.hidden, net.in(l), acts.input(l), net.in(l), weight, net.hidden,
+       0.0f, h.data(), net.hidden);
+  AddBias(h.data(), bias, rows, net.hidden);
+  if (net.activation == Activation::kTanh) {
+    for (float& v : h) v = std::tanh(v);
+  } else {
+    for (float& v : h) v = v > 0.0f ? v : 0.0f;
+  }
+}
+
+// logits = input_layers * out_weight + out_bias.
+void OutputForward(const Net& net, const float* out_weight, const float* out_bias,
+                   Activations& acts) {
+  const int rows = acts.rows;
+  acts.logits.resize(Sz(rows) * Sz(net.vocab));
+  Gemm(false, false, rows, net.vocab, net.out_in(), acts.input(net.layers), net.out_in(),
+       out_weight, net.vocab, 0.0f, acts.logits.data(), net.vocab);
+  AddBias(acts.logits.data(), out_bias, rows, net.vocab);
+}
+
+void Forward(const Net& net, const float* w, const std::int32_t* contexts, int rows,
+             Activations& acts) {
+  EmbedForward(net, w + net.embed, contexts, rows, acts);
+  for (int l = 0; l < net.layers; ++l) {
+    HiddenForward(net, l, w + net.weight[Sz(l)], w + net.bias[Sz(l)], acts);
+  }
+  OutputForward(net, w + net.out_weight, w + net.out_bias, acts);
+}
+
 double CrossEntropy(const Net& net, Activations& acts, const std::int32_t* targets, bool to_grad) {
   double loss_sum = 0.0;
   const float inv_rows = 1.0f / static_cast<float>(acts.rows);
@@ -164,39 +184,47 @@ double CrossEntropy(const Net& net, Activations& acts, const std::int32_t* targe
   return loss_sum / acts.rows;
 }
 
-// Accumulates the gradient; acts.logits holds d loss / d logits (CrossEntropy with to_grad).
-void Backward(const Net& net, const float* w, const std::int32_t* contexts, Activations& acts,
-              float* grad) {
+// The backward pass's steps, as the forward's. Each adds its gradients into the ones given;
+// `d` is d loss / d the input of the layer above, on return d loss / d its own input.
+
+// The output layer's gradients; d starts as d loss / d x_layers.
+void OutputBackward(const Net& net, const float* out_weight, const Activations& acts,
+                    float* grad_weight, float* grad_bias, std::vector<float>& d) {
   const int rows = acts.rows;
   const float* dlogits = acts.logits.data();
   Gemm(true, false, net.out_in(), net.vocab, rows, acts.input(net.layers), net.out_in(), dlogits,
-       net.vocab, 1.0f, grad + net.out_weight, net.vocab);
-  AddColumnSums(dlogits, rows, net.vocab, grad + net.out_bias);
+       net.vocab, 1.0f, grad_weight, net.vocab);
+  AddColumnSums(dlogits, rows, net.vocab, grad_bias);
+  d.resize(Sz(rows) * Sz(net.out_in()));
+  Gemm(false, true, rows, net.out_in(), net.vocab, dlogits, net.vocab, out_weight, net.vocab,
+       0.0f, d.data(), net.out_in());
+}
 
-  // d = d loss / d input of the layer above; starts as d loss / d x_layers.
-  std::vector<float> d(Sz(rows) * Sz(net.out_in()));
-  Gemm(false, true, rows, net.out_in(), net.vocab, dlogits, net.vocab, w + net.out_weight,
-       net.vocab, 0.0f, d.data(), net.out_in());
-  std::vector<float> d_prev;
-  for (int l = net.layers - 1; l >= 0; --l) {
-    const std::vector<float>& h = acts.h[Sz(l)];
-    if (net.activation == Activation::kTanh) {
-      for (std::size_t i = 0; i < d.size(); ++i) d[i] *= 1.0f - h[i] * h[i];
-    } else {
-      for (std::size_t i = 0; i < d.size(); ++i) d[i] = h[i] > 0.0f ? d[i] : 0.0f;
-    }
-    const int in = net.in(l);
-    Gemm(true, false, in, net.hidden, rows, acts.input(l), in, d.data(), net.hidden, 1.0f,
-         grad + net.weight[Sz(l)], net.hidden);
-    AddColumnSums(d.data(), rows, net.hidden, grad + net.bias[Sz(l)]);
-    d_prev.resize(Sz(rows) * Sz(in));
-    Gemm(false, true, rows, in, net.hidden, d.data(), net.hidden, w + net.weight[Sz(l)], net.hidden,
-         0.0f, d_prev.data(), in);
-    std::swap(d, d_prev);
+// Hidden layer l's gradients; `scratch` is reused between layers.
+void HiddenBackward(const Net& net, int l, const float* weight, const Activations& acts,
+                    float* grad_weight, float* grad_bias, std::vector<float>& d,
+                    std::vector<float>& scratch) {
+  const int rows = acts.rows;
+  const std::vector<float>& h = acts.h[Sz(l)];
+  if (net.activation == Activation::kTanh) {
+    for (std::size_t i = 0; i < d.size(); ++i) d[i] *= 1.0f - h[i] * h[i];
+  } else {
+    for (std::size_t i = 0; i < d.size(); ++i) d[i] = h[i] > 0.0f ? d[i] : 0.0f;
   }
-  // d is now d loss / d x0: scatter-add into the embedding rows, examples in order.
-  float* grad_embed = grad + net.embed;
-  for (int r = 0; r < rows; ++r) {
+  const int in = net.in(l);
+  Gemm(true, false, in, net.hidden, rows, acts.input(l), in, d.data(), net.hidden, 1.0f,
+       grad_weight, net.hidden);
+  AddColumnSums(d.data(), rows, net.hidden, grad_bias);
+  scratch.resize(Sz(rows) * Sz(in));
+  Gemm(false, true, rows, in, net.hidden, d.data(), net.hidden, weight, net.hidden, 0.0f,
+       scratch.data(), in);
+  std::swap(d, scratch);
+}
+
+// d is d loss / d x0: scatter-added into the embedding rows, examples in order.
+void EmbedBackward(const Net& net, const std::int32_t* contexts, const Activations& acts,
+                   const std::vector<float>& d, float* grad_embed) {
+  for (int r = 0; r < acts.rows; ++r) {
     for (int c = 0; c < net.context; ++c) {
       const std::int32_t id = contexts[Sz(r) * Sz(net.context) + Sz(c)];
       const float* src = d.data() + Sz(r) * Sz(net.in0()) + Sz(c) * Sz(net.embed_dim);
@@ -204,6 +232,19 @@ void Backward(const Net& net, const float* w, const std::int32_t* contexts, Acti
       for (int e = 0; e < net.embed_dim; ++e) dst[e] += src[e];
     }
   }
+}
+
+// Accumulates the gradient; acts.logits holds d loss / d logits (CrossEntropy with to_grad).
+void Backward(const Net& net, const float* w, const std::int32_t* contexts, Activations& acts,
+              float* grad) {
+  std::vector<float> d;
+  OutputBackward(net, w + net.out_weight, acts, grad + net.out_weight, grad + net.out_bias, d);
+  std::vector<float> scratch;
+  for (int l = net.layers - 1; l >= 0; --l) {
+    HiddenBackward(net, l, w + net.weight[Sz(l)], acts, grad + net.weight[Sz(l)],
+                   grad + net.bias[Sz(l)], d, scratch);
+  }
+  EmbedBackward(net, contexts, acts, d, grad + net.embed);
 }
 
 Status CheckRange(std::string_view field, int value, int lo, int hi) {
@@ -377,88 +418,41 @@ Result<double> CharLM::ForwardBackwardLayered(const Batch& batch, LayerAccess& a
   const std::size_t out_bias = out_weight + 1;
 
   Activations acts;
-  acts.rows = rows;
-  const int in0 = net.in0();
   {
     const std::size_t ids[] = {embed};
     ZINF_ASSIGN_OR_RETURN(std::vector<std::span<const float>> w, access.Fetch(ids));
-    acts.x0.resize(Sz(rows) * Sz(in0));
-    for (int r = 0; r < rows; ++r) {
-      for (int c = 0; c < net.context; ++c) {
-        const std::int32_t id = contexts[Sz(r) * Sz(net.context) + Sz(c)];
-        std::copy_n(w[0].data() + Sz(id) * Sz(net.embed_dim), net.embed_dim,
-                    acts.x0.data() + Sz(r) * Sz(in0) + Sz(c) * Sz(net.embed_dim));
-      }
-    }
+    EmbedForward(net, w[0].data(), contexts, rows, acts);
   }
-  acts.h.resize(Sz(net.layers));
   for (int l = 0; l < net.layers; ++l) {
     const std::size_t ids[] = {weight(l), bias(l)};
     ZINF_ASSIGN_OR_RETURN(std::vector<std::span<const float>> w, access.Fetch(ids));
-    std::vector<float>& h = acts.h[Sz(l)];
-    h.resize(Sz(rows) * Sz(net.hidden));
-    Gemm(false, false, rows, net.hidden, net.in(l), acts.input(l), net.in(l), w[0].data(),
-         net.hidden, 0.0f, h.data(), net.hidden);
-    AddBias(h.data(), w[1].data(), rows, net.hidden);
-    if (net.activation == Activation::kTanh) {
-      for (float& v : h) v = std::tanh(v);
-    } else {
-      for (float& v : h) v = v > 0.0f ? v : 0.0f;
-    }
+    HiddenForward(net, l, w[0].data(), w[1].data(), acts);
   }
   // The output layer stays fetched from its forward into its backward.
   const std::size_t out_ids[] = {out_weight, out_bias};
   ZINF_ASSIGN_OR_RETURN(std::vector<std::span<const float>> out, access.Fetch(out_ids));
-  acts.logits.resize(Sz(rows) * Sz(net.vocab));
-  Gemm(false, false, rows, net.vocab, net.out_in(), acts.input(net.layers), net.out_in(),
-       out[0].data(), net.vocab, 0.0f, acts.logits.data(), net.vocab);
-  AddBias(acts.logits.data(), out[1].data(), rows, net.vocab);
+  OutputForward(net, out[0].data(), out[1].data(), acts);
   const double loss = CrossEntropy(net, acts, batch.targets.data(), /*to_grad=*/true);
 
-  const float* dlogits = acts.logits.data();
   std::vector<float> grad_w(Sz(net.out_in()) * Sz(net.vocab), 0.0f);
   std::vector<float> grad_b(Sz(net.vocab), 0.0f);
-  Gemm(true, false, net.out_in(), net.vocab, rows, acts.input(net.layers), net.out_in(), dlogits,
-       net.vocab, 1.0f, grad_w.data(), net.vocab);
-  AddColumnSums(dlogits, rows, net.vocab, grad_b.data());
-  std::vector<float> d(Sz(rows) * Sz(net.out_in()));
-  Gemm(false, true, rows, net.out_in(), net.vocab, dlogits, net.vocab, out[0].data(), net.vocab,
-       0.0f, d.data(), net.out_in());
+  std::vector<float> d;
+  OutputBackward(net, out[0].data(), acts, grad_w.data(), grad_b.data(), d);
   ZINF_RETURN_IF_ERROR(access.GradientDone(out_bias, grad_b));
   ZINF_RETURN_IF_ERROR(access.GradientDone(out_weight, grad_w));
-  std::vector<float> d_prev;
+  std::vector<float> scratch;
   for (int l = net.layers - 1; l >= 0; --l) {
     const std::size_t ids[] = {weight(l), bias(l)};
     ZINF_ASSIGN_OR_RETURN(std::vector<std::span<const float>> w, access.Fetch(ids));
-    const std::vector<float>& h = acts.h[Sz(l)];
-    if (net.activation == Activation::kTanh) {
-      for (std::size_t i = 0; i < d.size(); ++i) d[i] *= 1.0f - h[i] * h[i];
-    } else {
-      for (std::size_t i = 0; i < d.size(); ++i) d[i] = h[i] > 0.0f ? d[i] : 0.0f;
-    }
-    const int in = net.in(l);
-    grad_w.assign(Sz(in) * Sz(net.hidden), 0.0f);
+    grad_w.assign(Sz(net.in(l)) * Sz(net.hidden), 0.0f);
     grad_b.assign(Sz(net.hidden), 0.0f);
-    Gemm(true, false, in, net.hidden, rows, acts.input(l), in, d.data(), net.hidden, 1.0f,
-         grad_w.data(), net.hidden);
-    AddColumnSums(d.data(), rows, net.hidden, grad_b.data());
-    d_prev.resize(Sz(rows) * Sz(in));
-    Gemm(false, true, rows, in, net.hidden, d.data(), net.hidden, w[0].data(), net.hidden, 0.0f,
-         d_prev.data(), in);
-    std::swap(d, d_prev);
+    HiddenBackward(net, l, w[0].data(), acts, grad_w.data(), grad_b.data(), d, scratch);
     ZINF_RETURN_IF_ERROR(access.GradientDone(bias(l), grad_b));
     ZINF_RETURN_IF_ERROR(access.GradientDone(weight(l), grad_w));
   }
-  // The embedding's gradient needs no weights: d loss / d x0 scattered into its rows.
+  // The embedding's gradient needs no weights.
   grad_w.assign(Sz(net.vocab) * Sz(net.embed_dim), 0.0f);
-  for (int r = 0; r < rows; ++r) {
-    for (int c = 0; c < net.context; ++c) {
-      const std::int32_t id = contexts[Sz(r) * Sz(net.context) + Sz(c)];
-      const float* src = d.data() + Sz(r) * Sz(in0) + Sz(c) * Sz(net.embed_dim);
-      float* dst = grad_w.data() + Sz(id) * Sz(net.embed_dim);
-      for (int e = 0; e < net.embed_dim; ++e) dst[e] += src[e];
-    }
-  }
+  EmbedBackward(net, contexts, acts, d, grad_w.data());
   ZINF_RETURN_IF_ERROR(access.GradientDone(embed, grad_w));
   return loss;
 }
