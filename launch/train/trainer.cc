@@ -56,6 +56,13 @@ const char kDefaultConfig[] = R"json({
 
 // ---- One run: the workload (model, data) driving the engine ----
 
+// What a backward pass of the loss times `scale` in fp16 gives for a gradient element: the
+// element times the scale, rounded to fp16 (beyond its range: Inf, and the engine skips the step
+// and lowers the scale).
+float ScaledToFp16(float grad, float scale) {
+  return static_cast<float>(static_cast<_Float16>(grad * scale));
+}
+
 // Stage 3: a model's layered pass over the engine's partitioned parameters. One Gather scope at
 // a time (a layer's), released by the next Fetch or Finish; each gradient lent to the engine
 // (with fp16 first scaled by the loss scale and rounded to fp16, as the replicated path does).
@@ -78,7 +85,7 @@ class EngineLayerAccess final : public LayerAccess {
       const auto scale = static_cast<float>(engine_.loss_scale());
       scaled_.resize(grad.size());
       for (std::size_t i = 0; i < grad.size(); ++i) {
-        scaled_[i] = static_cast<float>(static_cast<_Float16>(grad[i] * scale));
+        scaled_[i] = ScaledToFp16(grad[i], scale);
       }
       handed = scaled_;
     }
@@ -281,14 +288,13 @@ Status Run::ForwardBackward(std::int64_t step, int micro_batch, double* loss_sum
     *loss_sum += loss;
     return OkStatus();
   }
-  // fp16: what a backward pass of the loss times the scale in fp16 gives: each micro-batch's
-  // gradient times the engine's loss scale, rounded to fp16 (beyond its range: Inf, and the
-  // engine skips the step and lowers the scale).
+  // fp16: each micro-batch's gradient as a backward pass of the loss times the engine's loss
+  // scale in fp16 gives it (ScaledToFp16).
   micro_grads_.assign(grads_.size(), 0.0f);
   ZINF_ASSIGN_OR_RETURN(double loss, model_->ForwardBackward(weights_, batch, micro_grads_));
   const auto scale = static_cast<float>(engine_->loss_scale());
   for (std::size_t i = 0; i < grads_.size(); ++i) {
-    grads_[i] += static_cast<float>(static_cast<_Float16>(micro_grads_[i] * scale));
+    grads_[i] += ScaledToFp16(micro_grads_[i], scale);
   }
   *loss_sum += loss;
   return OkStatus();
