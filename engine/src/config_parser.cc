@@ -95,6 +95,12 @@ class Parser {
     ZINF_RETURN_IF_ERROR(CheckPrecision());
     ZINF_RETURN_IF_ERROR(ResolveBatchSizes());
     config_.world_size = ctx_.world_size;
+    for (const std::string& path : given_) {
+      const KeySpec* spec = schema_.Find(path);
+      config_.given_keys.emplace_back(
+          spec != nullptr && !spec->alias_of.empty() ? spec->alias_of : std::string_view(path));
+    }
+    std::sort(config_.given_keys.begin(), config_.given_keys.end());
     if (!config_.ignored_keys.empty()) {
       std::sort(config_.ignored_keys.begin(), config_.ignored_keys.end());
       std::vector<std::string_view> keys(config_.ignored_keys.begin(), config_.ignored_keys.end());

@@ -173,6 +173,10 @@ std::string DeepSpeedKeyTable() {
   return out;
 }
 
+bool Config::Gave(std::string_view path) const {
+  return std::binary_search(given_keys.begin(), given_keys.end(), path);
+}
+
 std::string EffectiveConfigJson(const Config& config) { return CanonicalJson(config).dump(2); }
 
 std::uint64_t ConfigHash(const Config& config) {

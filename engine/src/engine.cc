@@ -4,18 +4,22 @@
 // updated partitions into the user's weights), Report (log, live line, metrics).
 #include "zinf/engine/engine.h"
 
+#include <malloc.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
@@ -202,9 +206,10 @@ class ZeroEngine::Impl {
 
   // The parts of Create, Step and the rest; each collective unless said otherwise.
   Status Build(std::vector<Param> params);
-  Status CheckHostMemory(std::uint64_t round) const;  // local
-  // Local.
-  Status PlanHostMemory(std::uint64_t round, const swapper::SwapperOptions& options);
+  Result<MemoryPlan> MakeMemoryPlan(const swapper::SwapperOptions& options) const;  // local
+  Status FitMemoryPlan(const MemoryBudget& budget, swapper::SwapperOptions& options);
+  Status PlanHostMemory(const MemoryBudget& budget,
+                        const swapper::SwapperOptions& options);  // local
   Status InitializeOrRestore();
   Status Initialize();
   Status Restore(const std::string& path, bool verify_before_write);
@@ -309,6 +314,7 @@ struct ZeroEngine::Impl::State {
   std::uint64_t total_numel = 0;
   std::uint64_t partition_numel = 0;
   std::uint64_t plan_bytes = 0;       // the host memory plan's total per rank (memory_plan.h)
+  std::uint64_t rss_before_engine = 0;  // CurrentRssBytes() when Create began
   std::vector<float> partition_grad;  // this rank's reduced gradient (in-memory accumulation)
   // With a gradient swapper: its reduced gradient on its way to NVMe (pages allocated as written
   // and released per sub-group, GradientBuckets::Target).
@@ -331,11 +337,22 @@ struct ZeroEngine::Impl::State {
   // Last: destroyed first (its worker uses the backend, the swapper and the timers).
   std::unique_ptr<GradientBuckets> buckets;
 
+  // The elements per rank of one all-gather round of the parameters held whole: they are
+  // gathered in rounds of allgather_bucket_size elements over all ranks. After PlanHolding.
+  std::uint64_t GatherRound(const Config& config, int world) const {
+    std::uint64_t whole_numel = 0;
+    for (const auto& [begin, end] : whole_ranges) whole_numel += end - begin;
+    return std::clamp<std::uint64_t>(
+        config.zero_optimization.allgather_bucket_size / static_cast<std::uint64_t>(world), 1,
+        std::max<std::uint64_t>(whole_numel, 1));
+  }
+
   // Decides how each parameter is held (engine.h, "Stage 3") and where the shards live; sizes
   // shard_numel. Local, the same on every rank; allocates nothing.
   Status PlanHolding(const Config& config) {
     const ZeroConfig& zero = config.zero_optimization;
     const partition::ParamLayout& layout = plan->layout();
+    num_partitioned = 0;
     holding.assign(params.size(), Holding::kLoop);
     whole.assign(params.size(), {});
     refs.assign(params.size(), 0);
@@ -818,6 +835,7 @@ Result<std::unique_ptr<ZeroEngine>> ZeroEngine::Create(const comm::Communicator&
 
 Status ZeroEngine::Impl::Build(std::vector<Param> params) {
   State& s = *state_;
+  s.rss_before_engine = CurrentRssBytes();
   if (Status usable = CheckEngineConfig(config_); !usable) {
     return comm().AgreeOnStatus(std::move(usable));
   }
@@ -861,21 +879,20 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
         s.partition_numel, std::numeric_limits<int>::max())));
   }
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(s.PlanHolding(config_)));
-  std::uint64_t whole_numel = 0;
-  for (const auto& [begin, end] : s.whole_ranges) whole_numel += end - begin;
-  // The all-gather of the parameters held whole runs in rounds of allgather_bucket_size
-  // elements over all ranks.
-  const std::uint64_t round = std::clamp<std::uint64_t>(
-      config_.zero_optimization.allgather_bucket_size / static_cast<std::uint64_t>(world_.size()),
-      1, std::max<std::uint64_t>(whole_numel, 1));
-  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(CheckHostMemory(round)));
   swapper::SwapperOptions options = ToSwapperOptions(config_, world_.rank(), s.plan->layout());
   // Stores left by killed runs are scratch: this job's own is reused, other jobs' are removed
   // once every rank's store is open (SwapStore::ReclaimStale; kept ones are named in a WARN).
   options.store.reclaim_stale = !config_.zinf.keep_swap;
   options.accumulation_memory_limit_bytes = options_.gradient_memory_limit_bytes;
   // Before anything large is allocated: the plan against the budget, refused on every rank.
-  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(PlanHostMemory(round, options)));
+  Result<MemoryBudget> budget =
+      ResolveHostMemoryBudget(config_.zinf.host_memory_budget, world_.topology().local_size);
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(budget ? OkStatus() : Status(budget.error())));
+  ZINF_RETURN_IF_ERROR(FitMemoryPlan(*budget, options));
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(PlanHostMemory(*budget, options)));
+  std::uint64_t whole_numel = 0;
+  for (const auto& [begin, end] : s.whole_ranges) whole_numel += end - begin;
+  const std::uint64_t round = s.GatherRound(config_, world_.size());
   ZINF_LOG_INFO(
       "engine: {} parameters in {} tensors; partition {} elements per rank; weights held whole "
       "gathered in {} round(s) of {} elements per rank",
@@ -933,36 +950,11 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
   return OkStatus();
 }
 
-// The engine's own buffers against the machine's RAM + swap shared by this node's ranks: what
-// cannot fit is ResourceExhausted before it is allocated, not a std::bad_alloc half-way.
-Status ZeroEngine::Impl::CheckHostMemory(std::uint64_t round) const {
-  const State& s = *state_;
-  // The loop's weights and gradients, the engine's whole and sharded weights, the partition's
-  // gradient and the all-gather buffers (the stage-3 gathers come on top, bounded by
-  // stage3_max_live_parameters and the loop's own asks).
-  std::uint64_t floats =
-      s.partition_numel + s.shard_numel + round * (1 + static_cast<std::uint64_t>(world_.size()));
-  for (std::size_t p = 0; p < s.params.size(); ++p) {
-    floats += s.params[p].weights.size() + s.params[p].grads.size();
-    if (s.holding[p] == Holding::kPersistent) floats += s.plan->layout().param(p).numel;
-  }
-  std::uint64_t need = 0;
-  if (!CheckedMul(floats, sizeof(float), &need)) need = UINT64_MAX;
-  return CheckHostMemoryShare(
-      need, world_.topology().local_size, "the engine needs",
-      fmt::format(" per rank for the weights and gradients of {} parameters", s.total_numel),
-      config_.zero_optimization.stage == 3 && s.num_partitioned < s.params.size()
-          ? "run on more nodes or fewer ranks per node, or register the parameters without "
-            "weights at stage 3 (engine.h, \"Stage 3\")"
-          : "run on more nodes or fewer ranks per node");
-}
-
 // What this rank will hold in host memory (memory_plan.h), each item from the owning module's
-// planning function, against the budget; one INFO line per node. Local (the same decision on
-// every rank of a node; the caller agrees).
-Status ZeroEngine::Impl::PlanHostMemory(std::uint64_t round,
-                                        const swapper::SwapperOptions& options) {
-  State& s = *state_;
+// planning function. Local; allocates nothing.
+Result<MemoryPlan> ZeroEngine::Impl::MakeMemoryPlan(
+    const swapper::SwapperOptions& options) const {
+  const State& s = *state_;
   const ZeroConfig& zero = config_.zero_optimization;
   const partition::ParamLayout& layout = s.plan->layout();
   const auto world = static_cast<std::uint64_t>(world_.size());
@@ -972,6 +964,15 @@ Status ZeroEngine::Impl::PlanHostMemory(std::uint64_t round,
   std::uint64_t largest_on_disk = 0;
   for (std::size_t p = 0; p < s.params.size(); ++p) {
     loop_floats += s.params[p].weights.size() + s.params[p].grads.size();
+  }
+  // The registered buffers exist before Create: counted once, as their own item.
+  plan.Add("this process before the engine (its RSS then, less the registered buffers)",
+           s.rss_before_engine - std::min(s.rss_before_engine, loop_floats * kF),
+           "a smaller program around the engine");
+  for (const HostMemoryUse& use : options_.host_memory_uses) {
+    plan.Add(use.name, use.bytes, use.shrink);
+  }
+  for (std::size_t p = 0; p < s.params.size(); ++p) {
     if (s.holding[p] == Holding::kPersistent) persistent += layout.param(p).numel;
     if (s.holding[p] != Holding::kPartitioned) continue;
     const std::uint64_t whole = s.plan->ShardNumel(p) * world;  // GatherParams' size
@@ -989,7 +990,7 @@ Status ZeroEngine::Impl::PlanHostMemory(std::uint64_t round,
            "stage3_model_persistence_threshold");
   plan.Add("fp32 shards in memory", s.shard_numel * kF,
            "zero_optimization.offload_param.device \"nvme\" with offload_param.max_in_cpu");
-  plan.Add("all-gather rounds", round * (1 + world) * kF,
+  plan.Add("all-gather rounds", s.GatherRound(config_, world_.size()) * (1 + world) * kF,
            "zero_optimization.allgather_bucket_size");
   if (s.num_partitioned > 0) {
     // A Gather that asks more than the window at once holds what it asks (the largest
@@ -1027,10 +1028,132 @@ Status ZeroEngine::Impl::PlanHostMemory(std::uint64_t round,
   } else {
     plan.Add("partition gradient", s.partition_numel * kF, "zinf.swap_gradients");
   }
+  return plan;
+}
+
+// The host-memory keys the config left unset (Config::Gave), shrunk until this rank's plan
+// fits the budget, in the order of what they cost: the reduce buckets and the live window
+// (more, smaller collectives), sub-groups down to 4M elements (more, smaller I/Os), the fp32
+// shards kept in memory (offload_param nvme: read when gathered), the partition gradient
+// (swapped), then sub-groups and buckets down to their floors. Each goes down the powers of two
+// until the plan fits or the key is at its floor, and is left as it was when that did not make
+// the plan smaller.
+// The ranks then take the smallest of each (every rank must cut the reduce buckets alike).
+// Keys given are kept as given; what still does not fit is PlanHostMemory's error. Collective.
+Status ZeroEngine::Impl::FitMemoryPlan(const MemoryBudget& budget,
+                                       swapper::SwapperOptions& options) {
+  State& s = *state_;
+  ZeroConfig& zero = config_.zero_optimization;
+  const ZeroConfig before = zero;
+  // zinf.swap_gradients as a size: 1 keeps the partition gradient in memory, 0 swaps it.
+  std::uint64_t keep_gradient = options.swap_gradients ? 0 : 1;
+  struct SizingStep {
+    std::string_view key;
+    std::uint64_t* value;
+    std::uint64_t floor;
+  };
+  std::vector<SizingStep> steps;
+  auto add = [&](std::string_view key, std::uint64_t* value, std::uint64_t floor, bool applies) {
+    if (applies && !config_.Gave(key)) steps.push_back({key, value, floor});
+  };
+  const bool stage3 = s.num_partitioned > 0;
+  std::uint64_t largest_partitioned = 0;  // whole, as gathered: the live window's floor
+  for (std::size_t p = 0; p < s.params.size(); ++p) {
+    if (s.holding[p] != Holding::kPartitioned) continue;
+    largest_partitioned = std::max(largest_partitioned, s.plan->ShardNumel(p) * world_.size());
+  }
+  add("zero_optimization.reduce_bucket_size", &zero.reduce_bucket_size, 1u << 20, true);
+  add("zero_optimization.allgather_bucket_size", &zero.allgather_bucket_size,
+      (1u << 20) * static_cast<std::uint64_t>(world_.size()), true);
+  add("zero_optimization.stage3_max_live_parameters", &zero.stage3_max_live_parameters,
+      largest_partitioned, stage3);
+  add("zero_optimization.sub_group_size", &zero.sub_group_size, 1u << 22, true);
+  add("zero_optimization.offload_param.max_in_cpu", &zero.offload_param.max_in_cpu, 0,
+      stage3 && zero.offload_param.device == OffloadDevice::kNvme);
+  add("zinf.swap_gradients", &keep_gradient, 0,
+      zero.offload_optimizer.device == OffloadDevice::kNvme);
+  add("zero_optimization.sub_group_size", &zero.sub_group_size, 1u << 16, true);
+  add("zero_optimization.reduce_bucket_size", &zero.reduce_bucket_size, 1, true);
+
+  // The options and the holding plan after a change; an error when the holding plan refuses it
+  // (offload_param nvme: a shard on disk above offload_param.buffer_size).
+  // A gradient swapped for the plan's sake is swapped whole: none of it accumulates in memory
+  // (EngineOptions::gradient_memory_limit_bytes).
+  const std::uint64_t accumulation_limit = options.accumulation_memory_limit_bytes;
+  auto apply = [&] {
+    options.sub_group_size = zero.sub_group_size;
+    options.swap_gradients = keep_gradient == 0;
+    options.accumulation_memory_limit_bytes =
+        options.swap_gradients && !config_.Gave("zinf.swap_gradients") ? 0 : accumulation_limit;
+    return s.PlanHolding(config_);
+  };
+  // An error is PlanHostMemory's to report: nothing to shrink for it.
+  auto total = [&]() -> std::uint64_t {
+    Result<MemoryPlan> plan = MakeMemoryPlan(options);
+    return plan ? plan->total_bytes() : 0;
+  };
+  if (budget.node_bytes > 0) {
+    for (const SizingStep& step : steps) {
+      const std::uint64_t start = *step.value, start_total = total();
+      while (total() > budget.rank_bytes && *step.value > step.floor) {
+        const std::uint64_t was = *step.value;
+        *step.value = std::max(std::bit_floor(*step.value - 1), step.floor);  // powers of 2
+        if (!apply()) {
+          *step.value = was;
+          break;
+        }
+      }
+      if (total() >= start_total) *step.value = start;
+      (void)apply();  // a value it accepted before
+    }
+  }
+  std::array<std::uint64_t*, 6> sizes = {
+      &zero.reduce_bucket_size, &zero.allgather_bucket_size, &zero.stage3_max_live_parameters,
+      &zero.sub_group_size,     &zero.offload_param.max_in_cpu, &keep_gradient};
+  std::array<std::uint64_t, 6> chosen;
+  for (std::size_t i = 0; i < sizes.size(); ++i) chosen[i] = *sizes[i];
+  ZINF_RETURN_IF_ERROR(comm().AllreduceInPlace<std::uint64_t>(chosen, comm::ReduceOp::kMin));
+  for (std::size_t i = 0; i < sizes.size(); ++i) *sizes[i] = chosen[i];
+  config_.zinf.swap_gradients = keep_gradient == 0;
+  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(apply()));
+
+  std::vector<std::string> changed;
+  auto note = [&](std::string_view key, std::uint64_t from, std::uint64_t to) {
+    if (from != to) changed.push_back(fmt::format("{} {} (default {})", key, to, from));
+  };
+  note("reduce_bucket_size", before.reduce_bucket_size, zero.reduce_bucket_size);
+  note("allgather_bucket_size", before.allgather_bucket_size, zero.allgather_bucket_size);
+  note("stage3_max_live_parameters", before.stage3_max_live_parameters,
+       zero.stage3_max_live_parameters);
+  note("sub_group_size", before.sub_group_size, zero.sub_group_size);
+  note("offload_param.max_in_cpu", before.offload_param.max_in_cpu, zero.offload_param.max_in_cpu);
+  if (keep_gradient == 0 && !config_.Gave("zinf.swap_gradients")) {
+    changed.push_back(
+        fmt::format("zinf.swap_gradients true (default false), none of the gradient accumulated "
+                    "in memory (the caller's limit was {})",
+                    FormatBytes(accumulation_limit)));
+  }
+  if (!changed.empty()) {
+    ZINF_LOG_INFO(
+        "engine: host memory plan: sized what the config leaves unset to fit the budget of {} per "
+        "rank ({}): {}; set a key to keep your own value",
+        FormatBytes(budget.rank_bytes), budget.source, fmt::join(changed, ", "));
+    // Memory is tight: buffers of 1 MiB and more (torch's activations and gathered weights
+    // among them) get mappings of their own, returned to the system when freed, instead of
+    // staying in glibc's heap once its dynamic threshold has grown past them. The environment's
+    // MALLOC_MMAP_THRESHOLD_ wins.
+    if (std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr) mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  }
+  return OkStatus();
+}
+
+// The plan (MakeMemoryPlan) against the budget; one INFO line per node. Local (the same decision
+// on every rank of a node; the caller agrees).
+Status ZeroEngine::Impl::PlanHostMemory(const MemoryBudget& budget,
+                                        const swapper::SwapperOptions& options) {
+  State& s = *state_;
+  ZINF_ASSIGN_OR_RETURN(const MemoryPlan plan, MakeMemoryPlan(options));
   s.plan_bytes = plan.total_bytes();
-  ZINF_ASSIGN_OR_RETURN(
-      MemoryBudget budget,
-      ResolveHostMemoryBudget(config_.zinf.host_memory_budget, world_.topology().local_size));
   // One line per node (its first rank), an exception to "INFO on rank 0": each node has its
   // own budget.
   if (world_.topology().local_rank == 0 &&

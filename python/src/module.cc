@@ -286,6 +286,14 @@ class EngineHandle {
         opts.param_groups.push_back(g);
       }
     }
+    if (options.contains("host_memory")) {  // [(name, bytes per rank, what shrinks it)]
+      for (const py::handle& item : options["host_memory"].cast<py::list>()) {
+        const auto use = item.cast<py::tuple>();
+        opts.host_memory_uses.push_back({.name = use[0].cast<std::string>(),
+                                         .bytes = use[1].cast<std::uint64_t>(),
+                                         .shrink = use[2].cast<std::string>()});
+      }
+    }
     const std::vector<engine::Param> again = list;  // for a second Create after a take-over
     auto create = [&](std::vector<engine::Param> registered) {
       py::gil_scoped_release release;

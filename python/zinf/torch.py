@@ -876,6 +876,20 @@ def _json_change(value, where):
     return ""
 
 
+def _lent_bytes(parts):
+    """An estimate for the engine's memory plan of the most whole weights this process holds at
+    once for the partitioned parameters `parts` (_Partition): those of the modules on one chain
+    of forward calls (a module and its ancestors), the largest once more for one lent by name,
+    and as much again for their gradients before backward hands them."""
+    own = collections.Counter()
+    for part in parts:
+        own[part.holder] += part.numel * 4
+    def chain(holder):
+        names = holder.split(".") if holder else []
+        return sum(own.get(".".join(names[:i]), 0) for i in range(len(names) + 1))
+    return 2 * (max(chain(h) for h in own) + max(part.numel for part in parts) * 4)
+
+
 def _grad_array(r, g):
     """A lent gradient as the float32 CPU array the engine copies."""
     if g.layout != torch.strided:
@@ -1175,6 +1189,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                             None if r.grads is None else r.grads.numpy(),
                             shard, 0 if r.part is None else r.part.begin, r.group))
         options["param_groups"] = self._group_options
+        parts = [r.part for r in self._params if r.part is not None]
+        if parts:
+            options["host_memory"] = [(
+                "zinf.torch's gathered stage-3 weights and their gradients", _lent_bytes(parts),
+                "smaller modules (the largest chain of modules' own parameters)")]
         config_text, is_text = self._config_source
         self._engine = _zinf.Engine(config_text, is_text, buffers, options)
         settings = json.loads(self._engine.effective_config)

@@ -34,6 +34,9 @@ inline std::uint64_t PeakRssBytes() {
   return static_cast<std::uint64_t>(usage.ru_maxrss) * 1024;
 }
 
+// The resident set size of this process now (/proc/self/statm), in bytes; 0 if unknown.
+std::uint64_t CurrentRssBytes();
+
 // Restarts PeakRssBytes() from the current RSS (Linux: "5" written to /proc/self/clear_refs
 // resets the high-water mark), so that a benchmark running several configurations in one
 // process reports each one's own peak rather than the largest so far. False if the kernel

@@ -334,6 +334,13 @@ struct Config {
   // The DeepSpeed keys the file gave that have no effect in zinf, sorted (the INFO line
   // "ignored, no effect in zinf: ..."). Not a key, not part of ConfigHash.
   std::vector<std::string> ignored_keys;
+  // Every key and section the file gave, by its current name, sorted. The engine sizes the
+  // host-memory keys a file left unset to fit the memory plan (docs/configs.md, "Memory plan");
+  // a key given is kept as given. Not a key, not part of ConfigHash.
+  std::vector<std::string> given_keys;
+
+  // Whether the file gave `path` ("zero_optimization.sub_group_size").
+  bool Gave(std::string_view path) const;
 };
 
 // A key an application adds to the schema for its own settings (zinf-train adds its model and

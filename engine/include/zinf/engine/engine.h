@@ -217,6 +217,13 @@ class Gathered {
   std::vector<std::span<const float>> weights_;
 };
 
+// One item of the caller's host memory in the engine's memory plan (EngineOptions).
+struct HostMemoryUse {
+  std::string name;         // "zinf.torch's gathered weights"
+  std::uint64_t bytes = 0;  // per rank
+  std::string shrink;       // what makes it smaller
+};
+
 struct EngineOptions {
   // Rank 0 appends one JSON object per step (a fresh run truncates it); empty: none.
   std::string metrics_path = {};
@@ -237,6 +244,9 @@ struct EngineOptions {
   std::optional<std::string> load = std::nullopt;
   // Parameter groups (see "Parameter groups" above); empty: one group, the config optimizer's.
   std::vector<ParamGroup> param_groups = {};
+  // The caller's own host memory beside the engine's, per rank, added to the memory plan
+  // (zinf.torch: the whole weights and gradients its stage-3 scopes hold at once).
+  std::vector<HostMemoryUse> host_memory_uses = {};
 };
 
 // Stage 3: what Gather did since Create (this rank's; the same on every rank but disk_waits).
