@@ -17,12 +17,18 @@ torch.optim.AdamW on the whole batches:
   __init__ initializes a child's bias.
 - transformer: nn.Transformer (one encoder and one decoder layer: nn.TransformerDecoderLayer's
   cross-attention), whose __init__ initializes every matrix through self.parameters().
+- lstm: a 2-layer nn.LSTM between an embedding and a head (LSTM reads its weights through its
+  _flat_weights list);
+- conv: Conv2d + BatchNorm2d + ReLU twice and a head (BatchNorm over pairs of examples, the same
+  pairs on every world size);
+- checkpoint: blocks run through torch.utils.checkpoint, whose forward runs again in backward.
 """
 
 import sys
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import common
 import stage3
@@ -103,8 +109,69 @@ def parent_loss(model, step, micro, rank=0, world=1):
     return stage3.deep_loss(model, step, micro, rank, world)
 
 
+class Recurrent(torch.nn.Module):
+    """nn.LSTM between an embedding and a head: LSTM reads its weights through _flat_weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.lstm = torch.nn.LSTM(DIM, DIM, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx):
+        h, _ = self.lstm(self.emb(idx))
+        return self.head(h)
+
+
+class Convolutional(torch.nn.Module):
+    """Conv2d + BatchNorm2d + ReLU twice, pooled, then a Linear head. The convolutions have no
+    bias: BatchNorm cancels it, so its gradient would be rounding noise that AdamW amplifies
+    (in torch's run too), as for the attention's key bias below."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3, padding=1, bias=False),
+            torch.nn.BatchNorm2d(16), torch.nn.ReLU())
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean(dim=(2, 3)))
+
+
+def conv_loss(model, step, micro, rank=0, world=1):
+    """BatchNorm's batch statistics are per forward call: each call sees 2 examples, so every
+    world size (and torch's run on the whole batch) normalizes over the same pairs."""
+    g = torch.Generator().manual_seed(4000 + 10 * step + micro)
+    x = common.shard(torch.randn(common.BATCH, 3, 6, 6, generator=g), rank, world)
+    y = common.shard(torch.randn(common.BATCH, 4, generator=g), rank, world)
+    pairs = [((model(x[i:i + 2]) - y[i:i + 2]) ** 2).mean() for i in range(0, x.shape[0], 2)]
+    return sum(pairs) / len(pairs)
+
+
+class Checkpointed(torch.nn.Module):
+    """Two blocks run through torch.utils.checkpoint: their forward runs again in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(16, DIM)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Tanh(),
+                                torch.nn.LayerNorm(DIM)) for _ in range(2))
+        self.out = torch.nn.Linear(DIM, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h)
+        return self.out(h)
+
+
 MODELS = {"lm": (TransformerLM, lm_loss), "attention": (attention, attention_loss),
-          "parent": (Parent, parent_loss), "transformer": (transformer, transformer_loss)}
+          "parent": (Parent, parent_loss), "transformer": (transformer, transformer_loss),
+          "lstm": (Recurrent, lm_loss), "conv": (Convolutional, conv_loss),
+          "checkpoint": (Checkpointed, parent_loss)}
 
 
 def initial(make):
