@@ -44,6 +44,7 @@
 #include "zinf/engine/lr_schedule.h"
 #include "zinf/engine/trainer_state.h"
 #include "zinf/partition/plan.h"
+#include "zinf/partition/sub_group.h"
 #include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/checksum.h"
 #include "zinf/storage/fs.h"
@@ -1036,8 +1037,8 @@ Result<MemoryPlan> ZeroEngine::Impl::MakeMemoryPlan(
 // (more, smaller collectives), sub-groups down to 4M elements (more, smaller I/Os), the fp32
 // shards kept in memory (offload_param nvme: read when gathered), the partition gradient
 // (swapped), then sub-groups and buckets down to their floors. Each goes down the powers of two
-// until the plan fits or the key is at its floor, and is left as it was when that did not make
-// the plan smaller.
+// until the plan fits or the key is at its floor, and keeps the value of the smallest plan on
+// the way (its own when none was smaller).
 // The ranks then take the smallest of each (every rank must cut the reduce buckets alike).
 // Keys given are kept as given; what still does not fit is PlanHostMemory's error. Collective.
 Status ZeroEngine::Impl::FitMemoryPlan(const MemoryBudget& budget,
@@ -1072,7 +1073,8 @@ Status ZeroEngine::Impl::FitMemoryPlan(const MemoryBudget& budget,
       stage3 && zero.offload_param.device == OffloadDevice::kNvme);
   add("zinf.swap_gradients", &keep_gradient, 0,
       zero.offload_optimizer.device == OffloadDevice::kNvme);
-  add("zero_optimization.sub_group_size", &zero.sub_group_size, 1u << 16, true);
+  add("zero_optimization.sub_group_size", &zero.sub_group_size, partition::kDefaultMinSwapNumel,
+      true);
   add("zero_optimization.reduce_bucket_size", &zero.reduce_bucket_size, 1, true);
 
   // The options and the holding plan after a change; an error when the holding plan refuses it
@@ -1087,23 +1089,33 @@ Status ZeroEngine::Impl::FitMemoryPlan(const MemoryBudget& budget,
         options.swap_gradients && !config_.Gave("zinf.swap_gradients") ? 0 : accumulation_limit;
     return s.PlanHolding(config_);
   };
-  // An error is PlanHostMemory's to report: nothing to shrink for it.
+  // A plan that cannot be made (a pinned pool too small for a sub-group) fits nothing: the
+  // keys shrink on; what is left is PlanHostMemory's error.
   auto total = [&]() -> std::uint64_t {
     Result<MemoryPlan> plan = MakeMemoryPlan(options);
-    return plan ? plan->total_bytes() : 0;
+    return plan ? plan->total_bytes() : UINT64_MAX;
   };
-  if (budget.node_bytes > 0) {
+  // Twice: a key early in the order that could not help while a later one kept the plan from
+  // being made (or from moving) gets its turn again.
+  for (int pass = 0; pass < 2 && budget.node_bytes > 0; ++pass) {
     for (const SizingStep& step : steps) {
-      const std::uint64_t start = *step.value, start_total = total();
-      while (total() > budget.rank_bytes && *step.value > step.floor) {
+      // The plan is not monotonic in every key (below the swapper's smallest swapped piece a
+      // sub-group's gradient stays in memory): the value of the smallest plan is kept.
+      std::uint64_t best = *step.value, best_total = total();
+      while (best_total > budget.rank_bytes && *step.value > step.floor) {
         const std::uint64_t was = *step.value;
         *step.value = std::max(std::bit_floor(*step.value - 1), step.floor);  // powers of 2
         if (!apply()) {
           *step.value = was;
           break;
         }
+        const std::uint64_t now = total();
+        if (now < best_total) {
+          best = *step.value;
+          best_total = now;
+        }
       }
-      if (total() >= start_total) *step.value = start;
+      *step.value = best;
       (void)apply();  // a value it accepted before
     }
   }

@@ -20,6 +20,10 @@
 #   stage3_resume       stage 3 with offload_param nvme trains on 2 ranks (the loss falls); its
 #                       checkpoint resumes at stage 2 on 3 ranks and the other way round, the
 #                       first resumed loss equal to the uninterrupted run's (1e-5 relative)
+#   larger_than_memory  stage 3, DeepSpeed's default sizes: a model 4.25x a memory cgroup's limit
+#                       trains on 2 ranks inside it within its printed plan + 32 MiB per rank;
+#                       a pinned pool above the limit is refused before allocation (root; 77
+#                       skips otherwise; about 60 s)
 # Seconds on the 2-core CI machine, one at a time: about 3-8, 10-13, 5-8, 62 and 35-42 (all five
 # at once: 18, 22, 19, 63 and 29-45).
 # The *_q8 variants run the same script with every run at --optimizer-state q8
@@ -30,7 +34,8 @@ if(TARGET zinf-train AND TARGET zinf-ckpt)
                "bad_configs 2 180" "fault_injection 3 180" "killed_rank 2 150"
                "full_disk 3 240" "deepspeed_fp16 2 240" "loss_falls 2 120 q8" "resume_bitwise 2 120 q8"
                "resume_other_ranks 3 150 q8" "fault_injection 3 180 q8"
-               "tiered_resume 3 240" "tiered_resume 3 240 q8" "stage3_resume 3 180")
+               "tiered_resume 3 240" "tiered_resume 3 240 q8" "stage3_resume 3 180"
+               "larger_than_memory 2 300")
     separate_arguments(spec UNIX_COMMAND "${spec}")
     list(GET spec 0 name)
     list(GET spec 1 ranks)
