@@ -16,6 +16,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -142,9 +145,14 @@ Result<std::span<float>> FloatSpan(const py::buffer& buffer, std::int64_t numel,
 // Param::init of a partitioned parameter from this rank's shard: `shard` holds its elements
 // [begin, begin + shard size), the ones the engine's plan gives this rank (zinf.torch computes
 // them with the same rule, partition/plan.h kPerParam). The engine asks only for those; an ask
-// outside them means the two rules differ, an InvalidArgument naming both ranges.
+// outside them means the two rules differ, an InvalidArgument naming both ranges. `on_disk`:
+// the shard is a shared mapping of a file (zinf.torch's shards waiting on disk), whose pages
+// each copy drops from this process again (MADV_DONTNEED: a later read faults them back in from
+// the file), so the engine's reading them does not hold the whole partition in memory; never
+// for other memory, which MADV_DONTNEED would zero.
 Result<engine::ParamInit> ShardInit(const py::buffer& shard, std::int64_t begin, std::int64_t numel,
-                                    const std::string& name, std::shared_ptr<const bool> live) {
+                                    const std::string& name, std::shared_ptr<const bool> live,
+                                    bool on_disk) {
   const std::int64_t size = shard.request(/*writable=*/false).size;
   ZINF_ASSIGN_OR_RETURN(std::span<float> values,
                         FloatSpan(shard, size, "parameter " + name + " shard", /*writable=*/false));
@@ -154,8 +162,8 @@ Result<engine::ParamInit> ShardInit(const py::buffer& shard, std::int64_t begin,
         size, begin, numel));
   }
   const auto first = static_cast<std::uint64_t>(begin);
-  return [values, first, name, live = std::move(live)](std::uint64_t offset,
-                                                       std::span<float> out) -> Status {
+  return [values, first, name, live = std::move(live), on_disk](std::uint64_t offset,
+                                                                std::span<float> out) -> Status {
     if (!*live) {
       return FailedPreconditionError(
           fmt::format("parameter {}: init called after the engine was created", name));
@@ -166,7 +174,16 @@ Result<engine::ParamInit> ShardInit(const py::buffer& shard, std::int64_t begin,
           "(zinf.torch's ownership rule differs from the engine's partition plan)",
           name, offset, offset + out.size(), first, first + values.size()));
     }
-    std::copy_n(values.data() + (offset - first), out.size(), out.data());
+    const float* from = values.data() + (offset - first);
+    std::copy_n(from, out.size(), out.data());
+    if (on_disk) {
+      static const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+      const auto start = reinterpret_cast<std::uintptr_t>(from);
+      const std::uintptr_t end = start + out.size() * sizeof(float);
+      const std::uintptr_t inner = (start + page - 1) / page * page;  // whole pages only
+      const std::uintptr_t stop = end / page * page;
+      if (stop > inner) madvise(reinterpret_cast<void*>(inner), stop - inner, MADV_DONTNEED);
+    }
     return OkStatus();
   };
 }
@@ -192,7 +209,8 @@ py::dict StepInfoDict(const engine::StepInfo& info) {
 // One ZeroEngine and the Python buffers it works in (kept alive as long as it is).
 class EngineHandle {
  public:
-  // `params`: (name, shape, weights, grads[, shard, shard_begin[, group]]) per parameter: weights
+  // `params`: (name, shape, weights, grads[, shard, shard_begin[, group[, shard_on_disk]]]) per
+  // parameter (shard_on_disk: the shard maps a file, ShardInit's `on_disk`): weights
   // and grads are float32 buffers or None (None weights: partitioned at stage 3, its first values
   // from `shard`, this rank's elements from shard_begin on; None grads: lent, handed with
   // gradient_ready; group: an index into options["param_groups"], a list of dicts with lr,
@@ -236,7 +254,7 @@ class EngineHandle {
           if (t.size() >= 6 && !t[4].is_none()) {
             ZINF_ASSIGN_OR_RETURN(
                 p.init, ShardInit(t[4].cast<py::buffer>(), t[5].cast<std::int64_t>(), numel, p.name,
-                                  init_live));
+                                  init_live, t.size() >= 8 && t[7].cast<bool>()));
             shards.push_back(py::reinterpret_borrow<py::object>(t[4]));
           }
           if (t.size() >= 7) p.group = t[6].cast<std::size_t>();

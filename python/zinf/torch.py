@@ -29,8 +29,10 @@ import functools
 import gc
 import json
 import math
+import mmap
 import os
 import sys
+import tempfile
 import weakref
 
 import torch
@@ -244,13 +246,84 @@ def _release(p):
     _part(p).full = False
 
 
-def _partition(p, rank, world):
+def _spill_directory(config):
+    """Where the shards of partitioned parameters wait while no optimizer holds them: with
+    offload_param nvme, its nvme_path (else offload_optimizer's first one) when it is a
+    directory now; None (in memory) otherwise."""
+    config = _config_dict(config)
+    zero = config.get("zero_optimization") if config is not None else None
+    if not isinstance(zero, dict):
+        return None
+    param, state = zero.get("offload_param"), zero.get("offload_optimizer")
+    if not isinstance(param, dict) or param.get("device") != "nvme":
+        return None
+    for section in (param, state):
+        path = section.get("nvme_path") if isinstance(section, dict) else None
+        if isinstance(path, list):
+            path = path[0] if path else None
+        if isinstance(path, str) and "{" not in path and os.path.isdir(path):
+            return path
+    return None
+
+
+def _kept_shard(values, directory):
+    """A float32 copy of the 1-D `values` (a shard) that does not stay in this process's memory
+    when `directory` is given: the memory-mapped pages of an unlinked file there (gone with the
+    tensor, even if the process is killed), written back and dropped from memory at once, so
+    the shards of a model larger than memory wait on disk until an optimizer (or a gather) reads
+    them. In memory without a directory, or when the file cannot be made (a full disk, no
+    permission: said once)."""
+    global _spill_failed
+    n = values.numel()
+    if directory is None or n == 0 or _spill_failed:
+        return values.detach().clone()
+    try:
+        fd, path = tempfile.mkstemp(prefix="zinf-shard-", dir=directory)
+    except OSError as e:
+        _spill_failed = True
+        log(f"zinf.torch: the shards of partitioned parameters stay in memory: cannot make a "
+            f"file in {directory} ({e})", level="warn")
+        return values.detach().clone()
+    try:
+        os.unlink(path)
+        os.ftruncate(fd, n * 4)
+        mapped = mmap.mmap(fd, n * 4, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        shard = torch.frombuffer(mapped, dtype=torch.float32)
+        shard._zinf_mapped = mapped
+        shard.copy_(values.detach().reshape(-1))
+        mapped.flush()  # on disk: the pages are clean, and dropped below
+        mapped.madvise(mmap.MADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return shard
+    except (OSError, ValueError) as e:
+        _spill_failed = True
+        log(f"zinf.torch: the shards of partitioned parameters stay in memory: writing them "
+            f"to {directory} failed ({e})", level="warn")
+        return values.detach().clone()
+    finally:
+        os.close(fd)
+
+
+_spill_failed = False
+
+
+def _on_disk(shard):
+    """Whether `shard` is one of _kept_shard's file mappings (not memory of its own)."""
+    return isinstance(getattr(shard, "_zinf_mapped", None), mmap.mmap)
+
+
+def _init_spill():
+    """The spill directory of the zinf.torch.init context now running (None outside one)."""
+    return None if _active_init is None else _active_init.spill
+
+
+def _partition(p, rank, world, spill=None):
     if p.dtype != torch.float32 or p.device.type != "cpu":
         raise TypeError(f"zinf.torch.init: a parameter of shape {_shape(p.shape)} is {p.dtype} on "
                         f"{p.device}; stage 3 partitions float32 CPU parameters (build the model "
                         "in float32 on the CPU)")
     part = _Partition(p.shape, rank, world, None)
-    part.shard = p.detach().reshape(-1)[part.begin:part.end].clone()
+    part.shard = _kept_shard(p.detach().reshape(-1)[part.begin:part.end], spill)
     p._zinf_part = part
     p.data = _empty(p)
 
@@ -569,9 +642,9 @@ def _deepcopy_parameter(p, memo):
     if id(p) in memo:
         return memo[id(p)]
     if part.full:
-        shard = p.detach().reshape(-1)[part.begin:part.end].clone()
+        shard = _kept_shard(p.detach().reshape(-1)[part.begin:part.end], _init_spill())
     elif part.shard is not None:
-        shard = part.shard.clone()
+        shard = _kept_shard(part.shard, _init_spill())
     else:
         raise zinf.errors.FailedPreconditionError(
             f"copy.deepcopy: parameter {part.name} of {part.root} is partitioned (stage 3) and "
@@ -650,8 +723,9 @@ class _InitContext:
     parameters of a module (and of its submodules not yet partitioned) are partitioned when the
     outermost __init__ of that instance returns."""
 
-    def __init__(self, rank, world):
+    def __init__(self, rank, world, spill):
         self.rank, self.world = rank, world
+        self.spill = spill  # _kept_shard's directory
         self.wrapped = {}  # class -> its own __init__
         self.depth = {}    # id(module) -> __init__ calls of that instance in progress
         self.whole = 0     # _WHOLE_WHILE_BUILT modules being built: their children wait
@@ -720,7 +794,7 @@ class _InitContext:
                 if p is None:
                     continue
                 if p.requires_grad and _part(p) is None:
-                    _partition(p, self.rank, self.world)
+                    _partition(p, self.rank, self.world, self.spill)
                 part = _part(p)
                 if part is not None and id(p) not in named:  # a tied one: its first path
                     named.add(id(p))
@@ -782,7 +856,8 @@ def init(config=None):
     facts = zinf.init()
     if config is not None:
         _set_wait_timeout(config)
-    context = _InitContext(facts["rank"], facts["world_size"])
+    context = _InitContext(facts["rank"], facts["world_size"],
+                           None if config is None else _spill_directory(config))
     _install_module_hooks()
     torch.nn.Parameter.__deepcopy__ = _deepcopy_parameter
     context.enter()
@@ -848,7 +923,7 @@ def _broadcast_from_rank0(params, call="gathered()"):
         part = _part(p)
         whole = p.detach().reshape(-1).contiguous().clone()
         _zinf.broadcast(whole.numpy(), 0, call=call)
-        part.shard = whole[part.begin:part.end].clone()
+        part.shard = _kept_shard(whole[part.begin:part.end], _init_spill())
         p.data = whole.view(part.shape)
         part.full = True
 
@@ -1180,6 +1255,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return _Registered(name, p, weights, grads)
 
     def _open(self, load):
+        self._spill = None  # where close() leaves the shards (_kept_shard)
         options = dict(self._options, load=load)
         buffers = []
         for r in self._params:  # NumPy views: the engine's buffers are these tensors' memory
@@ -1187,7 +1263,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             buffers.append((r.name, list(r.shape),
                             None if r.weights is None else r.weights.numpy(),
                             None if r.grads is None else r.grads.numpy(),
-                            shard, 0 if r.part is None else r.part.begin, r.group))
+                            shard, 0 if r.part is None else r.part.begin, r.group,
+                            shard is not None and _on_disk(r.part.shard)))
         options["param_groups"] = self._group_options
         parts = [r.part for r in self._params if r.part is not None]
         if parts:
@@ -1197,6 +1274,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         config_text, is_text = self._config_source
         self._engine = _zinf.Engine(config_text, is_text, buffers, options)
         settings = json.loads(self._engine.effective_config)
+        self._spill = _spill_directory(settings)
         _set_wait_timeout(settings)  # the world's waits too (gathered(), frozen parameters)
         try:  # every rank has the same config: they agree unless their parameters differ
             _zinf.agree("InvalidArgument", self._check_precision(settings),
@@ -1284,7 +1362,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if part is None or part.optimizer() is not self:
                 continue
             whole = torch.from_numpy(self._engine.gather([r.index])[0])
-            part.shard = whole[part.begin:part.end].clone()
+            part.shard = _kept_shard(whole[part.begin:part.end], self._spill)
             if part.full:
                 r.param.data = whole.view(part.shape)
             part.owner, part.index = None, -1

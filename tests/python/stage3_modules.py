@@ -24,6 +24,7 @@ torch.optim.AdamW on the whole batches:
 - checkpoint: blocks run through torch.utils.checkpoint, whose forward runs again in backward.
 """
 
+import ctypes
 import sys
 
 import torch
@@ -240,8 +241,44 @@ def train(swap, name, accumulation):
     common.check(moved > 1e-3, f"{name}: the weights barely moved ({moved:.2e})")
 
 
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def check_shards_on_disk(swap):
+    """With offload_param nvme the shards wait on disk, not in memory, until an optimizer holds
+    them (and after close()): building 16 Linear(1024, 1024) (64 MiB of weights) grows the RSS
+    by far less than this rank's shards, and so does close()."""
+    # Freed blocks of 1 MiB and more go back to the system at once (glibc would keep some in
+    # its heap), so that the RSS shows what is kept.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    facts = zinf.init()
+    cfg = stage3.config(swap, facts["world_size"], offload="nvme")
+    shards = 16 * 1024 * 1024 * 4 // facts["world_size"]
+    before = rss()
+    with zinf.torch.init(cfg):
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(16)])
+    grown = rss() - before
+    common.check(grown < shards // 2, f"building grew the RSS by {grown >> 20} MiB, this rank's "
+                 f"shards are {shards >> 20} MiB: they are in memory")
+    opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg, progress=False,
+                                   create_nvme_paths=True)
+    model(torch.ones(2, 1024)).sum().backward()
+    opt.step()
+    before = rss()
+    opt.close()
+    grown = rss() - before
+    common.check(grown < shards // 2, f"close() grew the RSS by {grown >> 20} MiB, this rank's "
+                 f"shards are {shards >> 20} MiB: they came back into memory")
+    stage3.check_empty(model, "after close()")
+    with zinf.torch.gathered(model.parameters()):  # the shards on disk hold the weights
+        common.check(all(p.abs().sum() > 0 for p in model.parameters()), "empty weights")
+
+
 def main():
     swap = sys.argv[1]
+    check_shards_on_disk(swap)
     names = sys.argv[2:] or list(MODELS)
     for name in names:
         for accumulation in (1, 2):
