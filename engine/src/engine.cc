@@ -1035,8 +1035,8 @@ Result<MemoryPlan> ZeroEngine::Impl::MakeMemoryPlan(
 // The host-memory keys the config left unset (Config::Gave), shrunk until this rank's plan
 // fits the budget, in the order of what they cost: the reduce buckets and the live window
 // (more, smaller collectives), sub-groups down to 4M elements (more, smaller I/Os), the fp32
-// shards kept in memory (offload_param nvme: read when gathered), the partition gradient
-// (swapped), then sub-groups and buckets down to their floors. Each goes down the powers of two
+// shards kept in memory (offload_param nvme: read when gathered) and their read-ahead, the
+// partition gradient (swapped), then sub-groups and buckets down to their floors. Each goes down the powers of two
 // until the plan fits or the key is at its floor, and keeps the value of the smallest plan on
 // the way (its own when none was smaller).
 // The ranks then take the smallest of each (every rank must cut the reduce buckets alike).
@@ -1070,6 +1070,8 @@ Status ZeroEngine::Impl::FitMemoryPlan(const MemoryBudget& budget,
       largest_partitioned, stage3);
   add("zero_optimization.sub_group_size", &zero.sub_group_size, 1u << 22, true);
   add("zero_optimization.offload_param.max_in_cpu", &zero.offload_param.max_in_cpu, 0,
+      stage3 && zero.offload_param.device == OffloadDevice::kNvme);
+  add("zero_optimization.stage3_prefetch_bucket_size", &zero.stage3_prefetch_bucket_size, 0,
       stage3 && zero.offload_param.device == OffloadDevice::kNvme);
   add("zinf.swap_gradients", &keep_gradient, 0,
       zero.offload_optimizer.device == OffloadDevice::kNvme);
@@ -1119,10 +1121,12 @@ Status ZeroEngine::Impl::FitMemoryPlan(const MemoryBudget& budget,
       (void)apply();  // a value it accepted before
     }
   }
-  std::array<std::uint64_t*, 6> sizes = {
-      &zero.reduce_bucket_size, &zero.allgather_bucket_size, &zero.stage3_max_live_parameters,
-      &zero.sub_group_size,     &zero.offload_param.max_in_cpu, &keep_gradient};
-  std::array<std::uint64_t, 6> chosen;
+  std::array<std::uint64_t*, 7> sizes = {
+      &zero.reduce_bucket_size,          &zero.allgather_bucket_size,
+      &zero.stage3_max_live_parameters,  &zero.sub_group_size,
+      &zero.offload_param.max_in_cpu,    &zero.stage3_prefetch_bucket_size,
+      &keep_gradient};
+  std::array<std::uint64_t, 7> chosen;
   for (std::size_t i = 0; i < sizes.size(); ++i) chosen[i] = *sizes[i];
   ZINF_RETURN_IF_ERROR(comm().AllreduceInPlace<std::uint64_t>(chosen, comm::ReduceOp::kMin));
   for (std::size_t i = 0; i < sizes.size(); ++i) *sizes[i] = chosen[i];
@@ -1139,6 +1143,8 @@ Status ZeroEngine::Impl::FitMemoryPlan(const MemoryBudget& budget,
        zero.stage3_max_live_parameters);
   note("sub_group_size", before.sub_group_size, zero.sub_group_size);
   note("offload_param.max_in_cpu", before.offload_param.max_in_cpu, zero.offload_param.max_in_cpu);
+  note("stage3_prefetch_bucket_size", before.stage3_prefetch_bucket_size,
+       zero.stage3_prefetch_bucket_size);
   if (keep_gradient == 0 && !config_.Gave("zinf.swap_gradients")) {
     changed.push_back(
         fmt::format("zinf.swap_gradients true (default false), none of the gradient accumulated "
