@@ -2,9 +2,10 @@
 # ZeRO stage 3 with offload_param nvme (zinf-bench offload-param), on 2 ranks:
 #   1. side by side on one model, the order rotated each round: the offload run against the same
 #      model in memory and against the I/O alone; each round prints offload / max(memory, io);
-#   2. the memory run (root, cgroup v1): both ranks inside a memory cgroup whose limit is half the
-#      model's fp32 weights train it with everything on NVMe; it must complete with the loss
-#      falling, and the group's peak usage is reported (memory.max_usage_in_bytes).
+#   2. the memory run (root; launch/lib/cgroup.sh, cgroup v1 or v2): both ranks inside a memory
+#      cgroup whose limit is half the model's fp32 weights train it with everything on NVMe; it
+#      must complete with the loss falling, and the group's peak usage is reported (v1
+#      memory.max_usage_in_bytes, v2 memory.peak).
 #
 #   launch/bench-param-offload.sh [--path DIR] [--bin build/bin/zinf-bench] [--layers 64]
 #                                 [--hidden 2048] [--rounds 2] [--steps 3] [--np 2]
@@ -73,24 +74,22 @@ if [[ $side_by_side == 1 ]]; then
 fi
 
 if [[ $memory_run == 1 ]]; then
-  root=/sys/fs/cgroup/memory
-  [[ $(id -u) == 0 && -w $root ]] || die "the memory run needs root and the cgroup v1 memory \
-controller at $root (or pass --no-memory-run)"
+  # shellcheck source=lib/cgroup.sh
+  source "$(dirname "${BASH_SOURCE[0]}")/lib/cgroup.sh"
   limit=$(( weights / 2 ))
-  group=$root/zinf-bench-param-$$
-  mkdir "$group"
-  trap 'rmdir "$group" 2>/dev/null || true' EXIT
-  echo "$limit" > "$group/memory.limit_in_bytes"
-  [[ -e $group/memory.memsw.limit_in_bytes ]] && echo "$limit" > "$group/memory.memsw.limit_in_bytes"
+  group=$(memory_group_make "zinf-bench-param-$$" "$limit") ||
+    die "the memory run needs root and a memory cgroup controller (above; or pass --no-memory-run)"
+  trap 'memory_group_remove "$group"' EXIT
   echo "memory run: $weights bytes of weights, group limit $limit bytes" >&2
   out=$(mktemp)
   rc=0
   # The subshell joins the group, then becomes mpirun: every rank is born inside it.
-  ( echo "$BASHPID" > "$group/cgroup.procs"
+  ( memory_group_join "$group"
     exec "${mpi[@]}" -np "$np" "$bin" offload-param --path "$path" --layers "$layers" \
       --hidden "$hidden" --steps "$steps" --modes offload --json ) > "$out" || rc=$?
-  peak=$(cat "$group/memory.max_usage_in_bytes")
-  failcnt=$(cat "$group/memory.failcnt")
+  peak=$(memory_group_peak "$group")
+  failcnt=$(cat "$group/memory.failcnt" 2> /dev/null || echo null)  # cgroup v1 only
+  ooms=$(memory_group_ooms "$group")
   cat "$out"
   loss=$(grep '"mode":"offload"' "$out" | tail -1 || true)
   rm -f "$out"
@@ -98,7 +97,7 @@ controller at $root (or pass --no-memory-run)"
   last=$(sed -n 's/.*"loss_last":\([^,}]*\).*/\1/p' <<< "$loss")
   falls=false
   [[ -n $first && -n $last ]] && awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a) }' && falls=true
-  printf '{"bench": "offload-param-memory-run", "ranks": %d, "weights_bytes": %d, "limit_bytes": %d, "group_peak_bytes": %d, "failcnt": %d, "exit": %d, "loss_falls": %s}\n' \
-    "$np" "$weights" "$limit" "$peak" "$failcnt" "$rc" "$falls"
+  printf '{"bench": "offload-param-memory-run", "ranks": %d, "weights_bytes": %d, "limit_bytes": %d, "group_peak_bytes": %s, "failcnt": %s, "oom_kills": %d, "exit": %d, "loss_falls": %s}\n' \
+    "$np" "$weights" "$limit" "${peak:-null}" "$failcnt" "${ooms:-0}" "$rc" "$falls"
   [[ $rc == 0 && $falls == true ]] || { echo "memory run failed (exit $rc, loss falls: $falls)" >&2; exit 1; }
 fi

@@ -85,6 +85,14 @@ counts bench-vs-deepspeed.sh --steps --dir "$w/ds"
 refused "--size 2^51" "--size '2048T'" bench-vs-deepspeed.sh --dir "$w/ds" --size 2048T
 counts demo.sh --ranks --dir "$w/demo"
 counts demo.sh --steps --dir "$w/demo"
+counts demo-larger-than-memory.sh --steps --dir "$w/ltm"
+counts demo-larger-than-memory.sh --layers --dir "$w/ltm"
+counts demo-larger-than-memory.sh --np --dir "$w/ltm"
+refused "--batch 3 --np 2" "--batch 3 is not a multiple of --np 2" demo-larger-than-memory.sh \
+  --dir "$w/ltm" --batch 3
+refused "--limit 0" "--limit '0'" demo-larger-than-memory.sh --dir "$w/ltm" --limit 0
+refused "--limit above 2/3" "would not be larger than the memory" demo-larger-than-memory.sh \
+  --dir "$w/ltm" --limit 8G
 counts scaling.sh --steps --out "$w/scaling" --path "$w"
 counts scaling.sh --repeat --out "$w/scaling" --path "$w"
 refused "--ranks list" "--ranks 'x'" scaling.sh --out "$w/scaling" --ranks "1 x"
