@@ -75,6 +75,17 @@ counts bench-q8-quality.sh --steps --out "$w/q8q"
 counts bench-q8-quality.sh --ranks --out "$w/q8q"
 counts bench-q8-speed.sh --rounds --path "$w"
 refused "--numel 0" "--numel '0'" bench-q8-speed.sh --path "$w" --numel 0
+for flag in --d-model --layers --seq --batch --steps --rounds --np; do
+  counts bench-stage3-lm.sh "$flag" --path "$w/s3lm"
+done
+refused "--d-model 158" "stage3_param_persistence_threshold" bench-stage3-lm.sh --path "$w/s3lm" \
+  --d-model 158
+refused "--batch 3 --np 2" "--batch 3 is not a multiple of --np 2" bench-stage3-lm.sh \
+  --path "$w/s3lm" --batch 3
+refused "--ram 0" "--ram '0'" bench-stage3-lm.sh --path "$w/s3lm" --ram 0
+refused "--layers 4097" "--layers '4097'" bench-stage3-lm.sh --path "$w/s3lm" --layers 4097
+refused "nothing to run" "leave nothing to run" bench-stage3-lm.sh --path "$w/s3lm" --no-table \
+  --no-side-by-side
 counts bench-step.sh --rounds --path "$w/step"
 refused "--state 0" "--state '0'" bench-step.sh --path "$w/step" --state 0
 refused "--sub-group-size huge" "--sub-group-size '9999999999999999T'" bench-step.sh \
