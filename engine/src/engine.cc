@@ -315,6 +315,7 @@ struct ZeroEngine::Impl::State {
   std::uint64_t total_numel = 0;
   std::uint64_t partition_numel = 0;
   std::uint64_t plan_bytes = 0;       // the host memory plan's total per rank (memory_plan.h)
+  std::uint64_t budget_bytes = 0;     // its budget per rank; 0: unknown
   std::uint64_t rss_before_engine = 0;  // CurrentRssBytes() when Create began
   std::vector<float> partition_grad;  // this rank's reduced gradient (in-memory accumulation)
   // With a gradient swapper: its reduced gradient on its way to NVMe (pages allocated as written
@@ -1172,6 +1173,7 @@ Status ZeroEngine::Impl::PlanHostMemory(const MemoryBudget& budget,
   State& s = *state_;
   ZINF_ASSIGN_OR_RETURN(const MemoryPlan plan, MakeMemoryPlan(options));
   s.plan_bytes = plan.total_bytes();
+  s.budget_bytes = budget.node_bytes > 0 ? budget.rank_bytes : 0;
   // One line per node (its first rank), an exception to "INFO on rank 0": each node has its
   // own budget.
   if (world_.topology().local_rank == 0 &&
@@ -1995,6 +1997,8 @@ Result<StepInfo> ZeroEngine::Impl::FinishStep(
   s.swap_bytes += bytes[2] + bytes[3];
   ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<std::uint64_t>(bytes, ReduceOp::kSum));
   info.peak_rss_bytes = static_cast<std::uint64_t>(maxima[0]);
+  info.plan_bytes = s.plan_bytes;
+  info.budget_bytes = s.budget_bytes;
   info.step_seconds = maxima[1];
   info.optimizer_seconds = maxima[2];
   info.swap_read_bytes = bytes[0];
@@ -2066,7 +2070,6 @@ Status ZeroEngine::Impl::Report(const StepInfo& info) {
   if (s.metrics) {
     Json record = StepInfoJson(info);
     record["world_size"] = world_.size();
-    record["plan_bytes"] = s.plan_bytes;  // beside peak_rss_bytes: the plan it is measured against
     written = storage::WriteAll(s.metrics.get(), record.dump() + "\n",
                                 fmt::format("--metrics {}", options_.metrics_path));
   }

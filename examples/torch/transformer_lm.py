@@ -21,9 +21,9 @@ rank r trains on rows [r * batch / N, (r + 1) * batch / N) of them, so the ranks
 
 Rank 0 prints one line per step (the loss, the mean over the ranks) and at the end one JSON line
 (on stdout) and a human line: the parameters and fp32 weight bytes, the first and last loss, the
-engine's host memory plan per rank (plan_bytes of its metrics), the budget (the memory cgroup's
-limit, v1 or v2, over the node's ranks, as the engine reads it; null without a limit), and the
-peak RSS (ru_maxrss, after close()) of every rank. Each rank writes its peak to a small file beside
+engine's host memory plan per rank and the budget it was held against (StepInfo's plan_bytes and
+budget_bytes; the budget is the memory cgroup's limit over the node's ranks, else MemAvailable's
+share), the cgroup's limit (null without one), and the peak RSS (ru_maxrss, after close()) of every rank. Each rank writes its peak to a small file beside
 --nvme-path (the ranks must share that file system: one node) that rank 0 reads.
 """
 
@@ -33,7 +33,6 @@ import math
 import os
 import resource
 import sys
-import tempfile
 import time
 
 import torch
@@ -135,8 +134,8 @@ def load_text():
 
 def cgroup_limit_bytes():
     """The memory limit of this process's cgroup (the smallest on its path; v2 memory.max or v1
-    memory.limit_in_bytes), None without one. The engine reads its budget the same way
-    (docs/configs.md, "The host memory plan")."""
+    memory.limit_in_bytes), None without one: the limit the JSON line reports beside the
+    engine's budget."""
     best = None
     try:
         with open("/proc/self/cgroup") as f:
@@ -229,10 +228,8 @@ def main():
     built = sum(math.prod(zinf.torch.partitioned_shape(p)) for p in model.parameters())
     assert built == params, (built, params)
 
-    metrics_dir = tempfile.TemporaryDirectory(prefix="zinf-transformer-lm-")
-    metrics_path = os.path.join(metrics_dir.name, "metrics.jsonl")
     opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=config,
-                                   metrics_path=metrics_path, total_steps=args.steps,
+                                   total_steps=args.steps,
                                    create_nvme_paths=True, progress=False,
                                    **({"gradient_memory_limit": 0} if args.explicit_sizes else {}))
     generator = torch.Generator().manual_seed(1)  # the same batch on every rank; each its rows
@@ -270,9 +267,6 @@ def main():
     for r in range(world):
         with open(os.path.join(peaks_dir, f"rank{r}")) as f:
             peaks.append(int(f.read()))
-    with open(metrics_path) as f:
-        last = json.loads(f.read().splitlines()[-1])
-    metrics_dir.cleanup()
     limit = cgroup_limit_bytes()
     record = {
         "example": "transformer_lm", "ranks": world, "parameters": params,
@@ -281,17 +275,16 @@ def main():
         "seconds": round(seconds, 1), "loss_first": losses[0], "loss_last": losses[-1],
         "losses": [round(x, 4) for x in losses], "explicit_sizes": bool(args.explicit_sizes),
         "checkpoint_activations": bool(args.checkpoint_activations),
-        "plan_bytes": last["plan_bytes"],
-        "budget_bytes": None if limit is None else limit // facts["local_size"],
+        "plan_bytes": info.plan_bytes, "budget_bytes": info.budget_bytes or None,
         "limit_bytes": limit, "peak_rss_bytes": peaks, "peak_rss_bytes_max": max(peaks),
         "config": config_path,
     }
     print(json.dumps(record), flush=True)
     mib = 2 ** 20
-    budget = "none" if limit is None else f"{record['budget_bytes'] / mib:.0f} MiB"
+    budget = "unknown" if not info.budget_bytes else f"{info.budget_bytes / mib:.0f} MiB"
     zinf.log(f"transformer_lm: {params} parameters ({weights_bytes / mib:.0f} MiB fp32) on {world} "
              f"ranks, loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps; per rank: "
-             f"plan {last['plan_bytes'] / mib:.0f} MiB, budget {budget}, peak RSS "
+             f"plan {info.plan_bytes / mib:.0f} MiB, budget {budget}, peak RSS "
              + ", ".join(f"{p / mib:.0f}" for p in peaks) + " MiB")
 
 

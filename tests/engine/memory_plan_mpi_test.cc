@@ -381,7 +381,7 @@ TEST(MemoryPlanEngine, SizesTheConfigLeavesUnsetAreChosenToFitTheBudget) {
   EngineOptions options;
   options.create_nvme_paths = true;
   options.stop_signals = false;
-  const std::uint64_t budget = NodeBudget(40ull << 20);
+  const std::uint64_t budget = NodeBudget(48ull << 20);
   {
     ZINF_ASSERT_OK_AND_ASSIGN(
         Config config, ParseConfig(FitConfig(dir.Join("swap"), budget, ""), ContextOf(World())));

@@ -46,6 +46,10 @@ struct StepInfo {
   double read_bytes_per_element = 0;
   double write_bytes_per_element = 0;
   std::uint64_t peak_rss_bytes = 0;  // largest over the ranks
+  // The host memory plan per rank (rank 0's) and the budget it was held against per rank (0:
+  // unknown), docs/configs.md "The host memory plan": peak_rss_bytes is measured against them.
+  std::uint64_t plan_bytes = 0;
+  std::uint64_t budget_bytes = 0;
   bool stop_requested = false;       // a stop signal arrived on some rank
   int stop_signal = 0;               // which (this rank's; 0 if none here)
   // The checkpoint cadence (zinf.checkpoint.every with a checkpoint directory) says this step
@@ -61,7 +65,8 @@ constexpr void ForEachStepInfoField(Info& info, F&& f) {
   auto& [step, lr, loss, grad_norm, clipped, loss_scale, next_loss_scale, skipped, skipped_steps,
          step_seconds, optimizer_seconds, swap_read_bytes, swap_write_bytes,
          optimizer_swap_read_bytes, optimizer_swap_write_bytes, read_bytes_per_element,
-         write_bytes_per_element, peak_rss_bytes, stop_requested, stop_signal, checkpoint_due] =
+         write_bytes_per_element, peak_rss_bytes, plan_bytes, budget_bytes, stop_requested,
+         stop_signal, checkpoint_due] =
       info;
   f("step", step);
   f("lr", lr);
@@ -81,6 +86,8 @@ constexpr void ForEachStepInfoField(Info& info, F&& f) {
   f("read_bytes_per_element", read_bytes_per_element);
   f("write_bytes_per_element", write_bytes_per_element);
   f("peak_rss_bytes", peak_rss_bytes);
+  f("plan_bytes", plan_bytes);
+  f("budget_bytes", budget_bytes);
   f("stop_requested", stop_requested);
   f("stop_signal", stop_signal);
   f("checkpoint_due", checkpoint_due);
