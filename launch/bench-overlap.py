@@ -1,4 +1,4 @@
-"""backward+step of zinf.torch with and without overlap_backward, side by side in one run.
+"""backward+step of zinf.torch at stage 1 with and without overlap_backward, side by side.
 
   mpirun -np 2 python3 launch/bench-overlap.py --swap /local_nvme/zinf [--layers 48]
       [--width 1024] [--batch 16] [--steps 5] [--rounds 2]
@@ -35,7 +35,8 @@ def run(args, overlap, rank, world):
         "gradient_clipping": 1.0,
         "steps_per_print": 1000,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": args.bucket,
+        # Stage 1: overlap_backward is its option (stages 2 and 3 always hand the gradients).
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": args.bucket,
                               "sub_group_size": 1 << 24,
                               "offload_optimizer": {"device": "nvme", "nvme_path": args.swap}},
         "zinf": {"adam_threads": args.threads},

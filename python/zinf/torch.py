@@ -96,7 +96,7 @@ class _Registered:
         self.weights = weights  # in place: param.detach(), its memory; staged: an fp32 copy;
         #                         partitioned: None
         self.grads = grads      # private: an in-place parameter's .grad is a view of it; lent
-        #                         gradients (stage 3): None
+        #                         gradients (stages 2 and 3): None
         # The parameter's memory and layout as registered (held, so that no later tensor takes
         # its address), and the addresses the engine was given.
         self.view = None if part is not None else param.detach()
@@ -1039,12 +1039,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine owns the buffer and has reduced it: a .grad set on it before step() is refused
         there, zero_grad() drops the batch), and a step's backward passes must be the config's
         gradient_accumulation_steps (each is a micro-batch; losses not divided; one too many
-        raises, dropping the step's gradient).
+        raises, dropping the step's gradient). Stage 1 only: stages 2 and 3 always hand every
+        gradient so (lent, see Gradients).
 
-    Gradients: the engine reads them from fp32 buffers of its own; a float32 CPU parameter's
-    .grad is a view of its buffer, kept for the optimizer's whole life (zero_grad zeroes it and
-    puts it back, also with set_to_none=True). A .grad the program replaced (p.grad = t,
-    p.grad.data = t, p.grad.set_(t)) is copied in at the next step when it is a dense
+    Gradients (stage 1): the engine reads them from fp32 buffers of its own; a float32 CPU
+    parameter's .grad is a view of its buffer, kept for the optimizer's whole life (zero_grad
+    zeroes it and puts it back, also with set_to_none=True). A .grad the program replaced
+    (p.grad = t, p.grad.data = t, p.grad.set_(t)) is copied in at the next step when it is a dense
     floating-point tensor of the parameter's shape on its device or the CPU (any strides, any
     floating dtype: cast to float32), and refused on every rank otherwise (an integer, bool or
     complex dtype, another shape or device, a sparse tensor: FailedPreconditionError naming the
@@ -1053,6 +1054,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     (p.data = p.data.t()), is refused at the next step. With gradient_accumulation_steps k in
     the config, a step stands for k micro-batches per rank: either run k backward passes and
     call step(), or call accumulate_gradients() after each micro-batch but the last.
+    Stages 2 and 3 lend the gradients instead: each parameter's goes to the engine from its
+    AccumulateGrad hook as the backward pass completes it (copied into the reduce bucket,
+    reduce-scattered, this rank keeps its partition), and .grad is None after the backward
+    pass, so no rank holds the whole gradient; each backward pass is a micro-batch (as with
+    overlap_backward, which they imply), and a .grad the program sets is handed at the next
+    step() or accumulate_gradients(), refused on a parameter whose gradient was handed
+    (docs/python.md, "Stage 2").
 
     fp16 (the config's fp16 block, DeepSpeed's loss scaling): the loop calls opt.backward(loss)
     instead of loss.backward(), which differentiates loss * opt.loss_scale, and passes the
@@ -1093,8 +1101,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                               for options, members in groups], {"lr": 0.0})
             self._group_options = [options for options, _ in groups]
             # Stage 3: parameters partitioned by init() have no weights buffer, and then every
-            # gradient is lent (handed to the engine as the backward pass completes it).
-            self._lent = any(_part(p) is not None for _, _, p in named)
+            # gradient is lent (handed to the engine as the backward pass completes it). Stage 2
+            # lends every gradient too (its parameters whole): the engine partitions each as it
+            # arrives, so no rank holds the whole gradient.
+            self._lent = (any(_part(p) is not None for _, _, p in named)
+                          or _stage_of(config) == 2)
             self._params = [self._register(name, p, self._lent) for _, name, p in named]
             for i, (r, (g, _, _)) in enumerate(zip(self._params, named)):
                 r.index, r.group = i, g
@@ -1112,8 +1123,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             gc.collect()
         self._open(None if load is None else os.fspath(load))
         _optimizers.add(self)
-        # Stage 1/2 with overlap_backward: each float32 CPU parameter's gradient goes to the
-        # engine from its AccumulateGrad hook (stage 3 always hands them so).
+        # Stage 1 with overlap_backward: each float32 CPU parameter's gradient goes to the
+        # engine from its AccumulateGrad hook (stages 2 and 3 always hand them so).
         self._overlap = bool(overlap_backward) and not self._lent
         if self._lent:
             self._own_partitions()
@@ -1279,7 +1290,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._spill = _spill_directory(settings)
         _set_wait_timeout(settings)  # the world's waits too (gathered(), frozen parameters)
         try:  # every rank has the same config: they agree unless their parameters differ
-            _zinf.agree("InvalidArgument", self._check_precision(settings),
+            _zinf.agree("InvalidArgument",
+                        self._check_precision(settings) or self._check_lent(settings),
                         call="ZeroOptimizer()")
         except Exception:
             self._engine.close()
@@ -1299,12 +1311,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._show_hyper_params()
 
     def _own_partitions(self):
-        """Stage 3, once the engine holds the initial values: the partitioned parameters are
-        this optimizer's (their shards dropped), and every parameter's gradient is handed to the
-        engine by a hook on its AccumulateGrad node, which runs once per backward pass after
+        """Stages 2 and 3, once the engine holds the initial values: the partitioned parameters
+        are this optimizer's (their shards dropped), and every parameter's gradient is handed to
+        the engine by a hook on its AccumulateGrad node, which runs once per backward pass after
         every use of the parameter added its part (tied parameters too)."""
         me = weakref.ref(self)
-        _install_module_hooks()
+        partitioned = any(r.part is not None for r in self._params)
+        if partitioned:
+            _install_module_hooks()
         with torch.enable_grad():
             for r in self._params:
                 p, part = r.param, r.part
@@ -1320,10 +1334,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 else:
                     r.node = p.expand_as(p).grad_fn.next_functions[0][0]
                 r.hook = r.node.register_hook(_on_gradient(me, r))
-        # F.linear through _PartitionedLinear while this optimizer is open: between a module's
-        # forward and its backward no view keeps its whole weights alive.
-        _patch_linear()
-        self._linear_patched = True
+        if partitioned:
+            # F.linear through _PartitionedLinear while this optimizer is open: between a
+            # module's forward and its backward no view keeps its whole weights alive.
+            _patch_linear()
+            self._linear_patched = True
 
     def _hook_gradients(self):
         """overlap_backward: a hook on each in-place parameter's AccumulateGrad node (staged
@@ -1405,13 +1420,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _next_micro_batch(self, r, incoming):
         """A backward pass that finds r's gradient of this micro-batch handed already
-        (overlap_backward, stage 3) is the step's next micro-batch: the previous one is handed
-        over first, as accumulate_gradients() does. Collective: every rank's next backward pass
-        reaches its first gradient hook here (`incoming`: the gradient this pass added to r's
-        .grad). Refused, on every rank, for a .grad the program set on a handed parameter since
-        the previous pass (r's then holds more than `incoming`), and by the engine (a step
-        takes the config's gradient_accumulation_steps passes): the step's gradient is dropped
-        on every rank and the pass raises the agreed error."""
+        (overlap_backward, stages 2 and 3) is the step's next micro-batch: the previous one is
+        handed over first, as accumulate_gradients() does. Collective: every rank's next
+        backward pass reaches its first gradient hook here (`incoming`: the gradient this pass
+        added to r's .grad). Refused, on every rank, for a .grad the program set on a handed
+        parameter since the previous pass (r's then holds more than `incoming`), and by the
+        engine (a step takes the config's gradient_accumulation_steps passes): the step's
+        gradient is dropped on every rank and the pass raises the agreed error."""
         g, done = r.param.grad, self._micro_batches
         engine = self._open_engine()
         problem = next((self._grad_after_handing(q) for q in self._params
@@ -1437,7 +1452,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             engine.accumulate_gradients()
         except zinf.ZinfError as e:
             self._forget_gradients()
-            mode = "overlap_backward" if self._overlap else "partitioned parameters (stage 3)"
+            mode = "overlap_backward" if self._overlap else "lent gradients (stages 2 and 3)"
             raised = type(e)(
                 f"backward(): this backward pass began micro-batch {done + 2} of the step, "
                 f"handing micro-batch {done + 1} over: {e.message}. "
@@ -1463,8 +1478,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _grad_after_handing(self, r, at_step=False):
         """The problem ("" if none) of a .grad on a parameter whose gradient this micro-batch
-        went to the engine already (overlap_backward, stage 3): the program set it after the
-        backward pass, and the engine has reduced the handed gradient over the ranks. With
+        went to the engine already (overlap_backward, stages 2 and 3): the program set it after
+        the backward pass, and the engine has reduced the handed gradient over the ranks. With
         `at_step`, what step() and accumulate_gradients() say, nothing changed."""
         if r.param.grad is None:
             return ""
@@ -1475,12 +1490,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
             how, surgery = ("with overlap_backward each gradient goes", "ZeroOptimizer(..., "
                             "overlap_backward=False) for gradient surgery")
         else:
-            how, surgery = ("at stage 3 every gradient goes", "no gradient surgery at stage 3 "
-                            "(no rank holds the whole gradient)")
+            how, surgery = ("at stages 2 and 3 every gradient goes", "no gradient surgery at "
+                            "stages 2 and 3 (no rank holds the whole gradient)")
         return (f"parameter {r.name}: its .grad was set after the backward pass handed its "
                 f"gradient to the engine ({how} to the engine as the pass completes it, reduced "
                 f"over the ranks at once), so it cannot replace the handed one ({surgery}; the "
                 "config's gradient_clipping clips the reduced gradient)")
+
+    def _check_lent(self, settings):
+        """Stage 2 lends every gradient (registered before the engine parsed the config, from
+        this module's own reading of it); returns the problem ("" if none) when the engine's
+        stage says otherwise."""
+        zero = settings.get("zero_optimization", {})
+        stage = zero.get("stage") if isinstance(zero, dict) else None
+        if stage == 2 and not self._lent:
+            return ("the config's zero_optimization.stage is 2, but zinf.torch could not read it "
+                    "before creating the engine (stage 2 hands every gradient to the engine as "
+                    "the backward pass completes it); pass the config as a dict or a readable "
+                    "JSON file")
+        return ""
 
     def _check_precision(self, settings):
         """float16/bfloat16 parameters need the config block that rounds the working weights
@@ -1763,7 +1791,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gradient that is zero on every rank, a parameter that changed since the optimizer was
         created, a param_groups value out of its range, written under a config scheduler, or
         different on some rank, a .grad set on a parameter whose gradient was handed
-        (overlap_backward, stage 3). A step the engine refuses (the loss, the gradient, the
+        (overlap_backward, stages 2 and 3). A step the engine refuses (the loss, the gradient, the
         counts) has consumed the step's gradient on every rank: .grad is zero (None with lent
         gradients), nothing is handed, and the loop goes on with its next batch. One refused
         before (a parameter, .grad or param_groups value) leaves the gradients as they were,
@@ -1811,11 +1839,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         .grad is (again) the registered tensor, zeroed, also with set_to_none=True; a staged
         parameter's .grad is zeroed (a replaced one of another dtype, shape, device or layout
         becomes zeros like the parameter). step() already leaves them zero. With lent gradients
-        (partitioned parameters, stage 3) .grad is None: each went to the engine as the
-        backward pass completed it; a .grad the program set itself is dropped.
+        (stages 2 and 3) .grad is None: each went to the engine as the backward pass completed
+        it; a .grad the program set itself is dropped.
 
         Gradients handed to the engine since the last step (a backward pass with
-        overlap_backward or at stage 3, accumulate_gradients()) are dropped too, as torch's
+        overlap_backward or at stages 2 and 3, accumulate_gradients()) are dropped too, as torch's
         zero_grad drops an accumulated gradient: the next backward pass begins the step afresh
         (skipping a bad batch). That is collective (the engine finishes the micro-batch's
         reductions): every rank calls it, as SPMD loops do; otherwise it is local."""

@@ -1,5 +1,6 @@
 """Parameters and gradients changed under zinf.torch.ZeroOptimizer: each is copied in correctly or
-refused on every rank, never a silent wrong update. `mpirun -np N python3 changes.py <work dir>`
+refused on every rank, never a silent wrong update, at ZeRO stage 1 (the registered .grad).
+`mpirun -np N python3 changes.py <work dir>`
 (N >= 2: the refused changes are made on one rank only). Every rank sets its own synthetic
 gradient of each parameter at each step; in one run:
 
@@ -34,6 +35,14 @@ from zinf import _zinf
 
 TOLERANCE = 1e-5
 SQUARE = "2.weight"  # common.make_model's 32 x 32 weight
+
+
+def stage1(cfg):
+    """The config at ZeRO stage 1, whose .grad is the engine's registered buffer that a program
+    may write or replace (stages 2 and 3 lend every gradient from the backward pass: .grad is
+    None after it)."""
+    cfg["zero_optimization"]["stage"] = 1
+    return cfg
 
 
 def gradient(step, rank, index, shape):
@@ -231,7 +240,7 @@ def client_state(work, opt, rank, world):
 
 def staged(work, rank, world):
     model = common.make_model().to(torch.bfloat16)
-    cfg = common.config(os.path.join(work, "swap.bf16")) | {"bf16": {"enabled": True}}
+    cfg = stage1(common.config(os.path.join(work, "swap.bf16"))) | {"bf16": {"enabled": True}}
     opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg, progress=False,
                                    create_nvme_paths=True)
     ways = ["float64", "float32", "float16", "in place"]
@@ -279,7 +288,7 @@ def main():
     common.check(world >= 2, "run on 2 or more ranks")
     model = common.make_model()
     opt = zinf.torch.ZeroOptimizer(model.named_parameters(),
-                                   config=common.config(os.path.join(work, "swap")),
+                                   config=stage1(common.config(os.path.join(work, "swap"))),
                                    progress=False, create_nvme_paths=True)
     replaced(model, opt, rank, world)
     refused(model, opt, rank, world)

@@ -1,8 +1,8 @@
 """zinf.torch as a torch.optim drop-in: param groups with their own lr and weight_decay, driven
 by torch's lr schedulers, with gradient accumulation (k backward passes, then step: torch's way,
-each loss divided by k and the config's gradient_accumulation_steps 1, or DeepSpeed's, the
-config's gradient_accumulation_steps k), clipping and step(closure), against
-torch.optim.AdamW with the same groups and scheduler.
+each loss divided by k and the config's gradient_accumulation_steps 1, at stage 1, or
+DeepSpeed's, the config's gradient_accumulation_steps k, at stage 2), clipping and
+step(closure), against torch.optim.AdamW with the same groups and scheduler.
 
   mpirun -np N python3 groups.py exact <work dir>   LambdaLR, CosineAnnealingLR, OneCycleLR
                                                     (cycles betas), ReduceLROnPlateau, and the
@@ -116,9 +116,9 @@ def train(model, opt, sched, first, last, use_closure, torch_style=False):
                 loss = common.loss_fn(model, x, y)
                 (loss / GAS if torch_style else loss).backward()
                 total += loss.item()
-            if opt._overlap:  # handed as the pass completed them
+            if not torch_style:  # handed as the pass completed them (stage 2)
                 common.check(all(p.grad is None for p in model.parameters()),
-                             "overlap_backward: .grad is None until step()")
+                             "stage 2: .grad is None after the backward pass")
             return total / GAS
 
         if use_closure:
@@ -143,11 +143,14 @@ def exact(work):
         torch_style = i % 2 == 0  # the config's gradient_accumulation_steps 1, losses / GAS
         cfg = config(os.path.join(work, name), world, WARMUP if name == "config_warmup" else None,
                      gas=1 if torch_style else GAS)
+        if torch_style:
+            # Passes summed in .grad, then one step: stage 1's registered gradients (stages 2
+            # and 3 hand each pass's gradients as it completes them: a pass is a micro-batch).
+            cfg["zero_optimization"]["stage"] = 1
         os.makedirs(os.path.join(work, name, "swap"), exist_ok=True)
-        # DeepSpeed's accumulation with overlap_backward: each backward pass hands its gradients
-        # from the AccumulateGrad hooks (the second pass of a step the next micro-batch).
-        opt = zinf.torch.ZeroOptimizer(groups_of(model, named=True), config=cfg, progress=False,
-                                       overlap_backward=not torch_style)
+        # DeepSpeed's accumulation at stage 2: each backward pass hands its gradients from the
+        # AccumulateGrad hooks (the second pass of a step the next micro-batch).
+        opt = zinf.torch.ZeroOptimizer(groups_of(model, named=True), config=cfg, progress=False)
         common.check([len(g["params"]) for g in opt.param_groups] == [SPLIT, 6 - SPLIT],
                       f"param_groups {[len(g['params']) for g in opt.param_groups]}")
         sched = SCHEDULERS[name](opt) if SCHEDULERS[name] else None

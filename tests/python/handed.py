@@ -1,7 +1,8 @@
-"""Gradients handed to the engine before step(): with overlap_backward (stage 2), at stage 3
-(where every gradient is), and by accumulate_gradients(). `mpirun -np N python3 handed.py <work>`.
+"""Gradients handed to the engine before step(): with overlap_backward (stage 1), at stages 2
+and 3 (where every gradient is), and by accumulate_gradients().
+`mpirun -np N python3 handed.py <work>`.
 
-mishaps (gradient_accumulation_steps 1; overlap_backward, then stage 3): 10 steps of
+mishaps (gradient_accumulation_steps 1; overlap_backward, stage 2, then stage 3): 10 steps of
 common.make_model on its batches 1..10 (each rank its shard), with a mishap before some of them;
 each raises the same error on every rank (or none), and the loop goes on without
 load_checkpoint:
@@ -19,11 +20,11 @@ load_checkpoint:
   - accumulate_gradients() refused (gradient_accumulation_steps 1): the step's gradient dropped.
 
 accumulation (gradient_accumulation_steps 2, each step's micro-batches the halves of the
-rank's shard; overlap_backward, stage 3, stage 2 with accumulate_gradients(), and
+rank's shard; overlap_backward, stages 2 and 3, stage 1 with accumulate_gradients(), and
 overlap_backward with zinf.swap_gradients on NVMe): a third micro-batch refused, zero_grad()
-after one and after two micro-batches, a NaN in the second, and (overlap_backward, stage 3) a
-.grad set on a handed parameter between two passes, refused by the next pass; each drops the
-step's gradient on every rank and the next step counts only its own micro-batches.
+after one and after two micro-batches, a NaN in the second, and (overlap_backward, stages 2
+and 3) a .grad set on a handed parameter between two passes, refused by the next pass; each
+drops the step's gradient on every rank and the next step counts only its own micro-batches.
 
 The weights then equal torch.optim.AdamW over the good batches only (same clipping and warmup)
 within 1e-5 relative, and the optimizer counts only the steps taken.
@@ -74,12 +75,14 @@ def expect_error(what, cls, pattern, action):
 
 
 def mishaps(mode, work):
-    """gradient_accumulation_steps 1, overlap_backward ("overlap") or stage 3 ("stage3")."""
+    """gradient_accumulation_steps 1, overlap_backward ("overlap", stage 1), stage 2 ("stage2")
+    or stage 3 ("stage3")."""
     facts = zinf.init()
     rank, world = facts["rank"], facts["world_size"]
     swap = os.path.join(work, mode)
     os.makedirs(swap, exist_ok=True)
     cfg = common.config(swap, world=world)
+    cfg["zero_optimization"]["stage"] = 1 if mode == "overlap" else 2  # overlap_backward: stage 1's
     if mode == "stage3":
         zero = cfg["zero_optimization"]
         zero.update(stage=3, stage3_param_persistence_threshold=100,
@@ -209,9 +212,9 @@ def mishaps(mode, work):
 
 
 def accumulation(mode, work, swap_gradients=False):
-    """gradient_accumulation_steps 2 (module docstring). `mode`: overlap, stage3 (each backward
-    pass a micro-batch, the second handing the first over) or plain (stage 2,
-    accumulate_gradients() between the passes)."""
+    """gradient_accumulation_steps 2 (module docstring). `mode`: overlap (stage 1), stage2,
+    stage3 (each backward pass a micro-batch, the second handing the first over) or plain
+    (stage 1, accumulate_gradients() between the passes)."""
     facts = zinf.init()
     rank, world = facts["rank"], facts["world_size"]
     swap = os.path.join(work, f"{mode}-accumulation{'-swapped' if swap_gradients else ''}")
@@ -219,6 +222,7 @@ def accumulation(mode, work, swap_gradients=False):
     cfg = common.config(swap, world=world, micro=common.BATCH // 2, gradient_accumulation_steps=2)
     if swap_gradients:  # the partition's gradient accumulated on NVMe (read-add-write)
         cfg["zinf"] = {"swap_gradients": True}
+    cfg["zero_optimization"]["stage"] = 1 if mode in ("overlap", "plain") else 2
     if mode == "stage3":
         cfg["zero_optimization"].update(stage=3, stage3_param_persistence_threshold=100,
                                         offload_param={"device": "none"})
@@ -303,8 +307,10 @@ def accumulation(mode, work, swap_gradients=False):
 def main():
     work = sys.argv[1]
     mishaps("overlap", work)
+    mishaps("stage2", work)
     mishaps("stage3", work)
     accumulation("overlap", work)
+    accumulation("stage2", work)
     accumulation("stage3", work)
     accumulation("plain", work)
     accumulation("overlap", work, swap_gradients=True)
