@@ -58,16 +58,17 @@ struct Batch {
   std::size_t size() const { return num_examples; }
 };
 
-// Stage 3 (zero_optimization.stage 3): what a model's layered pass (Model::ForwardBackwardLayered)
-// sees of the partitioned parameters. The trainer implements it over the engine's Gather scopes
-// and GradientReady; a test may implement it over a flat vector.
+// Stages 2 and 3: what a model's layered pass (Model::ForwardBackwardLayered) sees of the
+// parameters. The trainer implements it over the engine's Gather scopes (stage 3: partitioned
+// parameters) or its whole working weights (stage 2), with GradientReady; a test may implement
+// it over a flat vector.
 class LayerAccess {
  public:
   virtual ~LayerAccess() = default;
   // Makes the whole weights of the parameters `params` (layout indices, in that order) readable
   // and gives up those of the previous Fetch: the spans stay valid until the next Fetch or the
-  // end of the pass, never longer. In the trainer collective (every rank fetches the same
-  // parameters in the same order); its errors are then the same on every rank.
+  // end of the pass, never longer. In the trainer at stage 3 collective (every rank fetches the
+  // same parameters in the same order); its errors are then the same on every rank.
   virtual Result<std::vector<std::span<const float>>> Fetch(
       std::span<const std::size_t> params) = 0;
   // Parameter `index`'s gradient of the pass's mean loss, complete (its numel elements); `grad`
@@ -118,7 +119,7 @@ class Model {
   // a layered pass, whose fetches are collective, begins only on a batch every rank agreed on.
   virtual Status CheckBatch(const Batch& batch) const = 0;
 
-  // Stage 3: the same forward and backward pass over `batch`, one layer at a time. The weights
+  // Stages 2 and 3: the same forward and backward pass over `batch`, one layer at a time. The weights
   // come from `access.Fetch` (a layer's parameters before its forward, and again before its
   // backward), and each parameter's gradient of the mean loss goes to `access.GradientDone` as
   // soon as the backward pass has completed it (in reverse layout order), so that no more than

@@ -63,18 +63,32 @@ float ScaledToFp16(float grad, float scale) {
   return static_cast<float>(static_cast<_Float16>(grad * scale));
 }
 
-// Stage 3: a model's layered pass over the engine's partitioned parameters. One Gather scope at
-// a time (a layer's), released by the next Fetch or Finish; each gradient lent to the engine
-// (with fp16 first scaled by the loss scale and rounded to fp16, as the replicated path does).
+// Stages 2 and 3: a model's layered pass, each gradient lent to the engine as the backward pass
+// completes it (with fp16 first scaled by the loss scale and rounded to fp16, as the replicated
+// path does). Stage 3 reads the partitioned parameters through one Gather scope at a time (a
+// layer's), released by the next Fetch or Finish; stage 2 reads the whole working weights the
+// engine keeps up to date (`replicated`, layout order).
 class EngineLayerAccess final : public LayerAccess {
  public:
-  EngineLayerAccess(engine::ZeroEngine& engine, bool fp16) : engine_(engine), fp16_(fp16) {}
+  EngineLayerAccess(engine::ZeroEngine& engine, bool fp16, std::span<const float> replicated = {})
+      : engine_(engine), fp16_(fp16), replicated_(replicated) {}
 
   Result<std::vector<std::span<const float>>> Fetch(std::span<const std::size_t> params) override {
+    std::vector<std::span<const float>> weights;
+    weights.reserve(params.size());
+    if (!replicated_.empty()) {
+      const partition::ParamLayout& layout = engine_.layout();
+      for (const std::size_t i : params) {
+        if (i >= layout.num_params()) {
+          return InvalidArgumentError(fmt::format("Fetch: no parameter {}", i));
+        }
+        const partition::ParamInfo& p = layout.param(i);
+        weights.push_back(replicated_.subspan(p.flat_offset, p.numel));
+      }
+      return weights;
+    }
     held_.Release();
     ZINF_ASSIGN_OR_RETURN(held_, engine_.GatherByIndex(params));
-    std::vector<std::span<const float>> weights;
-    weights.reserve(held_.size());
     for (std::size_t i = 0; i < held_.size(); ++i) weights.push_back(held_[i]);
     return weights;
   }
@@ -100,6 +114,7 @@ class EngineLayerAccess final : public LayerAccess {
  private:
   engine::ZeroEngine& engine_;
   const bool fp16_;
+  const std::span<const float> replicated_;
   engine::Gathered held_;
   std::vector<float> scaled_;
 };
@@ -121,6 +136,9 @@ class Run {
   Status SaveCheckpoint(double loss);
   // Stage 3: the model's parameters are partitioned (registered without buffers).
   bool partitioned() const { return config_.zero_optimization.stage == 3; }
+  // Stages 2 and 3: the gradients are lent (registered without grads buffers), each handed to
+  // the engine by the layered pass as it completes, so no whole gradient exists on a rank.
+  bool lent() const { return config_.zero_optimization.stage >= 2; }
   Json UserState(std::int64_t step, double loss) const;
   Status Finish(const TrainSummary& summary);
 
@@ -133,7 +151,7 @@ class Run {
   std::optional<TextDataset> data_;
   // The working weights, layout order (the engine writes them); empty at stage 3.
   std::vector<float> weights_;
-  // The gradient of the rank's micro-batches, layout order; empty at stage 3.
+  // The gradient of the rank's micro-batches, layout order; empty at stages 2 and 3.
   std::vector<float> grads_;
   // fp16: one micro-batch's unscaled gradient, before it is scaled and rounded into grads_.
   std::vector<float> micro_grads_;
@@ -179,26 +197,29 @@ Status Run::BuildModel() {
 // machine's RAM + swap shared by this node's ranks, before anything is allocated; the engine
 // checks its own buffers the same way.
 Status Run::CheckHostMemory() const {
-  // Stage 3 holds a layer's weights and gradients at a time (at most two parameters each, the
-  // largest bounding both); the engine checks its shards and gathers itself.
-  std::uint64_t held = model_->layout().total_numel();
-  if (partitioned()) {
-    held = 0;
-    for (const partition::ParamInfo& p : model_->layout().params()) held = std::max(held, p.numel);
-    if (!CheckedMul(held, 2, &held)) held = UINT64_MAX;
-  }
+  // The layered pass (stages 2 and 3) holds a layer's gradients at a time, stage 3 a layer's
+  // weights too (at most two parameters each, the largest bounding both); the engine checks
+  // its shards, gathers and buckets itself.
+  const std::uint64_t whole = model_->layout().total_numel();
+  std::uint64_t layer = 0;
+  for (const partition::ParamInfo& p : model_->layout().params()) layer = std::max(layer, p.numel);
+  if (!CheckedMul(layer, 2, &layer)) layer = UINT64_MAX;
+  std::uint64_t held = 0;
+  if (!CheckedAdd(partitioned() ? layer : whole, lent() ? layer : whole, &held)) held = UINT64_MAX;
   std::uint64_t replicated = 0;
-  if (!CheckedMul(held, 2 * sizeof(float), &replicated)) replicated = UINT64_MAX;
+  if (!CheckedMul(held, sizeof(float), &replicated)) replicated = UINT64_MAX;
   const std::uint64_t activations =
       model_->WorkingBytes(static_cast<std::uint64_t>(config_.train_micro_batch_size_per_gpu));
   std::uint64_t need = 0;
   if (!CheckedAdd(replicated, activations, &need)) need = UINT64_MAX;
   return CheckHostMemoryShare(
       need, world_.topology().local_size, "this rank needs",
-      fmt::format(" ({} weights and gradient {}, the activations of a micro-batch of {} "
-                  "examples {})",
-                  partitioned() ? "a layer's gathered" : "replicated", FormatBytes(replicated),
-                  config_.train_micro_batch_size_per_gpu, FormatBytes(activations)),
+      fmt::format(" ({} {}, the activations of a micro-batch of {} examples {})",
+                  partitioned() ? "a layer's gathered weights and gradient"
+                  : lent()      ? "the replicated weights and a layer's gradient"
+                                : "the replicated weights and gradient",
+                  FormatBytes(replicated), config_.train_micro_batch_size_per_gpu,
+                  FormatBytes(activations)),
       "lower train_micro_batch_size_per_gpu (use gradient_accumulation_steps), the model size, "
       "or the ranks per node");
 }
@@ -211,6 +232,10 @@ Status Run::CreateEngine() {
     ZINF_LOG_INFO(
         "stage 3: the parameters are partitioned, gathered a layer at a time{}",
         charlm_ != nullptr ? " (no held-out loss or sample: they need the whole weights)" : "");
+  } else if (lent()) {
+    ZINF_LOG_INFO(
+        "stage 2: each gradient goes to the engine as the backward pass completes it, a layer "
+        "at a time; no rank holds the whole gradient");
   }
   std::vector<engine::Param> params;
   params.reserve(layout.num_params());
@@ -230,7 +255,8 @@ Status Run::CreateEngine() {
     }
   } else {
     weights_.assign(layout.total_numel(), 0.0f);
-    grads_.assign(layout.total_numel(), 0.0f);
+    // Stage 2: no grads buffers (lent per layer, GradientReady).
+    if (!lent()) grads_.assign(layout.total_numel(), 0.0f);
     // The initial weights, a pure function of (seed, flat index): the same on every rank. A
     // restore overwrites them.
     ZINF_RETURN_IF_ERROR(model_->InitWeights(seed, weights_));
@@ -238,7 +264,9 @@ Status Run::CreateEngine() {
       params.push_back({.name = p.name,
                         .shape = p.shape,
                         .weights = std::span<float>(weights_).subspan(p.flat_offset, p.numel),
-                        .grads = std::span<float>(grads_).subspan(p.flat_offset, p.numel)});
+                        .grads = lent()
+                                     ? std::span<float>()
+                                     : std::span<float>(grads_).subspan(p.flat_offset, p.numel)});
     }
   }
   ZINF_ASSIGN_OR_RETURN(
@@ -267,15 +295,16 @@ Status Run::ForwardBackward(std::int64_t step, int micro_batch, double* loss_sum
   const int batch_size = static_cast<int>(config_.train_micro_batch_size_per_gpu);
   Result<Batch> made = data_ ? data_->SampleBatch(id, batch_size, config_.model.context)
                              : SyntheticModel::MakeBatch(id, static_cast<std::size_t>(batch_size));
-  if (partitioned()) {
-    // The fetches are collective: a batch this rank cannot make or take is agreed on before.
+  if (lent()) {
+    // The fetches (stage 3) and the reductions of the handed gradients are collective: a batch
+    // this rank cannot make or take is agreed on before.
     const Status usable = made ? model_->CheckBatch(*made) : Status(std::unexpected(made.error()));
     ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(usable));
   }
   if (!made) return std::move(made).error();
   const Batch& batch = *made;
-  if (partitioned()) {
-    EngineLayerAccess access(*engine_, config_.fp16.enabled);
+  if (lent()) {
+    EngineLayerAccess access(*engine_, config_.fp16.enabled, weights_);
     Result<double> loss = model_->ForwardBackwardLayered(batch, access);
     access.Finish();
     if (!loss) return std::move(loss).error();
@@ -304,17 +333,17 @@ Result<engine::StepInfo> Run::Step(std::int64_t step) {
   const int gas = static_cast<int>(config_.gradient_accumulation_steps);
   double loss_sum = 0;
   for (int m = 0; m < gas; ++m) {
-    // Local failures (a bad batch) are agreed on before the engine's collectives (at stage 3
-    // inside ForwardBackward, whose errors are then the same on every rank).
-    if (partitioned()) {
+    // Local failures (a bad batch) are agreed on before the engine's collectives (at stages 2
+    // and 3 inside ForwardBackward, whose errors are then the same on every rank).
+    if (lent()) {
       ZINF_RETURN_IF_ERROR(ForwardBackward(step, m, &loss_sum));
     } else {
       ZINF_RETURN_IF_ERROR(world_.AgreeOnStatus(ForwardBackward(step, m, &loss_sum)));
     }
     // With swapped gradients every micro-batch is handed over as it comes (reduced and written
-    // behind), and so at stage 3, where the gradients are lent; otherwise they add up in grads_
-    // and the step takes their sum.
-    if ((config_.zinf.swap_gradients || partitioned()) && m + 1 < gas) {
+    // behind), and so at stages 2 and 3, where the gradients are lent; otherwise they add up in
+    // grads_ and the step takes their sum.
+    if ((config_.zinf.swap_gradients || lent()) && m + 1 < gas) {
       ZINF_RETURN_IF_ERROR(engine_->AccumulateGradients());
     }
   }

@@ -7,18 +7,22 @@
 //   ZINF_ASSIGN_OR_RETURN(TrainSummary summary, Train(world, config, {.metrics_path = "m.jsonl"}));
 //
 // One step, on every rank: forward/backward of the rank's micro-batches (BatchId {seed, step - 1,
-// micro-batch, rank, world size}) on the working weights the engine keeps up to date, the
-// gradient accumulated into a flat buffer registered with the engine (handed over after every
-// micro-batch with zinf.swap_gradients), then ZeroEngine::Step (reduce-scatter, clipping, the
-// learning rate, the swapped Adam step, all-gather); every zinf.checkpoint.every steps, at the
-// last step and on a stop signal: ZeroEngine::SaveCheckpoint.
-// At zero_optimization.stage 3 the model is partitioned instead: its parameters are registered
-// without buffers (initial shards from Model::InitSlice), each micro-batch runs
-// Model::ForwardBackwardLayered over the engine's Gather scopes (one layer's at a time, in forward
-// and again in backward order) and hands each parameter's gradient with GradientReady as the
-// backward pass completes it; AccumulateGradients ends every micro-batch but the last. charlm's
-// held-out loss and sample are then skipped (they need the whole weights on rank 0). Checkpoints
-// hold the same parameters at every stage, so a run resumes across stages and world sizes.
+// micro-batch, rank, world size}) on the working weights the engine keeps up to date, at stage 1
+// the gradient accumulated into a flat buffer registered with the engine (handed over after
+// every micro-batch with zinf.swap_gradients), then ZeroEngine::Step (reduce-scatter, clipping,
+// the learning rate, the swapped Adam step, all-gather); every zinf.checkpoint.every steps, at
+// the last step and on a stop signal: ZeroEngine::SaveCheckpoint.
+// At zero_optimization.stage 2 the gradients are partitioned: the parameters are registered with
+// their weights but without grads buffers, each micro-batch runs Model::ForwardBackwardLayered
+// over the working weights and hands each parameter's gradient with GradientReady as the
+// backward pass completes it (a layer's at a time), so no rank holds the whole gradient (only a
+// layer's, its partition and the engine's buckets in flight); AccumulateGradients ends every
+// micro-batch but the last. At stage 3 the model is partitioned too: its parameters are
+// registered without buffers (initial shards from Model::InitSlice), and the layered pass reads
+// them through the engine's Gather scopes (one layer's at a time, in forward and again in
+// backward order). charlm's held-out loss and sample are then skipped (they need the whole
+// weights on rank 0). Checkpoints hold the same parameters at every stage, so a run resumes
+// across stages and world sizes.
 // Determinism: batches are pure functions of their BatchId, the models are deterministic for a
 // fixed BLAS thread count (zinf.compute_threads; by default cores / ranks per node) on one kind
 // of CPU, and MPI's reductions are deterministic for a fixed world size, so a run that is
