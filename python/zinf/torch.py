@@ -273,23 +273,26 @@ def _kept_shard(values, directory):
     when `directory` is given: the memory-mapped pages of an unlinked file there (gone with the
     tensor, even if the process is killed), written back and dropped from memory at once, so
     the shards of a model larger than memory wait on disk until an optimizer (or a gather) reads
-    them. In memory without a directory, or when the file cannot be made (a full disk, no
-    permission: said once)."""
+    them. In memory without a directory, or when the file cannot be made or written (a full
+    disk, no permission: said once, and later shards stay in memory too)."""
     global _spill_failed
-    n = values.numel()
-    if directory is None or n == 0 or _spill_failed:
-        return values.detach().clone()
-    try:
-        fd, path = tempfile.mkstemp(prefix="zinf-shard-", dir=directory)
-    except OSError as e:
-        _spill_failed = True
-        log(f"zinf.torch: the shards of partitioned parameters stay in memory: cannot make a "
-            f"file in {directory} ({e})", level="warn")
-        return values.detach().clone()
+    if directory is not None and values.numel() > 0 and not _spill_failed:
+        try:
+            return _mapped_copy(values, directory)
+        except (OSError, ValueError) as e:
+            _spill_failed = True
+            log(f"zinf.torch: the shards of partitioned parameters stay in memory: cannot keep "
+                f"them in {directory} ({e})", level="warn")
+    return values.detach().clone()
+
+
+def _mapped_copy(values, directory):
+    fd, path = tempfile.mkstemp(prefix="zinf-shard-", dir=directory)
     try:
         os.unlink(path)
-        os.ftruncate(fd, n * 4)
-        mapped = mmap.mmap(fd, n * 4, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        size = values.numel() * 4
+        os.ftruncate(fd, size)
+        mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         shard = torch.frombuffer(mapped, dtype=torch.float32)
         shard._zinf_mapped = mapped
         shard.copy_(values.detach().reshape(-1))
@@ -297,11 +300,6 @@ def _kept_shard(values, directory):
         mapped.madvise(mmap.MADV_DONTNEED)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return shard
-    except (OSError, ValueError) as e:
-        _spill_failed = True
-        log(f"zinf.torch: the shards of partitioned parameters stay in memory: writing them "
-            f"to {directory} failed ({e})", level="warn")
-        return values.detach().clone()
     finally:
         os.close(fd)
 

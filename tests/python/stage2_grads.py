@@ -30,7 +30,6 @@ import zinf.torch
 
 MiB = 1 << 20
 LAYERS, WIDTH = 32, 1024
-TOLERANCE = 1e-5
 _libc = ctypes.CDLL(None)
 
 
@@ -105,13 +104,8 @@ def lm(swap, rank, world, accumulation):
     final = weights(model)
     opt.close()
     ref = stage3.reference(0, accumulation, make=make, loss_of=loss_of)
-    compare = stage3_modules.comparable
-    err = stage3.max_relative_error(compare(final), compare(ref))
-    moved = stage3.max_relative_error(final, start)
-    zinf.log(f"stage 2 lm, accumulation {accumulation}, {world} rank(s): {stage3.STEPS} steps, "
-             f"max relative weight error vs torch {err:.2e}")
-    common.check(err < TOLERANCE, f"lm: relative error {err:.3e} >= {TOLERANCE}")
-    common.check(moved > 1e-3, f"lm: the weights barely moved ({moved:.2e})")
+    stage3_modules.check_trained(f"stage 2 lm, accumulation {accumulation}, {world} rank(s)",
+                                 "lm", final, start, ref)
 
 
 def main():

@@ -233,10 +233,15 @@ def train(swap, name, accumulation):
     opt.close()
 
     ref = stage3.reference(0, accumulation, make=make, loss_of=loss_of)
+    check_trained(f"stage 3 {name}, offload_param nvme, accumulation {accumulation}, {world} "
+                  "rank(s)", name, final, start, ref)
+
+
+def check_trained(label, name, final, start, ref):
+    """The weights `final` trained from `start` end within TOLERANCE of torch's `ref`."""
     err = stage3.max_relative_error(comparable(final), comparable(ref))
     moved = stage3.max_relative_error(final, start)
-    zinf.log(f"stage 3 {name}, offload_param nvme, accumulation {accumulation}, {world} "
-             f"rank(s): {STEPS} steps, max relative weight error vs torch {err:.2e}")
+    zinf.log(f"{label}: {STEPS} steps, max relative weight error vs torch {err:.2e}")
     common.check(err < TOLERANCE, f"{name}: relative error {err:.3e} >= {TOLERANCE}")
     common.check(moved > 1e-3, f"{name}: the weights barely moved ({moved:.2e})")
 
