@@ -180,6 +180,7 @@ void GradientBuckets::Begin(int micro_batch) {
   collective_error_.reset();
   // What a failed micro-batch left unreduced.
   for (std::vector<float>& buffer : lent_send_) std::vector<float>().swap(buffer);
+  send_buffers_ = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     complete_ = 0;
@@ -238,7 +239,14 @@ Status GradientBuckets::Ready(std::size_t param, int micro_batch, std::span<cons
   const std::size_t b = bucket_of_[param];
   const Bucket& bucket = buckets_[b];
   std::vector<float>& send = lent_send_[b];
-  if (send.empty()) send.assign(bucket.total, 0.0f);
+  if (send.empty()) {
+    if (background_) {  // Ready's bound on the buffers alive
+      std::unique_lock<std::mutex> lock(mu_);
+      idle_cv_.wait(lock, [&] { return reduced_ >= complete_; });
+    }
+    send.assign(bucket.total, 0.0f);
+    peak_send_buffers_ = std::max(peak_send_buffers_, ++send_buffers_);
+  }
   for (std::size_t i : pieces_of_[param]) {
     const Piece& piece = bucket.send[i];
     std::copy_n(grad.data() + piece.in_param, piece.numel, send.data() + piece.send_at);
@@ -336,7 +344,10 @@ void GradientBuckets::Reduce(std::size_t k) {
   std::span<const float> send;
   if (lent()) {
     // A bucket none of whose parameters was handed sends zeros.
-    if (lent_send_[b].empty()) lent_send_[b].assign(bucket.total, 0.0f);
+    if (lent_send_[b].empty()) {
+      lent_send_[b].assign(bucket.total, 0.0f);
+      ++send_buffers_;
+    }
     send = lent_send_[b];
   } else {
     for (const Piece& piece : bucket.send) {
@@ -354,7 +365,10 @@ void GradientBuckets::Reduce(std::size_t k) {
     comm::ScopedTimer timer(*timers_, "reduce_scatter");
     reduced = backend_->ReduceScatterVSum(send, bucket.counts, std::span<float>(recv_).first(mine));
   }
-  if (lent()) std::vector<float>().swap(lent_send_[b]);
+  if (lent() && !lent_send_[b].empty()) {
+    std::vector<float>().swap(lent_send_[b]);
+    --send_buffers_;
+  }
   if (!reduced) {
     collective_error_ = std::move(reduced).error();
     return;

@@ -35,6 +35,7 @@
 
 #include <condition_variable>
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -103,8 +104,13 @@ class GradientBuckets {
   // (handed twice in the micro-batch).
   Status Ready(std::size_t param, int micro_batch);
   // Lent gradients: the same, with the gradient (the parameter's numel elements), copied before
-  // the call returns. Errors also InvalidArgument (a wrong size).
+  // the call returns. Errors also InvalidArgument (a wrong size). The first gradient of a bucket
+  // waits, with a worker, until the worker has taken every complete bucket: the send buffers
+  // alive are then the buckets being filled and the one being reduced, whatever the backward
+  // pass's lead over the reductions (the memory plan counts two).
   Status Ready(std::size_t param, int micro_batch, std::span<const float> grad);
+  // Lent gradients: the most send buffers alive at once so far (tests). Local.
+  std::size_t peak_send_buffers() const { return peak_send_buffers_; }
   // Collective over the backend: reduces every bucket of micro-batch `micro_batch` not reduced
   // yet and ends the micro-batch. Returns the collective error (the same everywhere) or this
   // rank's recorded local error.
@@ -162,6 +168,8 @@ class GradientBuckets {
   // buffer, allocated by the first Ready of a micro-batch and freed once reduced.
   std::vector<std::vector<std::size_t>> pieces_of_;
   std::vector<std::vector<float>> lent_send_;
+  std::atomic<std::size_t> send_buffers_{0};  // of lent_send_, allocated now
+  std::size_t peak_send_buffers_ = 0;         // the caller's thread
 
   // Per micro-batch (the caller's thread, and the worker under mu_ as noted).
   bool active_ = false;

@@ -6,13 +6,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -175,6 +179,60 @@ TEST(MemoryPlan, BucketPlanMatchesTheBuckets) {
       EXPECT_GE(planned.bucket_bytes, 2 * built->max_bucket_elems() * sizeof(float));
       EXPECT_EQ(planned.staging_bytes, 0u);
     }
+  }
+}
+
+// A one-rank backend whose reduce-scatter takes 20 ms: a backward pass that hands its
+// gradients at once outruns it.
+class SlowBackend final : public comm::CollectiveBackend {
+ public:
+  std::string_view name() const override { return "slow"; }
+  bool device_buffers() const override { return false; }
+  Status AllreduceSum(std::span<float>) override { return UnimplementedError("slow"); }
+  Status ReduceScatterSum(std::span<const float>, std::span<float>) override {
+    return UnimplementedError("slow");
+  }
+  Status ReduceScatterVSum(std::span<const float> in, std::span<const std::int64_t>,
+                           std::span<float> out) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::copy_n(in.data(), out.size(), out.data());
+    return OkStatus();
+  }
+  Status Allgather(std::span<const float>, std::span<float>) override {
+    return UnimplementedError("slow");
+  }
+  Status Broadcast(std::span<float>, int) override { return UnimplementedError("slow"); }
+  Status Synchronize() override { return OkStatus(); }
+};
+
+// Lent gradients handed faster than they are reduced: the send buffers alive stay at the two
+// the plan counts (one being filled, one being reduced), not one per bucket.
+TEST(MemoryPlan, LentBucketsInFlightStayWithinThePlan) {
+  std::vector<partition::ParamSpec> specs;
+  for (int i = 0; i < 8; ++i) specs.push_back({fmt::format("w{}", i), {1000}});
+  auto layout = partition::ParamLayout::Create(specs);
+  ASSERT_TRUE(layout.has_value());
+  ZINF_ASSERT_OK_AND_ASSIGN(
+      const partition::PartitionPlan plan,
+      partition::PartitionPlan::Create(*layout, {.kind = partition::PlanKind::kFlat,
+                                                 .world_size = 1, .alignment_elems = 8}));
+  SlowBackend backend;
+  comm::Timers timers;
+  std::vector<float> accumulated(plan.partition_numel(), 0.0f);
+  GradientBuckets::Target target;
+  target.accumulated = accumulated;
+  ZINF_ASSERT_OK_AND_ASSIGN(auto buckets,
+                            GradientBuckets::Create(plan, 0, {}, 1000, &backend, std::move(target),
+                                                    &timers, /*background=*/true));
+  ASSERT_EQ(buckets->num_buckets(), 8u);
+  for (int p = 7; p >= 0; --p) {  // backward order: the last bucket is reduced first
+    const std::vector<float> grad(1000, static_cast<float>(p + 1));
+    ASSERT_THAT(buckets->Ready(static_cast<std::size_t>(p), 0, grad), IsOk());
+  }
+  ASSERT_THAT(buckets->Finish(0), IsOk());
+  EXPECT_LE(buckets->peak_send_buffers(), 2u);
+  for (int p = 0; p < 8; ++p) {
+    EXPECT_EQ(accumulated[static_cast<std::size_t>(p) * 1000], static_cast<float>(p + 1));
   }
 }
 
