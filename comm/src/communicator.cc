@@ -688,35 +688,80 @@ Status Communicator::ReduceScatterBlock(std::span<const std::type_identity_t<T>>
   });
 }
 
+namespace {
+
+// ReduceScatter's checks (the same for both forms); fills `recv_counts` on success.
+Status ReduceScatterChecks(std::size_t in_size, std::size_t out_size,
+                           std::span<const std::int64_t> counts, int rank, int size,
+                           std::vector<int>* recv_counts) {
+  recv_counts->assign(static_cast<std::size_t>(size), 0);
+  if (counts.size() != static_cast<std::size_t>(size)) {
+    return InvalidArgumentError(
+        fmt::format("ReduceScatter: {} counts for {} ranks", counts.size(), size));
+  }
+  std::uint64_t total = 0;
+  for (int r = 0; r < size; ++r) {
+    if (counts[r] < 0) {
+      return InvalidArgumentError(
+          fmt::format("ReduceScatter: count of rank {} is {}", r, counts[r]));
+    }
+    total += static_cast<std::uint64_t>(counts[r]);
+    ZINF_RETURN_IF_ERROR(CountFitsInt(total, "ReduceScatter"));
+    (*recv_counts)[r] = static_cast<int>(counts[r]);
+  }
+  ZINF_RETURN_IF_ERROR(SizeMatches(in_size, total, "ReduceScatter", "in"));
+  return SizeMatches(out_size, static_cast<std::uint64_t>(counts[rank]), "ReduceScatter", "out");
+}
+
+}  // namespace
+
 template <typename T>
 Status Communicator::ReduceScatter(std::span<const std::type_identity_t<T>> in, std::span<T> out,
                                    std::span<const std::int64_t> counts, ReduceOp op) const {
-  Status check = OkStatus();
-  std::vector<int> recv_counts(static_cast<std::size_t>(size_));
-  if (counts.size() != static_cast<std::size_t>(size_)) {
-    check = InvalidArgumentError(
-        fmt::format("ReduceScatter: {} counts for {} ranks", counts.size(), size_));
-  } else {
-    std::uint64_t total = 0;
-    for (int r = 0; r < size_ && check; ++r) {
-      if (counts[r] < 0) {
-        check = InvalidArgumentError(
-            fmt::format("ReduceScatter: count of rank {} is {}", r, counts[r]));
-        break;
-      }
-      total += static_cast<std::uint64_t>(counts[r]);
-      check = CountFitsInt(total, "ReduceScatter");
-      recv_counts[r] = static_cast<int>(counts[r]);
-    }
-    if (check) check = SizeMatches(in.size(), total, "ReduceScatter", "in");
-    if (check) {
-      check = SizeMatches(out.size(), static_cast<std::uint64_t>(counts[rank_]), "ReduceScatter",
-                          "out");
-    }
-  }
+  std::vector<int> recv_counts;
+  const Status check =
+      ReduceScatterChecks(in.size(), out.size(), counts, rank_, size_, &recv_counts);
   return Collective(check, "MPI_Reduce_scatter", [&] {
     return MPI_Reduce_scatter(in.data(), out.data(), recv_counts.data(), MpiType<T>(), MpiOp(op),
                               Raw(handle_));
+  });
+}
+
+template <typename T>
+Status Communicator::ReduceScatterSum(std::span<const std::type_identity_t<T>> in,
+                                      std::span<T> out, std::span<const std::int64_t> counts,
+                                      std::span<T> scratch) const {
+  const auto n = static_cast<std::size_t>(size_);
+  const auto me = static_cast<std::size_t>(rank_);
+  std::vector<int> block_counts;
+  Status check = ReduceScatterChecks(in.size(), out.size(), counts, rank_, size_, &block_counts);
+  const std::size_t mine = check ? static_cast<std::size_t>(counts[me]) : 0;
+  const std::size_t need = n > 1 ? mine : 0;
+  if (check && scratch.size() < need) {
+    check = InvalidArgumentError(
+        fmt::format("ReduceScatterSum: scratch has {} elements, needs {}", scratch.size(), need));
+  }
+  std::vector<std::size_t> offsets(n, 0);  // of each block in `in`
+  for (std::size_t q = 1; check && q < n; ++q) offsets[q] = offsets[q - 1] + block_counts[q - 1];
+  // The data communicator carries no other point-to-point messages (notices go over the
+  // failure domain's own), and round k pairs each rank with one sender only: one tag suffices.
+  constexpr int kTag = 0x5253;
+  return Collective(check, "ReduceScatterSum (MPI_Isend/MPI_Irecv)", [&] {
+    std::copy_n(in.data() + offsets[me], mine, out.data());
+    for (std::size_t k = 1; k < n; ++k) {
+      const std::size_t to = (me + k) % n, from = (me + n - k) % n;
+      std::array<MPI_Request, 2> requests = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+      int rc = MPI_Irecv(scratch.data(), static_cast<int>(mine), MpiType<T>(),
+                         static_cast<int>(from), kTag, Raw(handle_), &requests[0]);
+      if (rc == MPI_SUCCESS) {
+        rc = MPI_Isend(in.data() + offsets[to], block_counts[to], MpiType<T>(),
+                       static_cast<int>(to), kTag, Raw(handle_), &requests[1]);
+      }
+      const int waited = MPI_Waitall(2, requests.data(), MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS || waited != MPI_SUCCESS) return rc != MPI_SUCCESS ? rc : waited;
+      for (std::size_t i = 0; i < mine; ++i) out[i] += scratch[i];
+    }
+    return MPI_SUCCESS;
   });
 }
 
@@ -729,7 +774,10 @@ Status Communicator::ReduceScatter(std::span<const std::type_identity_t<T>> in, 
   template Status Communicator::ReduceScatterBlock<T>(std::span<const T>, std::span<T>, ReduceOp) \
       const;                                                                                      \
   template Status Communicator::ReduceScatter<T>(std::span<const T>, std::span<T>,                \
-                                                 std::span<const std::int64_t>, ReduceOp) const;
+                                                 std::span<const std::int64_t>, ReduceOp) const;  \
+  template Status Communicator::ReduceScatterSum<T>(std::span<const T>, std::span<T>,             \
+                                                    std::span<const std::int64_t>, std::span<T>)  \
+      const;
 ZINF_INSTANTIATE_NUMERIC(std::int32_t)
 ZINF_INSTANTIATE_NUMERIC(std::int64_t)
 ZINF_INSTANTIATE_NUMERIC(std::uint64_t)

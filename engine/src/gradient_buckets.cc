@@ -59,7 +59,10 @@ GradientBuckets::HostPlan GradientBuckets::PlanHostMemory(const partition::Parti
   const std::uint64_t largest = total.empty() ? 0 : *std::max_element(total.begin(), total.end());
   const std::uint64_t largest_mine = mine.empty() ? 0 : *std::max_element(mine.begin(), mine.end());
   out.max_bucket_elems = largest;
-  out.bucket_bytes = ((lent ? 2 : 1) * largest + largest_mine) * sizeof(float);
+  // With more than one rank, the backend's receive scratch (collective_backend.h): as large as
+  // this rank's share.
+  const std::uint64_t scratch = plan.world_size() > 1 ? largest_mine : 0;
+  out.bucket_bytes = ((lent ? 2 : 1) * largest + largest_mine + scratch) * sizeof(float);
   if (max_sub_group_numel > 0) {
     out.staging_bytes =
         std::min(plan.partition_numel(), largest_mine + 2 * max_sub_group_numel) * sizeof(float);

@@ -76,12 +76,14 @@ class GradientBuckets {
       comm::Timers* timers, bool background);
   // The host memory Create allocates for these arguments, without building (the engine's memory
   // plan): the send buffer of the largest bucket (lent gradients: two, one being filled while
-  // the one before is reduced; more only when the reduction falls behind the backward pass)
-  // and the receive buffer of this rank's share of it; with a gradient swapper, the staging's
-  // working set (the sub-groups in flight: this rank's share of a bucket and the partially
-  // filled sub-groups on either side of it, at most the partition). Local; allocates nothing.
+  // the one before is reduced; more only when the reduction falls behind the backward pass),
+  // the receive buffer of this rank's share of it and, with more than one rank, the backend's
+  // receive scratch as large (kept from bucket to bucket: collective_backend.h); with
+  // a gradient swapper, the staging's working set (the sub-groups in flight: this rank's share
+  // of a bucket and the partially filled sub-groups on either side of it, at most the
+  // partition). Local; allocates nothing.
   struct HostPlan {
-    std::uint64_t bucket_bytes = 0;   // send + receive buffers
+    std::uint64_t bucket_bytes = 0;   // send + receive buffers, the backend's receive scratch
     std::uint64_t staging_bytes = 0;  // with a gradient swapper; `max_sub_group_numel` > 0
     std::uint64_t max_bucket_elems = 0;
   };

@@ -33,7 +33,10 @@ class CollectiveBackend {
   // in has size * out.size() floats; out receives the sum of block `rank`.
   virtual Status ReduceScatterSum(std::span<const float> in, std::span<float> out) = 0;
   // `counts` (one per rank, the same everywhere) cuts `in` (sum(counts) floats, rank-major) into
-  // blocks; out (counts[rank] floats) receives the sum of block `rank`.
+  // blocks; out (counts[rank] floats) receives the sum of block `rank`. MpiBackend receives
+  // through a scratch it keeps for the next call (counts[rank] floats with more than one rank,
+  // the largest asked for so far; Communicator::ReduceScatterSum), so that a call allocates and
+  // faults in nothing once the size has been seen.
   virtual Status ReduceScatterVSum(std::span<const float> in, std::span<const std::int64_t> counts,
                                    std::span<float> out) = 0;
   // out has size * in.size() floats.

@@ -134,6 +134,18 @@ class Communicator {
   template <typename T>
   Status ReduceScatter(std::span<const std::type_identity_t<T>> in, std::span<T> out,
                        std::span<const std::int64_t> counts, ReduceOp op) const;
+  // ReduceScatter with op kSum through `scratch` (at least counts[rank()] elements when
+  // size() > 1), which the caller keeps from call to call: in round k = 1 .. size() - 1 this rank
+  // sends its block for rank + k and receives rank - k's block for it into `scratch`, which it
+  // adds to `out` (its own block first, then the rank before it, and so on around the ring: one
+  // order, whichever thread calls). MPI_Reduce_scatter allocates temporaries as large as `in`
+  // on every call (Open MPI's: two), which glibc gives back to the kernel in between when they
+  // are mapped or top its main heap, so that every call faults them in afresh; a kept scratch is
+  // faulted in once. `out` must not overlap `in` or `scratch`. Errors: InvalidArgument (sizes),
+  // Internal (MPI).
+  template <typename T>
+  Status ReduceScatterSum(std::span<const std::type_identity_t<T>> in, std::span<T> out,
+                          std::span<const std::int64_t> counts, std::span<T> scratch) const;
 
   // Collective. Every rank passes its local status and every rank returns the same status: OK if
   // all were OK; otherwise the most severe ErrorCode over all ranks, and the message (prefixed
