@@ -1081,8 +1081,8 @@ Status ZeroEngine::Impl::FitMemoryPlan(const MemoryBudget& budget,
   add("zero_optimization.reduce_bucket_size", &zero.reduce_bucket_size, 1, true);
 
   // The options and the holding plan after a change; an error when the holding plan refuses it
-  // (offload_param nvme: a shard on disk above offload_param.buffer_size).
-  // A gradient swapped for the plan's sake is swapped whole: none of it accumulates in memory
+  // (offload_param nvme: a shard on disk above offload_param.buffer_size). A gradient swapped
+  // for the plan's sake is swapped whole: none of it accumulates in memory
   // (EngineOptions::gradient_memory_limit_bytes).
   const std::uint64_t accumulation_limit = options.accumulation_memory_limit_bytes;
   auto apply = [&] {
