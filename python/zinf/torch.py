@@ -200,10 +200,10 @@ class _Partition:
     """What zinf.torch.init leaves on a parameter (as p._zinf_part): its shape, this rank's
     shard of its values until an optimizer owns it, and whether p.data holds it whole now."""
 
-    __slots__ = ("shape", "numel", "rank", "world", "begin", "end", "shard", "full", "uses",
-                 "owner", "index", "name", "holder", "root")
+    __slots__ = ("shape", "numel", "rank", "world", "begin", "end", "shard", "spill", "full",
+                 "uses", "owner", "index", "name", "holder", "root")
 
-    def __init__(self, shape, rank, world, shard):
+    def __init__(self, shape, rank, world, shard, spill=None):
         self.name = "a parameter"  # its path in the outermost module built with it: "fc.weight"
         self.holder = ""           # the path of the module that holds it ("fc"; "" the root)
         self.root = ""             # the class of that outermost module
@@ -212,6 +212,7 @@ class _Partition:
         self.rank, self.world = rank, world
         self.begin, self.end = _shard_range(self.numel, rank, world)
         self.shard = shard  # float32 [end - begin]; None once an optimizer holds the values
+        self.spill = spill  # where its shards wait on disk (_kept_shard); None: in memory
         self.full = False   # p.data holds the whole weights (a torch-owned copy)
         self.uses = 0       # forward passes and gathered() scopes inside which it stays whole
         self.owner = None   # weakref to the ZeroOptimizer that registered it
@@ -312,17 +313,12 @@ def _on_disk(shard):
     return isinstance(getattr(shard, "_zinf_mapped", None), mmap.mmap)
 
 
-def _init_spill():
-    """The spill directory of the zinf.torch.init context now running (None outside one)."""
-    return None if _active_init is None else _active_init.spill
-
-
 def _partition(p, rank, world, spill=None):
     if p.dtype != torch.float32 or p.device.type != "cpu":
         raise TypeError(f"zinf.torch.init: a parameter of shape {_shape(p.shape)} is {p.dtype} on "
                         f"{p.device}; stage 3 partitions float32 CPU parameters (build the model "
                         "in float32 on the CPU)")
-    part = _Partition(p.shape, rank, world, None)
+    part = _Partition(p.shape, rank, world, None, spill)
     part.shard = _kept_shard(p.detach().reshape(-1)[part.begin:part.end], spill)
     p._zinf_part = part
     p.data = _empty(p)
@@ -642,9 +638,9 @@ def _deepcopy_parameter(p, memo):
     if id(p) in memo:
         return memo[id(p)]
     if part.full:
-        shard = _kept_shard(p.detach().reshape(-1)[part.begin:part.end], _init_spill())
+        shard = _kept_shard(p.detach().reshape(-1)[part.begin:part.end], part.spill)
     elif part.shard is not None:
-        shard = _kept_shard(part.shard, _init_spill())
+        shard = _kept_shard(part.shard, part.spill)
     else:
         raise zinf.errors.FailedPreconditionError(
             f"copy.deepcopy: parameter {part.name} of {part.root} is partitioned (stage 3) and "
@@ -652,7 +648,7 @@ def _deepcopy_parameter(p, memo):
             "zinf.torch.gathered(...) (collective), or before the optimizer is created",
             "FailedPrecondition")
     copied = torch.nn.Parameter(_empty(p), p.requires_grad)
-    new = _Partition(part.shape, part.rank, part.world, shard)
+    new = _Partition(part.shape, part.rank, part.world, shard, part.spill)
     new.name, new.holder, new.root = part.name, part.holder, part.root
     copied._zinf_part = new
     memo[id(p)] = copied
@@ -923,7 +919,7 @@ def _broadcast_from_rank0(params, call="gathered()"):
         part = _part(p)
         whole = p.detach().reshape(-1).contiguous().clone()
         _zinf.broadcast(whole.numpy(), 0, call=call)
-        part.shard = _kept_shard(whole[part.begin:part.end], _init_spill())
+        part.shard = _kept_shard(whole[part.begin:part.end], part.spill)
         p.data = whole.view(part.shape)
         part.full = True
 
@@ -1377,7 +1373,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if part is None or part.optimizer() is not self:
                 continue
             whole = torch.from_numpy(self._engine.gather([r.index])[0])
-            part.shard = _kept_shard(whole[part.begin:part.end], self._spill)
+            part.shard = _kept_shard(whole[part.begin:part.end], self._spill or part.spill)
             if part.full:
                 r.param.data = whole.view(part.shape)
             part.owner, part.index = None, -1

@@ -254,7 +254,8 @@ def rss():
 def check_shards_on_disk(swap):
     """With offload_param nvme the shards wait on disk, not in memory, until an optimizer holds
     them (and after close()): building 16 Linear(1024, 1024) (64 MiB of weights) grows the RSS
-    by far less than this rank's shards, and so does close()."""
+    by far less than this rank's shards, and so do gathered(modify=True) after the build (new
+    values loaded) and close()."""
     # Freed blocks of 1 MiB and more go back to the system at once (glibc would keep some in
     # its heap), so that the RSS shows what is kept.
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
@@ -267,6 +268,12 @@ def check_shards_on_disk(swap):
     grown = rss() - before
     common.check(grown < shards // 2, f"building grew the RSS by {grown >> 20} MiB, this rank's "
                  f"shards are {shards >> 20} MiB: they are in memory")
+    with zinf.torch.gathered(model.parameters(), modify=True), torch.no_grad():
+        for p in model.parameters():  # loading weights, outside init
+            p.mul_(0.5)
+    grown = rss() - before
+    common.check(grown < shards // 2, f"gathered(modify=True) grew the RSS to {grown >> 20} MiB "
+                 f"over the start, this rank's shards are {shards >> 20} MiB: they are in memory")
     opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=cfg, progress=False,
                                    create_nvme_paths=True)
     model(torch.ones(2, 1024)).sum().backward()
