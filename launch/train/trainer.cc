@@ -194,8 +194,8 @@ Status Run::BuildModel() {
 }
 
 // The workload's own memory (its weights and gradient, a micro-batch's activations) against the
-// machine's RAM + swap shared by this node's ranks, before anything is allocated; the engine
-// checks its own buffers the same way.
+// machine's RAM + swap shared by this node's ranks, before anything is allocated; the engine's
+// host memory plan then holds all of it, its own buffers included, against the node's budget.
 Status Run::CheckHostMemory() const {
   // The layered pass (stages 2 and 3) holds a layer's gradients at a time, stage 3 a layer's
   // weights too (at most two parameters each, the largest bounding both); the engine checks

@@ -25,6 +25,7 @@
 
 #include "gradient_buckets.h"
 #include "memory_plan.h"
+#include "testing/layouts.h"
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
 #include "testing/test_env.h"
@@ -45,20 +46,9 @@ using testing::SharedScratchDir;
 using testing::StatusIs;
 using testing::World;
 
-partition::ParamLayout MakeLayout() {
-  auto layout = partition::ParamLayout::Create({{"embed", {37, 129}},
-                                                {"w1", {2048, 3}},
-                                                {"b1", {17}},
-                                                {"w2", {1500, 7}},
-                                                {"scale", {}},
-                                                {"head", {4099}}});
-  ZINF_CHECK(layout.has_value());
-  return std::move(*layout);
-}
-
 partition::PartitionPlan MakePlan(partition::PlanKind kind) {
   auto plan = partition::PartitionPlan::Create(
-      MakeLayout(), {.kind = kind, .world_size = World().size(), .alignment_elems = 8});
+      testing::UnevenLayout(), {.kind = kind, .world_size = World().size(), .alignment_elems = 8});
   ZINF_CHECK(plan.has_value());
   return std::move(*plan);
 }

@@ -15,6 +15,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "testing/layouts.h"
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
 #include "zinf/core/check.h"
@@ -39,17 +40,6 @@ using testing::StatusIs;
 using testing::World;
 
 constexpr std::uint64_t kPlanAlignment = 8;
-
-partition::ParamLayout MakeLayout() {
-  auto layout = partition::ParamLayout::Create({{"embed", {37, 129}},
-                                                {"w1", {2048, 3}},
-                                                {"b1", {17}},
-                                                {"w2", {1500, 7}},
-                                                {"scale", {}},
-                                                {"head", {4099}}});
-  ZINF_CHECK(layout.has_value());
-  return std::move(*layout);
-}
 
 float Hash01(std::uint64_t x) {
   x ^= x >> 33;
@@ -92,7 +82,7 @@ class Harness {
  public:
   Harness(const std::string& dir, std::uint64_t sub_group_size, bool pipelined, GradMode mode,
           int micro_batches, StateFormat format = StateFormat::kFp32)
-      : layout_(MakeLayout()), mode_(mode), micro_batches_(micro_batches) {
+      : layout_(testing::UnevenLayout()), mode_(mode), micro_batches_(micro_batches) {
     const comm::Communicator& world = World();
     plan_ = std::make_unique<partition::PartitionPlan>(
         *partition::PartitionPlan::CreateFlat(layout_, world.size(), kPlanAlignment));
