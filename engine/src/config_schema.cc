@@ -899,6 +899,15 @@ const std::vector<KeySpec>& EngineSchema() {
       {.path = "zinf.swap_gradients",
        .field = Leaf<&T::zinf, &ZC::swap_gradients>(),
        .description = "Accumulate partition gradients through the gradient swapper"},
+      {.path = "zinf.speculative_step",
+       .field = Leaf<&T::zinf, &ZC::speculative_step>(),
+       .description = "Step each swapped sub-group during the backward pass once its gradient is "
+                      "final, into a second slot on disk, and commit it in step() unless "
+                      "clipping applies or fp16 skips the step (then it is redone or dropped); "
+                      "needs the gradient in memory (no zinf.swap_gradients) and doubles the "
+                      "swap store's slots",
+       .default_text = "true where the gradients are lent (stages 2 and 3 without grads "
+                       "buffers), else false"},
       {.path = "zinf.adam_threads",
        .field = Leaf<&T::zinf, &ZC::adam_threads>(),
        .description = "CPU Adam threads per rank; 0 = hardware concurrency",

@@ -30,6 +30,7 @@
 #include "gradient_buckets.h"
 #include "memory_plan.h"
 #include "shard_reader.h"
+#include "speculator.h"
 #include "zinf/checkpoint/checkpoint.h"
 #include "zinf/comm/collective_backend.h"
 #include "zinf/comm/mpi_session.h"
@@ -223,6 +224,19 @@ class ZeroEngine::Impl {
   void ReleaseParams(std::span<const std::size_t> params);    // local
   Status ReadShard(std::size_t param, std::span<float> out);  // local
   Status CreateBuckets();                                     // local
+  // The speculative step (engine.h, "Speculative step"): whether Create turns it on, whether
+  // Step's sink needs a sub-group's new weights, the plan for the step about to be reduced, and
+  // its end in Step (local unless said otherwise).
+  bool SpeculationWanted(bool swap_gradients, bool all_resident) const;
+  void ShapeForSpeculation(std::uint64_t partition_numel);
+  bool SinkWrites(std::uint64_t partition_offset, std::uint64_t numel) const;
+  void ArmSpeculation();
+  Result<std::vector<HyperParams>> StepHyperParams(std::int64_t step) const;
+  std::vector<swapper::AdamSegment> StepSegments(std::span<const HyperParams> hyper) const;
+  // Collective: commits what was speculated when `options` are what it assumed (counted in
+  // `info`); the rest is discarded, to be stepped by the swapper's Step.
+  void UseSpeculation(const swapper::StepOptions& options, StepInfo* info);
+  void DiscardSpeculation(StepInfo* info);
   Status HandGradient(int micro_batch);
   Status ForgetStepGradient();  // local
   Result<double> PartitionGradSquaredSum();
@@ -235,6 +249,11 @@ class ZeroEngine::Impl {
     bool skip = false;       // an fp16 overflow: nothing is stepped
   };
   Status ReduceGradients(std::int64_t step);
+  // 1 / (gradient_accumulation_steps x ranks): the gradient's averaging.
+  double Average() const;
+  // The swapper's arguments for a step of `plan` (its scale: averaging, clipping, loss scale)
+  // as the `applied`-th Adam step; the segments are the caller's (StepSegments).
+  static swapper::StepOptions StepOptionsFor(const StepPlan& plan, std::int64_t applied);
   Result<StepPlan> MeasureGradient(std::optional<double> loss, StepInfo* info);
   Status Decide(bool have_loss, StepPlan* plan, StepInfo* info);  // local
   Result<double> Optimize(const StepPlan& plan, StepInfo* info);
@@ -336,6 +355,8 @@ struct ZeroEngine::Impl::State {
   // The swap stores' counters when the previous Step (or Create, or a checkpoint save) ended: a
   // step's swap bytes are all I/O since, its micro-batches' gradient write-behind included.
   storage::SwapStore::IoCounters io_mark{};
+  // The speculative step's thread (engine.h); destroyed after the buckets that feed it.
+  std::unique_ptr<Speculator> speculator;
   // Last: destroyed first (its worker uses the backend, the swapper and the timers).
   std::unique_ptr<GradientBuckets> buckets;
 
@@ -585,8 +606,9 @@ const comm::Communicator& ZeroEngine::Impl::comm() const {
 void ZeroEngine::Impl::CloseLocally(std::string_view reason) {
   closed_ = true;
   State& s = *state_;
-  s.buckets.reset();  // joins its worker before the swapper goes
-  s.reader.reset();   // likewise
+  s.buckets.reset();     // joins its worker before the swapper goes
+  s.speculator.reset();  // likewise, and waits for its writes
+  s.reader.reset();      // likewise
   if (s.comm && !reason.empty()) {
     s.comm->Leave(fmt::format("rank {}: {}", world_.rank(), reason));
   }
@@ -859,8 +881,15 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
   // zinf.collective_timeout_seconds, and end at once when a rank destroys its engine.
   ZINF_ASSIGN_OR_RETURN(s.comm, world_.DupDomain());
   s.comm->SetWaitTimeout(std::chrono::seconds(config_.zinf.collective_timeout_seconds));
+  // Speculating, every rank owns a part of every parameter (as at stage 3), so that each rank's
+  // partition fills from its end as the backward pass goes: a flat partition of the first
+  // parameters would complete only when the pass ends.
+  const bool speculating =
+      SpeculationWanted(config_.zinf.swap_gradients,
+                        config_.zero_optimization.offload_optimizer.device == OffloadDevice::kCpu);
   ZINF_ASSIGN_OR_RETURN(s.plan, partition::PartitionPlan::Create(
-                                    *layout, {.kind = ToPlanKind(config_),
+                                    *layout, {.kind = speculating ? partition::PlanKind::kPerParam
+                                                                  : ToPlanKind(config_),
                                               .world_size = world_.size(),
                                               .alignment_elems = kPartitionAlignmentElems}));
   s.total_numel = s.plan->layout().total_numel();
@@ -881,6 +910,7 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
         s.partition_numel, std::numeric_limits<int>::max())));
   }
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(s.PlanHolding(config_)));
+  if (speculating) ShapeForSpeculation(s.partition_numel);
   swapper::SwapperOptions options = ToSwapperOptions(config_, world_.rank(), s.plan->layout());
   // Stores left by killed runs are scratch: this job's own is reused, other jobs' are removed
   // once every rank's store is open (SwapStore::ReclaimStale; kept ones are named in a WARN).
@@ -890,7 +920,10 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
   Result<MemoryBudget> budget =
       ResolveHostMemoryBudget(config_.zinf.host_memory_budget, world_.topology().local_size);
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(budget ? OkStatus() : Status(budget.error())));
+  // Speculation keeps up to one more slot per swapped sub-group (the swapper caps it).
+  options.speculative_slots = speculating ? SIZE_MAX : 0;
   ZINF_RETURN_IF_ERROR(FitMemoryPlan(*budget, options));
+  if (options.swap_gradients) options.speculative_slots = 0;  // the fit swaps the gradient
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(PlanHostMemory(*budget, options)));
   std::uint64_t whole_numel = 0;
   for (const auto& [begin, end] : s.whole_ranges) whole_numel += end - begin;
@@ -934,7 +967,26 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
     ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(created));
   }
   ZINF_LOG_INFO("engine: job id {}", options.store.job_id);
-  ZINF_ASSIGN_OR_RETURN(s.swapper, swapper::CreateOptimizerSwapper(*s.comm, *s.plan, options));
+  Result<std::unique_ptr<swapper::OptimizerSwapper>> created =
+      swapper::CreateOptimizerSwapper(*s.comm, *s.plan, options);
+  if (!created && options.speculative_slots > 0 &&
+      created.error().code() == ErrorCode::kResourceExhausted) {
+    // The speculation's second slots do not fit (the same error on every rank): unasked for,
+    // it gives way; asked for, the error says what it costs.
+    if (config_.Gave("zinf.speculative_step")) {
+      return std::move(created).error().WithContext(
+          "zinf.speculative_step keeps a second slot per swapped sub-group (false halves the "
+          "swap store): ");
+    }
+    ZINF_LOG_INFO(
+        "engine: no speculative step: the swap store with a second slot per sub-group does not "
+        "fit ({}); set zinf.speculative_step to decide",
+        created.error().message());
+    options.speculative_slots = 0;
+    created = swapper::CreateOptimizerSwapper(*s.comm, *s.plan, options);
+  }
+  ZINF_RETURN_IF_ERROR(created);
+  s.swapper = std::move(*created);
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(s.CreateReader(config_)));
   if (s.swapper->gradient_swapper() == nullptr) {
     s.partition_grad.assign(s.partition_numel, 0.0f);
@@ -1029,6 +1081,17 @@ Result<MemoryPlan> ZeroEngine::Impl::MakeMemoryPlan(
              "zero_optimization.reduce_bucket_size, sub_group_size");
   } else {
     plan.Add("partition gradient", s.partition_numel * kF, "zinf.swap_gradients");
+  }
+  if (options.speculative_slots > 0 && !options.swap_gradients) {
+    // The speculated sub-groups' new weights wait for Step's sink (those it writes anything of).
+    ZINF_ASSIGN_OR_RETURN(
+        const partition::SubGroupPlan sub_groups,
+        partition::SubGroupPlan::Create(*s.plan, world_.rank(), options.sub_group_size));
+    std::uint64_t kept = 0;
+    for (const partition::SubGroup& sg : sub_groups.sub_groups()) {
+      if (SinkWrites(sg.partition_offset, sg.numel)) kept += sg.numel;
+    }
+    plan.Add("speculative step's new weights", kept * kF, "zinf.speculative_step false");
   }
   return plan;
 }
@@ -1405,6 +1468,21 @@ Status ZeroEngine::Impl::CreateBuckets() {
   for (std::size_t i = 0; i < s.swapper->num_sub_groups(); ++i) {
     target.sub_groups.push_back(s.swapper->swap_info(i).sub_group);
   }
+  if (s.swapper->options().speculative_slots > 0 && target.gradients == nullptr) {
+    std::vector<bool> keep_weights;
+    for (const partition::SubGroup& sg : target.sub_groups) {
+      keep_weights.push_back(SinkWrites(sg.partition_offset, sg.numel));
+    }
+    s.speculator = std::make_unique<Speculator>(s.swapper.get(), s.partition_grad,
+                                                std::move(keep_weights));
+    target.complete = [spec = s.speculator.get()](std::size_t sub_group, int) {
+      spec->Complete(sub_group);
+    };
+    ZINF_LOG_INFO(
+        "engine: speculative step: each swapped sub-group is stepped during the last "
+        "micro-batch's backward pass once its gradient is final, into a second slot, and "
+        "committed by Step unless clipping or an fp16 skip applies (zinf.speculative_step)");
+  }
   // Lent gradients (no grads buffers): none; GradientReady(index, grad) copies each in.
   std::vector<std::span<float>> grads;
   if (!s.params[0].grads.empty()) {
@@ -1436,12 +1514,114 @@ Status ZeroEngine::Impl::HandGradient(int micro_batch) {
 
 Status ZeroEngine::Impl::GradientReady(std::size_t index) {
   if (closed_) return FailedPreconditionError("engine: GradientReady after Close");
+  ArmSpeculation();
   return state_->buckets->Ready(index, state_->micro_batches);
 }
 
 Status ZeroEngine::Impl::GradientReady(std::size_t index, std::span<const float> grad) {
   if (closed_) return FailedPreconditionError("engine: GradientReady after Close");
+  ArmSpeculation();
   return state_->buckets->Ready(index, state_->micro_batches, grad);
+}
+
+// ---- The speculative step (engine.h, "Speculative step") ----
+
+bool ZeroEngine::Impl::SpeculationWanted(bool swap_gradients, bool all_resident) const {
+  const State& s = *state_;
+  const bool lent = s.params.empty() || s.params[0].grads.empty();
+  const bool wanted =
+      config_.Gave("zinf.speculative_step") ? config_.zinf.speculative_step : lent;
+  return wanted && !swap_gradients && !all_resident;
+}
+
+// A sub-group is speculated once all of its gradient has been reduced: sub-groups and reduce
+// buckets that are small parts of the partition (about an eighth, not below 4M elements each
+// per rank) let the first ones finish early in the backward pass. Keys given stay as given.
+void ZeroEngine::Impl::ShapeForSpeculation(std::uint64_t partition_numel) {
+  ZeroConfig& zero = config_.zero_optimization;
+  constexpr std::uint64_t kFloor = 1u << 22;
+  const std::uint64_t part = std::max<std::uint64_t>(
+      AlignUp(partition_numel / 8, kPartitionAlignmentElems), kFloor);
+  if (!config_.Gave("zero_optimization.sub_group_size")) {
+    zero.sub_group_size = std::min(zero.sub_group_size, part);
+  }
+  if (!config_.Gave("zero_optimization.reduce_bucket_size")) {
+    zero.reduce_bucket_size =
+        std::min(zero.reduce_bucket_size, part * static_cast<std::uint64_t>(world_.size()));
+  }
+}
+
+// Whether Step's sink (UnpackWeights) writes anything of partition range [offset, + numel):
+// the weights held whole, or the shards kept in memory.
+bool ZeroEngine::Impl::SinkWrites(std::uint64_t partition_offset, std::uint64_t numel) const {
+  const State& s = *state_;
+  for (const partition::Fragment& f :
+       s.plan->FragmentsInPartitionRange(world_.rank(), partition_offset, numel)) {
+    if (s.holding[f.param_index] != Holding::kPartitioned ||
+        f.partition_offset + f.numel <= s.shard_numel) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The first gradient handed in the step's last micro-batch: from here on each sub-group whose
+// gradient is final is stepped ahead, with the step's arguments as Optimize will compute them
+// when nothing clips (the loss scale and the schedule as they are now: Step compares).
+void ZeroEngine::Impl::ArmSpeculation() {
+  State& s = *state_;
+  if (!s.speculator || s.speculator->armed() ||
+      s.micro_batches + 1 != static_cast<int>(config_.gradient_accumulation_steps)) {
+    return;
+  }
+  const std::int64_t step = step_ + 1;
+  Result<std::vector<HyperParams>> hyper = StepHyperParams(step);
+  if (!hyper) return;  // Step refuses it
+  Speculator::Plan plan;
+  plan.step = step;
+  plan.segments = StepSegments(*hyper);
+  plan.options = StepOptionsFor(StepPlan{.average = Average(), .loss_scale = s.scaler->scale()},
+                                step - skipped_steps_);
+  s.speculator->Arm(std::move(plan));
+}
+
+void ZeroEngine::Impl::UseSpeculation(const swapper::StepOptions& options, StepInfo* info) {
+  State& s = *state_;
+  const Speculator::Plan* plan = s.speculator ? s.speculator->plan() : nullptr;
+  if (plan == nullptr) return;
+  const auto same = [](const swapper::StepOptions& a, const swapper::StepOptions& b) {
+    return std::bit_cast<std::uint32_t>(a.grad_scale) == std::bit_cast<std::uint32_t>(b.grad_scale) &&
+           a.adam_step == b.adam_step && a.lr == b.lr && a.betas == b.betas &&
+           std::ranges::equal(a.segments, b.segments, [](const auto& x, const auto& y) {
+             return x.begin == y.begin && x.hyper == y.hyper;
+           });
+  };
+  if (plan->step == info->step && same(plan->options, options)) {
+    for (std::size_t i = 0; i < s.swapper->num_sub_groups(); ++i) {
+      if (!s.swapper->speculated(i)) continue;
+      s.swapper->CommitSpeculated(i);
+      const std::span<const float> weights = s.speculator->weights(i);
+      if (!weights.empty()) {
+        const partition::SubGroup& sg = s.swapper->swap_info(i).sub_group;
+        s.UnpackWeights(world_.rank(), sg.partition_offset, weights, Working::kFp32,
+                        world_.rank());
+      }
+      ++info->speculation_committed;
+    }
+  } else {
+    info->speculation_redone = s.swapper->num_speculated();
+  }
+  s.swapper->DiscardSpeculations();
+  s.speculator->Disarm();
+}
+
+void ZeroEngine::Impl::DiscardSpeculation(StepInfo* info) {
+  State& s = *state_;
+  if (!s.speculator || !s.speculator->armed()) return;
+  (void)s.speculator->Stop();
+  if (info != nullptr) info->speculation_discarded = s.swapper->num_speculated();
+  s.swapper->DiscardSpeculations();
+  s.speculator->Disarm();
 }
 
 Status ZeroEngine::Impl::AccumulateGradients() {
@@ -1461,6 +1641,7 @@ Status ZeroEngine::Impl::AccumulateGradients() {
   Status agreed = comm().AgreeOnCall("AccumulateGradients", calls);
   if (agreed && !handed) agreed = handed;
   if (!agreed) {
+    DiscardSpeculation(nullptr);
     // Refused: the step's gradient is dropped, so that the loop goes on with a clean step
     // instead of adding this micro-batch twice. (A write-behind error of the dropped gradient
     // is dropped with it; a failing store fails the next write again.)
@@ -1486,6 +1667,7 @@ Status ZeroEngine::Impl::DropGradients() {
   if (closed_) return FailedPreconditionError("engine: DropGradients after Close");
   // The micro-batch's reductions first (as AccumulateGradients), then it is forgotten.
   const Status handed = HandGradient(s.micro_batches);
+  DiscardSpeculation(nullptr);
   ZINF_RETURN_IF_ERROR(comm().AgreeOnCall("DropGradients", ForgetStepGradient()));
   return handed;
 }
@@ -1808,16 +1990,32 @@ Result<StepInfo> ZeroEngine::Impl::Step(std::optional<double> loss) {
   // The step's swap I/O counts from the end of the previous one: earlier micro-batches'
   // write-behind and the swap-outs during the backward pass.
   const storage::SwapStore::IoCounters io_start = s.io_mark;
+  // The speculation takes no more sub-groups (those the rest of the reduction completes are the
+  // swapper's Step's); whatever this Step does not commit is discarded on the way out.
+  if (s.speculator) s.speculator->Seal();
+  struct Discard {
+    Impl* impl;
+    ~Discard() { impl->DiscardSpeculation(nullptr); }
+  } discard{this};
   ZINF_RETURN_IF_ERROR(ReduceGradients(info.step));
+  Status speculation = OkStatus();
+  if (s.speculator && s.speculator->armed()) {
+    speculation = s.speculator->Stop();
+    info.speculated = s.swapper->num_speculated();
+  }
   ZINF_ASSIGN_OR_RETURN(StepPlan plan, MeasureGradient(loss, &info));
   ZINF_RETURN_IF_ERROR(Decide(loss.has_value(), &plan, &info));
   const storage::SwapStore::IoCounters io_optimizer_start = s.swapper->io_counters();
   if (plan.skip) {
     // No swap I/O, the weights and the schedule stay; the gradient was consumed.
+    DiscardSpeculation(&info);
     ZINF_RETURN_IF_ERROR(s.scaler->Update(/*overflow=*/true));
     return FinishStep(info, /*skipped=*/true, io_start, io_optimizer_start, io_optimizer_start,
                       0.0);
   }
+  // A failed speculation fails the step on every rank, with nothing stepped (a step that is
+  // skipped needs none of it).
+  if (s.speculator) ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(speculation));
   ZINF_ASSIGN_OR_RETURN(const double optimizer_seconds, Optimize(plan, &info));
   const storage::SwapStore::IoCounters io_optimizer_end = s.swapper->io_counters();
   // The scale for the next step (a clean step may double it).
@@ -1862,8 +2060,7 @@ Result<ZeroEngine::Impl::StepPlan> ZeroEngine::Impl::MeasureGradient(std::option
                                                                      StepInfo* info) {
   State& s = *state_;
   const double scale = s.scaler->scale();
-  const double average =
-      1.0 / (static_cast<double>(config_.gradient_accumulation_steps) * world_.size());
+  const double average = Average();
   ZINF_ASSIGN_OR_RETURN(const double squared, PartitionGradSquaredSum());
   const double my_loss = loss.value_or(std::numeric_limits<double>::quiet_NaN());
   std::array<double, 3> sums = {squared, my_loss, g_stop_signal.load() != 0 ? 1.0 : 0.0};
@@ -1910,14 +2107,20 @@ Status ZeroEngine::Impl::Decide(bool have_loss, StepPlan* plan, StepInfo* info) 
   return OkStatus();
 }
 
-// Optimize: the swapped Adam step over the rank's sub-groups, each parameter group at its
-// scheduled hyper-parameters; the sink writes this rank's new weights into the parameters (its
-// own part of them), from where GatherWholeWeights gathers them. Skipped steps advance neither
-// Adam's step count nor the schedule (DeepSpeed): the k-th applied step runs at the scheduler's
-// last_batch_iteration k - 2 (lr_schedule.h). Returns the step's seconds.
-Result<double> ZeroEngine::Impl::Optimize(const StepPlan& plan, StepInfo* info) {
-  State& s = *state_;
-  const std::int64_t applied = info->step - skipped_steps_;
+double ZeroEngine::Impl::Average() const {
+  return 1.0 / (static_cast<double>(config_.gradient_accumulation_steps) * world_.size());
+}
+
+swapper::StepOptions ZeroEngine::Impl::StepOptionsFor(const StepPlan& plan, std::int64_t applied) {
+  return {.grad_scale = static_cast<float>(plan.average * plan.clip / plan.loss_scale),
+          .adam_step = applied};
+}
+
+// The scheduled hyper-parameters of every group for `step` (Optimize's, and the speculation's).
+// Skipped steps advance neither Adam's step count nor the schedule (DeepSpeed): the k-th applied
+// step runs at the scheduler's last_batch_iteration k - 2 (lr_schedule.h).
+Result<std::vector<HyperParams>> ZeroEngine::Impl::StepHyperParams(std::int64_t step) const {
+  const std::int64_t applied = step - skipped_steps_;
   std::vector<HyperParams> hyper;
   for (const HyperParams& group : groups_) {
     hyper.push_back(Scheduled(config_.scheduler, group, applied - 2));
@@ -1927,14 +2130,34 @@ Result<double> ZeroEngine::Impl::Optimize(const StepPlan& plan, StepInfo* info) 
           "step {}: OneCycle's momentum decay made beta1 {} (cycle_max_mom * (1 + "
           "decay_mom_rate * intervals), DeepSpeed's formula); Adam needs beta1 < 1: lower "
           "scheduler.params.decay_mom_rate; nothing was stepped",
-          info->step, hyper.back().betas[0]));
+          step, hyper.back().betas[0]));
     }
   }
-  info->lr = hyper[0].lr;
+  return hyper;
+}
+
+// The partition's runs of parameter groups with their hyper-parameters, for the swapper.
+std::vector<swapper::AdamSegment> ZeroEngine::Impl::StepSegments(
+    std::span<const HyperParams> hyper) const {
   std::vector<swapper::AdamSegment> segments;
-  for (const auto& [begin, g] : s.group_runs) {
+  for (const auto& [begin, g] : state_->group_runs) {
     segments.push_back({.begin = begin, .hyper = hyper[g]});
   }
+  return segments;
+}
+
+// Optimize: the swapped Adam step over the rank's sub-groups, each parameter group at its
+// scheduled hyper-parameters; the sink writes this rank's new weights into the parameters (its
+// own part of them), from where GatherWholeWeights gathers them. What was speculated for the
+// same arguments is committed first (UseSpeculation). Returns the step's seconds.
+Result<double> ZeroEngine::Impl::Optimize(const StepPlan& plan, StepInfo* info) {
+  State& s = *state_;
+  const std::int64_t applied = info->step - skipped_steps_;
+  ZINF_ASSIGN_OR_RETURN(const std::vector<HyperParams> hyper, StepHyperParams(info->step));
+  info->lr = hyper[0].lr;
+  const std::vector<swapper::AdamSegment> segments = StepSegments(hyper);
+  swapper::StepOptions options = StepOptionsFor(plan, applied);
+  options.segments = segments;
   swapper::GradientSwapper* gradients = s.swapper->gradient_swapper();
   const swapper::GradientSource source =
       gradients != nullptr
@@ -1953,11 +2176,8 @@ Result<double> ZeroEngine::Impl::Optimize(const StepPlan& plan, StepInfo* info) 
   const double start = MonotonicSeconds();
   {
     comm::ScopedTimer timer(s.timers, "optimizer_step");
-    ZINF_RETURN_IF_ERROR(s.swapper->Step(
-        info->step, source, sink,
-        {.grad_scale = static_cast<float>(plan.average * plan.clip / plan.loss_scale),
-         .adam_step = applied,
-         .segments = segments}));
+    UseSpeculation(options, info);
+    ZINF_RETURN_IF_ERROR(s.swapper->Step(info->step, source, sink, options));
   }
   const double seconds = MonotonicSeconds() - start;
   s.swap_seconds += seconds;
@@ -1990,12 +2210,21 @@ Result<StepInfo> ZeroEngine::Impl::FinishStep(
   std::array<double, 3> maxima = {static_cast<double>(PeakRssBytes()), step_seconds,
                                   optimizer_seconds};
   ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<double>(maxima, ReduceOp::kMax));
-  std::array<std::uint64_t, 4> bytes = {
-      io_end.read_bytes - io_start.read_bytes, io_end.write_bytes - io_start.write_bytes,
+  std::array<std::uint64_t, 8> bytes = {
+      io_end.read_bytes - io_start.read_bytes,
+      io_end.write_bytes - io_start.write_bytes,
       io_optimizer_end.read_bytes - io_optimizer_start.read_bytes,
-      io_optimizer_end.write_bytes - io_optimizer_start.write_bytes};
+      io_optimizer_end.write_bytes - io_optimizer_start.write_bytes,
+      info.speculated,
+      info.speculation_committed,
+      info.speculation_redone,
+      info.speculation_discarded};
   s.swap_bytes += bytes[2] + bytes[3];
   ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<std::uint64_t>(bytes, ReduceOp::kSum));
+  info.speculated = bytes[4];
+  info.speculation_committed = bytes[5];
+  info.speculation_redone = bytes[6];
+  info.speculation_discarded = bytes[7];
   info.peak_rss_bytes = static_cast<std::uint64_t>(maxima[0]);
   info.plan_bytes = s.plan_bytes;
   info.budget_bytes = s.budget_bytes;
@@ -2080,7 +2309,8 @@ Result<SavedCheckpointInfo> ZeroEngine::Impl::SaveCheckpoint(const nlohmann::jso
                                                              const std::string& dir) {
   State& s = *state_;
   if (closed_) return FailedPreconditionError("engine: SaveCheckpoint after Close");
-  s.buckets->WaitIdle();  // mid-micro-batch: its worker's collectives first
+  s.buckets->WaitIdle();        // mid-micro-batch: its worker's collectives first
+  DiscardSpeculation(nullptr);  // the checkpoint reads the committed state with the pool
   Status check = OkStatus();
   const std::string target = dir.empty() ? config_.zinf.checkpoint.dir : dir;
   if (target.empty()) {
@@ -2207,6 +2437,7 @@ Status ZeroEngine::Impl::Close() {
   if (closed_) return OkStatus();
   State& s = *state_;
   if (s.buckets) s.buckets->WaitIdle();
+  DiscardSpeculation(nullptr);
   // A rank in another call (Step) must not match this close's collectives: the call is agreed
   // first. Once the ranks' calls diverged (here or earlier: every rank knows), nothing collective
   // can run again and each rank closes its own part.
@@ -2218,8 +2449,9 @@ Status ZeroEngine::Impl::Close() {
     return diverged_before ? OkStatus() : same_call;  // reported once, by the call that diverged
   }
   closed_ = true;
-  s.buckets.reset();  // joins its worker before the swapper goes
-  s.reader.reset();   // likewise
+  s.buckets.reset();     // joins its worker before the swapper goes
+  s.speculator.reset();  // likewise, and waits for its writes
+  s.reader.reset();      // likewise
   Status local = s.metrics.Close(options_.metrics_path);
   if (s.swapper) {
     Status swapper_closed = s.swapper->Close();

@@ -396,10 +396,12 @@ void GradientBuckets::Unpack(const Bucket& bucket) {
     }
     at += piece.numel;
   }
-  if (!swapped) return;
+  if (!swapped && !target_.complete) return;
   for (const auto& [s, n] : bucket.sub_group_elems) {
     pending_[s] -= n;
-    if (pending_[s] != 0 || HasLocalError()) continue;
+    if (pending_[s] != 0) continue;
+    if (target_.complete) target_.complete(s, micro_batch_);
+    if (!swapped || HasLocalError()) continue;
     comm::ScopedTimer timer(*timers_, "gradient_swap_out");
     SwapOut(s);
   }

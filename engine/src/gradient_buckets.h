@@ -37,6 +37,7 @@
 #include <cstddef>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -65,6 +66,9 @@ class GradientBuckets {
     std::span<float> staging;
     swapper::GradientSwapper* gradients = nullptr;
     std::vector<partition::SubGroup> sub_groups;  // this rank's, in partition order
+    // Called (on the thread that reduced it) with each sub-group whose elements of the
+    // micro-batch have all arrived, after they landed; may be empty.
+    std::function<void(std::size_t sub_group, int micro_batch)> complete;
   };
 
   // `grads`: every parameter's gradient buffer, in layout order; empty: the gradients are lent

@@ -143,6 +143,11 @@ Status ReclaimStaleStores(const comm::Communicator& comm,
   return OkStatus();
 }
 
+// Creates the engine for `role` (wrapped by options.engine_wrapper) with the pool's buffers
+// registered (none without a pool). Defined with Create's parts below.
+Result<std::unique_ptr<storage::IoEngine>> MakeEngine(const SwapperOptions& options,
+                                                      EngineRole role, BufferPool* pool);
+
 }  // namespace
 
 std::string_view StateTensorName(StateTensor which) {
@@ -252,11 +257,13 @@ OptimizerSwapper::OptimizerSwapper(std::string_view mode_name, Parts&& parts)
   }
   for (std::size_t s = parts.num_slots; s-- > next_slot;) spare_slots_.push_back(s);
   last_step_.assign(n, 0);
+  speculated_.assign(n, std::nullopt);
 }
 
 OptimizerSwapper::~OptimizerSwapper() {
   // The engines drain in their destructors; they must go before the pool and the store that
   // their requests point into.
+  speculation_.reset();
   gradient_swapper_.reset();
   write_engine_.reset();
   read_engine_.reset();
@@ -484,6 +491,120 @@ void OptimizerSwapper::Commit(std::size_t sub_group, std::size_t slot, std::int6
 }
 
 void OptimizerSwapper::Abandon(std::size_t slot) { spare_slots_.push_back(slot); }
+
+// ---- Speculation ----
+
+// The speculation's engines (its thread's: the swapper's belong to the swapper's thread) and the
+// sub-group whose writes are in flight, with the pool buffers they write from.
+struct OptimizerSwapper::SpeculationIo {
+  std::unique_ptr<storage::IoEngine> read;
+  std::unique_ptr<storage::IoEngine> write;
+  struct Writing {
+    std::size_t sub_group = 0;
+    std::size_t slot = 0;
+    std::int64_t step = 0;
+    PoolLease lease;
+    IoBatch batch;
+  };
+  std::optional<Writing> writing;
+  // The engines drain before the lease goes back to the pool.
+  ~SpeculationIo() {
+    write.reset();
+    read.reset();
+  }
+};
+
+std::size_t OptimizerSwapper::num_speculated() const {
+  return static_cast<std::size_t>(
+      std::ranges::count_if(speculated_, [](const auto& s) { return s.has_value(); }));
+}
+
+Status OptimizerSwapper::Speculate(std::int64_t step, std::size_t sub_group,
+                                   std::span<const float> grad, const StepOptions& options,
+                                   std::span<float> weights) {
+  const std::string context = fmt::format("speculative {}", StepContext(step, sub_group));
+  if (sub_group >= infos_.size() || resident(sub_group) || speculated(sub_group) ||
+      last_step_[sub_group] >= step || !store_) {
+    return FailedPreconditionError(
+        context + "not a swapped sub-group behind the step, or speculated already");
+  }
+  const std::size_t numel = infos_[sub_group].sub_group.numel;
+  if (grad.size() != numel || (!weights.empty() && weights.size() != numel)) {
+    return InvalidArgumentError(fmt::format("{}gradient of {} and weights of {} elements, {} "
+                                            "expected",
+                                            context, grad.size(), weights.size(), numel));
+  }
+  // Step keeps one spare slot for itself.
+  if (spare_slots_.size() < 2) {
+    return FailedPreconditionError(context + "no spare slot left for a speculated sub-group");
+  }
+  if (!speculation_) {
+    auto io = std::make_unique<SpeculationIo>();
+    ZINF_ASSIGN_OR_RETURN(io->read, MakeEngine(options_, EngineRole::kRead, nullptr));
+    ZINF_ASSIGN_OR_RETURN(io->write, MakeEngine(options_, EngineRole::kWrite, nullptr));
+    speculation_ = std::move(io);
+  }
+  SpeculationIo& io = *speculation_;
+  const std::size_t n = num_slot_tensors();
+  // Two sub-groups' buffers when the pool has them (this one read while the last one is
+  // written), else one at a time.
+  if (io.writing && pool_->free_count() < n) ZINF_RETURN_IF_ERROR(FinishSpeculation());
+  ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(sub_groups_.max_sub_group_numel(), n));
+  const StateBuffers buffers = LeaseBuffers(lease);
+  IoBatch reads;
+  const Status submitted = SubmitStateReads(sub_group, buffers, *io.read, &reads);
+  const Status read = reads.Wait(*io.read);
+  ZINF_RETURN_IF_ERROR(Annotate(submitted, context + "swap-in "));
+  ZINF_RETURN_IF_ERROR(Annotate(read, context + "swap-in "));
+  ZINF_RETURN_IF_ERROR(Annotate(VerifyStateReads(sub_group, buffers), context + "swap-in "));
+  ZINF_RETURN_IF_ERROR(Annotate(Compute(step, sub_group, buffers, grad, options), context));
+  if (!weights.empty()) std::ranges::copy(buffers.floats(0).first(numel), weights.begin());
+  // One sub-group's writes in flight at a time: the last one's end before these begin.
+  ZINF_RETURN_IF_ERROR(FinishSpeculation());
+  SpeculationIo::Writing writing;
+  writing.sub_group = sub_group;
+  writing.step = step;
+  writing.lease = std::move(lease);
+  Result<std::size_t> slot = SubmitStateWrites(sub_group, buffers, *io.write,
+                                               std::span<IoBatch>(&writing.batch, 1));
+  if (!slot) {
+    (void)writing.batch.Wait(*io.write);
+    return std::move(slot).error().WithContext(context + "swap-out ");
+  }
+  writing.slot = *slot;
+  io.writing = std::move(writing);
+  return OkStatus();
+}
+
+Status OptimizerSwapper::FinishSpeculation() {
+  if (!speculation_ || !speculation_->writing) return OkStatus();
+  SpeculationIo& io = *speculation_;
+  SpeculationIo::Writing writing = std::move(*io.writing);
+  io.writing.reset();
+  Status written = writing.batch.Wait(*io.write);
+  if (!written) {
+    Abandon(writing.slot);
+    return Annotate(std::move(written), fmt::format("speculative {}swap-out ",
+                                                    StepContext(writing.step, writing.sub_group)));
+  }
+  speculated_[writing.sub_group] = Speculated{.slot = writing.slot, .step = writing.step};
+  return OkStatus();
+}
+
+void OptimizerSwapper::CommitSpeculated(std::size_t sub_group) {
+  ZINF_CHECK(speculated(sub_group), "sub-group {} has no speculated state", sub_group);
+  const Speculated s = *speculated_[sub_group];
+  speculated_[sub_group].reset();
+  Commit(sub_group, s.slot, s.step);
+}
+
+void OptimizerSwapper::DiscardSpeculations() {
+  (void)FinishSpeculation();
+  for (std::optional<Speculated>& s : speculated_) {
+    if (s) Abandon(s->slot);
+    s.reset();
+  }
+}
 
 GradientSource GradientSource::FromView(View view) {
   GradientSource source;
@@ -1070,8 +1191,6 @@ Result<std::unique_ptr<BufferPool>> CreatePool(const SwapperOptions& options,
                         .pin_memory = options.pin_memory});
 }
 
-// Creates the engine for `role` (wrapped by options.engine_wrapper) with the pool's buffers
-// registered (none without a pool).
 Result<std::unique_ptr<storage::IoEngine>> MakeEngine(const SwapperOptions& options,
                                                       EngineRole role, BufferPool* pool) {
   ZINF_ASSIGN_OR_RETURN(
@@ -1265,7 +1384,8 @@ Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communica
   for (const auto& memory : parts.resident) swapped += memory.empty() ? 1 : 0;
   parts.sub_groups.emplace(std::move(sub_groups));
   // One spare slot suffices in both modes: each engine has at most one sub-group in flight.
-  parts.num_slots = swapped + 1;
+  // Speculation keeps up to one more per swapped sub-group.
+  parts.num_slots = swapped + 1 + std::min(options.speculative_slots, swapped);
   if (parts.store) {
     setup->specs =
         StoreSpecs(parts.num_slots, options.state_format, max_numel, alignment, parts.infos);

@@ -300,6 +300,11 @@ struct ZinfConfig {
   bool verify_swap = false;     // checksum every swapped stripe unit, check it on read
   bool keep_swap = false;       // keep the swap store at exit
   bool swap_gradients = false;  // accumulate partition gradients through the gradient swapper
+  // Step each swapped sub-group during the backward pass once its gradient is final, and commit
+  // it in Step unless clipping or a skip says otherwise (engine.h, "Speculative step"). Unset:
+  // on where the gradients are lent (stages 2 and 3 without grads buffers); Config::Gave says
+  // whether it was set.
+  bool speculative_step = true;
   int adam_threads = 0;         // CpuAdam threads per rank; 0 = hardware concurrency; [0, 1024]
   // Seconds a rank waits in one of zinf's collectives for the other ranks before it ends the
   // job with an error naming the collective; [1, 604800].

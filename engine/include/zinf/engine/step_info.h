@@ -45,6 +45,13 @@ struct StepInfo {
   // each for fp32, about 6 for q8; more when sub-groups are small against the I/O alignment).
   double read_bytes_per_element = 0;
   double write_bytes_per_element = 0;
+  // The speculative step (engine.h, "Speculative step"), sub-groups of all ranks: stepped
+  // during the backward pass, and of them those this Step committed, stepped again (clipping
+  // applied, or the arguments changed since) and dropped (an fp16 skip, a refused step).
+  std::uint64_t speculated = 0;
+  std::uint64_t speculation_committed = 0;
+  std::uint64_t speculation_redone = 0;
+  std::uint64_t speculation_discarded = 0;
   std::uint64_t peak_rss_bytes = 0;  // largest over the ranks
   // The host memory plan per rank (rank 0's) and the budget it was held against per rank (0:
   // unknown), docs/configs.md "The host memory plan": peak_rss_bytes is measured against them.
@@ -65,7 +72,8 @@ constexpr void ForEachStepInfoField(Info& info, F&& f) {
   auto& [step, lr, loss, grad_norm, clipped, loss_scale, next_loss_scale, skipped, skipped_steps,
          step_seconds, optimizer_seconds, swap_read_bytes, swap_write_bytes,
          optimizer_swap_read_bytes, optimizer_swap_write_bytes, read_bytes_per_element,
-         write_bytes_per_element, peak_rss_bytes, plan_bytes, budget_bytes, stop_requested,
+         write_bytes_per_element, speculated, speculation_committed, speculation_redone,
+         speculation_discarded, peak_rss_bytes, plan_bytes, budget_bytes, stop_requested,
          stop_signal, checkpoint_due] =
       info;
   f("step", step);
@@ -85,6 +93,10 @@ constexpr void ForEachStepInfoField(Info& info, F&& f) {
   f("optimizer_swap_write_bytes", optimizer_swap_write_bytes);
   f("read_bytes_per_element", read_bytes_per_element);
   f("write_bytes_per_element", write_bytes_per_element);
+  f("speculated", speculated);
+  f("speculation_committed", speculation_committed);
+  f("speculation_redone", speculation_redone);
+  f("speculation_discarded", speculation_discarded);
   f("peak_rss_bytes", peak_rss_bytes);
   f("plan_bytes", plan_bytes);
   f("budget_bytes", budget_bytes);

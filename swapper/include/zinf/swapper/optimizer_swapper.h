@@ -192,6 +192,9 @@ struct SwapperOptions {
   std::uint64_t host_cache_bytes = 0;
   bool all_resident = false;
   bool swap_gradients = false;
+  // Speculation (see "Speculation" below): the store keeps this many more spare slots (at most
+  // one per swapped sub-group), so that as many sub-groups can be stepped ahead of Step.
+  std::size_t speculative_slots = 0;
   int gradient_accumulation_steps = 1;  // micro-batches per step, >= 1
   GradientAccumulation accumulation = GradientAccumulation::kAuto;
   std::uint64_t accumulation_memory_limit_bytes = 256ull << 20;    // kAuto: in memory up to this
@@ -283,6 +286,37 @@ class OptimizerSwapper {
   Status WriteQ8State(std::size_t sub_group, std::int64_t step,
                       const std::function<Status(std::span<float>)>& fill_fp32,
                       const std::function<Status(const Q8Moments&)>& fill_moments);
+
+  // ---- Speculation (the engine's speculative step, engine.h "Speculative step") ----
+  // A swapped sub-group can be stepped ahead of Step (during the backward pass, once its
+  // gradient is final) from its committed state into a spare slot of its own, without
+  // committing: Step's caller then commits it, which makes it as if Step had stepped it with the
+  // same arguments, or discards it, which leaves the committed state as it was. Speculate and
+  // FinishSpeculation may run on a thread other than the swapper's (one at a time) while that
+  // thread makes no call but ReadState and the accessors: they use engines of their own, pool
+  // buffers, and spare slots beyond the one Step needs (SwapperOptions::speculative_slots).
+  //
+  // Local. Steps swapped sub-group `sub_group` at `step` with `grad` (its numel elements,
+  // unchanged until the call returns) and `options` (as Step would: the same arguments give the
+  // same bits): reads its committed state, runs Adam, copies the new fp32 weights into
+  // `weights` unless it is empty (numel elements), and writes the state into a spare slot; the
+  // writes complete by the next Speculate or FinishSpeculation, which report their errors.
+  // Errors: FailedPrecondition (a resident or speculated sub-group, one already at `step`, no
+  // spare slot left), ResourceExhausted (pool), I/O errors, Adam's; on error the sub-group is
+  // not speculated and its committed state is as it was.
+  Status Speculate(std::int64_t step, std::size_t sub_group, std::span<const float> grad,
+                   const StepOptions& options, std::span<float> weights);
+  // Local: waits for the speculated writes in flight; one that failed is not speculated.
+  Status FinishSpeculation();
+  // Local, on the swapper's thread after FinishSpeculation: the speculated state of `sub_group`
+  // becomes its committed state, at the step it was speculated for. Precondition (checked):
+  // speculated(sub_group).
+  void CommitSpeculated(std::size_t sub_group);
+  // Local, on the swapper's thread: waits for the writes in flight and forgets every
+  // speculation (their slots are spare again).
+  void DiscardSpeculations();
+  bool speculated(std::size_t sub_group) const { return speculated_.at(sub_group).has_value(); }
+  std::size_t num_speculated() const;
 
   // Collective: min/mean/max of the swap timers over ranks, logged by rank 0.
   Status LogTimers(std::string_view title = "optimizer swapper timers");
@@ -445,6 +479,15 @@ class OptimizerSwapper {
   std::vector<std::vector<storage::AlignedBuffer>> resident_;
   // A resident sub-group whose in-place WriteState failed: its state is lost until one succeeds.
   std::vector<bool> damaged_;
+  // Speculation: per sub-group the slot and step of its speculated state, if any; the engines,
+  // and the writes in flight (optimizer_swapper.cc).
+  struct Speculated {
+    std::size_t slot = 0;
+    std::int64_t step = 0;
+  };
+  std::vector<std::optional<Speculated>> speculated_;
+  struct SpeculationIo;
+  std::unique_ptr<SpeculationIo> speculation_;
   Status CheckNotDamaged(std::size_t sub_group) const;
 
  private:
