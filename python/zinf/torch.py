@@ -62,11 +62,14 @@ class StepInfo:
     previous step), optimizer_swap_read_bytes and optimizer_swap_write_bytes (their part inside
     the optimizer step), read_bytes_per_element and write_bytes_per_element (the optimizer step's
     swap bytes per parameter element: about 12 with zinf.optimizer_state fp32, about 6 with q8),
-    peak_rss_bytes (largest rank), plan_bytes and budget_bytes (the engine's host memory plan per
-    rank and the budget it was held against, 0 when unknown), stop_requested (a stop signal
-    arrived on some rank),
-    stop_signal (this rank's, 0 if none) and checkpoint_due (zinf.checkpoint.dir is set and this
-    step is a multiple of zinf.checkpoint.every, total_steps, or stop_requested: save now).
+    speculated (sub-groups stepped during the backward pass by the speculative step,
+    zinf.speculative_step; all ranks) and of them speculation_committed, speculation_redone
+    (stepped again: clipping applied, or the arguments changed) and speculation_discarded (an
+    fp16 skip, a refused step), peak_rss_bytes (largest rank), plan_bytes and budget_bytes (the
+    engine's host memory plan per rank and the budget it was held against, 0 when unknown),
+    stop_requested (a stop signal arrived on some rank), stop_signal (this rank's, 0 if none)
+    and checkpoint_due (zinf.checkpoint.dir is set and this step is a multiple of
+    zinf.checkpoint.every, total_steps, or stop_requested: save now).
     """
 
     # The engine's one list of fields (engine/step_info.h), also the metrics file's keys.
