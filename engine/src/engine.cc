@@ -233,8 +233,9 @@ class ZeroEngine::Impl {
   void ArmSpeculation();
   Result<std::vector<HyperParams>> StepHyperParams(std::int64_t step) const;
   std::vector<swapper::AdamSegment> StepSegments(std::span<const HyperParams> hyper) const;
-  // Collective: commits what was speculated when `options` are what it assumed (counted in
-  // `info`); the rest is discarded, to be stepped by the swapper's Step.
+  // Commits what was speculated when `options` are what it assumed, else discards it to be
+  // stepped again by the swapper's Step; DiscardSpeculation drops it (each counted in `info`
+  // unless null). Both disarm the speculator.
   void UseSpeculation(const swapper::StepOptions& options, StepInfo* info);
   void DiscardSpeculation(StepInfo* info);
   Status HandGradient(int micro_batch);
@@ -1590,8 +1591,9 @@ void ZeroEngine::Impl::UseSpeculation(const swapper::StepOptions& options, StepI
   const Speculator::Plan* plan = s.speculator ? s.speculator->plan() : nullptr;
   if (plan == nullptr) return;
   const auto same = [](const swapper::StepOptions& a, const swapper::StepOptions& b) {
-    return std::bit_cast<std::uint32_t>(a.grad_scale) == std::bit_cast<std::uint32_t>(b.grad_scale) &&
-           a.adam_step == b.adam_step && a.lr == b.lr && a.betas == b.betas &&
+    const auto bits = [](float x) { return std::bit_cast<std::uint32_t>(x); };
+    return bits(a.grad_scale) == bits(b.grad_scale) && a.adam_step == b.adam_step &&
+           a.lr == b.lr && a.betas == b.betas &&
            std::ranges::equal(a.segments, b.segments, [](const auto& x, const auto& y) {
              return x.begin == y.begin && x.hyper == y.hyper;
            });

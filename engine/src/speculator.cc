@@ -75,15 +75,19 @@ void Speculator::Work() {
     if (quit_) return;
     const std::size_t s = queue_.front();
     queue_.pop_front();
+    // Read ahead while this one is stepped.
+    const std::optional<std::size_t> next =
+        queue_.empty() ? std::nullopt : std::optional<std::size_t>(queue_.front());
     busy_ = true;
     lock.unlock();
     // plan_ and weights_[s] are the caller's only while this thread is idle (Stop waits).
     const partition::SubGroup& sg = swapper_->swap_info(s).sub_group;
     Status done = OkStatus();
-    if (!swapper_->resident(s) && swapper_->last_step(s) < plan_->step) {
+    if (!swapper_->resident(s) && !swapper_->speculated(s) &&
+        swapper_->last_step(s) < plan_->step) {
       if (keep_weights_[s]) weights_[s].resize(sg.numel);
       done = swapper_->Speculate(plan_->step, s, gradient_.subspan(sg.partition_offset, sg.numel),
-                                 plan_->options, weights_[s]);
+                                 plan_->options, weights_[s], next);
     }
     lock.lock();
     busy_ = false;

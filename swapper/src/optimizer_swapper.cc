@@ -499,14 +499,16 @@ void OptimizerSwapper::Abandon(std::size_t slot) { spare_slots_.push_back(slot);
 struct OptimizerSwapper::SpeculationIo {
   std::unique_ptr<storage::IoEngine> read;
   std::unique_ptr<storage::IoEngine> write;
-  struct Writing {
+  // A sub-group's state being read ahead (Speculate's `next`), or written.
+  struct InFlight {
     std::size_t sub_group = 0;
-    std::size_t slot = 0;
+    std::size_t slot = 0;  // written: the spare slot taken
     std::int64_t step = 0;
     PoolLease lease;
     IoBatch batch;
   };
-  std::optional<Writing> writing;
+  std::optional<InFlight> reading;
+  std::optional<InFlight> writing;
   // The engines drain before the lease goes back to the pool.
   ~SpeculationIo() {
     write.reset();
@@ -521,7 +523,7 @@ std::size_t OptimizerSwapper::num_speculated() const {
 
 Status OptimizerSwapper::Speculate(std::int64_t step, std::size_t sub_group,
                                    std::span<const float> grad, const StepOptions& options,
-                                   std::span<float> weights) {
+                                   std::span<float> weights, std::optional<std::size_t> next) {
   const std::string context = fmt::format("speculative {}", StepContext(step, sub_group));
   if (sub_group >= infos_.size() || resident(sub_group) || speculated(sub_group) ||
       last_step_[sub_group] >= step || !store_) {
@@ -546,22 +548,45 @@ Status OptimizerSwapper::Speculate(std::int64_t step, std::size_t sub_group,
   }
   SpeculationIo& io = *speculation_;
   const std::size_t n = num_slot_tensors();
-  // Two sub-groups' buffers when the pool has them (this one read while the last one is
-  // written), else one at a time.
-  if (io.writing && pool_->free_count() < n) ZINF_RETURN_IF_ERROR(FinishSpeculation());
-  ZINF_ASSIGN_OR_RETURN(PoolLease lease, pool_->Allocate(sub_groups_.max_sub_group_numel(), n));
-  const StateBuffers buffers = LeaseBuffers(lease);
+  const std::uint64_t max_numel = sub_groups_.max_sub_group_numel();
+  // The state: read ahead by the last call, or read now (with the pool's buffers for the writes
+  // in flight too when it has them, else after those writes ended).
+  PoolLease lease;
   IoBatch reads;
-  const Status submitted = SubmitStateReads(sub_group, buffers, *io.read, &reads);
+  Status submitted = OkStatus();
+  if (io.reading && io.reading->sub_group == sub_group) {
+    lease = std::move(io.reading->lease);
+    reads = std::move(io.reading->batch);
+    io.reading.reset();
+  } else {
+    DropReadAhead();
+    if (io.writing && pool_->free_count() < n) ZINF_RETURN_IF_ERROR(FinishSpeculation());
+    ZINF_ASSIGN_OR_RETURN(lease, pool_->Allocate(max_numel, n));
+    submitted = SubmitStateReads(sub_group, LeaseBuffers(lease), *io.read, &reads);
+  }
+  const StateBuffers buffers = LeaseBuffers(lease);
   const Status read = reads.Wait(*io.read);
   ZINF_RETURN_IF_ERROR(Annotate(submitted, context + "swap-in "));
   ZINF_RETURN_IF_ERROR(Annotate(read, context + "swap-in "));
   ZINF_RETURN_IF_ERROR(Annotate(VerifyStateReads(sub_group, buffers), context + "swap-in "));
+  // The next sub-group's reads overlap this one's Adam, when the pool has the buffers.
+  if (next && *next < infos_.size() && !resident(*next) && !speculated(*next) &&
+      *next != sub_group && pool_->free_count() >= n) {
+    Result<PoolLease> ahead = pool_->Allocate(max_numel, n);
+    if (ahead) {
+      SpeculationIo::InFlight reading;
+      reading.sub_group = *next;
+      reading.lease = std::move(*ahead);
+      // A failed submission is the next call's error (its batch holds what was submitted).
+      (void)SubmitStateReads(*next, LeaseBuffers(reading.lease), *io.read, &reading.batch);
+      io.reading = std::move(reading);
+    }
+  }
   ZINF_RETURN_IF_ERROR(Annotate(Compute(step, sub_group, buffers, grad, options), context));
   if (!weights.empty()) std::ranges::copy(buffers.floats(0).first(numel), weights.begin());
   // One sub-group's writes in flight at a time: the last one's end before these begin.
-  ZINF_RETURN_IF_ERROR(FinishSpeculation());
-  SpeculationIo::Writing writing;
+  ZINF_RETURN_IF_ERROR(FinishWrites());
+  SpeculationIo::InFlight writing;
   writing.sub_group = sub_group;
   writing.step = step;
   writing.lease = std::move(lease);
@@ -577,9 +602,20 @@ Status OptimizerSwapper::Speculate(std::int64_t step, std::size_t sub_group,
 }
 
 Status OptimizerSwapper::FinishSpeculation() {
+  DropReadAhead();
+  return FinishWrites();
+}
+
+void OptimizerSwapper::DropReadAhead() {
+  if (!speculation_ || !speculation_->reading) return;
+  (void)speculation_->reading->batch.Wait(*speculation_->read);
+  speculation_->reading.reset();
+}
+
+Status OptimizerSwapper::FinishWrites() {
   if (!speculation_ || !speculation_->writing) return OkStatus();
   SpeculationIo& io = *speculation_;
-  SpeculationIo::Writing writing = std::move(*io.writing);
+  SpeculationIo::InFlight writing = std::move(*io.writing);
   io.writing.reset();
   Status written = writing.batch.Wait(*io.write);
   if (!written) {

@@ -87,6 +87,24 @@
 // registration order, as a backward pass produces them). A parameter not handed in a
 // micro-batch has a zero gradient in it.
 //
+// Speculative step (zinf.speculative_step; on by default where the gradients are lent, stages
+// 2 and 3 without grads buffers): in the step's last micro-batch, each swapped sub-group whose
+// reduced gradient is final (every parameter it holds handed by GradientReady and its bucket
+// reduced) is stepped at once on a thread of the engine, as Step would step it if nothing
+// clipped and no fp16 overflow skipped the step: read, Adam, written into a spare slot of the
+// swap store, not committed. Step, knowing the global norm and the overflow flag, commits those
+// sub-groups when the arguments are the same (no clipping, the same loss scale and
+// hyper-parameters) and steps only the rest; when clipping applies it steps them again from
+// their committed state; on an overflow it drops them. The weights the loop sees change only in
+// Step, and a speculated sub-group is only ever in a slot nobody reads: a crash, an error or a
+// checkpoint before Step sees the committed state. Costs: a second slot per swapped sub-group on
+// disk, the new weights of the speculated sub-groups until Step (memory plan), and, while it is
+// on, a per-parameter partition at stages 1 and 2 (each rank owns a part of every parameter,
+// so every rank's partition fills from its end as the backward pass goes) with sub-groups and
+// reduce buckets of about an eighth of the partition unless set. Sub-groups resident in host
+// memory (zinf.host_cache_bytes) are stepped by Step. Off with zinf.swap_gradients. StepInfo
+// counts what was speculated, committed, redone and dropped.
+//
 // Parameter groups: each Param names its group (Param::group, an index into
 // EngineOptions::param_groups), whose lr, betas, eps and weight_decay its elements step with;
 // a sub-group holding elements of several groups steps each run of them with its own in the

@@ -301,12 +301,16 @@ class OptimizerSwapper {
   // same bits): reads its committed state, runs Adam, copies the new fp32 weights into
   // `weights` unless it is empty (numel elements), and writes the state into a spare slot; the
   // writes complete by the next Speculate or FinishSpeculation, which report their errors.
+  // `next`: the sub-group the next call will speculate, read ahead while this one's Adam runs
+  // when the pool has the buffers (a next call for another one drops it).
   // Errors: FailedPrecondition (a resident or speculated sub-group, one already at `step`, no
   // spare slot left), ResourceExhausted (pool), I/O errors, Adam's; on error the sub-group is
   // not speculated and its committed state is as it was.
   Status Speculate(std::int64_t step, std::size_t sub_group, std::span<const float> grad,
-                   const StepOptions& options, std::span<float> weights);
-  // Local: waits for the speculated writes in flight; one that failed is not speculated.
+                   const StepOptions& options, std::span<float> weights,
+                   std::optional<std::size_t> next = std::nullopt);
+  // Local: waits for the speculated writes in flight (one that failed is not speculated) and
+  // drops a read ahead.
   Status FinishSpeculation();
   // Local, on the swapper's thread after FinishSpeculation: the speculated state of `sub_group`
   // becomes its committed state, at the step it was speculated for. Precondition (checked):
@@ -488,6 +492,8 @@ class OptimizerSwapper {
   std::vector<std::optional<Speculated>> speculated_;
   struct SpeculationIo;
   std::unique_ptr<SpeculationIo> speculation_;
+  void DropReadAhead();   // waits for the reads ahead and forgets them
+  Status FinishWrites();  // FinishSpeculation's writes
   Status CheckNotDamaged(std::size_t sub_group) const;
 
  private:
