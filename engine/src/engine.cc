@@ -923,9 +923,19 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(budget ? OkStatus() : Status(budget.error())));
   // Speculation keeps up to one more slot per swapped sub-group (the swapper caps it).
   options.speculative_slots = speculating ? SIZE_MAX : 0;
+  options.speculate_resident = speculating && options.host_cache_bytes > 0;
   ZINF_RETURN_IF_ERROR(FitMemoryPlan(*budget, options));
   if (options.swap_gradients) options.speculative_slots = 0;  // the fit swaps the gradient
-  ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(PlanHostMemory(*budget, options)));
+  Status planned = comm().AgreeOnStatus(PlanHostMemory(*budget, options));
+  if (!planned && options.speculate_resident && options.speculative_slots > 0) {
+    // The host tier's second copy gives way first: its sub-groups are then stepped by Step.
+    ZINF_LOG_INFO(
+        "engine: the speculative step leaves the host tier's sub-groups to Step: their second "
+        "copy does not fit the host memory budget");
+    options.speculate_resident = false;
+    planned = comm().AgreeOnStatus(PlanHostMemory(*budget, options));
+  }
+  ZINF_RETURN_IF_ERROR(planned);
   std::uint64_t whole_numel = 0;
   for (const auto& [begin, end] : s.whole_ranges) whole_numel += end - begin;
   const std::uint64_t round = s.GatherRound(config_, world_.size());
@@ -1070,6 +1080,8 @@ Result<MemoryPlan> ZeroEngine::Impl::MakeMemoryPlan(
            "zero_optimization.sub_group_size");
   plan.Add("optimizer state in memory", swap.resident_bytes,
            "zinf.host_cache_bytes, offload_optimizer.device \"nvme\"");
+  plan.Add("its second copy for the speculative step", swap.resident_spare_bytes,
+           "zinf.speculative_step false, zinf.host_cache_bytes");
   const bool lent = s.params.empty() || s.params[0].grads.empty();
   const GradientBuckets::HostPlan buckets =
       GradientBuckets::PlanHostMemory(*s.plan, world_.rank(), zero.reduce_bucket_size, lent,

@@ -83,7 +83,7 @@ void Speculator::Work() {
     // plan_ and weights_[s] are the caller's only while this thread is idle (Stop waits).
     const partition::SubGroup& sg = swapper_->swap_info(s).sub_group;
     Status done = OkStatus();
-    if (!swapper_->resident(s) && !swapper_->speculated(s) &&
+    if (swapper_->speculable(s) && !swapper_->speculated(s) &&
         swapper_->last_step(s) < plan_->step) {
       if (keep_weights_[s]) weights_[s].resize(sg.numel);
       done = swapper_->Speculate(plan_->step, s, gradient_.subspan(sg.partition_offset, sg.numel),

@@ -248,6 +248,8 @@ OptimizerSwapper::OptimizerSwapper(std::string_view mode_name, Parts&& parts)
   const std::size_t n = infos_.size();
   resident_ = std::move(parts.resident);
   resident_.resize(n);
+  resident_spare_ = std::move(parts.resident_spare);
+  resident_spare_.resize(n);
   damaged_.assign(n, false);
   // Slots are numbered over the swapped sub-groups; the rest of the slots are spare.
   slot_of_.assign(n, 0);
@@ -516,6 +518,11 @@ struct OptimizerSwapper::SpeculationIo {
   }
 };
 
+bool OptimizerSwapper::speculable(std::size_t sub_group) const {
+  if (resident(sub_group)) return !resident_spare_.at(sub_group).empty();
+  return store_ != nullptr && spare_slots_.size() > 1;
+}
+
 std::size_t OptimizerSwapper::num_speculated() const {
   return static_cast<std::size_t>(
       std::ranges::count_if(speculated_, [](const auto& s) { return s.has_value(); }));
@@ -525,16 +532,31 @@ Status OptimizerSwapper::Speculate(std::int64_t step, std::size_t sub_group,
                                    std::span<const float> grad, const StepOptions& options,
                                    std::span<float> weights, std::optional<std::size_t> next) {
   const std::string context = fmt::format("speculative {}", StepContext(step, sub_group));
-  if (sub_group >= infos_.size() || resident(sub_group) || speculated(sub_group) ||
-      last_step_[sub_group] >= step || !store_) {
+  if (sub_group >= infos_.size() || speculated(sub_group) || last_step_[sub_group] >= step ||
+      (resident(sub_group) && resident_spare_[sub_group].empty()) ||
+      (!resident(sub_group) && !store_)) {
     return FailedPreconditionError(
-        context + "not a swapped sub-group behind the step, or speculated already");
+        context + "not a speculable sub-group behind the step, or speculated already");
   }
   const std::size_t numel = infos_[sub_group].sub_group.numel;
   if (grad.size() != numel || (!weights.empty() && weights.size() != numel)) {
     return InvalidArgumentError(fmt::format("{}gradient of {} and weights of {} elements, {} "
                                             "expected",
                                             context, grad.size(), weights.size(), numel));
+  }
+  if (resident(sub_group)) {
+    // The second copy: the committed state copied in, stepped there (the swapper's thread only
+    // reads the first copy meanwhile).
+    ZINF_RETURN_IF_ERROR(Annotate(CheckNotDamaged(sub_group), context));
+    StateBuffers spare;
+    for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
+      spare.tensors[t] = resident_spare_[sub_group][t].span();
+    }
+    CopyState(sub_group, ResidentBuffers(sub_group), spare);
+    ZINF_RETURN_IF_ERROR(Annotate(Compute(step, sub_group, spare, grad, options), context));
+    if (!weights.empty()) std::ranges::copy(spare.floats(0).first(numel), weights.begin());
+    speculated_[sub_group] = Speculated{.slot = kResidentSlot, .step = step};
+    return OkStatus();
   }
   // Step keeps one spare slot for itself.
   if (spare_slots_.size() < 2) {
@@ -631,13 +653,18 @@ void OptimizerSwapper::CommitSpeculated(std::size_t sub_group) {
   ZINF_CHECK(speculated(sub_group), "sub-group {} has no speculated state", sub_group);
   const Speculated s = *speculated_[sub_group];
   speculated_[sub_group].reset();
+  if (resident(sub_group)) {
+    std::swap(resident_[sub_group], resident_spare_[sub_group]);
+    last_step_[sub_group] = s.step;
+    return;
+  }
   Commit(sub_group, s.slot, s.step);
 }
 
 void OptimizerSwapper::DiscardSpeculations() {
   (void)FinishSpeculation();
   for (std::optional<Speculated>& s : speculated_) {
-    if (s) Abandon(s->slot);
+    if (s && s->slot != kResidentSlot) Abandon(s->slot);
     s.reset();
   }
 }
@@ -1117,34 +1144,51 @@ std::vector<std::size_t> ChooseResident(const SwapperOptions& options,
   return chosen;
 }
 
+// Whether the resident sub-groups get a second copy for the speculative step.
+bool SpeculateResident(const SwapperOptions& options) {
+  return options.speculate_resident && options.speculative_slots > 0;
+}
+
 // The resident sub-groups' memory (empty for swapped ones): every sub-group with all_resident,
-// else the first ones whose state fits host_cache_bytes together.
-Result<std::vector<std::vector<storage::AlignedBuffer>>> AllocateResident(
+// else the first ones whose state fits host_cache_bytes together; with SpeculateResident, a
+// second copy of each.
+struct ResidentMemory {
+  std::vector<std::vector<storage::AlignedBuffer>> state, spare;
+};
+Result<ResidentMemory> AllocateResident(
     const comm::Communicator& comm, const SwapperOptions& options,
     const std::vector<SubGroupSwapInfo>& infos, std::uint64_t alignment) {
   const StateFormat format = options.state_format;
   std::uint64_t bytes = 0;
   const std::vector<std::size_t> chosen = ChooseResident(options, infos, alignment, &bytes);
+  const bool spare = SpeculateResident(options);
   if (options.all_resident) {
     ZINF_RETURN_IF_ERROR(CheckHostMemory(
         comm, bytes, "offload_optimizer.device \"cpu\" (the whole optimizer state in memory)"));
   } else {
-    ZINF_RETURN_IF_ERROR(CheckHostMemory(comm, options.host_cache_bytes, "zinf.host_cache_bytes"));
+    ZINF_RETURN_IF_ERROR(CheckHostMemory(
+        comm, (spare ? 2 : 1) * options.host_cache_bytes,
+        spare ? "zinf.host_cache_bytes (twice, with the speculative step's second copy)"
+              : "zinf.host_cache_bytes"));
   }
-  std::vector<std::vector<storage::AlignedBuffer>> resident(infos.size());
+  ResidentMemory memory;
+  memory.state.resize(infos.size());
+  memory.spare.resize(infos.size());
   storage::BufferOptions buffer_options;
   buffer_options.alignment = std::max<std::uint64_t>(alignment, 64);
   buffer_options.register_cuda = false;
   for (std::size_t i : chosen) {
-    for (std::size_t t = 0; t < NumSlotTensors(format); ++t) {
-      ZINF_ASSIGN_OR_RETURN(storage::AlignedBuffer buffer,
-                            Annotate(storage::AlignedBuffer::Allocate(
-                                         TensorIoBytes(infos[i], format, t), buffer_options),
-                                     fmt::format("resident sub-group {}: ", i)));
-      resident[i].push_back(std::move(buffer));
+    for (int copy = 0; copy < (spare ? 2 : 1); ++copy) {
+      for (std::size_t t = 0; t < NumSlotTensors(format); ++t) {
+        ZINF_ASSIGN_OR_RETURN(storage::AlignedBuffer buffer,
+                              Annotate(storage::AlignedBuffer::Allocate(
+                                           TensorIoBytes(infos[i], format, t), buffer_options),
+                                       fmt::format("resident sub-group {}: ", i)));
+        (copy == 0 ? memory.state : memory.spare)[i].push_back(std::move(buffer));
+      }
     }
   }
-  return resident;
+  return memory;
 }
 
 // A pool's size: `count` buffers of `buffer_bytes`; whether it holds the pipelined swapper's.
@@ -1401,7 +1445,10 @@ Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communica
   const std::uint64_t max_numel = sub_groups.max_sub_group_numel();
   ZINF_ASSIGN_OR_RETURN(parts.infos, MakeSwapInfos(sub_groups, alignment, options.state_format,
                                                    gradients_on_disk, options.min_swap_numel));
-  ZINF_ASSIGN_OR_RETURN(parts.resident, AllocateResident(comm, options, parts.infos, alignment));
+  ZINF_ASSIGN_OR_RETURN(ResidentMemory resident,
+                        AllocateResident(comm, options, parts.infos, alignment));
+  parts.resident = std::move(resident.state);
+  parts.resident_spare = std::move(resident.spare);
   const std::uint64_t min_buffers = MinPoolBuffers(options);
   ZINF_ASSIGN_OR_RETURN(parts.pool,
                         CreatePool(options, max_numel, alignment, min_buffers, &setup->pipelined));
@@ -1445,6 +1492,7 @@ Result<SwapperHostPlan> PlanSwapperHostMemory(const partition::PartitionPlan& pl
   SwapperHostPlan out;
   out.max_sub_group_numel = sub_groups.max_sub_group_numel();
   (void)ChooseResident(options, infos, alignment, &out.resident_bytes);
+  if (SpeculateResident(options)) out.resident_spare_bytes = out.resident_bytes;
   ZINF_ASSIGN_OR_RETURN(const PoolSize pool, SizePool(options, out.max_sub_group_numel, alignment,
                                                       MinPoolBuffers(options)));
   out.pool_buffers = pool.count;

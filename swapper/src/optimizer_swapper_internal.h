@@ -30,6 +30,7 @@ struct OptimizerSwapper::Parts {
   std::optional<CpuAdam> adam;
   std::size_t num_slots = 0;
   std::vector<std::vector<storage::AlignedBuffer>> resident;  // per sub-group, empty if swapped
+  std::vector<std::vector<storage::AlignedBuffer>> resident_spare;  // speculate_resident
 
   // CreateOptimizerSwapper's local phase (a member: Parts is protected): checks `options`, then
   // builds this rank's sub-group plan, CpuAdam, store (opened with parts.options.store), pool,

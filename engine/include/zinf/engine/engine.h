@@ -102,8 +102,9 @@
 // on, a per-parameter partition at stages 1 and 2 (each rank owns a part of every parameter,
 // so every rank's partition fills from its end as the backward pass goes) with sub-groups and
 // reduce buckets of about an eighth of the partition unless set. Sub-groups resident in host
-// memory (zinf.host_cache_bytes) are stepped by Step. Off with zinf.swap_gradients. StepInfo
-// counts what was speculated, committed, redone and dropped.
+// memory (zinf.host_cache_bytes) are speculated into a second copy of their state, committed
+// by swapping the two, when the host memory budget has room for it (else Step steps them). Off
+// with zinf.swap_gradients. StepInfo counts what was speculated, committed, redone and dropped.
 //
 // Parameter groups: each Param names its group (Param::group, an index into
 // EngineOptions::param_groups), whose lr, betas, eps and weight_decay its elements step with;

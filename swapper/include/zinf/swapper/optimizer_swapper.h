@@ -195,6 +195,9 @@ struct SwapperOptions {
   // Speculation (see "Speculation" below): the store keeps this many more spare slots (at most
   // one per swapped sub-group), so that as many sub-groups can be stepped ahead of Step.
   std::size_t speculative_slots = 0;
+  // With speculative_slots: the resident sub-groups are speculated too, into a second copy of
+  // their state in host memory (the host tier's memory twice).
+  bool speculate_resident = false;
   int gradient_accumulation_steps = 1;  // micro-batches per step, >= 1
   GradientAccumulation accumulation = GradientAccumulation::kAuto;
   std::uint64_t accumulation_memory_limit_bytes = 256ull << 20;    // kAuto: in memory up to this
@@ -296,14 +299,17 @@ class OptimizerSwapper {
   // thread makes no call but ReadState and the accessors: they use engines of their own, pool
   // buffers, and spare slots beyond the one Step needs (SwapperOptions::speculative_slots).
   //
-  // Local. Steps swapped sub-group `sub_group` at `step` with `grad` (its numel elements,
+  // A resident sub-group is speculated into the second copy of its state
+  // (SwapperOptions::speculate_resident) instead, and committed by swapping the two.
+  //
+  // Local. Steps sub-group `sub_group` (speculable()) at `step` with `grad` (its numel elements,
   // unchanged until the call returns) and `options` (as Step would: the same arguments give the
   // same bits): reads its committed state, runs Adam, copies the new fp32 weights into
   // `weights` unless it is empty (numel elements), and writes the state into a spare slot; the
   // writes complete by the next Speculate or FinishSpeculation, which report their errors.
   // `next`: the sub-group the next call will speculate, read ahead while this one's Adam runs
   // when the pool has the buffers (a next call for another one drops it).
-  // Errors: FailedPrecondition (a resident or speculated sub-group, one already at `step`, no
+  // Errors: FailedPrecondition (a sub-group not speculable, speculated, or already at `step`; no
   // spare slot left), ResourceExhausted (pool), I/O errors, Adam's; on error the sub-group is
   // not speculated and its committed state is as it was.
   Status Speculate(std::int64_t step, std::size_t sub_group, std::span<const float> grad,
@@ -320,6 +326,8 @@ class OptimizerSwapper {
   // speculation (their slots are spare again).
   void DiscardSpeculations();
   bool speculated(std::size_t sub_group) const { return speculated_.at(sub_group).has_value(); }
+  // Swapped with speculative slots, or resident with a second copy.
+  bool speculable(std::size_t sub_group) const;
   std::size_t num_speculated() const;
 
   // Collective: min/mean/max of the swap timers over ranks, logged by rank 0.
@@ -486,10 +494,13 @@ class OptimizerSwapper {
   // Speculation: per sub-group the slot and step of its speculated state, if any; the engines,
   // and the writes in flight (optimizer_swapper.cc).
   struct Speculated {
-    std::size_t slot = 0;
+    std::size_t slot = 0;  // kResidentSlot: in resident_spare_
     std::int64_t step = 0;
   };
+  static constexpr std::size_t kResidentSlot = SIZE_MAX;
   std::vector<std::optional<Speculated>> speculated_;
+  // speculate_resident: per resident sub-group the second copy of its state (else empty).
+  std::vector<std::vector<storage::AlignedBuffer>> resident_spare_;
   struct SpeculationIo;
   std::unique_ptr<SpeculationIo> speculation_;
   void DropReadAhead();   // waits for the reads ahead and forgets them
@@ -512,6 +523,7 @@ struct SwapperHostPlan {
   std::uint64_t pool_bytes = 0;      // BufferPool: buffer count x buffer bytes
   std::uint64_t pool_buffers = 0;    // its buffer count
   std::uint64_t resident_bytes = 0;  // the host tier (zinf.host_cache_bytes; all with device cpu)
+  std::uint64_t resident_spare_bytes = 0;  // its second copy with speculate_resident
   // The gradient swapper's host share: the whole partition gradient when it accumulates in
   // memory, the unswapped remainders when it reads, adds and writes; 0 without swap_gradients.
   std::uint64_t gradient_bytes = 0;
