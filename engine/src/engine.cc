@@ -1007,6 +1007,7 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
                                                     {.register_cuda = false, .zero = false}));
   }
   ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(CreateBuckets()));
+  config_.zinf.speculative_step = s.speculator != nullptr;  // what config() reports
 
   if (options_.stop_signals) s.stop_signals.emplace();
   // Rank 0 appends to the metrics of a resumed run and starts a fresh file otherwise: opened

@@ -303,7 +303,7 @@ struct ZinfConfig {
   // Step each swapped sub-group during the backward pass once its gradient is final, and commit
   // it in Step unless clipping or a skip says otherwise (engine.h, "Speculative step"). Unset:
   // on where the gradients are lent (stages 2 and 3 without grads buffers); Config::Gave says
-  // whether it was set.
+  // whether it was set. ZeroEngine::config() holds what the engine does.
   bool speculative_step = true;
   int adam_threads = 0;         // CpuAdam threads per rank; 0 = hardware concurrency; [0, 1024]
   // Seconds a rank waits in one of zinf's collectives for the other ranks before it ends the
