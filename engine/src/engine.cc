@@ -1596,6 +1596,12 @@ void ZeroEngine::Impl::ArmSpeculation() {
   plan.segments = StepSegments(*hyper);
   plan.options = StepOptionsFor(StepPlan{.average = Average(), .loss_scale = s.scaler->scale()},
                                 step - skipped_steps_);
+  // Decide clips when sqrt(sum) x average / scale > gradient_clipping; a hair above that bound,
+  // so that another order of summation cannot make a step that does not clip look clipped.
+  if (config_.gradient_clipping > 0) {
+    const double bound = config_.gradient_clipping * s.scaler->scale() / Average();
+    plan.clip_squared_sum = bound * bound * (1 + 1e-6);
+  }
   s.speculator->Arm(std::move(plan));
 }
 

@@ -29,6 +29,8 @@ Speculator::~Speculator() {
 void Speculator::Arm(Plan plan) {
   plan_ = std::move(plan);
   plan_->options.segments = plan_->segments;
+  seen_squared_sum_ = 0;
+  hopeless_ = false;
   std::lock_guard<std::mutex> lock(mu_);
   accepting_ = true;
   error_.reset();
@@ -83,11 +85,15 @@ void Speculator::Work() {
     // plan_ and weights_[s] are the caller's only while this thread is idle (Stop waits).
     const partition::SubGroup& sg = swapper_->swap_info(s).sub_group;
     Status done = OkStatus();
-    if (swapper_->speculable(s) && !swapper_->speculated(s) &&
+    const std::span<const float> grad = gradient_.subspan(sg.partition_offset, sg.numel);
+    if (!hopeless_) {
+      seen_squared_sum_ += swapper_->adam().SquaredL2Norm(grad);
+      hopeless_ = !(seen_squared_sum_ <= plan_->clip_squared_sum);  // NaN too
+    }
+    if (!hopeless_ && swapper_->speculable(s) && !swapper_->speculated(s) &&
         swapper_->last_step(s) < plan_->step) {
       if (keep_weights_[s]) weights_[s].resize(sg.numel);
-      done = swapper_->Speculate(plan_->step, s, gradient_.subspan(sg.partition_offset, sg.numel),
-                                 plan_->options, weights_[s], next);
+      done = swapper_->Speculate(plan_->step, s, grad, plan_->options, weights_[s], next);
     }
     lock.lock();
     busy_ = false;

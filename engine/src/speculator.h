@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -40,6 +41,10 @@ class Speculator {
     std::int64_t step = 0;
     swapper::StepOptions options;
     std::vector<swapper::AdamSegment> segments;
+    // The squared sum of the reduced gradient (over all ranks) above which the step clips; this
+    // rank's part of it is a lower bound, so once the sub-groups seen exceed it (or are not
+    // finite: an fp16 overflow skips the step) nothing more is speculated. Infinity: no clipping.
+    double clip_squared_sum = std::numeric_limits<double>::infinity();
   };
 
   // `gradient`: the partition gradient (in memory); `keep_weights`: per sub-group, whether Step's
@@ -62,6 +67,8 @@ class Speculator {
   Status Stop();
   // Forgets the plan and the kept weights (after the swapper committed or discarded).
   void Disarm();
+  // Whether the sub-groups seen since Arm prove that the step clips or skips (Plan).
+  bool hopeless() const { return hopeless_; }
 
   const Plan* plan() const { return plan_ ? &*plan_ : nullptr; }
   // The new weights of speculated sub-group `s`; empty unless keep_weights[s].
@@ -75,6 +82,8 @@ class Speculator {
   const std::vector<bool> keep_weights_;
   std::optional<Plan> plan_;  // written by the caller while the thread is idle
   std::vector<std::vector<float>> weights_;
+  double seen_squared_sum_ = 0;  // the thread's (read by the caller after Stop)
+  bool hopeless_ = false;        // likewise
 
   std::mutex mu_;
   std::condition_variable work_cv_, idle_cv_;
