@@ -1300,6 +1300,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # without one the groups' values are the program's (torch's lr_scheduler, a hand-written
         # warmup): every step takes them from param_groups.
         self._scheduled = "scheduler" in settings
+        self._hyper_pushed = False  # this micro-batch's values went to the engine (_push_hyper)
         optimizer = settings.get("optimizer", {}).get("params", {})
         self.defaults.update(lr=optimizer.get("lr", 1e-3),
                              betas=tuple(optimizer.get("betas", (0.9, 0.999))),
@@ -1360,6 +1361,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._next_micro_batch(r, incoming)
         if self._gradient_in(r):
             return  # a .grad the step refuses: it raises there, on every rank
+        self._push_hyper(engine)
         engine.gradient_ready(r.index)
         r.handed = True
         p.grad = None
@@ -1403,13 +1405,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         if r.handed:
             self._next_micro_batch(r, incoming)
-        self._open_engine().gradient_ready(r.index, _grad_array(r, g))
+        engine = self._open_engine()
+        self._push_hyper(engine)
+        engine.gradient_ready(r.index, _grad_array(r, g))
         r.handed = True
         p.grad = None
         if r.part is not None and r.part.uses == 0 and r.part.full:
             _release(p)
 
+    def _push_hyper(self, engine):
+        """At a micro-batch's first handed gradient: param_groups' values as they are now (a
+        torch lr_scheduler steps after step(), before this pass) to the engine, so that the
+        speculative step (zinf.speculative_step) runs with the lr step() will use instead of
+        being stepped again. Only a hint: step() checks, agrees on and hands them again, and
+        reports what is wrong with them, so a value refused here is left to it."""
+        if self._hyper_pushed or self._scheduled:
+            return
+        self._hyper_pushed = True
+        if not self._hyper_problem():
+            try:
+                engine.set_hyper_params(self._hyper_values())
+            except zinf.errors.ZinfError:
+                pass  # step() raises it, agreed on every rank
+
     def _end_micro_batch(self):
+        self._hyper_pushed = False
         for r in self._params:
             if r.handed and self._overlap:  # the engine zeroed it: .grad is the buffer again
                 r.param.grad = r.grads.detach()

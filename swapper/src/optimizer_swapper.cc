@@ -508,6 +508,7 @@ struct OptimizerSwapper::SpeculationIo {
     std::int64_t step = 0;
     PoolLease lease;
     IoBatch batch;
+    Status submitted = OkStatus();  // read ahead: a failed submission, for the call that uses it
   };
   std::optional<InFlight> reading;
   std::optional<InFlight> writing;
@@ -579,6 +580,7 @@ Status OptimizerSwapper::Speculate(std::int64_t step, std::size_t sub_group,
   if (io.reading && io.reading->sub_group == sub_group) {
     lease = std::move(io.reading->lease);
     reads = std::move(io.reading->batch);
+    submitted = std::move(io.reading->submitted);
     io.reading.reset();
   } else {
     DropReadAhead();
@@ -600,7 +602,8 @@ Status OptimizerSwapper::Speculate(std::int64_t step, std::size_t sub_group,
       reading.sub_group = *next;
       reading.lease = std::move(*ahead);
       // A failed submission is the next call's error (its batch holds what was submitted).
-      (void)SubmitStateReads(*next, LeaseBuffers(reading.lease), *io.read, &reading.batch);
+      reading.submitted =
+          SubmitStateReads(*next, LeaseBuffers(reading.lease), *io.read, &reading.batch);
       io.reading = std::move(reading);
     }
   }
