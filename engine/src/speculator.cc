@@ -2,6 +2,7 @@
 
 #include "speculator.h"
 
+#include <cmath>
 #include <utility>
 
 namespace zinf::engine {
@@ -88,7 +89,8 @@ void Speculator::Work() {
     const std::span<const float> grad = gradient_.subspan(sg.partition_offset, sg.numel);
     if (!hopeless_) {
       seen_squared_sum_ += swapper_->adam().SquaredL2Norm(grad);
-      hopeless_ = !(seen_squared_sum_ <= plan_->clip_squared_sum);  // NaN too
+      hopeless_ = !std::isfinite(seen_squared_sum_) ||
+                  !(seen_squared_sum_ <= plan_->clip_squared_sum);
     }
     if (!hopeless_ && swapper_->speculable(s) && !swapper_->speculated(s) &&
         swapper_->last_step(s) < plan_->step) {
