@@ -1401,11 +1401,16 @@ void LogSwapper(OptimizerSwapper& swapper, const std::string& engine_name,
   std::uint64_t disk_bytes = 0;
   for (const storage::TensorSpec& spec : specs) disk_bytes += spec.size_bytes;
   const BufferPool& pool = swapper.pool();
+  const std::size_t swapped = swapper.num_sub_groups() - swapper.num_resident();
+  const std::size_t speculative = std::min(swapper.options().speculative_slots, swapped);
   const std::string store =
       swapper.has_store()
-          ? fmt::format("swap store {} per rank on {} ({} slots, alignment {})",
+          ? fmt::format("swap store {} per rank on {} ({} slots{}, alignment {})",
                         FormatBytes(disk_bytes), fmt::join(swapper.options().store.paths, ","),
-                        swapper.num_sub_groups() - swapper.num_resident() + 1,
+                        swapped + 1 + speculative,
+                        speculative > 0
+                            ? fmt::format(", {} for the speculative step", speculative)
+                            : std::string(),
                         swapper.store().alignment())
           : std::string("no swap store (offload_optimizer.device \"cpu\")");
   ZINF_LOG_INFO(
