@@ -20,6 +20,7 @@
 #include "testing/status_matchers.h"
 #include "zinf/engine/config.h"
 #include "zinf/engine/engine.h"
+#include "test_gradient.h"
 
 namespace zinf::engine {
 namespace {
@@ -60,16 +61,7 @@ Model MakeModel(std::int64_t emb = 5000) {
   return m;
 }
 
-// The gradient rank `rank` computes in micro-batch `micro` of step `step` at weights `w`: it
-// depends on the weights, so a wrong all-gather shows in the next step's gradient.
-float GradOf(std::size_t param, std::size_t k, int rank, std::int64_t step, int micro, float w) {
-  const double phase = 0.37 * static_cast<double>(k) + 1.3 * rank +
-                       0.71 * static_cast<double>(step) + 0.13 * micro +
-                       0.5 * static_cast<double>(param);
-  // Bounded away from 0 (in [0.025, 0.275] for |w| <= 0.5): where an averaged gradient cancels
-  // to near 0, Adam's g / sqrt(v) amplifies float-vs-double rounding of the sum beyond 1e-6.
-  return static_cast<float>(0.15 + 0.1 * std::sin(phase)) + 0.05f * w;
-}
+using testing::GradOf;
 
 struct Case {
   std::string name;

@@ -43,6 +43,7 @@
 #include "zinf/engine/engine.h"
 #include "zinf/partition/plan.h"
 #include "zinf/partition/sub_group.h"
+#include "test_gradient.h"
 
 namespace zinf::engine {
 namespace {
@@ -110,14 +111,7 @@ float InitValue(std::size_t param, std::uint64_t k) {
   return 0.5f * static_cast<float>(std::sin(0.1 * static_cast<double>(k) + 1.7 * param));
 }
 
-// Rank `rank`'s gradient in micro-batch `micro` of step `step` at weight `w` (a wrong weight
-// shows in the next step's gradient), bounded away from 0.
-float GradOf(std::size_t param, std::uint64_t k, int rank, std::int64_t step, int micro, float w) {
-  const double phase = 0.37 * static_cast<double>(k) + 1.3 * rank +
-                       0.71 * static_cast<double>(step) + 0.13 * micro +
-                       0.5 * static_cast<double>(param);
-  return static_cast<float>(0.15 + 0.1 * std::sin(phase)) + 0.05f * w;
-}
+using testing::GradOf;
 
 // How a case's engines are configured; the reference is the same with speculative false.
 struct Knobs {

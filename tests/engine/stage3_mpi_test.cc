@@ -28,6 +28,7 @@
 #include "zinf/engine/config.h"
 #include "zinf/engine/engine.h"
 #include "gather_counters.h"
+#include "test_gradient.h"
 
 namespace zinf::engine {
 namespace {
@@ -100,15 +101,7 @@ std::vector<float> InitValues(std::size_t param) {
   return w;
 }
 
-// engine_mpi_test's gradient: rank `rank`'s in micro-batch `micro` of step `step` at weight `w`,
-// so a wrong gather shows in the next step, and bounded away from 0 so that Adam does not
-// amplify the rounding of the reduction.
-float GradOf(std::size_t param, std::uint64_t k, int rank, std::int64_t step, int micro, float w) {
-  const double phase = 0.37 * static_cast<double>(k) + 1.3 * rank +
-                       0.71 * static_cast<double>(step) + 0.13 * micro +
-                       0.5 * static_cast<double>(param);
-  return static_cast<float>(0.15 + 0.1 * std::sin(phase)) + 0.05f * w;
-}
+using testing::GradOf;
 
 // The model registered the stage 1/2 way: weights and gradients in the loop's buffers.
 struct Model {
