@@ -346,6 +346,8 @@ struct ZeroEngine::Impl::State {
   comm::Timers timers;
   storage::UniqueFd metrics;
   int micro_batches = 0;     // AccumulateGradients calls since the last Step
+  // The last applied step clipped: the next one is not speculated (ArmSpeculation).
+  bool last_step_clipped = false;
   double last_step_end = 0;  // MonotonicSeconds() when the previous Step (or Create) returned
   double loop_start = 0;
   std::int64_t first_step = 0;   // the first step this engine ran
@@ -1584,7 +1586,10 @@ bool ZeroEngine::Impl::SinkWrites(std::uint64_t partition_offset, std::uint64_t 
 // when nothing clips (the loss scale and the schedule as they are now: Step compares).
 void ZeroEngine::Impl::ArmSpeculation() {
   State& s = *state_;
-  if (!s.speculator || s.speculator->armed() ||
+  // After a step that clipped the next one is likely to clip too (a norm changes slowly): its
+  // speculation would be stepped again, at the cost of its I/O, before this rank's gradients
+  // could prove the clip (Speculator::Plan::clip_squared_sum), so it is not speculated.
+  if (!s.speculator || s.speculator->armed() || s.last_step_clipped ||
       s.micro_batches + 1 != static_cast<int>(config_.gradient_accumulation_steps)) {
     return;
   }
@@ -2034,6 +2039,7 @@ Result<StepInfo> ZeroEngine::Impl::Step(std::optional<double> loss) {
     return FinishStep(info, /*skipped=*/true, io_start, io_optimizer_start, io_optimizer_start,
                       0.0);
   }
+  s.last_step_clipped = info.clipped;
   // A failed speculation fails the step on every rank, with nothing stepped (a step that is
   // skipped needs none of it).
   if (s.speculator) ZINF_RETURN_IF_ERROR(comm().AgreeOnStatus(speculation));

@@ -96,7 +96,8 @@
 // sub-groups when the arguments are the same (no clipping, the same loss scale and
 // hyper-parameters) and steps only the rest; when clipping applies it steps them again from
 // their committed state; on an overflow it drops them. (Once this rank's gradients seen so far
-// prove that the step clips or overflows, nothing more is speculated.) The weights the loop sees change only in
+// prove that the step clips or overflows, nothing more is speculated; a step that follows one
+// that clipped is not speculated.) The weights the loop sees change only in
 // Step, and a speculated sub-group is only ever in a slot nobody reads: a crash, an error or a
 // checkpoint before Step sees the committed state. Costs: a second slot per swapped sub-group on
 // disk, the new weights of the speculated sub-groups until Step (memory plan), and, while it is
