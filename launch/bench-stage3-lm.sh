@@ -9,6 +9,7 @@
 #   launch/bench-stage3-lm.sh [--path DIR] [--d-model 256] [--layers 4] [--seq 64] [--batch 8]
 #                             [--steps 3] [--rounds 2] [--np 2] [--ram SIZE]
 #                             [--no-table] [--no-side-by-side]
+#                             [--speculative-step auto|true|false]
 #
 # 1. Side by side (one mpirun; --no-side-by-side skips it): per round, in the order offload,
 #    memory, io rotated by one each round, each mode runs 1 warm-up step and --steps timed ones:
@@ -71,6 +72,7 @@ rounds=2
 np=2
 ram=""
 table=1
+speculative=auto
 side_by_side=1
 while (($#)); do
   case $1 in
@@ -81,6 +83,11 @@ while (($#)); do
         --batch) batch=$2 ;; --steps) steps=$2 ;; --rounds) rounds=$2 ;; --np) np=$2 ;;
         --ram) ram=$2 ;;
       esac
+      shift 2 ;;
+    --speculative-step)
+      need_value "$@"
+      case $2 in auto | true | false) speculative=$2 ;;
+        *) usage_die "--speculative-step $2: auto, true or false" ;; esac
       shift 2 ;;
     --no-table) table=0; shift ;;
     --no-side-by-side) side_by_side=0; shift ;;
@@ -135,7 +142,8 @@ mpi=(mpirun --oversubscribe -x PYTHONPATH -x OMPI_MCA_mpi_yield_when_idle)
 [[ $(id -u) != 0 ]] || mpi+=(--allow-run-as-root)
 export PYTHONPATH=$repo/build/python${PYTHONPATH:+:$PYTHONPATH} OMPI_MCA_mpi_yield_when_idle=1
 driver=$repo/launch/bench/stage3_lm.py
-model=(--d-model "$d_model" --seq "$seq" --batch "$batch" --steps "$steps")
+model=(--d-model "$d_model" --seq "$seq" --batch "$batch" --steps "$steps"
+  --speculative-step "$speculative")
 echo "$args_script: $params parameters ($((4 * params)) bytes of fp32 weights) on $np ranks," \
   "work directory $work" >&2
 

@@ -60,7 +60,7 @@ def config_for(args, world, stage, offload_optimizer, offload_param, nvme_path):
         zero["offload_param"] = {"device": offload_param}
         if offload_param == "nvme":
             zero["offload_param"]["nvme_path"] = nvme_path
-    return {
+    config = {
         "train_batch_size": args.batch,
         "train_micro_batch_size_per_gpu": args.batch // world,
         "gradient_accumulation_steps": 1,
@@ -70,6 +70,9 @@ def config_for(args, world, stage, offload_optimizer, offload_param, nvme_path):
                                                    "eps": 1e-8, "weight_decay": 0.01}},
         "zero_optimization": zero,
     }
+    if args.speculative_step != "auto":
+        config["zinf"] = {"speculative_step": args.speculative_step == "true"}
+    return config
 
 
 def rss_bytes():
@@ -352,6 +355,8 @@ def main():
         p.add_argument("--seq", type=int, default=64)
         p.add_argument("--batch", type=int, default=8)
         p.add_argument("--steps", type=int, default=3)
+        # zinf.speculative_step: auto leaves it unset (on: stage 3 lends the gradients).
+        p.add_argument("--speculative-step", choices=("auto", "true", "false"), default="auto")
         if name == "side-by-side":
             p.add_argument("--rounds", type=int, default=2)
             p.add_argument("--bin", default="build/bin/zinf-bench")
