@@ -926,6 +926,21 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
   // Speculation keeps up to one more slot per swapped sub-group (the swapper caps it).
   options.speculative_slots = speculating ? SIZE_MAX : 0;
   options.speculate_resident = speculating && options.host_cache_bytes > 0;
+  if (speculating && !config_.Gave("zinf.speculative_step")) {
+    // Unasked for, the speculation's memory (the kept weights, the host tier's copy) gives way
+    // before anything the fit would shrink for it; every rank decides as the tightest one.
+    Result<MemoryPlan> plan = MakeMemoryPlan(options);
+    std::array<std::uint64_t, 1> over = {
+        plan && budget->node_bytes > 0 && plan->total_bytes() > budget->rank_bytes ? 1u : 0u};
+    ZINF_RETURN_IF_ERROR(s.comm->AllreduceInPlace<std::uint64_t>(over, ReduceOp::kMax));
+    if (over[0] != 0) {
+      ZINF_LOG_INFO(
+          "engine: no speculative step: its memory does not fit the host memory budget with "
+          "the rest of the plan; set zinf.speculative_step to decide");
+      options.speculative_slots = 0;
+      options.speculate_resident = false;
+    }
+  }
   ZINF_RETURN_IF_ERROR(FitMemoryPlan(*budget, options));
   if (options.swap_gradients) options.speculative_slots = 0;  // the fit swaps the gradient
   Status planned = comm().AgreeOnStatus(PlanHostMemory(*budget, options));

@@ -346,6 +346,12 @@ TEST(Train, Stage2HandsGradientsAsTheyComplete) {
       zero["sub_group_size"] = 1 << 16;
       zero["reduce_bucket_size"] = 1 << 19;
       zero["allgather_bucket_size"] = 1 << 19;
+      // The plans compared below are about the lent gradient: the speculative step (on at
+      // stage 2 by default) adds the speculated weights, an item of its own.
+      if (c.model["name"] == "synthetic" &&
+          c.model["total_params"].get<std::int64_t>() >= (1 << 20)) {
+        config["zinf"]["speculative_step"] = false;
+      }
       const std::string tag = std::string(c.name) + "-" + std::to_string(stage);
       const std::string path = dir.Join(tag + ".json");
       WriteShared(path, config.dump());
