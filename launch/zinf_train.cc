@@ -14,7 +14,7 @@
 #include "zinf/comm/mpi_session.h"
 #include "zinf/core/log.h"
 #include "zinf/core/status.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 
 namespace {
 
@@ -145,8 +145,8 @@ int Main(int argc, char** argv) {
     if (help_config || print_key_table) {
       if (world.rank() == 0) {
         const std::string text = help_config
-                                     ? zinf::engine::DescribeConfigKeys(zinf::train::TrainAppKeys())
-                                     : zinf::engine::DeepSpeedKeyTable();
+                                     ? zinf::config::DescribeConfigKeys(zinf::train::TrainAppKeys())
+                                     : zinf::config::DeepSpeedKeyTable();
         std::fputs(text.c_str(), stdout);
       }
       (void)session->Finalize();
@@ -160,9 +160,9 @@ int Main(int argc, char** argv) {
       (void)Fail(config.error());
       rc = kExitUsage;
     } else if (check_config) {
-      zinf::engine::LogEffectiveConfig(*config);
+      zinf::config::LogEffectiveConfig(*config);
     } else {
-      zinf::engine::LogEffectiveConfig(*config);
+      zinf::config::LogEffectiveConfig(*config);
       zinf::Result<zinf::train::TrainSummary> summary = zinf::train::Train(
           world, *config,
           {.metrics_path = metrics_path, .create_nvme_paths = config_path.empty() && !o.nvme_path});

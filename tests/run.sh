@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # THE test command (README quick start, .ci/run): installs missing dependencies, builds the
 # default preset (warnings as errors) and runs the whole CTest suite (labels unit, mpi, ...), then
-# runs the unit tests again under ASan+UBSan and the I/O engine tests under ThreadSanitizer.
+# runs the unit tests again under ASan+UBSan and the I/O backend tests under ThreadSanitizer.
 #
 #   tests/run.sh            everything
 #   ZINF_TEST_QUICK=1 tests/run.sh   default preset only (no sanitizer builds)
@@ -52,8 +52,8 @@ if [ "${ZINF_TEST_QUICK:-0}" != "1" ]; then
   step "configure + build: tsan preset (ThreadSanitizer)"
   cmake --preset tsan > /dev/null
   cmake --build --preset tsan -j "$jobs"
-  step "ctest: I/O engine tests under ThreadSanitizer"
-  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --preset tsan -j "$jobs" -L engine
+  step "ctest: I/O backend tests under ThreadSanitizer"
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --preset tsan -j "$jobs" -L '^io$'
 fi
 
 step "all tests passed"

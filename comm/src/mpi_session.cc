@@ -20,10 +20,14 @@ namespace {
 
 int ToMpi(ThreadLevel level) {
   switch (level) {
-    case ThreadLevel::kSingle: return MPI_THREAD_SINGLE;
-    case ThreadLevel::kFunneled: return MPI_THREAD_FUNNELED;
-    case ThreadLevel::kSerialized: return MPI_THREAD_SERIALIZED;
-    case ThreadLevel::kMultiple: return MPI_THREAD_MULTIPLE;
+    case ThreadLevel::kSingle:
+      return MPI_THREAD_SINGLE;
+    case ThreadLevel::kFunneled:
+      return MPI_THREAD_FUNNELED;
+    case ThreadLevel::kSerialized:
+      return MPI_THREAD_SERIALIZED;
+    case ThreadLevel::kMultiple:
+      return MPI_THREAD_MULTIPLE;
   }
   return MPI_THREAD_SINGLE;
 }
@@ -37,10 +41,14 @@ ThreadLevel FromMpi(int level) {
 
 const char* Name(ThreadLevel level) {
   switch (level) {
-    case ThreadLevel::kSingle: return "MPI_THREAD_SINGLE";
-    case ThreadLevel::kFunneled: return "MPI_THREAD_FUNNELED";
-    case ThreadLevel::kSerialized: return "MPI_THREAD_SERIALIZED";
-    case ThreadLevel::kMultiple: return "MPI_THREAD_MULTIPLE";
+    case ThreadLevel::kSingle:
+      return "MPI_THREAD_SINGLE";
+    case ThreadLevel::kFunneled:
+      return "MPI_THREAD_FUNNELED";
+    case ThreadLevel::kSerialized:
+      return "MPI_THREAD_SERIALIZED";
+    case ThreadLevel::kMultiple:
+      return "MPI_THREAD_MULTIPLE";
   }
   return "?";
 }
@@ -87,11 +95,10 @@ Result<MpiSession> MpiSession::Init(int* argc, char*** argv, ThreadLevel require
   } else {
     ZINF_RETURN_IF_ERROR(MpiStatus(MPI_Query_thread(&provided), "MPI_Query_thread"));
   }
-  session.provided_ = FromMpi(provided);
   if (provided < ToMpi(required)) {
     Error error = FailedPreconditionError(fmt::format(
         "MPI provides thread level {} but zinf needs {}; use an MPI built with thread support",
-        Name(session.provided_), Name(required)));
+        Name(FromMpi(provided)), Name(required)));
     (void)session.Finalize();
     return error;
   }
@@ -106,8 +113,7 @@ Result<MpiSession> MpiSession::Init(int* argc, char*** argv, ThreadLevel require
 MpiSession::MpiSession(MpiSession&& other) noexcept
     : world_(std::move(other.world_)),
       owns_mpi_(other.owns_mpi_),
-      finalized_(std::exchange(other.finalized_, true)),
-      provided_(other.provided_) {}
+      finalized_(std::exchange(other.finalized_, true)) {}
 
 MpiSession& MpiSession::operator=(MpiSession&& other) noexcept {
   if (this != &other) {
@@ -115,7 +121,6 @@ MpiSession& MpiSession::operator=(MpiSession&& other) noexcept {
     world_ = std::move(other.world_);
     owns_mpi_ = other.owns_mpi_;
     finalized_ = std::exchange(other.finalized_, true);
-    provided_ = other.provided_;
   }
   return *this;
 }

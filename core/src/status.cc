@@ -11,26 +11,11 @@ std::string_view ErrorCodeName(ErrorCode code) {
   switch (code) {
     case ErrorCode::kOk:
       return "Ok";
-    case ErrorCode::kUnavailable:
-      return "Unavailable";
-    case ErrorCode::kNotFound:
-      return "NotFound";
-    case ErrorCode::kAlreadyExists:
-      return "AlreadyExists";
-    case ErrorCode::kInvalidArgument:
-      return "InvalidArgument";
-    case ErrorCode::kFailedPrecondition:
-      return "FailedPrecondition";
-    case ErrorCode::kResourceExhausted:
-      return "ResourceExhausted";
-    case ErrorCode::kUnimplemented:
-      return "Unimplemented";
-    case ErrorCode::kAborted:
-      return "Aborted";
-    case ErrorCode::kDataLoss:
-      return "DataLoss";
-    case ErrorCode::kInternal:
-      return "Internal";
+#define ZINF_ERROR_CODE_CASE(name, value) \
+  case ErrorCode::k##name:                \
+    return #name;
+      ZINF_ERROR_CODES(ZINF_ERROR_CODE_CASE)
+#undef ZINF_ERROR_CODE_CASE
   }
   return "Unknown";
 }
@@ -119,36 +104,12 @@ std::string Error::ToString() const {
   return fmt::format("{}: {} [{}:{}]", ErrorCodeName(code_), message_, file, location_.line());
 }
 
-Error UnavailableError(std::string message, std::source_location loc) {
-  return Error(ErrorCode::kUnavailable, std::move(message), 0, loc);
-}
-Error NotFoundError(std::string message, std::source_location loc) {
-  return Error(ErrorCode::kNotFound, std::move(message), 0, loc);
-}
-Error AlreadyExistsError(std::string message, std::source_location loc) {
-  return Error(ErrorCode::kAlreadyExists, std::move(message), 0, loc);
-}
-Error InvalidArgumentError(std::string message, std::source_location loc) {
-  return Error(ErrorCode::kInvalidArgument, std::move(message), 0, loc);
-}
-Error FailedPreconditionError(std::string message, std::source_location loc) {
-  return Error(ErrorCode::kFailedPrecondition, std::move(message), 0, loc);
-}
-Error ResourceExhaustedError(std::string message, std::source_location loc) {
-  return Error(ErrorCode::kResourceExhausted, std::move(message), 0, loc);
-}
-Error UnimplementedError(std::string message, std::source_location loc) {
-  return Error(ErrorCode::kUnimplemented, std::move(message), 0, loc);
-}
-Error AbortedError(std::string message, std::source_location loc) {
-  return Error(ErrorCode::kAborted, std::move(message), 0, loc);
-}
-Error DataLossError(std::string message, std::source_location loc) {
-  return Error(ErrorCode::kDataLoss, std::move(message), 0, loc);
-}
-Error InternalError(std::string message, std::source_location loc) {
-  return Error(ErrorCode::kInternal, std::move(message), 0, loc);
-}
+#define ZINF_ERROR_CODE_FACTORY(name, value)                         \
+  Error name##Error(std::string message, std::source_location loc) { \
+    return Error(ErrorCode::k##name, std::move(message), 0, loc);    \
+  }
+ZINF_ERROR_CODES(ZINF_ERROR_CODE_FACTORY)
+#undef ZINF_ERROR_CODE_FACTORY
 
 Error ErrnoError(int err, std::string_view what, std::source_location loc) {
   char buf[256];

@@ -7,7 +7,7 @@
 
 namespace zinf::engine {
 
-storage::AioOptions ToAioOptions(const Config& config) {
+storage::AioOptions ToAioOptions(const config::Config& config) {
   return storage::AioOptions{.block_size = config.aio.block_size,
                              .queue_depth = config.aio.queue_depth,
                              .intra_op_parallelism = config.aio.intra_op_parallelism,
@@ -15,11 +15,11 @@ storage::AioOptions ToAioOptions(const Config& config) {
                              .overlap_events = config.aio.overlap_events};
 }
 
-swapper::AdamOptions ToAdamOptions(const Config& config) {
-  const OptimizerConfig& o = config.optimizer;
-  Result<bool> adamw = swapper::ResolveAdamWMode(OptimizerTypeName(o.type), o.adam_w_mode);
+swapper::AdamOptions ToAdamOptions(const config::Config& config) {
+  const config::OptimizerConfig& o = config.optimizer;
+  Result<bool> adamw = swapper::ResolveAdamWMode(config::OptimizerTypeName(o.type), o.adam_w_mode);
   ZINF_CHECK(adamw.has_value(), "optimizer type {} not known to ResolveAdamWMode",
-             OptimizerTypeName(o.type));
+             config::OptimizerTypeName(o.type));
   swapper::AdamOptions adam;
   adam.lr = o.lr;
   adam.beta1 = o.betas[0];
@@ -32,7 +32,7 @@ swapper::AdamOptions ToAdamOptions(const Config& config) {
   return adam;
 }
 
-partition::PlanKind ToPlanKind(const Config& config) {
+partition::PlanKind ToPlanKind(const config::Config& config) {
   Result<partition::PlanKind> kind =
       partition::PlanKindForZeroStage(config.zero_optimization.stage);
   ZINF_CHECK(kind.has_value(), "zero stage {} passed validation", config.zero_optimization.stage);
@@ -42,7 +42,7 @@ partition::PlanKind ToPlanKind(const Config& config) {
 namespace {
 
 // zinf.nvme_path_weights as the swap store's integer weights (empty: equal shares).
-std::vector<std::uint32_t> ToPathWeights(const Config& config) {
+std::vector<std::uint32_t> ToPathWeights(const config::Config& config) {
   const std::vector<double>& ratios = config.zinf.nvme_path_weights.weights;
   if (ratios.empty()) return {};
   Result<storage::StripeMap> map = storage::StripeMap::FromRatios(ratios);
@@ -53,26 +53,26 @@ std::vector<std::uint32_t> ToPathWeights(const Config& config) {
 
 }  // namespace
 
-swapper::SwapperOptions ToSwapperOptions(const Config& config, int world_rank,
+swapper::SwapperOptions ToSwapperOptions(const config::Config& config, int world_rank,
                                          const partition::ParamLayout& layout) {
-  const OffloadOptimizerConfig& offload = config.zero_optimization.offload_optimizer;
+  const config::OffloadOptimizerConfig& offload = config.zero_optimization.offload_optimizer;
   swapper::SwapperOptions options;
   options.store.paths = offload.resolved_nvme_paths;
-  options.store.job_id = EffectiveJobId(config, layout);
+  options.store.job_id = config::EffectiveJobId(config, layout);
   options.store.world_rank = world_rank;
   options.store.keep = config.zinf.keep_swap;
   options.store.verify_swap = config.zinf.verify_swap;
   options.store.path_weights = ToPathWeights(config);
   options.store.probe_path_weights = config.zinf.nvme_path_weights.probe;
-  options.store.probe_engine = config.zinf.io_engine;
+  options.store.probe_backend = config.zinf.io_engine;
   options.store.probe_aio = ToAioOptions(config);
   options.aio = ToAioOptions(config);
-  options.engine = config.zinf.io_engine;
+  options.backend = config.zinf.io_engine;
   options.state_format = config.zinf.optimizer_state;
   options.sub_group_size = config.zero_optimization.sub_group_size;
   options.pinned_budget_bytes = config.zinf.pinned_budget_bytes;
   options.host_cache_bytes = config.zinf.host_cache_bytes;
-  options.all_resident = offload.device == OffloadDevice::kCpu;
+  options.all_resident = offload.device == config::OffloadDevice::kCpu;
   options.buffer_count = static_cast<std::uint64_t>(offload.buffer_count);
   options.pin_memory = offload.pin_memory;
   options.pipeline_read = offload.pipeline_read;

@@ -95,7 +95,7 @@ class StopSignals {
 // What the working weights hold: fp32 values, or values rounded to bf16 / fp16.
 enum class Working { kFp32, kBf16, kFp16 };
 
-Working WorkingOf(const Config& config) {
+Working WorkingOf(const config::Config& config) {
   if (config.bf16) return Working::kBf16;
   return config.fp16.enabled ? Working::kFp16 : Working::kFp32;
 }
@@ -115,9 +115,9 @@ float RoundToBf16(float x) {
 }
 
 // Where stage 3 keeps this rank's shards, for the log.
-std::string ShardWhereabouts(const Config& config, std::uint64_t in_memory,
+std::string ShardWhereabouts(const config::Config& config, std::uint64_t in_memory,
                              std::uint64_t partition_numel) {
-  if (config.zero_optimization.offload_param.device != OffloadDevice::kNvme) {
+  if (config.zero_optimization.offload_param.device != config::OffloadDevice::kNvme) {
     return "in host memory";
   }
   if (in_memory == 0) return "read from the swap store when gathered";
@@ -128,7 +128,8 @@ std::string ShardWhereabouts(const Config& config, std::uint64_t in_memory,
 }
 
 // A group's values at the scheduler's last_batch_iteration `position` (lr_schedule.h).
-HyperParams Scheduled(const SchedulerConfig& scheduler, HyperParams h, std::int64_t position) {
+HyperParams Scheduled(const config::SchedulerConfig& scheduler, HyperParams h,
+                      std::int64_t position) {
   h.betas = AdamBetas(scheduler, h.betas, position);
   h.lr = LearningRate(scheduler, h.lr, position);
   return h;
@@ -142,7 +143,7 @@ constexpr const char* kUserStateKey = "user";
 // `engine` (nullptr: the swapper's read engine). Local.
 Status ReadShardFrom(swapper::OptimizerSwapper& swapper, const partition::PartitionPlan& plan,
                      std::size_t p, std::span<float> out, std::span<std::byte> staging,
-                     storage::IoEngine* engine) {
+                     storage::IoBackend* engine) {
   constexpr std::uint64_t kPiece = kShardStagingBytes / sizeof(float);
   const std::uint64_t begin = plan.ShardPartitionOffset(p);
   const std::uint64_t end = begin + out.size();
@@ -181,7 +182,7 @@ enum class Holding : std::uint8_t {
 class ZeroEngine::Impl {
  public:
   struct State;
-  Impl(ZeroEngine* self, const comm::Communicator& world, const Config& config,
+  Impl(ZeroEngine* self, const comm::Communicator& world, const config::Config& config,
        const EngineOptions& options);
   ~Impl();
 
@@ -277,7 +278,7 @@ class ZeroEngine::Impl {
 
   ZeroEngine* const self_;  // the interface, for the Gathered scopes
   const comm::Communicator& world_;
-  Config config_;
+  config::Config config_;
   EngineOptions options_;
   std::unique_ptr<State> state_;
   // Each parameter group's hyper-parameters: under a config scheduler the base it schedules
@@ -334,10 +335,10 @@ struct ZeroEngine::Impl::State {
   std::optional<LossScaler> scaler;  // fp16 (scale 1 without)
   std::uint64_t total_numel = 0;
   std::uint64_t partition_numel = 0;
-  std::uint64_t plan_bytes = 0;       // the host memory plan's total per rank (memory_plan.h)
-  std::uint64_t budget_bytes = 0;     // its budget per rank; 0: unknown
+  std::uint64_t plan_bytes = 0;         // the host memory plan's total per rank (memory_plan.h)
+  std::uint64_t budget_bytes = 0;       // its budget per rank; 0: unknown
   std::uint64_t rss_before_engine = 0;  // CurrentRssBytes() when Create began
-  std::vector<float> partition_grad;  // this rank's reduced gradient (in-memory accumulation)
+  std::vector<float> partition_grad;    // this rank's reduced gradient (in-memory accumulation)
   // With a gradient swapper: its reduced gradient on its way to NVMe (pages allocated as written
   // and released per sub-group, GradientBuckets::Target).
   storage::AlignedBuffer staging;
@@ -345,7 +346,7 @@ struct ZeroEngine::Impl::State {
   std::vector<float> gather_send, gather_recv;
   comm::Timers timers;
   storage::UniqueFd metrics;
-  int micro_batches = 0;     // AccumulateGradients calls since the last Step
+  int micro_batches = 0;  // AccumulateGradients calls since the last Step
   // The last applied step clipped: the next one is not speculated (ArmSpeculation).
   bool last_step_clipped = false;
   double last_step_end = 0;  // MonotonicSeconds() when the previous Step (or Create) returned
@@ -365,7 +366,7 @@ struct ZeroEngine::Impl::State {
 
   // The elements per rank of one all-gather round of the parameters held whole: they are
   // gathered in rounds of allgather_bucket_size elements over all ranks. After PlanHolding.
-  std::uint64_t GatherRound(const Config& config, int world) const {
+  std::uint64_t GatherRound(const config::Config& config, int world) const {
     std::uint64_t whole_numel = 0;
     for (const auto& [begin, end] : whole_ranges) whole_numel += end - begin;
     return std::clamp<std::uint64_t>(
@@ -375,8 +376,8 @@ struct ZeroEngine::Impl::State {
 
   // Decides how each parameter is held (engine.h, "Stage 3") and where the shards live; sizes
   // shard_numel. Local, the same on every rank; allocates nothing.
-  Status PlanHolding(const Config& config) {
-    const ZeroConfig& zero = config.zero_optimization;
+  Status PlanHolding(const config::Config& config) {
+    const config::ZeroConfig& zero = config.zero_optimization;
     const partition::ParamLayout& layout = plan->layout();
     num_partitioned = 0;
     holding.assign(params.size(), Holding::kLoop);
@@ -395,7 +396,7 @@ struct ZeroEngine::Impl::State {
         ++num_partitioned;
       }
     }
-    const bool nvme = zero.offload_param.device == OffloadDevice::kNvme;
+    const bool nvme = zero.offload_param.device == config::OffloadDevice::kNvme;
     if (nvme && num_partitioned == 0) {
       return InvalidArgumentError(
           "zero_optimization.offload_param.device: \"nvme\", but no parameter is partitioned: "
@@ -448,20 +449,20 @@ struct ZeroEngine::Impl::State {
 
   // offload_param nvme with a shard on disk: the reader, with an I/O engine and a staging buffer
   // of its own (the swapper's read engine belongs to the caller's thread). Local.
-  Status CreateReader(const Config& config) {
+  Status CreateReader(const config::Config& config) {
     bool on_disk = false;
     for (std::size_t p = 0; p < params.size() && !on_disk; ++p) {
       on_disk = holding[p] == Holding::kPartitioned && ShardOnDisk(p);
     }
     if (!on_disk) return OkStatus();
     struct Io {
-      std::unique_ptr<storage::IoEngine> engine;
+      std::unique_ptr<storage::IoBackend> engine;
       storage::AlignedBuffer staging;
     };
     auto io = std::make_shared<Io>();
-    ZINF_ASSIGN_OR_RETURN(io->engine, swapper->CreateReaderEngine());
+    ZINF_ASSIGN_OR_RETURN(io->engine, swapper->CreateReaderBackend());
     ZINF_ASSIGN_OR_RETURN(io->staging, AllocateShardStaging(*swapper));
-    const ZeroConfig& zero = config.zero_optimization;
+    const config::ZeroConfig& zero = config.zero_optimization;
     reader = std::make_unique<ShardReader>(
         [io, from = swapper.get(), of = &*plan](std::size_t p, std::span<float> out) {
           return ReadShardFrom(*from, *of, p, out, io->staging.span(), io->engine.get());
@@ -574,14 +575,14 @@ struct ZeroEngine::Impl::State {
   }
 };
 
-ZeroEngine::ZeroEngine(const comm::Communicator& world, const Config& config,
+ZeroEngine::ZeroEngine(const comm::Communicator& world, const config::Config& config,
                        const EngineOptions& options)
     : impl_(std::make_unique<Impl>(this, world, config, options)) {}
 
 ZeroEngine::~ZeroEngine() = default;
 
-ZeroEngine::Impl::Impl(ZeroEngine* self, const comm::Communicator& world, const Config& config,
-                       const EngineOptions& options)
+ZeroEngine::Impl::Impl(ZeroEngine* self, const comm::Communicator& world,
+                       const config::Config& config, const EngineOptions& options)
     : self_(self),
       world_(world),
       config_(config),
@@ -644,7 +645,7 @@ HyperParams ZeroEngine::Impl::next_hyper_params(std::size_t g) const {
 
 Status ZeroEngine::Impl::SetHyperParams(std::span<const HyperParams> groups) {
   if (closed_) return FailedPreconditionError("engine: SetHyperParams after Close");
-  if (config_.scheduler.type != SchedulerType::kNone) {
+  if (config_.scheduler.type != config::SchedulerType::kNone) {
     return FailedPreconditionError(
         "engine: SetHyperParams: the config's scheduler block sets the learning rate; schedule "
         "it either there or in the loop, not both (remove the scheduler block to set it here)");
@@ -805,7 +806,7 @@ Result<partition::ParamLayout> LayoutOf(const std::vector<Param>& params, int st
 
 // The groups' values (EngineOptions::param_groups over the config optimizer's), with every
 // parameter's group in range.
-Result<std::vector<HyperParams>> ResolveGroups(const OptimizerConfig& optimizer,
+Result<std::vector<HyperParams>> ResolveGroups(const config::OptimizerConfig& optimizer,
                                                const std::vector<ParamGroup>& groups,
                                                const std::vector<Param>& params) {
   const HyperParams config = {.lr = optimizer.lr,
@@ -841,7 +842,7 @@ Result<std::vector<HyperParams>> ResolveGroups(const OptimizerConfig& optimizer,
 }  // namespace
 
 Result<std::unique_ptr<ZeroEngine>> ZeroEngine::Create(const comm::Communicator& world,
-                                                       const Config& config,
+                                                       const config::Config& config,
                                                        std::vector<Param> params,
                                                        const EngineOptions& options) {
   std::unique_ptr<ZeroEngine> engine(new ZeroEngine(world, config, options));
@@ -863,7 +864,7 @@ Result<std::unique_ptr<ZeroEngine>> ZeroEngine::Create(const comm::Communicator&
 Status ZeroEngine::Impl::Build(std::vector<Param> params) {
   State& s = *state_;
   s.rss_before_engine = CurrentRssBytes();
-  if (Status usable = CheckEngineConfig(config_); !usable) {
+  if (Status usable = config::CheckEngineConfig(config_); !usable) {
     return comm().AgreeOnStatus(std::move(usable));
   }
   if (config_.world_size != world_.size()) {
@@ -887,9 +888,9 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
   // Speculating, every rank owns a part of every parameter (as at stage 3), so that each rank's
   // partition fills from its end as the backward pass goes: a flat partition of the first
   // parameters would complete only when the pass ends.
-  const bool speculating =
-      SpeculationWanted(config_.zinf.swap_gradients,
-                        config_.zero_optimization.offload_optimizer.device == OffloadDevice::kCpu);
+  const bool speculating = SpeculationWanted(
+      config_.zinf.swap_gradients,
+      config_.zero_optimization.offload_optimizer.device == config::OffloadDevice::kCpu);
   ZINF_ASSIGN_OR_RETURN(s.plan, partition::PartitionPlan::Create(
                                     *layout, {.kind = speculating ? partition::PlanKind::kPerParam
                                                                   : ToPlanKind(config_),
@@ -1035,10 +1036,9 @@ Status ZeroEngine::Impl::Build(std::vector<Param> params) {
 
 // What this rank will hold in host memory (memory_plan.h), each item from the owning module's
 // planning function. Local; allocates nothing.
-Result<MemoryPlan> ZeroEngine::Impl::MakeMemoryPlan(
-    const swapper::SwapperOptions& options) const {
+Result<MemoryPlan> ZeroEngine::Impl::MakeMemoryPlan(const swapper::SwapperOptions& options) const {
   const State& s = *state_;
-  const ZeroConfig& zero = config_.zero_optimization;
+  const config::ZeroConfig& zero = config_.zero_optimization;
   const partition::ParamLayout& layout = s.plan->layout();
   const auto world = static_cast<std::uint64_t>(world_.size());
   constexpr std::uint64_t kF = sizeof(float);
@@ -1131,16 +1131,16 @@ Result<MemoryPlan> ZeroEngine::Impl::MakeMemoryPlan(
 // fits the budget, in the order of what they cost: the reduce buckets and the live window
 // (more, smaller collectives), sub-groups down to 4M elements (more, smaller I/Os), the fp32
 // shards kept in memory (offload_param nvme: read when gathered) and their read-ahead, the
-// partition gradient (swapped), then sub-groups and buckets down to their floors. Each goes down the powers of two
-// until the plan fits or the key is at its floor, and keeps the value of the smallest plan on
-// the way (its own when none was smaller).
-// The ranks then take the smallest of each (every rank must cut the reduce buckets alike).
-// Keys given are kept as given; what still does not fit is PlanHostMemory's error. Collective.
+// partition gradient (swapped), then sub-groups and buckets down to their floors. Each goes down
+// the powers of two until the plan fits or the key is at its floor, and keeps the value of the
+// smallest plan on the way (its own when none was smaller). The ranks then take the smallest of
+// each (every rank must cut the reduce buckets alike). Keys given are kept as given; what still
+// does not fit is PlanHostMemory's error. Collective.
 Status ZeroEngine::Impl::FitMemoryPlan(const MemoryBudget& budget,
                                        swapper::SwapperOptions& options) {
   State& s = *state_;
-  ZeroConfig& zero = config_.zero_optimization;
-  const ZeroConfig before = zero;
+  config::ZeroConfig& zero = config_.zero_optimization;
+  const config::ZeroConfig before = zero;
   // zinf.swap_gradients as a size: 1 keeps the partition gradient in memory, 0 swaps it.
   std::uint64_t keep_gradient = options.swap_gradients ? 0 : 1;
   struct SizingStep {
@@ -1165,11 +1165,11 @@ Status ZeroEngine::Impl::FitMemoryPlan(const MemoryBudget& budget,
       largest_partitioned, stage3);
   add("zero_optimization.sub_group_size", &zero.sub_group_size, 1u << 22, true);
   add("zero_optimization.offload_param.max_in_cpu", &zero.offload_param.max_in_cpu, 0,
-      stage3 && zero.offload_param.device == OffloadDevice::kNvme);
+      stage3 && zero.offload_param.device == config::OffloadDevice::kNvme);
   add("zero_optimization.stage3_prefetch_bucket_size", &zero.stage3_prefetch_bucket_size, 0,
-      stage3 && zero.offload_param.device == OffloadDevice::kNvme);
+      stage3 && zero.offload_param.device == config::OffloadDevice::kNvme);
   add("zinf.swap_gradients", &keep_gradient, 0,
-      zero.offload_optimizer.device == OffloadDevice::kNvme);
+      zero.offload_optimizer.device == config::OffloadDevice::kNvme);
   add("zero_optimization.sub_group_size", &zero.sub_group_size, partition::kDefaultMinSwapNumel,
       true);
   add("zero_optimization.reduce_bucket_size", &zero.reduce_bucket_size, 1, true);
@@ -1216,11 +1216,13 @@ Status ZeroEngine::Impl::FitMemoryPlan(const MemoryBudget& budget,
       (void)apply();  // a value it accepted before
     }
   }
-  std::array<std::uint64_t*, 7> sizes = {
-      &zero.reduce_bucket_size,          &zero.allgather_bucket_size,
-      &zero.stage3_max_live_parameters,  &zero.sub_group_size,
-      &zero.offload_param.max_in_cpu,    &zero.stage3_prefetch_bucket_size,
-      &keep_gradient};
+  std::array<std::uint64_t*, 7> sizes = {&zero.reduce_bucket_size,
+                                         &zero.allgather_bucket_size,
+                                         &zero.stage3_max_live_parameters,
+                                         &zero.sub_group_size,
+                                         &zero.offload_param.max_in_cpu,
+                                         &zero.stage3_prefetch_bucket_size,
+                                         &keep_gradient};
   std::array<std::uint64_t, 7> chosen;
   for (std::size_t i = 0; i < sizes.size(); ++i) chosen[i] = *sizes[i];
   ZINF_RETURN_IF_ERROR(comm().AllreduceInPlace<std::uint64_t>(chosen, comm::ReduceOp::kMin));
@@ -1285,7 +1287,7 @@ Status ZeroEngine::Impl::PlanHostMemory(const MemoryBudget& budget,
 
 Status ZeroEngine::Impl::InitializeOrRestore() {
   State& s = *state_;
-  const CheckpointConfig& ckpt = config_.zinf.checkpoint;
+  const config::CheckpointConfig& ckpt = config_.zinf.checkpoint;
   const std::string load = options_.load.value_or(ckpt.load);
   std::string path;
   if (load == "latest" || load == "auto") {
@@ -1399,7 +1401,7 @@ Status ZeroEngine::Impl::Restore(const std::string& path, bool verify_before_wri
   user_state_ = std::move(trainer->user);
   // Without a config scheduler the groups go on with the values they were saved with (as
   // torch's load_state_dict); under one, the schedule runs from this run's values.
-  if (config_.scheduler.type == SchedulerType::kNone && !trainer->param_groups.empty()) {
+  if (config_.scheduler.type == config::SchedulerType::kNone && !trainer->param_groups.empty()) {
     groups_ = trainer->param_groups;
   }
   ZINF_LOG_INFO("resumed from {} (step {}, saved on {} ranks, now {}) in {:.2f} s", restored.path,
@@ -1504,8 +1506,8 @@ Status ZeroEngine::Impl::CreateBuckets() {
     for (const partition::SubGroup& sg : target.sub_groups) {
       keep_weights.push_back(SinkWrites(sg.partition_offset, sg.numel));
     }
-    s.speculator = std::make_unique<Speculator>(s.swapper.get(), s.partition_grad,
-                                                std::move(keep_weights));
+    s.speculator =
+        std::make_unique<Speculator>(s.swapper.get(), s.partition_grad, std::move(keep_weights));
     target.complete = [spec = s.speculator.get()](std::size_t sub_group, int) {
       spec->Complete(sub_group);
     };
@@ -1560,8 +1562,7 @@ Status ZeroEngine::Impl::GradientReady(std::size_t index, std::span<const float>
 bool ZeroEngine::Impl::SpeculationWanted(bool swap_gradients, bool all_resident) const {
   const State& s = *state_;
   const bool lent = s.params.empty() || s.params[0].grads.empty();
-  const bool wanted =
-      config_.Gave("zinf.speculative_step") ? config_.zinf.speculative_step : lent;
+  const bool wanted = config_.Gave("zinf.speculative_step") ? config_.zinf.speculative_step : lent;
   return wanted && !swap_gradients && !all_resident;
 }
 
@@ -1569,10 +1570,10 @@ bool ZeroEngine::Impl::SpeculationWanted(bool swap_gradients, bool all_resident)
 // buckets that are small parts of the partition (about an eighth, not below 4M elements each
 // per rank) let the first ones finish early in the backward pass. Keys given stay as given.
 void ZeroEngine::Impl::ShapeForSpeculation(std::uint64_t partition_numel) {
-  ZeroConfig& zero = config_.zero_optimization;
+  config::ZeroConfig& zero = config_.zero_optimization;
   constexpr std::uint64_t kFloor = 1u << 22;
-  const std::uint64_t part = std::max<std::uint64_t>(
-      AlignUp(partition_numel / 8, kPartitionAlignmentElems), kFloor);
+  const std::uint64_t part =
+      std::max<std::uint64_t>(AlignUp(partition_numel / 8, kPartitionAlignmentElems), kFloor);
   if (!config_.Gave("zero_optimization.sub_group_size")) {
     zero.sub_group_size = std::min(zero.sub_group_size, part);
   }
@@ -1631,8 +1632,8 @@ void ZeroEngine::Impl::UseSpeculation(const swapper::StepOptions& options, StepI
   if (plan == nullptr) return;
   const auto same = [](const swapper::StepOptions& a, const swapper::StepOptions& b) {
     const auto bits = [](float x) { return std::bit_cast<std::uint32_t>(x); };
-    return bits(a.grad_scale) == bits(b.grad_scale) && a.adam_step == b.adam_step &&
-           a.lr == b.lr && a.betas == b.betas &&
+    return bits(a.grad_scale) == bits(b.grad_scale) && a.adam_step == b.adam_step && a.lr == b.lr &&
+           a.betas == b.betas &&
            std::ranges::equal(a.segments, b.segments, [](const auto& x, const auto& y) {
              return x.begin == y.begin && x.hyper == y.hyper;
            });
@@ -1644,8 +1645,7 @@ void ZeroEngine::Impl::UseSpeculation(const swapper::StepOptions& options, StepI
       const std::span<const float> weights = s.speculator->weights(i);
       if (!weights.empty()) {
         const partition::SubGroup& sg = s.swapper->swap_info(i).sub_group;
-        s.UnpackWeights(world_.rank(), sg.partition_offset, weights, Working::kFp32,
-                        world_.rank());
+        s.UnpackWeights(world_.rank(), sg.partition_offset, weights, Working::kFp32, world_.rank());
       }
       ++info->speculation_committed;
     }
@@ -1770,7 +1770,7 @@ std::uint64_t HashIndices(std::span<const std::size_t> asked, std::span<const st
 // each parameter into its whole buffer. On success every asked parameter is held once more.
 Status ZeroEngine::Impl::GatherParams(std::span<const std::size_t> asked) {
   State& s = *state_;
-  const ZeroConfig& zero = config_.zero_optimization;
+  const config::ZeroConfig& zero = config_.zero_optimization;
   const partition::ParamLayout& layout = s.plan->layout();
   Status local = OkStatus();
   std::vector<bool> seen(s.params.size(), false);
@@ -1944,7 +1944,7 @@ Status ZeroEngine::Impl::ReadShard(std::size_t p, std::span<float> out) {
 void ZeroEngine::Impl::ReleaseParams(std::span<const std::size_t> params) {
   if (closed_) return;
   State& s = *state_;
-  const ZeroConfig& zero = config_.zero_optimization;
+  const config::ZeroConfig& zero = config_.zero_optimization;
   for (std::size_t p : params) {
     --s.held_refs;
     if (--s.refs[p] > 0 || s.holding[p] != Holding::kPartitioned) continue;
@@ -2242,7 +2242,7 @@ Result<StepInfo> ZeroEngine::Impl::FinishStep(
   }
   info.skipped_steps = skipped_steps_;
   info.next_loss_scale = s.scaler->scale();
-  const CheckpointConfig& cadence = config_.zinf.checkpoint;
+  const config::CheckpointConfig& cadence = config_.zinf.checkpoint;
   info.checkpoint_due =
       !cadence.dir.empty() &&
       (info.step % cadence.every == 0 || info.step == options_.total_steps || info.stop_requested);
@@ -2372,7 +2372,7 @@ Result<SavedCheckpointInfo> ZeroEngine::Impl::SaveCheckpoint(const nlohmann::jso
   checkpoint::CheckpointSaveOptions options;
   options.dir = target;
   options.keep_last = static_cast<int>(config_.zinf.checkpoint.keep_last);
-  const Json effective = Json::parse(EffectiveConfigJson(config_));
+  const Json effective = Json::parse(config::EffectiveConfigJson(config_));
   options.optimizer = effective.at("optimizer");
   options.config = effective;
   options.trainer = Json{{"step", step_},
@@ -2546,7 +2546,7 @@ std::int64_t ZeroEngine::skipped_steps() const { return impl_->skipped_steps_; }
 const std::string& ZeroEngine::resumed_from() const { return impl_->resumed_from_; }
 const nlohmann::json& ZeroEngine::user_state() const { return impl_->user_state_; }
 int ZeroEngine::resumed_world_size() const { return impl_->resumed_world_size_; }
-const Config& ZeroEngine::config() const { return impl_->config_; }
+const config::Config& ZeroEngine::config() const { return impl_->config_; }
 const partition::ParamLayout& ZeroEngine::layout() const { return impl_->layout(); }
 const comm::Communicator& ZeroEngine::world() const { return impl_->world_; }
 

@@ -13,7 +13,7 @@
 
 namespace zinf::engine {
 
-LossScaler::LossScaler(const Fp16Config& config) : config_(config) {
+LossScaler::LossScaler(const config::Fp16Config& config) : config_(config) {
   if (!config.enabled) return;
   state_.scale =
       config.loss_scale > 0 ? config.loss_scale : std::ldexp(1.0, config.initial_scale_power);
@@ -59,17 +59,17 @@ nlohmann::json LossScaler::ToJson() const {
           {"hysteresis", state_.hysteresis}};
 }
 
-double LossScaler::MinDynamicScale(const Fp16Config& config) {
+double LossScaler::MinDynamicScale(const config::Fp16Config& config) {
   // Below min_loss_scale only before the first overflow, from a small first scale.
   return std::fmin(config.min_loss_scale, std::ldexp(1.0, config.initial_scale_power));
 }
 
-double LossScaler::MaxDynamicScale(const Fp16Config& config) {
+double LossScaler::MaxDynamicScale(const config::Fp16Config& config) {
   return std::fmax(kMaxDynamicScale, config.min_loss_scale);
 }
 
 Result<std::optional<LossScaler::State>> LossScaler::ParseState(const nlohmann::json& saved,
-                                                                const Fp16Config& writer,
+                                                                const config::Fp16Config& writer,
                                                                 std::int64_t max_iteration) {
   auto bad = [&](std::string_view what) {
     return DataLossError(fmt::format("checkpoint loss scaler: {} in {}", what,

@@ -18,7 +18,7 @@ struct OneCyclePosition {
   double decay = 0;   // d = (l - N + 1) / decay_step_size after it; 0 without decay
 };
 
-OneCyclePosition OneCycleAt(const SchedulerConfig& s, double l) {
+OneCyclePosition OneCycleAt(const config::SchedulerConfig& s, double l) {
   const double first = s.cycle_first_step_size;
   const double total = first + s.cycle_second_step_size;
   OneCyclePosition at;
@@ -36,16 +36,16 @@ OneCyclePosition OneCycleAt(const SchedulerConfig& s, double l) {
 
 }  // namespace
 
-double LearningRate(const SchedulerConfig& s, double base_lr, std::int64_t iteration) {
-  if (s.type == SchedulerType::kNone) return base_lr;
+double LearningRate(const config::SchedulerConfig& s, double base_lr, std::int64_t iteration) {
+  if (s.type == config::SchedulerType::kNone) return base_lr;
   if (iteration < -1) iteration = -1;
   const auto i = static_cast<double>(iteration);
   if (iteration == -1) {  // what the constructors set for the first step
     switch (s.type) {
-      case SchedulerType::kWarmupLR:
-      case SchedulerType::kWarmupDecayLR:
+      case config::SchedulerType::kWarmupLR:
+      case config::SchedulerType::kWarmupDecayLR:
         return s.warmup_min_lr;
-      case SchedulerType::kWarmupCosineLR:
+      case config::SchedulerType::kWarmupCosineLR:
         return 0.0;
       default:
         break;  // OneCycle and LRRangeTest: their formula
@@ -55,21 +55,22 @@ double LearningRate(const SchedulerConfig& s, double base_lr, std::int64_t itera
   const auto total = static_cast<double>(s.total_num_steps);
   const double max_lr = s.warmup_to_group_lr ? base_lr : s.warmup_max_lr;
   auto warm = [&] {
-    return s.warmup_type == WarmupType::kLog ? std::log(i + 1.0) / std::log(warmup) : i / warmup;
+    return s.warmup_type == config::WarmupType::kLog ? std::log(i + 1.0) / std::log(warmup)
+                                                     : i / warmup;
   };
   switch (s.type) {
-    case SchedulerType::kNone:
+    case config::SchedulerType::kNone:
       return base_lr;
-    case SchedulerType::kWarmupLR: {
+    case config::SchedulerType::kWarmupLR: {
       const double gamma = i < warmup ? warm() : 1.0;
       return s.warmup_min_lr + (max_lr - s.warmup_min_lr) * gamma;
     }
-    case SchedulerType::kWarmupDecayLR: {
+    case config::SchedulerType::kWarmupDecayLR: {
       const double gamma =
           i < warmup ? warm() : std::max(0.0, (total - i) / std::max(1.0, total - warmup));
       return s.warmup_min_lr + (max_lr - s.warmup_min_lr) * gamma;
     }
-    case SchedulerType::kWarmupCosineLR: {
+    case config::SchedulerType::kWarmupCosineLR: {
       double ratio = 0.0;
       if (i < warmup) {
         ratio = s.warmup_min_ratio + (1.0 - s.warmup_min_ratio) * warm();
@@ -81,12 +82,12 @@ double LearningRate(const SchedulerConfig& s, double base_lr, std::int64_t itera
       }
       return base_lr * ratio;
     }
-    case SchedulerType::kOneCycle: {
+    case config::SchedulerType::kOneCycle: {
       const OneCyclePosition at = OneCycleAt(s, i);
       if (at.in_cycle) return s.cycle_min_lr + (s.cycle_max_lr - s.cycle_min_lr) * at.factor;
       return s.cycle_min_lr / (1.0 + s.decay_lr_rate * at.decay);
     }
-    case SchedulerType::kLRRangeTest: {
+    case config::SchedulerType::kLRRangeTest: {
       double interval = (i + 1.0) / s.lr_range_test_step_size;
       if (s.lr_range_test_staircase) interval = std::floor(interval);
       return s.lr_range_test_min_lr * (1.0 + s.lr_range_test_step_rate * interval);
@@ -95,9 +96,9 @@ double LearningRate(const SchedulerConfig& s, double base_lr, std::int64_t itera
   return base_lr;
 }
 
-std::array<double, 2> AdamBetas(const SchedulerConfig& s, std::array<double, 2> betas,
+std::array<double, 2> AdamBetas(const config::SchedulerConfig& s, std::array<double, 2> betas,
                                 std::int64_t iteration) {
-  if (s.type != SchedulerType::kOneCycle || !s.cycle_momentum) return betas;
+  if (s.type != config::SchedulerType::kOneCycle || !s.cycle_momentum) return betas;
   // DeepSpeed keeps 0.99 as the second beta of every momentum it sets.
   constexpr double kBeta2 = 0.99;
   if (iteration <= -1) return {s.cycle_min_mom, kBeta2};  // OneCycle's constructor

@@ -214,8 +214,8 @@ MemoryBudget DetectHostMemoryBudget(int local_ranks, const std::string& root) {
   return budget;
 }
 
-Result<MemoryBudget> ResolveHostMemoryBudget(const HostMemoryBudgetConfig& config, int local_ranks,
-                                             const std::string& root) {
+Result<MemoryBudget> ResolveHostMemoryBudget(const config::HostMemoryBudgetConfig& config,
+                                             int local_ranks, const std::string& root) {
   if (config.bytes > 0) {
     return MemoryBudget{.node_bytes = config.bytes,
                         .rank_bytes = config.bytes / Ranks(local_ranks),

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "zinf/core/status.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 
 namespace zinf::engine {
 
@@ -69,7 +69,7 @@ MemoryBudget DetectHostMemoryBudget(int local_ranks, const std::string& root = "
 // zinf.host_memory_budget applied: its bytes, or its fraction of the detected budget, else the
 // detected budget. A fraction with no detectable budget is FailedPrecondition (there is
 // nothing to take a fraction of). Local.
-Result<MemoryBudget> ResolveHostMemoryBudget(const HostMemoryBudgetConfig& config, int local_ranks,
+Result<MemoryBudget> ResolveHostMemoryBudget(const config::HostMemoryBudgetConfig& config, int local_ranks,
                                              const std::string& root = "");
 
 // OK when the plan fits the budget per rank (or the budget is unknown), else ResourceExhausted

@@ -90,8 +90,8 @@ Status ReadParamGroups(const Json& groups, const checkpoint::CheckpointInfo& inf
 
 }  // namespace
 
-Result<Fp16Config> SavedFp16Config(const Json& config) {
-  Fp16Config fp16;
+Result<config::Fp16Config> SavedFp16Config(const Json& config) {
+  config::Fp16Config fp16;
   if (!config.is_object() || !config.contains("fp16")) return fp16;
   const Json& block = config.at("fp16");
   if (!block.is_object()) {
@@ -102,7 +102,7 @@ Result<Fp16Config> SavedFp16Config(const Json& config) {
     return DataLossError(fmt::format("the checkpoint's config: fp16.{} is {}, expected {}", key,
                                      Shown(block.at(key)), want));
   };
-  // The ranges of config_schema.cc's fp16 keys.
+  // The ranges of config/src/schema.cc's fp16 keys.
   if (block.contains("enabled")) {
     if (!block.at("enabled").is_boolean()) return bad("enabled", "true or false");
     fp16.enabled = block.at("enabled").get<bool>();
@@ -199,7 +199,7 @@ Result<TrainerState> ReadTrainerState(const checkpoint::CheckpointInfo& info) {
       info.config.contains("fp16")) {
     // A dynamic scale's state (scale, iteration, hysteresis left) goes with the weights it
     // scaled: a checkpoint of a dynamic fp16 run without it would resume at the first scale.
-    ZINF_ASSIGN_OR_RETURN(const Fp16Config writer,
+    ZINF_ASSIGN_OR_RETURN(const config::Fp16Config writer,
                           Annotate(SavedFp16Config(info.config), info.path + ": "));
     if (writer.enabled && writer.loss_scale == 0) {
       return bad("loss_scaler",
@@ -208,7 +208,7 @@ Result<TrainerState> ReadTrainerState(const checkpoint::CheckpointInfo& info) {
     }
   }
   if (trainer.contains("loss_scaler")) {
-    ZINF_ASSIGN_OR_RETURN(const Fp16Config writer,
+    ZINF_ASSIGN_OR_RETURN(const config::Fp16Config writer,
                           Annotate(SavedFp16Config(info.config), info.path + ": "));
     ZINF_ASSIGN_OR_RETURN(
         state.loss_scaler,

@@ -24,7 +24,7 @@
 
 #include "zinf/comm/mpi_session.h"
 #include "zinf/core/status.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/engine.h"
 
 namespace {
@@ -120,8 +120,8 @@ void MakeBatch(int rank, std::int64_t step, int micro, std::vector<float>* x,
 zinf::Status Train(const zinf::comm::Communicator& world, const std::string& config_path,
                    std::int64_t last_step) {
   // The DeepSpeed-style config, strict: a misspelled key is an error naming it.
-  ZINF_ASSIGN_OR_RETURN(zinf::engine::Config config, zinf::engine::LoadConfig(world, config_path));
-  zinf::engine::LogEffectiveConfig(config);
+  ZINF_ASSIGN_OR_RETURN(zinf::config::Config config, zinf::config::LoadConfig(world, config_path));
+  zinf::config::LogEffectiveConfig(config);
 
   Mlp model;
   model.Init();

@@ -3,7 +3,7 @@
 //
 //   namespace {
 //   const bool kRegistered = zinf::bench::RegisterBenchCommand(
-//       "io", "O_DIRECT write/read throughput of the I/O engines",
+//       "io", "O_DIRECT write/read throughput of the I/O backends",
 //       [](CLI::App& app) -> zinf::bench::RunFn {
 //         auto opts = std::make_shared<IoFlags>();
 //         app.add_option("--path", opts->path)->required();
@@ -15,9 +15,12 @@
 // chosen; the run function returns the process exit code (0 success, 1 failure, 2 bad usage).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -35,6 +38,13 @@ inline constexpr std::uint64_t kMaxSizeFlag = std::uint64_t{1} << 50;
 // zinf::ParseBytes, binary multiples) in [min, max]: zero, a negative, a malformed or a huge
 // value is a usage error (exit 2) naming the flag, before the subcommand does any work.
 CLI::Validator SizeIn(std::uint64_t min, std::uint64_t max = kMaxSizeFlag);
+
+// A CLI11 check that a flag is one of a library's name tables (storage::kIoBackendNames,
+// swapper::kStateFormatNames), so that a bench accepts exactly what the config accepts.
+template <std::size_t N>
+CLI::IsMember OneOf(const std::array<std::string_view, N>& names) {
+  return CLI::IsMember(std::vector<std::string>(names.begin(), names.end()));
+}
 
 // Returns true (for a static initializer). A duplicate name aborts at startup.
 bool RegisterBenchCommand(std::string name, std::string description, SetupFn setup);

@@ -4,7 +4,7 @@
 //
 // Times XXH3-64 (the checksum of swap units and checkpoint chunks) over an in-memory buffer (best
 // of --reps) and, with --path, an O_DIRECT read of the same number of bytes through the io_uring
-// engine in the same run; prints {"bench":"checksum", ..., "checksum_gb_per_s", "read_gb_per_s",
+// backend in the same run; prints {"bench":"checksum", ..., "checksum_gb_per_s", "read_gb_per_s",
 // "cost_fraction"} where cost_fraction = checksum seconds / read seconds: the share of one core's
 // time per byte read, i.e. what verifying a read costs if it is not overlapped with the I/O.
 #include <unistd.h>
@@ -23,7 +23,7 @@
 #include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/checksum.h"
 #include "zinf/storage/file.h"
-#include "zinf/storage/io_engine.h"
+#include "zinf/storage/io_backend.h"
 
 namespace zinf::bench {
 namespace {
@@ -49,14 +49,14 @@ Result<double> TimeDirectRead(const std::string& dir, storage::AlignedBuffer& bu
     std::string path;
     ~Remove() { std::remove(path.c_str()); }
   } remove{path};
-  ZINF_ASSIGN_OR_RETURN(auto engine,
-                        storage::CreateIoEngine(storage::EngineKind::kAuto, {}, dir));
-  ZINF_RETURN_IF_ERROR(engine->Submit({storage::IoOp::kWrite, &file, 0, buffer.span()}));
-  ZINF_RETURN_IF_ERROR(engine->WaitAll());
+  ZINF_ASSIGN_OR_RETURN(auto backend,
+                        storage::CreateIoBackend(storage::IoBackendKind::kAuto, {}, dir));
+  ZINF_RETURN_IF_ERROR(backend->Submit({storage::IoOp::kWrite, &file, 0, buffer.span()}));
+  ZINF_RETURN_IF_ERROR(backend->WaitAll());
   ZINF_RETURN_IF_ERROR(file.Sync());
   auto start = std::chrono::steady_clock::now();
-  ZINF_RETURN_IF_ERROR(engine->Submit({storage::IoOp::kRead, &file, 0, buffer.span()}));
-  ZINF_RETURN_IF_ERROR(engine->WaitAll());
+  ZINF_RETURN_IF_ERROR(backend->Submit({storage::IoOp::kRead, &file, 0, buffer.span()}));
+  ZINF_RETURN_IF_ERROR(backend->WaitAll());
   return Seconds(start);
 }
 

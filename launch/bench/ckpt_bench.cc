@@ -36,7 +36,7 @@
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
 #include "zinf/partition/plan.h"
-#include "zinf/storage/io_engine.h"
+#include "zinf/storage/io_backend.h"
 #include "zinf/swapper/optimizer_swapper.h"
 
 namespace zinf::bench {
@@ -55,7 +55,7 @@ struct CkptFlags {
   bool drop_caches = false;
   bool timers = false;  // log the swapper's timers (checkpoint phases) after every operation
   bool keep = false;    // keep the last trial's checkpoint
-  std::string engine = "auto";
+  std::string backend = "auto";
   std::string chunk_numel = "1M";
 };
 
@@ -125,7 +125,7 @@ Result<int> Run(const comm::Communicator& world, const CkptFlags& flags) {
   ZINF_ASSIGN_OR_RETURN(std::uint64_t state_bytes, ParseBytes(flags.state_bytes));
   ZINF_ASSIGN_OR_RETURN(std::uint64_t sub_group_numel, ParseBytes(flags.sub_group_size));
   ZINF_ASSIGN_OR_RETURN(std::uint64_t chunk_numel, ParseBytes(flags.chunk_numel));
-  ZINF_ASSIGN_OR_RETURN(storage::EngineKind kind, storage::ParseEngineKind(flags.engine));
+  ZINF_ASSIGN_OR_RETURN(storage::IoBackendKind kind, storage::ParseIoBackendKind(flags.backend));
   ZINF_ASSIGN_OR_RETURN(partition::PartitionPlan plan, FlatStatePlan(state_bytes, world.size()));
   const std::uint64_t numel = plan.layout().total_numel();
   std::error_code mkdir_ec;  // a real failure shows up when the store opens it
@@ -135,7 +135,7 @@ Result<int> Run(const comm::Communicator& world, const CkptFlags& flags) {
   std::string job_id = fmt::format("bench-ckpt-{}", getpid());
   ZINF_RETURN_IF_ERROR(world.BroadcastString(&job_id, 0));
   options.store.job_id = job_id;
-  options.engine = kind;
+  options.backend = kind;
   options.sub_group_size = sub_group_numel;
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<OptimizerSwapper> swapper,
                         swapper::CreateOptimizerSwapper(world, plan, options));
@@ -274,9 +274,9 @@ const bool kRegistered = RegisterBenchCommand(
                    "rank 0 drops the page cache before every timed operation (root)");
       app.add_flag("--timers", flags->timers, "log the checkpoint phase timers (stderr)");
       app.add_flag("--keep", flags->keep, "keep the last trial's checkpoint in --dir");
-      app.add_option("--engine", flags->engine, "uring, posix or auto")
+      app.add_option("--engine", flags->backend, "uring, posix or auto")
           ->capture_default_str()
-          ->check(CLI::IsMember({"uring", "posix", "auto"}));
+          ->check(OneOf(storage::kIoBackendNames));
       return [flags] { return RunCkpt(*flags); };
     });
 

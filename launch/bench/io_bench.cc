@@ -1,4 +1,4 @@
-// zinf-bench io: O_DIRECT write then read throughput of an I/O engine, and a DeepSpeed-style
+// zinf-bench io: O_DIRECT write then read throughput of an I/O backend, and a DeepSpeed-style
 // sweep (ds_nvme_tune) over block size x queue depth x intra-op parallelism.
 #include <sys/stat.h>
 #include <unistd.h>
@@ -28,17 +28,17 @@
 #include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/file.h"
 #include "zinf/storage/fs.h"
-#include "zinf/storage/io_engine.h"
+#include "zinf/storage/io_backend.h"
 
 namespace zinf::bench {
 namespace {
 
 using storage::AioOptions;
 using storage::AlignedBuffer;
-using storage::EngineKind;
+using storage::IoBackendKind;
 using storage::File;
 using storage::IoCompletion;
-using storage::IoEngine;
+using storage::IoBackend;
 using storage::IoOp;
 using storage::IoRequest;
 
@@ -51,7 +51,7 @@ struct IoFlags {
   int intra_op_parallelism = 1;
   bool single_submit = false;
   bool no_overlap_events = false;
-  std::string engine = "uring";
+  std::string backend = "uring";
   std::string op = "both";
   // 2 GiB of buffers in flight at most (capped by --size), as a swapper's pool of large
   // sub-groups: on virtual disks the buffer memory DMA cycles through changes the speed (reads
@@ -72,7 +72,7 @@ struct IoFlags {
 
 struct Measurement {
   IoOp op;
-  std::string engine;
+  std::string backend;
   AioOptions options;
   std::uint64_t size_bytes = 0;
   double seconds = 0;
@@ -102,9 +102,9 @@ std::optional<std::uint64_t> FirstMismatch(const std::byte* data, std::uint64_t 
 // them submitted, like the swapper's buffer pool does.
 class Streamer {
  public:
-  Streamer(IoEngine& engine, File& file, std::vector<AlignedBuffer>& buffers,
+  Streamer(IoBackend& backend, File& file, std::vector<AlignedBuffer>& buffers,
            std::uint64_t chunk_bytes)
-      : engine_(engine), file_(file), buffers_(buffers), chunk_bytes_(chunk_bytes) {}
+      : backend_(backend), file_(file), buffers_(buffers), chunk_bytes_(chunk_bytes) {}
 
   Result<double> Run(IoOp op, std::uint64_t size_bytes, bool verify, bool fsync) {
     std::vector<std::uint64_t> offset_of(buffers_.size());
@@ -116,7 +116,7 @@ class Streamer {
       const std::uint64_t length = std::min(chunk_bytes_, size_bytes - next_offset);
       if (op == IoOp::kWrite && verify) FillPattern(buffers_[b].data(), length, next_offset);
       ZINF_ASSIGN_OR_RETURN(std::uint64_t id,
-                            engine_.Submit(IoRequest{op, &file_, next_offset,
+                            backend_.Submit(IoRequest{op, &file_, next_offset,
                                                      buffers_[b].span().subspan(0, length)}));
       if (id_to_buffer.size() <= id) id_to_buffer.resize(id + 1);
       id_to_buffer[id] = b;
@@ -129,9 +129,9 @@ class Streamer {
       ZINF_RETURN_IF_ERROR(submit(b));
     }
     std::vector<IoCompletion> done;
-    while (engine_.pending() > 0) {
+    while (backend_.pending() > 0) {
       done.clear();
-      ZINF_RETURN_IF_ERROR(engine_.Wait(1, &done));
+      ZINF_RETURN_IF_ERROR(backend_.Wait(1, &done));
       for (const IoCompletion& completion : done) {
         const std::size_t b = id_to_buffer[completion.id];
         if (op == IoOp::kRead && verify) {
@@ -148,7 +148,7 @@ class Streamer {
   }
 
  private:
-  IoEngine& engine_;
+  IoBackend& backend_;
   File& file_;
   std::vector<AlignedBuffer>& buffers_;
   std::uint64_t chunk_bytes_;
@@ -163,15 +163,15 @@ struct Plan {
   ino_t ino = 0;
   std::uint64_t size_bytes;
   std::uint64_t chunk_bytes;
-  EngineKind kind;
+  IoBackendKind kind;
   bool do_write;
   bool do_read;
 };
 
 Result<std::vector<Measurement>> RunOnce(const IoFlags& flags, const Plan& plan,
                                          const AioOptions& options, bool write_untimed_first) {
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> engine,
-                        storage::CreateIoEngine(plan.kind, options, flags.path));
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> backend,
+                        storage::CreateIoBackend(plan.kind, options, flags.path));
   storage::OpenOptions open_options;
   open_options.mode = plan.mode;
   ZINF_ASSIGN_OR_RETURN(File file, File::Open(plan.file_path, open_options));
@@ -206,9 +206,9 @@ Result<std::vector<Measurement>> RunOnce(const IoFlags& flags, const Plan& plan,
   if (flags.register_buffers) {
     std::vector<std::span<std::byte>> spans;
     for (AlignedBuffer& buffer : buffers) spans.push_back(buffer.span());
-    ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(spans));
+    ZINF_RETURN_IF_ERROR(backend->RegisterBuffers(spans));
   }
-  Streamer streamer(*engine, file, buffers, plan.chunk_bytes);
+  Streamer streamer(*backend, file, buffers, plan.chunk_bytes);
   std::vector<Measurement> out;
   if (plan.do_write || write_untimed_first) {
     ZINF_ASSIGN_OR_RETURN(std::uint64_t current, file.Size());
@@ -218,7 +218,7 @@ Result<std::vector<Measurement>> RunOnce(const IoFlags& flags, const Plan& plan,
     ZINF_ASSIGN_OR_RETURN(double seconds,
                           streamer.Run(IoOp::kWrite, plan.size_bytes, flags.verify, flags.fsync));
     if (plan.do_write) {
-      out.push_back(Measurement{IoOp::kWrite, std::string(engine->name()), options, plan.size_bytes,
+      out.push_back(Measurement{IoOp::kWrite, std::string(backend->name()), options, plan.size_bytes,
                                 seconds});
     }
   }
@@ -226,9 +226,9 @@ Result<std::vector<Measurement>> RunOnce(const IoFlags& flags, const Plan& plan,
     ZINF_ASSIGN_OR_RETURN(double seconds,
                           streamer.Run(IoOp::kRead, plan.size_bytes, flags.verify, false));
     out.push_back(
-        Measurement{IoOp::kRead, std::string(engine->name()), options, plan.size_bytes, seconds});
+        Measurement{IoOp::kRead, std::string(backend->name()), options, plan.size_bytes, seconds});
   }
-  ZINF_RETURN_IF_ERROR(engine->RegisterBuffers({}));
+  ZINF_RETURN_IF_ERROR(backend->RegisterBuffers({}));
   ZINF_RETURN_IF_ERROR(file.Close());
   return out;
 }
@@ -236,7 +236,7 @@ Result<std::vector<Measurement>> RunOnce(const IoFlags& flags, const Plan& plan,
 nlohmann::json ToJson(const Measurement& m, bool verify) {
   return nlohmann::json{
       {"op", std::string(storage::IoOpName(m.op))},
-      {"engine", m.engine},
+      {"engine", m.backend},
       {"size_bytes", m.size_bytes},
       {"block_size", m.options.block_size},
       {"queue_depth", m.options.queue_depth},
@@ -254,7 +254,7 @@ void Print(const Measurement& m, const IoFlags& flags) {
     std::printf("%s\n", ToJson(m, flags.verify).dump().c_str());
   } else {
     std::printf("%-5s %-6s size %s block %s qd %d par %d: %.3f s, %.1f MiB/s\n",
-                std::string(storage::IoOpName(m.op)).c_str(), m.engine.c_str(),
+                std::string(storage::IoOpName(m.op)).c_str(), m.backend.c_str(),
                 FormatBytes(m.size_bytes).c_str(), FormatBytes(m.options.block_size).c_str(),
                 m.options.queue_depth, m.options.intra_op_parallelism, m.seconds, m.mib_per_s());
   }
@@ -488,7 +488,7 @@ int RunIo(const IoFlags& flags) {
   if (!block || *block == 0) return fail(fmt::format("bad --block-size '{}'", flags.block_size), 2);
   Result<std::uint64_t> chunk = ParseBytes(flags.chunk);
   if (!chunk || *chunk == 0) return fail(fmt::format("bad --chunk '{}'", flags.chunk), 2);
-  Result<EngineKind> kind = storage::ParseEngineKind(flags.engine);
+  Result<IoBackendKind> kind = storage::ParseIoBackendKind(flags.backend);
   if (!kind) return fail(kind.error().message(), 2);
   if (!flags.plot.empty() && !flags.sweep) return fail("--plot needs --sweep", 2);
   // A line break would end gnuplot's string, and the rest of the path would run as a command.
@@ -535,7 +535,7 @@ int RunIo(const IoFlags& flags) {
 }
 
 const bool kRegistered = RegisterBenchCommand(
-    "io", "O_DIRECT write/read throughput of the I/O engines (and a config sweep)",
+    "io", "O_DIRECT write/read throughput of the I/O backends (and a config sweep)",
     [](CLI::App& app) -> RunFn {
       auto flags = std::make_shared<IoFlags>();
       app.add_option("--path", flags->path, "directory for the test file (removed at the end)")
@@ -557,9 +557,9 @@ const bool kRegistered = RegisterBenchCommand(
           ->check(CLI::Range(1, 64));
       app.add_flag("--single-submit", flags->single_submit, "aio.single_submit = true");
       app.add_flag("--no-overlap-events", flags->no_overlap_events, "aio.overlap_events = false");
-      app.add_option("--engine", flags->engine, "uring, posix or auto")
+      app.add_option("--engine", flags->backend, "uring, posix or auto")
           ->capture_default_str()
-          ->check(CLI::IsMember({"uring", "posix", "auto"}));
+          ->check(OneOf(storage::kIoBackendNames));
       app.add_option("--op", flags->op, "write, read or both (write, then read)")
           ->capture_default_str()
           ->check(CLI::IsMember({"read", "write", "both"}));
@@ -574,7 +574,7 @@ const bool kRegistered = RegisterBenchCommand(
       app.add_flag("--fsync", flags->fsync, "fdatasync after the write (timed)");
       app.add_flag("--no-preallocate", flags->no_preallocate, "do not fallocate the file first");
       app.add_flag("!--no-register-buffers", flags->register_buffers,
-                   "do not register the buffers with the engine");
+                   "do not register the buffers with the backend");
       app.add_flag("--keep", flags->keep, "keep the test file");
       app.add_flag("--sweep", flags->sweep,
                    "block size 128K..8M x queue depth 1..32 x parallelism 1,2; prints the best "

@@ -45,7 +45,7 @@
 #include "zinf/core/process_stats.h"
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/engine.h"
 
 namespace zinf::bench {
@@ -136,9 +136,9 @@ Result<ModeResult> RunMode(const comm::Communicator& world, const ParamFlags& f,
                            const std::string& mode) {
   ZINF_ASSIGN_OR_RETURN(std::uint64_t sub_group, ParseBytes(f.sub_group_size));
   ZINF_ASSIGN_OR_RETURN(
-      engine::Config config,
-      engine::ParseConfig(ConfigText(f, mode, f.path, world.size(), sub_group / sizeof(float)),
-                          engine::ContextOf(world)));
+      config::Config config,
+      config::ParseConfig(ConfigText(f, mode, f.path, world.size(), sub_group / sizeof(float)),
+                          config::ContextOf(world)));
   const int h = f.hidden, b = f.batch, layers = f.layers;
   const std::size_t hh = std::size_t(h) * h;
   std::vector<engine::Param> params;

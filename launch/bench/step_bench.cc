@@ -1,5 +1,5 @@
 // zinf-bench step: timed optimizer steps of one rank whose Adam state lives on disk, through the
-// synchronous and/or the pipelined swapper, each timed step followed by the I/O engine alone
+// synchronous and/or the pipelined swapper, each timed step followed by the I/O backend alone
 // moving the same bytes (read and written back, group by group through the pool's buffers);
 // step_over_io is the median of the per-pair ratios. --state-bytes sets the parameter count (that
 // many bytes of fp32 state: 12 per element); --state-format fp32,q8 runs both formats on the same
@@ -32,7 +32,7 @@
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
 #include "zinf/partition/plan.h"
-#include "zinf/storage/io_engine.h"
+#include "zinf/storage/io_backend.h"
 #include "zinf/storage/stripe_map.h"
 #include "zinf/swapper/optimizer_swapper.h"
 
@@ -49,14 +49,14 @@ struct StepFlags {
   std::string path_weights;        // "": equal shares; "probe"; or ratios "1,3"
   std::string budget;              // pinned budget; empty: the mode's minimum
   bool pin_memory = false;         // mlock the pool (offload_optimizer.pin_memory)
-  bool io_only = true;             // an engine-alone pass after each timed step
+  bool io_only = true;             // a backend-alone pass after each timed step
   bool pipeline = false;
   bool sync = false;
   bool json = false;
   int steps = 3;
   int warmup = 1;
   int threads = 0;
-  std::string engine = "auto";
+  std::string backend = "auto";
   std::string block_size = "1M";
   int queue_depth = 16;
   int intra_op_parallelism = 1;
@@ -68,10 +68,10 @@ struct StepFlags {
   int rounds = 1;
 };
 
-// The engine alone: reads the slot tensors of every sub-group into all pool buffers and writes
-// the same bytes back, group by group, through `engine` (registered with the pool). The state is
+// The backend alone: reads the slot tensors of every sub-group into all pool buffers and writes
+// the same bytes back, group by group, through `backend` (registered with the pool). The state is
 // unchanged, so the passes can alternate with the steps. Returns (read, write) seconds.
-Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::IoEngine& engine) {
+Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::IoBackend& backend) {
   ZINF_ASSIGN_OR_RETURN(swapper::PoolLease lease, swapper.pool().AllocateAll(1));
   struct Item {
     std::string name;
@@ -94,16 +94,16 @@ Result<std::pair<double, double>> IoOnly(OptimizerSwapper& swapper, storage::IoE
         const Item& item = items[first + k];
         std::span<std::byte> buffer = lease.bytes(k).first(item.bytes);
         Result<std::vector<std::uint64_t>> ids =
-            phase == 0 ? swapper.store().SubmitReadRange(item.name, 0, item.bytes, buffer, engine)
+            phase == 0 ? swapper.store().SubmitReadRange(item.name, 0, item.bytes, buffer, backend)
                        : swapper.store().SubmitWriteRange(
                              item.name, 0, item.bytes,
-                             std::span<const std::byte>(buffer.data(), buffer.size()), engine);
+                             std::span<const std::byte>(buffer.data(), buffer.size()), backend);
         if (!ids) {
-          (void)engine.WaitAll();
+          (void)backend.WaitAll();
           return std::move(ids).error();
         }
       }
-      ZINF_RETURN_IF_ERROR(engine.WaitAll());
+      ZINF_RETURN_IF_ERROR(backend.WaitAll());
       seconds[phase] += MonotonicSeconds() - start;
     }
   }
@@ -172,7 +172,7 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
                                bool pipelined, StateFormat format, const std::string& tier) {
   ZINF_ASSIGN_OR_RETURN(std::uint64_t state_bytes, ParseBytes(flags.state_bytes));
   ZINF_ASSIGN_OR_RETURN(std::uint64_t sub_group_numel, ParseBytes(flags.sub_group_size));
-  ZINF_ASSIGN_OR_RETURN(storage::EngineKind kind, storage::ParseEngineKind(flags.engine));
+  ZINF_ASSIGN_OR_RETURN(storage::IoBackendKind kind, storage::ParseIoBackendKind(flags.backend));
   ZINF_ASSIGN_OR_RETURN(partition::PartitionPlan plan, FlatStatePlan(state_bytes, 1));
   const std::uint64_t numel = plan.layout().total_numel();
   swapper::SwapperOptions options;
@@ -185,7 +185,7 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
   ZINF_ASSIGN_OR_RETURN(options.aio.block_size, ParseBytes(flags.block_size));
   options.aio.queue_depth = flags.queue_depth;
   options.aio.intra_op_parallelism = flags.intra_op_parallelism;
-  options.engine = kind;
+  options.backend = kind;
   options.sub_group_size = sub_group_numel;
   options.pipeline_read = pipelined;
   options.pipeline_write = pipelined;
@@ -211,7 +211,7 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
     return OkStatus();
   }));
   const double init_seconds = MonotonicSeconds() - init_start;
-  // The gradient is lent to the step as the engine lends its in-memory partition gradient (a
+  // The gradient is lent to the step as the backend lends its in-memory partition gradient (a
   // view, no copy): one sub-group's worth of it serves every sub-group.
   const std::vector<float> gradient(swapper->sub_groups().max_sub_group_numel(), 1e-3f);
   const swapper::GradientSource source = swapper::GradientSource::FromView(
@@ -220,17 +220,17 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
       });
   const swapper::ParamSink sink = [](const partition::SubGroup&, std::span<const float>,
                                      std::span<const std::uint16_t>) { return OkStatus(); };
-  // The engine alone moves what the step moves: nothing without swapped sub-groups.
+  // The backend alone moves what the step moves: nothing without swapped sub-groups.
   const bool io_only = flags.io_only && swapper->StateIoBytesPerStep() > 0;
-  std::unique_ptr<storage::IoEngine> engine;
+  std::unique_ptr<storage::IoBackend> backend;
   if (io_only) {
-    ZINF_ASSIGN_OR_RETURN(engine, storage::CreateIoEngine(kind, options.aio, flags.paths.front()));
-    ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(swapper->pool().AllBuffers()));
+    ZINF_ASSIGN_OR_RETURN(backend, storage::CreateIoBackend(kind, options.aio, flags.paths.front()));
+    ZINF_RETURN_IF_ERROR(backend->RegisterBuffers(swapper->pool().AllBuffers()));
   }
   std::int64_t step = 0;
   for (int w = 0; w < flags.warmup; ++w) ZINF_RETURN_IF_ERROR(swapper->Step(++step, source, sink));
   swapper->timers().Reset();
-  // Each timed step is followed by the engine alone moving the same bytes: the ratio of each
+  // Each timed step is followed by the backend alone moving the same bytes: the ratio of each
   // pair compares the two under the same disk conditions (the disk drifts by 15-30%).
   std::vector<double> step_seconds, io_seconds, read_seconds, write_seconds, ratios;
   std::uint64_t peak_rss = 0;
@@ -240,7 +240,7 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
     step_seconds.push_back(MonotonicSeconds() - start);
     peak_rss = std::max(peak_rss, PeakRssBytes());  // before the I/O-only pass, same pool
     if (!io_only) continue;
-    ZINF_ASSIGN_OR_RETURN(auto io, IoOnly(*swapper, *engine));
+    ZINF_ASSIGN_OR_RETURN(auto io, IoOnly(*swapper, *backend));
     read_seconds.push_back(io.first);
     write_seconds.push_back(io.second);
     io_seconds.push_back(io.first + io.second);
@@ -274,7 +274,7 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
       {"adam_seconds_per_step", swapper->timers().Elapsed("optimizer_step") / flags.steps},
       {"peak_rss_bytes", peak_rss},
       {"peak_rss_scope", peak_rss_of_mode ? "mode" : "process"},
-      // The gradient is the caller's memory (the engine's partition gradient), not the swapper's.
+      // The gradient is the caller's memory (the backend's partition gradient), not the swapper's.
       {"gradient_bytes", gradient.size() * sizeof(float)},
       {"peak_rss_minus_pool_bytes", static_cast<std::int64_t>(peak_rss) -
                                         static_cast<std::int64_t>(swapper->pool().total_bytes() +
@@ -379,7 +379,7 @@ const bool kRegistered = RegisterBenchCommand(
                      "fp32, q8, or both (fp32,q8: alternating on the same parameters)")
           ->delimiter(',')
           ->capture_default_str()
-          ->check(CLI::IsMember({"fp32", "q8"}));
+          ->check(OneOf(swapper::kStateFormatNames));
       app.add_option("--rounds", flags->rounds, "repeat the modes and formats this many times")
           ->capture_default_str()
           ->check(CLI::Range(1, 1000));
@@ -391,7 +391,7 @@ const bool kRegistered = RegisterBenchCommand(
                      "zinf.pinned_budget_bytes (default: 4 buffers sync, 10 pipelined; q8: 3, 7)")
           ->check(SizeIn(1));
       app.add_flag("!--no-io-only", flags->io_only,
-                   "skip the engine-alone pass after each timed step (it doubles the disk "
+                   "skip the backend-alone pass after each timed step (it doubles the disk "
                    "traffic: for comparisons with tools that do not run one)");
       app.add_flag("--pin-memory", flags->pin_memory,
                    "mlock the pool (offload_optimizer.pin_memory, as DeepSpeed's swappers do)");
@@ -399,7 +399,7 @@ const bool kRegistered = RegisterBenchCommand(
       app.add_flag("--sync", flags->sync, "run the synchronous swapper (neither flag: both)");
       app.add_flag("--json", flags->json, "one JSON object per mode on stdout");
       app.add_option("--steps", flags->steps,
-                     "timed steps, each followed by an engine-alone pass over the same bytes")
+                     "timed steps, each followed by a backend-alone pass over the same bytes")
           ->capture_default_str()
           ->check(CLI::Range(1, 1000));
       app.add_option("--warmup", flags->warmup, "untimed steps first")
@@ -408,9 +408,9 @@ const bool kRegistered = RegisterBenchCommand(
       app.add_option("--threads", flags->threads, "CPU Adam threads (0: all cores)")
           ->capture_default_str()
           ->check(CLI::Range(0, 1024));
-      app.add_option("--engine", flags->engine, "uring, posix or auto")
+      app.add_option("--engine", flags->backend, "uring, posix or auto")
           ->capture_default_str()
-          ->check(CLI::IsMember({"uring", "posix", "auto"}));
+          ->check(OneOf(storage::kIoBackendNames));
       app.add_option("--block-size", flags->block_size, "aio.block_size")
           ->capture_default_str()
           ->check(SizeIn(1, std::uint64_t{1} << 30));

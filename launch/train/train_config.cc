@@ -15,8 +15,8 @@
 namespace zinf::train {
 namespace {
 
-using engine::AppKey;
-using engine::AppKeyType;
+using config::AppKey;
+using config::AppKeyType;
 using Json = nlohmann::ordered_json;
 
 constexpr std::array<std::string_view, 2> kModelNames = {"charlm", "synthetic"};
@@ -198,17 +198,17 @@ std::string_view ModelNameName(ModelName name) {
   return kModelNames[static_cast<std::size_t>(name)];
 }
 
-std::span<const engine::AppKey> TrainAppKeys() { return Keys(); }
+std::span<const config::AppKey> TrainAppKeys() { return Keys(); }
 
-Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const engine::ConfigContext& ctx) {
-  ZINF_ASSIGN_OR_RETURN(engine::Config base, engine::ParseConfig(json_text, ctx, TrainAppKeys()));
+Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const config::ConfigContext& ctx) {
+  ZINF_ASSIGN_OR_RETURN(config::Config base, config::ParseConfig(json_text, ctx, TrainAppKeys()));
   TrainConfig config;
-  static_cast<engine::Config&>(config) = std::move(base);
+  static_cast<config::Config&>(config) = std::move(base);
   ReadWorkload(config.app, &config);
   return config;
 }
 
-Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const engine::ConfigContext& ctx,
+Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const config::ConfigContext& ctx,
                                      const ConfigOverrides& overrides) {
   // The engine's limits, so that text it would refuse is refused here with its message.
   Result<Json> root = ParseJson<Json>(json_text, {.max_bytes = 16u << 20, .max_depth = 32});
@@ -217,8 +217,8 @@ Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const engine::C
   return ParseTrainConfig(DumpJsonForDisplay(*root), ctx);
 }
 
-Result<TrainConfig> LoadTrainConfig(const std::string& path, const engine::ConfigContext& ctx) {
-  ZINF_ASSIGN_OR_RETURN(std::string text, engine::ReadConfigFile(path));
+Result<TrainConfig> LoadTrainConfig(const std::string& path, const config::ConfigContext& ctx) {
+  ZINF_ASSIGN_OR_RETURN(std::string text, config::ReadConfigFile(path));
   return Annotate(ParseTrainConfig(text, ctx), fmt::format("config {}: ", path));
 }
 

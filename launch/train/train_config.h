@@ -1,5 +1,5 @@
 // TrainConfig: zinf-train's configuration: the engine's DeepSpeed-style config (engine/config.h)
-// plus zinf-train's own keys, added to the engine's schema as application keys (AppKey) so they
+// plus zinf-train's own keys, added to the config's schema as application keys (AppKey) so they
 // are checked the same way: the workload (zinf.model: charlm or synthetic and their sizes;
 // zinf.data.path; zinf.seed), how long to run (zinf.steps) and the model's BLAS threads
 // (zinf.compute_threads).
@@ -19,7 +19,7 @@
 
 #include "charlm.h"
 #include "zinf/core/status.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 
 namespace zinf::train {
 
@@ -38,7 +38,7 @@ struct ModelConfig {
   int num_params = 4;  // synthetic: parameter tensors the total is split into, [1, 1 << 20]
 };
 
-struct TrainConfig : engine::Config {
+struct TrainConfig : config::Config {
   ModelConfig model;         // zinf.model
   std::string data_path;     // zinf.data.path: a text file or directory; empty: built-in
   std::int64_t seed = 1234;  // zinf.seed: initialization and data seed, >= 0
@@ -67,18 +67,18 @@ struct ConfigOverrides {
 };
 
 // zinf-train's keys, for the engine's parser and DescribeConfigKeys.
-std::span<const engine::AppKey> TrainAppKeys();
+std::span<const config::AppKey> TrainAppKeys();
 
-// engine::ParseConfig with TrainAppKeys(), and the workload's values read back into TrainConfig.
+// config::ParseConfig with TrainAppKeys(), and the workload's values read back into TrainConfig.
 // Errors: InvalidArgument naming the key path (engine/config.h).
-Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const engine::ConfigContext& ctx);
+Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const config::ConfigContext& ctx);
 // The same with `overrides` written into the JSON first, at each key's one (nested) spelling, so
 // a flag always replaces the file's value (a dotted key, the only other way to spell it, is an
 // error) and a bad flag value gets the error of a bad key. Text that is not JSON gets the
 // parser's syntax error.
-Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const engine::ConfigContext& ctx,
+Result<TrainConfig> ParseTrainConfig(std::string_view json_text, const config::ConfigContext& ctx,
                                      const ConfigOverrides& overrides);
 // The file at `path`, parsed; messages prefixed with "config <path>: ".
-Result<TrainConfig> LoadTrainConfig(const std::string& path, const engine::ConfigContext& ctx);
+Result<TrainConfig> LoadTrainConfig(const std::string& path, const config::ConfigContext& ctx);
 
 }  // namespace zinf::train

@@ -27,7 +27,7 @@ namespace zinf::train {
 namespace {
 
 using Json = nlohmann::json;
-using engine::CheckpointConfig;
+using config::CheckpointConfig;
 
 // Held-out examples for the periodic charlm evaluation.
 constexpr int kEvalExamples = 512;
@@ -442,24 +442,24 @@ const char* DefaultConfigJson() { return kDefaultConfig; }
 Result<TrainConfig> BuildTrainConfig(const comm::Communicator& world,
                                      const std::string& config_path,
                                      const ConfigOverrides& overrides) {
-  const engine::ConfigContext ctx = engine::ContextOf(world);
+  const config::ConfigContext ctx = config::ContextOf(world);
   Result<TrainConfig> config = [&]() -> Result<TrainConfig> {
     std::string text = kDefaultConfig;
     const std::string where =
         config_path.empty() ? std::string("built-in config: ") : "config " + config_path + ": ";
     if (!config_path.empty()) {
-      ZINF_ASSIGN_OR_RETURN(text, engine::ReadConfigFile(config_path));
+      ZINF_ASSIGN_OR_RETURN(text, config::ReadConfigFile(config_path));
     }
     ZINF_ASSIGN_OR_RETURN(TrainConfig parsed,
                           Annotate(ParseTrainConfig(text, ctx, overrides), where));
     // What the engine would refuse of this config, refused now: a run and --check-config load
     // the config through this one function and refuse the same configs.
-    if (Status usable = engine::CheckEngineConfig(parsed); !usable) {
+    if (Status usable = config::CheckEngineConfig(parsed); !usable) {
       return std::move(usable).error().WithContext(where);
     }
     return parsed;
   }();
-  return engine::AgreeOnConfig(world, std::move(config));
+  return config::AgreeOnConfig(world, std::move(config));
 }
 
 Result<TrainSummary> Train(const comm::Communicator& world, const TrainConfig& config,

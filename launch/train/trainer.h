@@ -57,7 +57,7 @@ const char* DefaultConfigJson();
 
 // Collective. Reads `config_path` (or DefaultConfigJson() when empty), applies `overrides`, and
 // parses the result for this process (ConfigContext from world's topology) and checks what the
-// engine would refuse of it (engine::CheckEngineConfig); then checks that all ranks hold the same
+// engine would refuse of it (config::CheckEngineConfig); then checks that all ranks hold the same
 // config (CheckSameConfigOnAllRanks). Every rank returns the same Status. zinf-train's run and
 // its --check-config both load the config through this one function.
 // Errors: InvalidArgument for a bad config or override (the message names the key path, prefixed

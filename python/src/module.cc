@@ -39,7 +39,7 @@
 #include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/core/status.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/engine.h"
 
 namespace py = pybind11;
@@ -219,9 +219,9 @@ class EngineHandle {
   EngineHandle(const std::string& config, bool config_is_text, const py::list& params,
                const py::dict& options) {
     const comm::Communicator& world = World();
-    const engine::Config cfg =
-        Value(config_is_text ? engine::LoadConfigText(world, config, "(dict)")
-                             : engine::LoadConfig(world, config));
+    const config::Config cfg =
+        Value(config_is_text ? config::LoadConfigText(world, config, "(dict)")
+                             : config::LoadConfig(world, config));
     // Bad parameters are agreed on before Create, so that every rank raises.
     std::vector<engine::Param> list;
     // The shards Param::init copies from, alive only through Create (it is the one caller);
@@ -368,10 +368,10 @@ class EngineHandle {
   // collectively as at exit, and OK returned: the new optimizer takes its store over (the caller
   // creates again). When some rank holds it in an optimizer still open, or in one dropped on
   // some ranks only, returns `failed` saying so; otherwise `failed` as it is (another process).
-  static Status TakeOverOwnStore(const comm::Communicator& world, const engine::Config& cfg,
+  static Status TakeOverOwnStore(const comm::Communicator& world, const config::Config& cfg,
                                  const Error& failed) {
     Runtime& rt = GetRuntime();
-    auto shares_path = [&cfg](const engine::Config& other) {
+    auto shares_path = [&cfg](const config::Config& other) {
       for (const std::string& a : cfg.zero_optimization.offload_optimizer.resolved_nvme_paths) {
         for (const std::string& b : other.zero_optimization.offload_optimizer.resolved_nvme_paths) {
           std::error_code ec;
@@ -638,7 +638,7 @@ class EngineHandle {
   std::string resumed_from() { return Open().resumed_from(); }
   int resumed_world_size() { return Open().resumed_world_size(); }
   std::string user_state() { return Open().user_state().dump(); }
-  std::string effective_config() { return engine::EffectiveConfigJson(Open().config()); }
+  std::string effective_config() { return config::EffectiveConfigJson(Open().config()); }
   bool closed() const { return !engine_; }
 
  private:

@@ -98,7 +98,7 @@ Env& ProcessEnv() {
   static Env* const env = []() -> Env* {
     Result<std::shared_ptr<FaultInjector>> injector = FaultInjectorFromEnv();
     if (!injector) {
-      // The engines refuse the same spec when they are made; here it only must not be half-used.
+      // The backends refuse the same spec when they are made; here it only must not be half-used.
       ZINF_LOG_WARN("{}; no fault is injected into file-system calls", injector.error().message());
       return &Env::Posix();
     }

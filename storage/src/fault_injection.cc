@@ -8,7 +8,7 @@
 
 #include <fmt/format.h>
 
-#include "io_engine_internal.h"
+#include "io_backend_internal.h"
 #include "zinf/core/check.h"
 #include "zinf/core/env.h"
 #include "zinf/core/log.h"
@@ -263,7 +263,7 @@ bool FaultInjector::has_fs_rules() const {
 Result<std::shared_ptr<FaultInjector>> FaultInjectorFromEnv() {
   const std::optional<std::string> text = GetEnv("ZINF_FAULT_INJECT");
   if (!text.has_value()) return std::shared_ptr<FaultInjector>();
-  // One injector per spec text, so that counts run across all engines of the process.
+  // One injector per spec text, so that counts run across all backends of the process.
   static std::mutex mu;
   static std::string cached_text;
   static std::shared_ptr<FaultInjector> cached;
@@ -280,28 +280,28 @@ Result<std::shared_ptr<FaultInjector>> FaultInjectorFromEnv() {
   return cached;
 }
 
-FaultInjectingEngine::FaultInjectingEngine(std::unique_ptr<IoEngine> inner,
+FaultInjectingBackend::FaultInjectingBackend(std::unique_ptr<IoBackend> inner,
                                            std::shared_ptr<FaultInjector> injector)
     : inner_(std::move(inner)),
       injector_(std::move(injector)),
       name_(fmt::format("{}+faults", inner_->name())) {}
 
-Result<std::unique_ptr<IoEngine>> FaultInjectingEngine::Wrap(
-    std::unique_ptr<IoEngine> inner, std::shared_ptr<FaultInjector> injector) {
+Result<std::unique_ptr<IoBackend>> FaultInjectingBackend::Wrap(
+    std::unique_ptr<IoBackend> inner, std::shared_ptr<FaultInjector> injector) {
   if (inner == nullptr || injector == nullptr) {
-    return InvalidArgumentError("FaultInjectingEngine::Wrap: null engine or injector");
+    return InvalidArgumentError("FaultInjectingBackend::Wrap: null backend or injector");
   }
   if (inner->pending() != 0) {
     return FailedPreconditionError(
-        fmt::format("FaultInjectingEngine::Wrap: {} requests pending", inner->pending()));
+        fmt::format("FaultInjectingBackend::Wrap: {} requests pending", inner->pending()));
   }
-  auto* base = dynamic_cast<internal::EngineBase*>(inner.get());
+  auto* base = dynamic_cast<internal::BackendBase*>(inner.get());
   if (base == nullptr) {
     return UnimplementedError(
-        fmt::format("engine '{}' has no completion hook for fault injection", inner->name()));
+        fmt::format("backend '{}' has no completion hook for fault injection", inner->name()));
   }
   base->SetFaultInjector(injector);
-  return std::unique_ptr<IoEngine>(new FaultInjectingEngine(std::move(inner), std::move(injector)));
+  return std::unique_ptr<IoBackend>(new FaultInjectingBackend(std::move(inner), std::move(injector)));
 }
 
 }  // namespace zinf::storage

@@ -691,9 +691,9 @@ Status SwapStore::ChooseWeights() {
 
 Result<std::vector<double>> SwapStore::ProbeBandwidths() const {
   ZINF_ASSIGN_OR_RETURN(
-      std::unique_ptr<IoEngine> engine,
-      Annotate(CreateIoEngine(options_.probe_engine, options_.probe_aio, paths_[0].path),
-               "swap store: the engine of the bandwidth probe: "));
+      std::unique_ptr<IoBackend> backend,
+      Annotate(CreateIoBackend(options_.probe_backend, options_.probe_aio, paths_[0].path),
+               "swap store: the backend of the bandwidth probe: "));
   const std::uint64_t length = AlignUp(options_.probe_bytes, alignment_);
   BufferOptions buffer_options;
   buffer_options.alignment = std::bit_ceil(std::max<std::uint64_t>(alignment_, 4096));
@@ -725,9 +725,9 @@ Result<std::vector<double>> SwapStore::ProbeBandwidths() const {
       for (const IoOp op : {IoOp::kWrite, IoOp::kRead}) {
         const auto start = std::chrono::steady_clock::now();
         ZINF_RETURN_IF_ERROR(Annotate(
-            engine->Submit({.op = op, .file = &file, .offset_bytes = 0, .buffer = buffer.span()}),
+            backend->Submit({.op = op, .file = &file, .offset_bytes = 0, .buffer = buffer.span()}),
             context));
-        ZINF_RETURN_IF_ERROR(Annotate(engine->WaitAll(), context));
+        ZINF_RETURN_IF_ERROR(Annotate(backend->WaitAll(), context));
         const double seconds =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         double& slot = best[op == IoOp::kWrite ? 0 : 1];
@@ -1284,7 +1284,7 @@ Result<std::vector<std::uint64_t>> SwapStore::SubmitRange(IoOp op, std::string_v
                                                           std::uint64_t offset_bytes,
                                                           std::uint64_t length_bytes,
                                                           std::span<std::byte> buffer,
-                                                          IoEngine& engine) {
+                                                          IoBackend& backend) {
   if (closed_) return FailedPreconditionError("swap store: I/O after Close");
   ZINF_ASSIGN_OR_RETURN(std::size_t index, Find(name));
   const Tensor& t = tensors_[index];
@@ -1315,7 +1315,7 @@ Result<std::vector<std::uint64_t>> SwapStore::SubmitRange(IoOp op, std::string_v
     request.file = &paths_[s.path_index].file;
     request.offset_bytes = s.file_offset_bytes;
     request.buffer = buffer.subspan(s.tensor_offset_bytes - offset_bytes, s.length_bytes);
-    Result<std::uint64_t> id = engine.Submit(request);
+    Result<std::uint64_t> id = backend.Submit(request);
     if (!id) {
       if (op == IoOp::kWrite) RecordChecksums(index, offset_bytes, data, /*invalidate=*/true);
       return std::move(id).error().WithContext(fmt::format(
@@ -1331,34 +1331,34 @@ Result<std::vector<std::uint64_t>> SwapStore::SubmitRange(IoOp op, std::string_v
 
 Result<std::vector<std::uint64_t>> SwapStore::SubmitWrite(std::string_view name,
                                                           std::span<const std::byte> buffer,
-                                                          IoEngine& engine) {
+                                                          IoBackend& backend) {
   ZINF_ASSIGN_OR_RETURN(std::size_t i, Find(name));
-  return SubmitWriteRange(name, 0, tensors_[i].extent.size_bytes, buffer, engine);
+  return SubmitWriteRange(name, 0, tensors_[i].extent.size_bytes, buffer, backend);
 }
 
 Result<std::vector<std::uint64_t>> SwapStore::SubmitRead(std::string_view name,
                                                          std::span<std::byte> buffer,
-                                                         IoEngine& engine) {
+                                                         IoBackend& backend) {
   ZINF_ASSIGN_OR_RETURN(std::size_t i, Find(name));
-  return SubmitReadRange(name, 0, tensors_[i].extent.size_bytes, buffer, engine);
+  return SubmitReadRange(name, 0, tensors_[i].extent.size_bytes, buffer, backend);
 }
 
 Result<std::vector<std::uint64_t>> SwapStore::SubmitWriteRange(std::string_view name,
                                                                std::uint64_t offset_bytes,
                                                                std::uint64_t length_bytes,
                                                                std::span<const std::byte> buffer,
-                                                               IoEngine& engine) {
-  // The engine takes one span type for both directions; a write only reads the buffer.
+                                                               IoBackend& backend) {
+  // The backend takes one span type for both directions; a write only reads the buffer.
   std::span<std::byte> mutable_buffer(const_cast<std::byte*>(buffer.data()), buffer.size());
-  return SubmitRange(IoOp::kWrite, name, offset_bytes, length_bytes, mutable_buffer, engine);
+  return SubmitRange(IoOp::kWrite, name, offset_bytes, length_bytes, mutable_buffer, backend);
 }
 
 Result<std::vector<std::uint64_t>> SwapStore::SubmitReadRange(std::string_view name,
                                                               std::uint64_t offset_bytes,
                                                               std::uint64_t length_bytes,
                                                               std::span<std::byte> buffer,
-                                                              IoEngine& engine) {
-  return SubmitRange(IoOp::kRead, name, offset_bytes, length_bytes, buffer, engine);
+                                                              IoBackend& backend) {
+  return SubmitRange(IoOp::kRead, name, offset_bytes, length_bytes, buffer, backend);
 }
 
 namespace {

@@ -28,17 +28,17 @@ void CopyOrAdd(const float* src, float* dst, std::uint64_t numel, bool add) {
 GradientSwapper::GradientSwapper(GradientAccumulation mode, int gradient_accumulation_steps,
                                  const std::vector<SubGroupSwapInfo>* infos,
                                  std::uint64_t partition_numel, storage::SwapStore* store,
-                                 std::unique_ptr<storage::IoEngine> engine, BufferPool* pool,
+                                 std::unique_ptr<storage::IoBackend> backend, BufferPool* pool,
                                  comm::Timers* timers)
     : mode_(mode),
       gradient_accumulation_steps_(gradient_accumulation_steps),
       infos_(infos),
       store_(store),
-      engine_(std::move(engine)),
+      backend_(std::move(backend)),
       pool_(pool),
       timers_(timers) {
   ZINF_CHECK(mode_ != GradientAccumulation::kAuto);
-  ZINF_CHECK(mode_ == GradientAccumulation::kInMemory || engine_ != nullptr);
+  ZINF_CHECK(mode_ == GradientAccumulation::kInMemory || backend_ != nullptr);
   if (mode_ == GradientAccumulation::kInMemory) {
     in_memory_.assign(partition_numel, 0.0f);
   } else {
@@ -56,7 +56,7 @@ GradientSwapper::GradientSwapper(GradientAccumulation mode, int gradient_accumul
 
 GradientSwapper::~GradientSwapper() {
   // Buffers of in-flight writes must not go back to the pool before the writes are done.
-  if (engine_) (void)engine_->WaitAll();
+  if (backend_) (void)backend_->WaitAll();
 }
 
 void GradientSwapper::Record(const Status& status) {
@@ -64,7 +64,7 @@ void GradientSwapper::Record(const Status& status) {
 }
 
 Status GradientSwapper::DrainAll() {
-  Status status = engine_->WaitAll();
+  Status status = backend_->WaitAll();
   std::fill(busy_.begin(), busy_.end(), false);
   Record(status);
   return status;
@@ -98,8 +98,8 @@ Status GradientSwapper::SubmitPieces(std::size_t sub_group, std::span<std::byte>
         op == storage::IoOp::kWrite
             ? store_->SubmitWriteRange(info.gradient_name, offset, length,
                                        std::span<const std::byte>(bytes.data(), bytes.size()),
-                                       *engine_)
-            : store_->SubmitReadRange(info.gradient_name, offset, length, bytes, *engine_);
+                                       *backend_)
+            : store_->SubmitReadRange(info.gradient_name, offset, length, bytes, *backend_);
     if (!ids) {
       return std::move(ids).error().WithContext(fmt::format(
           "{} {} elements [{}, {}): ", storage::IoOpName(op), info.gradient_name,
@@ -191,7 +191,7 @@ Status GradientSwapper::SwapOutPartition(int micro_batch, std::span<const float>
 }
 
 Status GradientSwapper::Flush() {
-  if (engine_) {
+  if (backend_) {
     comm::ScopedTimer timer(*timers_, "async_swap_gradient_wait");
     (void)DrainAll();
   }
@@ -232,7 +232,7 @@ Status GradientSwapper::SwapIn(std::size_t sub_group, std::span<float> grad) {
     Status waited = OkStatus();
     {
       comm::ScopedTimer timer(*timers_, "swap_submit_wait_gradient");
-      waited = engine_->WaitAll();
+      waited = backend_->WaitAll();
     }
     const std::string context = fmt::format("gradient swap-in of sub-group {}: ", sub_group);
     ZINF_RETURN_IF_ERROR(Annotate(std::move(submitted), context));

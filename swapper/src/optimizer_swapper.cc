@@ -143,10 +143,10 @@ Status ReclaimStaleStores(const comm::Communicator& comm,
   return OkStatus();
 }
 
-// Creates the engine for `role` (wrapped by options.engine_wrapper) with the pool's buffers
+// Creates the backend for `role` (wrapped by options.io_backend_wrapper) with the pool's buffers
 // registered (none without a pool). Defined with Create's parts below.
-Result<std::unique_ptr<storage::IoEngine>> MakeEngine(const SwapperOptions& options,
-                                                      EngineRole role, BufferPool* pool);
+Result<std::unique_ptr<storage::IoBackend>> MakeIoBackend(const SwapperOptions& options,
+                                                      IoRole role, BufferPool* pool);
 
 }  // namespace
 
@@ -162,13 +162,13 @@ std::string_view StateTensorName(StateTensor which) {
   return "?";
 }
 
-std::string_view EngineRoleName(EngineRole role) {
+std::string_view EngineRoleName(IoRole role) {
   switch (role) {
-    case EngineRole::kRead:
+    case IoRole::kRead:
       return "read";
-    case EngineRole::kWrite:
+    case IoRole::kWrite:
       return "write";
-    case EngineRole::kGradient:
+    case IoRole::kGradient:
       return "gradient";
   }
   return "?";
@@ -263,7 +263,7 @@ OptimizerSwapper::OptimizerSwapper(std::string_view mode_name, Parts&& parts)
 }
 
 OptimizerSwapper::~OptimizerSwapper() {
-  // The engines drain in their destructors; they must go before the pool and the store that
+  // The backends drain in their destructors; they must go before the pool and the store that
   // their requests point into.
   speculation_.reset();
   gradient_swapper_.reset();
@@ -323,13 +323,13 @@ void OptimizerSwapper::IoBatch::Add(const std::vector<std::uint64_t>& ids, std::
   }
 }
 
-Status OptimizerSwapper::IoBatch::Wait(storage::IoEngine& engine) {
+Status OptimizerSwapper::IoBatch::Wait(storage::IoBackend& backend) {
   Status first = OkStatus();
   std::unordered_set<std::uint64_t> completed;
   std::vector<storage::IoCompletion> done;
-  while (engine.pending() > 0) {
+  while (backend.pending() > 0) {
     done.clear();
-    Status status = engine.Wait(engine.pending(), &done);
+    Status status = backend.Wait(backend.pending(), &done);
     for (const storage::IoCompletion& c : done) completed.insert(c.id);
     if (!status && first) first = std::move(status);
   }
@@ -347,20 +347,20 @@ Status OptimizerSwapper::IoBatch::Wait(storage::IoEngine& engine) {
   return std::move(first).error().WithContext(fmt::format("{}: ", fmt::join(failed, ", ")));
 }
 
-Status OptimizerSwapper::IoBatch::WaitFor(storage::IoEngine& engine, Completions* seen) {
+Status OptimizerSwapper::IoBatch::WaitFor(storage::IoBackend& backend, Completions* seen) {
   auto all_done = [&] {
     return std::ranges::all_of(ids_, [&](std::uint64_t id) { return seen->ids.contains(id); });
   };
   std::vector<storage::IoCompletion> done;
   auto wait = [&](std::size_t count) {
     done.clear();
-    Status status = engine.Wait(count, &done);
+    Status status = backend.Wait(count, &done);
     for (const storage::IoCompletion& c : done) seen->ids.insert(c.id);
     if (!status && !seen->failure) seen->failure = std::move(status).error();
   };
-  while (!all_done() && !seen->failure && engine.pending() > 0) wait(1);
+  while (!all_done() && !seen->failure && backend.pending() > 0) wait(1);
   if (!all_done()) {
-    while (engine.pending() > 0) wait(engine.pending());
+    while (backend.pending() > 0) wait(backend.pending());
   }
   std::vector<std::string> failed;
   for (std::size_t i = 0; i < ids_.size(); ++i) {
@@ -373,7 +373,7 @@ Status OptimizerSwapper::IoBatch::WaitFor(storage::IoEngine& engine, Completions
   labels_.clear();
   if (failed.empty()) return OkStatus();
   const Error error =
-      seen->failure ? *seen->failure : InternalError("the I/O engine lost a request");
+      seen->failure ? *seen->failure : InternalError("the I/O backend lost a request");
   return error.WithContext(fmt::format("{}: ", fmt::join(failed, ", ")));
 }
 
@@ -400,22 +400,22 @@ OptimizerSwapper::StateBuffers OptimizerSwapper::ResidentBuffers(std::size_t sub
 }
 
 Status OptimizerSwapper::SubmitStateRead(std::size_t sub_group, std::size_t tensor,
-                                         std::span<std::byte> buffer, storage::IoEngine& engine,
+                                         std::span<std::byte> buffer, storage::IoBackend& backend,
                                          IoBatch* batch) {
   const std::string name = SlotTensorName(slot_of_[sub_group], tensor);
   const std::uint64_t bytes = SlotTensorIoBytes(sub_group, tensor);
   ZINF_ASSIGN_OR_RETURN(
       std::vector<std::uint64_t> ids,
-      Annotate(store_->SubmitReadRange(name, 0, bytes, buffer.first(bytes), engine),
+      Annotate(store_->SubmitReadRange(name, 0, bytes, buffer.first(bytes), backend),
                fmt::format("{}: ", name)));
   batch->Add(ids, name);
   return OkStatus();
 }
 
 Status OptimizerSwapper::SubmitStateReads(std::size_t sub_group, const StateBuffers& buffers,
-                                          storage::IoEngine& engine, IoBatch* batch) {
+                                          storage::IoBackend& backend, IoBatch* batch) {
   for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
-    ZINF_RETURN_IF_ERROR(SubmitStateRead(sub_group, t, buffers.tensors[t], engine, batch));
+    ZINF_RETURN_IF_ERROR(SubmitStateRead(sub_group, t, buffers.tensors[t], backend, batch));
   }
   return OkStatus();
 }
@@ -434,7 +434,7 @@ Status OptimizerSwapper::VerifyStateReads(std::size_t sub_group,
 
 Result<std::size_t> OptimizerSwapper::SubmitStateWrites(std::size_t sub_group,
                                                         const StateBuffers& buffers,
-                                                        storage::IoEngine& engine,
+                                                        storage::IoBackend& backend,
                                                         std::span<IoBatch> batches,
                                                         std::span<const std::size_t> order) {
   ZINF_CHECK(!spare_slots_.empty(), "no spare slot for sub-group {}", sub_group);
@@ -447,7 +447,7 @@ Result<std::size_t> OptimizerSwapper::SubmitStateWrites(std::size_t sub_group,
     const std::string name = SlotTensorName(slot, t);
     const std::uint64_t bytes = SlotTensorIoBytes(sub_group, t);
     Result<std::vector<std::uint64_t>> ids = store_->SubmitWriteRange(
-        name, 0, bytes, ConstBytes(buffers.tensors[t].first(bytes)), engine);
+        name, 0, bytes, ConstBytes(buffers.tensors[t].first(bytes)), backend);
     if (!ids) {
       // The caller drains the batches; the slot is spare again whatever happened to the others.
       Abandon(slot);
@@ -496,11 +496,11 @@ void OptimizerSwapper::Abandon(std::size_t slot) { spare_slots_.push_back(slot);
 
 // ---- Speculation ----
 
-// The speculation's engines (its thread's: the swapper's belong to the swapper's thread) and the
+// The speculation's backends (its thread's: the swapper's belong to the swapper's thread) and the
 // sub-group whose writes are in flight, with the pool buffers they write from.
 struct OptimizerSwapper::SpeculationIo {
-  std::unique_ptr<storage::IoEngine> read;
-  std::unique_ptr<storage::IoEngine> write;
+  std::unique_ptr<storage::IoBackend> read;
+  std::unique_ptr<storage::IoBackend> write;
   // A sub-group's state being read ahead (Speculate's `next`), or written.
   struct InFlight {
     std::size_t sub_group = 0;
@@ -512,7 +512,7 @@ struct OptimizerSwapper::SpeculationIo {
   };
   std::optional<InFlight> reading;
   std::optional<InFlight> writing;
-  // The engines drain before the lease goes back to the pool.
+  // The backends drain before the lease goes back to the pool.
   ~SpeculationIo() {
     write.reset();
     read.reset();
@@ -565,8 +565,8 @@ Status OptimizerSwapper::Speculate(std::int64_t step, std::size_t sub_group,
   }
   if (!speculation_) {
     auto io = std::make_unique<SpeculationIo>();
-    ZINF_ASSIGN_OR_RETURN(io->read, MakeEngine(options_, EngineRole::kRead, nullptr));
-    ZINF_ASSIGN_OR_RETURN(io->write, MakeEngine(options_, EngineRole::kWrite, nullptr));
+    ZINF_ASSIGN_OR_RETURN(io->read, MakeIoBackend(options_, IoRole::kRead, nullptr));
+    ZINF_ASSIGN_OR_RETURN(io->write, MakeIoBackend(options_, IoRole::kWrite, nullptr));
     speculation_ = std::move(io);
   }
   SpeculationIo& io = *speculation_;
@@ -909,7 +909,7 @@ Status OptimizerSwapper::Initialize(const InitialWeights& initial_fp32) {
 
 Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
                                    std::uint64_t offset_elems, std::span<float> out,
-                                   std::span<std::byte> staging, storage::IoEngine* engine) {
+                                   std::span<std::byte> staging, storage::IoBackend* backend) {
   if (sub_group >= infos_.size()) {
     return InvalidArgumentError(
         fmt::format("ReadState: sub-group {} of {}", sub_group, infos_.size()));
@@ -964,7 +964,7 @@ Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
   ZINF_RETURN_IF_ERROR(
       ReadSlotTensor(SlotTensorName(slot_of_[sub_group], static_cast<std::size_t>(which)), begin,
                      buffer, fmt::format("read state of sub-group {}: ", sub_group),
-                     engine != nullptr ? *engine : read_engine()));
+                     backend != nullptr ? *backend : read_engine()));
   std::memcpy(out.data(), buffer.data() + (offset_elems * sizeof(float) - begin),
               out.size() * sizeof(float));
   return OkStatus();
@@ -972,12 +972,12 @@ Status OptimizerSwapper::ReadState(std::size_t sub_group, StateTensor which,
 
 Status OptimizerSwapper::ReadSlotTensor(const std::string& name, std::uint64_t begin,
                                         std::span<std::byte> buffer, const std::string& context,
-                                        storage::IoEngine& engine) {
+                                        storage::IoBackend& backend) {
   IoBatch batch;
   Result<std::vector<std::uint64_t>> ids =
-      store_->SubmitReadRange(name, begin, buffer.size(), buffer, engine);
+      store_->SubmitReadRange(name, begin, buffer.size(), buffer, backend);
   if (ids) batch.Add(*ids, name);
-  Status waited = batch.Wait(engine);
+  Status waited = batch.Wait(backend);
   if (!ids) return std::move(ids).error().WithContext(context + name + ": ");
   ZINF_RETURN_IF_ERROR(Annotate(waited, context));
   return Annotate(store_->VerifyRead(name, ConstBytes(buffer), begin), context);
@@ -1274,16 +1274,16 @@ Result<std::unique_ptr<BufferPool>> CreatePool(const SwapperOptions& options,
                         .pin_memory = options.pin_memory});
 }
 
-Result<std::unique_ptr<storage::IoEngine>> MakeEngine(const SwapperOptions& options,
-                                                      EngineRole role, BufferPool* pool) {
+Result<std::unique_ptr<storage::IoBackend>> MakeIoBackend(const SwapperOptions& options,
+                                                      IoRole role, BufferPool* pool) {
   ZINF_ASSIGN_OR_RETURN(
-      std::unique_ptr<storage::IoEngine> engine,
-      storage::CreateIoEngine(options.engine, options.aio, options.store.paths.front()));
-  if (options.engine_wrapper) {
-    ZINF_ASSIGN_OR_RETURN(engine, options.engine_wrapper(role, std::move(engine)));
+      std::unique_ptr<storage::IoBackend> backend,
+      storage::CreateIoBackend(options.backend, options.aio, options.store.paths.front()));
+  if (options.io_backend_wrapper) {
+    ZINF_ASSIGN_OR_RETURN(backend, options.io_backend_wrapper(role, std::move(backend)));
   }
-  if (pool != nullptr) ZINF_RETURN_IF_ERROR(engine->RegisterBuffers(pool->AllBuffers()));
-  return engine;
+  if (pool != nullptr) ZINF_RETURN_IF_ERROR(backend->RegisterBuffers(pool->AllBuffers()));
+  return backend;
 }
 
 // options.accumulation, with kAuto resolved when gradients are swapped: in memory if the
@@ -1395,7 +1395,7 @@ void LogGradientSwapper(GradientAccumulation accumulation, int gradient_accumula
           : ": unswapped remainders; swapped pieces are read, added and written");
 }
 
-// Logs (rank 0) the mode, sub-groups, host tier, pool size, engines and store of a new swapper.
+// Logs (rank 0) the mode, sub-groups, host tier, pool size, backends and store of a new swapper.
 void LogSwapper(OptimizerSwapper& swapper, const std::string& engine_name,
                 std::span<const storage::TensorSpec> specs) {
   std::uint64_t disk_bytes = 0;
@@ -1414,7 +1414,7 @@ void LogSwapper(OptimizerSwapper& swapper, const std::string& engine_name,
                         swapper.store().alignment())
           : std::string("no swap store (offload_optimizer.device \"cpu\")");
   ZINF_LOG_INFO(
-      "optimizer swapper: {} ({} engine{}), {} state ({:.2f} bytes per element each way per "
+      "optimizer swapper: {} ({} backend{}), {} state ({:.2f} bytes per element each way per "
       "step), {} sub-groups of <= {} elements per rank, {} resident in host memory ({}); pool {} "
       "x {} = {} (budget {}, pinned: {}); {}",
       swapper.mode_name(), engine_name, swapper.has_store() ? "s, read + write" : "",
@@ -1427,8 +1427,8 @@ void LogSwapper(OptimizerSwapper& swapper, const std::string& engine_name,
 
 }  // namespace
 
-Result<std::unique_ptr<storage::IoEngine>> OptimizerSwapper::CreateReaderEngine() const {
-  return MakeEngine(options_, EngineRole::kRead, nullptr);
+Result<std::unique_ptr<storage::IoBackend>> OptimizerSwapper::CreateReaderBackend() const {
+  return MakeIoBackend(options_, IoRole::kRead, nullptr);
 }
 
 Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communicator& comm,
@@ -1461,20 +1461,20 @@ Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communica
   ZINF_ASSIGN_OR_RETURN(parts.pool,
                         CreatePool(options, max_numel, alignment, min_buffers, &setup->pipelined));
   if (parts.store) {
-    // Reads and writes each have an engine (ring and thread): both swappers overlap them.
+    // Reads and writes each have a backend (ring and thread): both swappers overlap them.
     ZINF_ASSIGN_OR_RETURN(parts.read_engine,
-                          MakeEngine(options, EngineRole::kRead, parts.pool.get()));
+                          MakeIoBackend(options, IoRole::kRead, parts.pool.get()));
     ZINF_ASSIGN_OR_RETURN(parts.write_engine,
-                          MakeEngine(options, EngineRole::kWrite, parts.pool.get()));
+                          MakeIoBackend(options, IoRole::kWrite, parts.pool.get()));
   }
   if (gradients_on_disk) {
     ZINF_ASSIGN_OR_RETURN(setup->gradient_engine,
-                          MakeEngine(options, EngineRole::kGradient, parts.pool.get()));
+                          MakeIoBackend(options, IoRole::kGradient, parts.pool.get()));
   }
   std::size_t swapped = 0;
   for (const auto& memory : parts.resident) swapped += memory.empty() ? 1 : 0;
   parts.sub_groups.emplace(std::move(sub_groups));
-  // One spare slot suffices in both modes: each engine has at most one sub-group in flight.
+  // One spare slot suffices in both modes: each backend has at most one sub-group in flight.
   // Speculation keeps up to one more per swapped sub-group.
   parts.num_slots = swapped + 1 + std::min(options.speculative_slots, swapped);
   if (parts.store) {
@@ -1487,7 +1487,7 @@ Status OptimizerSwapper::Parts::SetUpLocally(Parts& parts, const comm::Communica
 Result<SwapperHostPlan> PlanSwapperHostMemory(const partition::PartitionPlan& plan, int rank,
                                               const SwapperOptions& options,
                                               std::uint64_t alignment_bytes) {
-  // SetUpLocally's steps, without the store, the engines and the allocations.
+  // SetUpLocally's steps, without the store, the backends and the allocations.
   ZINF_ASSIGN_OR_RETURN(partition::SubGroupPlan sub_groups,
                         partition::SubGroupPlan::Create(plan, rank, options.sub_group_size));
   const GradientAccumulation accumulation = ResolveAccumulation(options, plan.partition_numel());
@@ -1522,7 +1522,7 @@ Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
   parts.options = options;
   parts.options.store.world_rank = dup.rank();
   LocalSetup setup;
-  // Store, engine and pool errors are about this node's disks and memory: name the host, so a
+  // Store, backend and pool errors are about this node's disks and memory: name the host, so a
   // multi-node job says which node lacks its nvme_path.
   const std::string on_host =
       fmt::format("optimizer swapper on host {}: ", dup.topology().hostname);

@@ -13,7 +13,7 @@ namespace zinf::swapper {
 struct LocalSetup {
   bool pipelined = false;  // a pipeline was asked for and the pool holds its buffers
   GradientAccumulation accumulation = GradientAccumulation::kAuto;  // resolved
-  std::unique_ptr<storage::IoEngine> gradient_engine;               // read-add-write gradients only
+  std::unique_ptr<storage::IoBackend> gradient_engine;               // read-add-write gradients only
   std::vector<storage::TensorSpec> specs;                           // what the store reserves
 };
 
@@ -24,8 +24,8 @@ struct OptimizerSwapper::Parts {
   std::optional<partition::SubGroupPlan> sub_groups;
   std::vector<SubGroupSwapInfo> infos;
   std::unique_ptr<storage::SwapStore> store;
-  std::unique_ptr<storage::IoEngine> read_engine;
-  std::unique_ptr<storage::IoEngine> write_engine;
+  std::unique_ptr<storage::IoBackend> read_engine;
+  std::unique_ptr<storage::IoBackend> write_engine;
   std::unique_ptr<BufferPool> pool;
   std::optional<CpuAdam> adam;
   std::size_t num_slots = 0;
@@ -34,7 +34,7 @@ struct OptimizerSwapper::Parts {
 
   // CreateOptimizerSwapper's local phase (a member: Parts is protected): checks `options`, then
   // builds this rank's sub-group plan, CpuAdam, store (opened with parts.options.store), pool,
-  // engines and swap infos into `parts`.
+  // backends and swap infos into `parts`.
   static Status SetUpLocally(Parts& parts, const comm::Communicator& comm,
                              const partition::PartitionPlan& plan, const SwapperOptions& options,
                              LocalSetup* setup);

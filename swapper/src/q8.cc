@@ -16,13 +16,8 @@
 namespace zinf::swapper {
 
 std::string_view StateFormatName(StateFormat format) {
-  switch (format) {
-    case StateFormat::kFp32:
-      return "fp32";
-    case StateFormat::kQ8:
-      return "q8";
-  }
-  return "?";
+  const auto index = static_cast<std::size_t>(format);
+  return index < kStateFormatNames.size() ? kStateFormatNames[index] : "?";
 }
 
 }  // namespace zinf::swapper

@@ -23,7 +23,7 @@
 #include "zinf/comm/mpi_session.h"
 #include "zinf/core/log.h"
 #include "zinf/core/status.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/engine.h"
 
 namespace {
@@ -68,8 +68,8 @@ Result<Model> ModelOf(const std::string& path) {
 std::string Resume(const zinf::comm::Communicator& world, const std::string& swap_dir,
                    const std::string& fp16, int index, const std::string& checkpoint,
                    Model& model) {
-  Result<zinf::engine::Config> config =
-      zinf::engine::ParseConfig(ConfigText(swap_dir, fp16, index), zinf::engine::ContextOf(world));
+  Result<zinf::config::Config> config =
+      zinf::config::ParseConfig(ConfigText(swap_dir, fp16, index), zinf::config::ContextOf(world));
   if (!config) return "refused\tthe driver's config: " + config.error().ToString();
   std::vector<zinf::engine::Param> params;
   for (std::size_t i = 0; i < model.names.size(); ++i) {

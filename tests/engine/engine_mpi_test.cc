@@ -18,7 +18,7 @@
 
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/engine.h"
 #include "test_gradient.h"
 
@@ -112,8 +112,8 @@ std::string ConfigText(const Case& c, const std::string& swap_dir, const std::st
                      c.swap_gradients ? "true" : "false", ckpt_dir);
 }
 
-Result<Config> ParseFor(const Case& c, const SharedScratchDir& dir) {
-  return ParseConfig(ConfigText(c, dir.Join("swap"), dir.Join("ckpt")), ContextOf(World()));
+Result<config::Config> ParseFor(const Case& c, const SharedScratchDir& dir) {
+  return config::ParseConfig(ConfigText(c, dir.Join("swap"), dir.Join("ckpt")), config::ContextOf(World()));
 }
 
 // Plain data parallel Adam over every rank's gradients, in double precision.
@@ -213,7 +213,7 @@ class EngineMatchesReference : public ::testing::TestWithParam<Case> {};
 TEST_P(EngineMatchesReference, ForSeveralSteps) {
   const Case& c = GetParam();
   SharedScratchDir dir("engine");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config config, ParseFor(c, dir));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config config, ParseFor(c, dir));
   Model model = MakeModel(c.gradient_on_disk ? 1'200'000 : 5000);
   Reference ref(model, c, World().size());
   ZINF_ASSERT_OK_AND_ASSIGN(
@@ -303,7 +303,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(ZeroEngine, RestoreNamesTheMismatchedParameter) {
   SharedScratchDir dir("engine-restore");
   const Case c;
-  ZINF_ASSERT_OK_AND_ASSIGN(Config config, ParseFor(c, dir));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config config, ParseFor(c, dir));
   const EngineOptions options = {
       .progress = false, .stop_signals = false, .create_nvme_paths = true};
   Model model = MakeModel();
@@ -350,9 +350,9 @@ TEST(ZeroEngine, RestoreNamesTheMismatchedParameter) {
 TEST(ZeroEngine, ParamGroups) {
   SharedScratchDir dir("engine-groups");
   const Case c;
-  ZINF_ASSERT_OK_AND_ASSIGN(Config scheduled, ParseFor(c, dir));
-  Config constant = scheduled;
-  constant.scheduler.type = SchedulerType::kNone;
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config scheduled, ParseFor(c, dir));
+  config::Config constant = scheduled;
+  constant.scheduler.type = config::SchedulerType::kNone;
   EngineOptions options = {.progress = false, .stop_signals = false, .create_nvme_paths = true};
   options.param_groups = {{}, {.lr = 0.004, .weight_decay = 0.0}};
   auto grouped = [](Model& model, std::size_t moved) {
@@ -465,7 +465,7 @@ class EngineErrors : public ::testing::Test {
   }
 
   SharedScratchDir dir_{"engine-errors"};
-  Config config_;
+  config::Config config_;
   EngineOptions options_ = {.progress = false, .stop_signals = false, .create_nvme_paths = true};
 };
 
@@ -668,7 +668,7 @@ TEST(ZeroEngine, OneCycleStepsAtDeepSpeedsLrUntilBeta1ReachesOne) {
     "zero_optimization": {{"offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}}}},
     "zinf": {{"adam_threads": 1}}}})",
                                        dir.Join("swap"));
-  ZINF_ASSERT_OK_AND_ASSIGN(Config config, ParseConfig(text, ContextOf(World())));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config config, config::ParseConfig(text, config::ContextOf(World())));
   Model model = MakeModel();
   ZINF_ASSERT_OK_AND_ASSIGN(
       auto engine,
@@ -732,8 +732,8 @@ TEST(ZeroEngine, ParamGroupsThatDifferInAnyOneValueAreRefused) {
   if (World().size() < 2) GTEST_SKIP() << "needs 2 ranks, have " << World().size();
   SharedScratchDir dir("engine-groups-differ");
   const Case c;
-  ZINF_ASSERT_OK_AND_ASSIGN(Config config, ParseFor(c, dir));
-  config.scheduler.type = SchedulerType::kNone;
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config config, ParseFor(c, dir));
+  config.scheduler.type = config::SchedulerType::kNone;
   const std::vector<HyperParams> values = {
       {.lr = 0.01, .betas = {0.9, 0.99}, .eps = 1e-8, .weight_decay = 0.01},
       {.lr = 0.003, .betas = {0.8, 0.9}, .eps = 1e-6, .weight_decay = 0.0}};

@@ -23,7 +23,7 @@
 
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/engine.h"
 #include "zinf/engine/loss_scaler.h"
 
@@ -93,7 +93,7 @@ TEST(RefScaler, HandWorkedSequence) {
 TEST(LossScaler, MatchesTheReferenceRule) {
   for (bool consecutive : {false, true}) {
     for (int hysteresis : {1, 2, 3}) {
-      const Fp16Config config{.enabled = true,
+      const config::Fp16Config config{.enabled = true,
                               .initial_scale_power = 6,
                               .loss_scale_window = 3,
                               .hysteresis = hysteresis,
@@ -121,8 +121,8 @@ TEST(LossScaler, MatchesTheReferenceRule) {
 }
 
 TEST(LossScaler, StaticAndDisabledNeverChange) {
-  LossScaler off(Fp16Config{});
-  LossScaler fixed(Fp16Config{.enabled = true, .loss_scale = 128});
+  LossScaler off(config::Fp16Config{});
+  LossScaler fixed(config::Fp16Config{.enabled = true, .loss_scale = 128});
   for (bool overflow : {true, false, true}) {
     ZINF_ASSERT_OK(off.Update(overflow));
     ZINF_ASSERT_OK(fixed.Update(overflow));
@@ -132,7 +132,7 @@ TEST(LossScaler, StaticAndDisabledNeverChange) {
 }
 
 TEST(LossScaler, RestoreChecksWhatItReads) {
-  const Fp16Config config{.enabled = true, .initial_scale_power = 8, .hysteresis = 2};
+  const config::Fp16Config config{.enabled = true, .initial_scale_power = 8, .hysteresis = 2};
   LossScaler a(config);
   ZINF_ASSERT_OK(a.Update(true));
   ZINF_ASSERT_OK(a.Update(true));  // halved
@@ -148,7 +148,7 @@ TEST(LossScaler, RestoreChecksWhatItReads) {
   EXPECT_THAT(b.Restore(bad), StatusIs(ErrorCode::kDataLoss));
   // A state saved without fp16 (or with a static scale) leaves the config's first scale.
   LossScaler c(config);
-  ZINF_ASSERT_OK(c.Restore(LossScaler(Fp16Config{}).ToJson()));
+  ZINF_ASSERT_OK(c.Restore(LossScaler(config::Fp16Config{}).ToJson()));
   EXPECT_EQ(c.scale(), 256.0);
 }
 
@@ -313,8 +313,8 @@ class Fp16Engine : public ::testing::TestWithParam<Fp16Case> {};
 TEST_P(Fp16Engine, ScalesAndSkipsExactlyAsTheReference) {
   const Fp16Case& c = GetParam();
   SharedScratchDir dir("fp16");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config config,
-                            ParseConfig(ConfigText(c, dir.path()), ContextOf(World())));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config config,
+                            config::ParseConfig(ConfigText(c, dir.path()), config::ContextOf(World())));
   const EngineOptions options{.progress = false, .stop_signals = false, .create_nvme_paths = true};
   Model model;
   RefAdam adam(model);
@@ -435,7 +435,7 @@ TEST(Fp16EngineErrors, OverflowAtTheMinimumScaleAndStaticScale) {
                                                           "nvme_path": "{}/swap"}}}},
              "zinf": {{"adam_threads": 1}}}})",
         fp16, dir.path());
-    ZINF_ASSERT_OK_AND_ASSIGN(Config config, ParseConfig(text, ContextOf(World())));
+    ZINF_ASSERT_OK_AND_ASSIGN(config::Config config, config::ParseConfig(text, config::ContextOf(World())));
     Model model;
     ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
                               ZeroEngine::Create(World(), config, model.Params(), options));

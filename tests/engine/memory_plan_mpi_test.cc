@@ -32,7 +32,7 @@
 #include "zinf/comm/collective_backend.h"
 #include "zinf/core/check.h"
 #include "zinf/core/process_stats.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/engine.h"
 #include "zinf/partition/plan.h"
 #include "zinf/swapper/optimizer_swapper.h"
@@ -367,7 +367,7 @@ TEST(MemoryPlanEngine, ATinyBudgetIsRefusedOnEveryRankBeforeAllocating) {
   options.stop_signals = false;
   {
     ZINF_ASSERT_OK_AND_ASSIGN(
-        Config config, ParseConfig(BudgetConfig(dir.Join("swap"), "64K"), ContextOf(World())));
+        config::Config config, config::ParseConfig(BudgetConfig(dir.Join("swap"), "64K"), config::ContextOf(World())));
     Result<std::unique_ptr<ZeroEngine>> engine =
         ZeroEngine::Create(World(), config, BudgetParams(weights), options);
     EXPECT_THAT(engine, StatusIs(ErrorCode::kResourceExhausted, HasSubstr("host memory plan: ")));
@@ -380,8 +380,8 @@ TEST(MemoryPlanEngine, ATinyBudgetIsRefusedOnEveryRankBeforeAllocating) {
   EXPECT_FALSE(std::filesystem::exists(dir.Join("swap")));
 
   // The same model with a budget that fits.
-  ZINF_ASSERT_OK_AND_ASSIGN(Config config,
-                            ParseConfig(BudgetConfig(dir.Join("swap"), "1G"), ContextOf(World())));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config config,
+                            config::ParseConfig(BudgetConfig(dir.Join("swap"), "1G"), config::ContextOf(World())));
   ZINF_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ZeroEngine> engine,
                             ZeroEngine::Create(World(), config, BudgetParams(weights), options));
   EXPECT_THAT(engine->Close(), IsOk());
@@ -432,11 +432,11 @@ TEST(MemoryPlanEngine, SizesTheConfigLeavesUnsetAreChosenToFitTheBudget) {
   const std::uint64_t budget = NodeBudget(48ull << 20);
   {
     ZINF_ASSERT_OK_AND_ASSIGN(
-        Config config, ParseConfig(FitConfig(dir.Join("swap"), budget, ""), ContextOf(World())));
+        config::Config config, config::ParseConfig(FitConfig(dir.Join("swap"), budget, ""), config::ContextOf(World())));
     ZINF_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ZeroEngine> engine,
                               ZeroEngine::Create(World(), config, FitParams(weights, grads),
                                                  options));
-    const ZeroConfig& zero = engine->config().zero_optimization;
+    const config::ZeroConfig& zero = engine->config().zero_optimization;
     EXPECT_LT(zero.sub_group_size, kFitElems * 4 / static_cast<std::uint64_t>(World().size()));
     EXPECT_LT(zero.reduce_bucket_size, 500'000'000u);
     // Chosen alike on every rank.
@@ -451,16 +451,16 @@ TEST(MemoryPlanEngine, SizesTheConfigLeavesUnsetAreChosenToFitTheBudget) {
   // A size the config gives is kept as given: the pool of one 1e9 sub-group does not fit.
   {
     ZINF_ASSERT_OK_AND_ASSIGN(
-        Config config, ParseConfig(FitConfig(dir.Join("swap"), budget, R"("sub_group_size": 1e9,)"),
-                                   ContextOf(World())));
+        config::Config config, config::ParseConfig(FitConfig(dir.Join("swap"), budget, R"("sub_group_size": 1e9,)"),
+                                   config::ContextOf(World())));
     EXPECT_THAT(ZeroEngine::Create(World(), config, FitParams(weights, grads), options),
                 StatusIs(ErrorCode::kResourceExhausted, HasSubstr("swap buffer pool")));
   }
   // A budget the defaults fit changes nothing.
   {
     ZINF_ASSERT_OK_AND_ASSIGN(
-        Config config,
-        ParseConfig(FitConfig(dir.Join("swap"), NodeBudget(1ull << 30), ""), ContextOf(World())));
+        config::Config config,
+        config::ParseConfig(FitConfig(dir.Join("swap"), NodeBudget(1ull << 30), ""), config::ContextOf(World())));
     ZINF_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ZeroEngine> engine,
                               ZeroEngine::Create(World(), config, FitParams(weights, grads),
                                                  options));

@@ -39,7 +39,7 @@
 
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/engine.h"
 #include "zinf/partition/plan.h"
 #include "zinf/partition/sub_group.h"
@@ -151,7 +151,7 @@ struct Schedule {
   std::set<std::int64_t> retune = {};
 };
 
-Result<Config> MakeConfig(const Knobs& s, const std::string& job, const SharedScratchDir& dir) {
+Result<config::Config> MakeConfig(const Knobs& s, const std::string& job, const SharedScratchDir& dir) {
   nlohmann::json zero = {
       {"stage", s.stage},
       {"sub_group_size", kSubGroupSize},
@@ -200,7 +200,7 @@ Result<Config> MakeConfig(const Knobs& s, const std::string& job, const SharedSc
     config["fp16"] = {{"enabled", true},        {"loss_scale", 0}, {"initial_scale_power", 8},
                       {"loss_scale_window", 2}, {"hysteresis", 1}, {"min_loss_scale", 1}};
   }
-  return ParseConfig(config.dump(), ContextOf(World()));
+  return config::ParseConfig(config.dump(), config::ContextOf(World()));
 }
 
 // One engine and the loop's buffers.
@@ -215,7 +215,7 @@ struct Loop {
 
 Status CreateEngine(Loop& run, const std::string& job, const SharedScratchDir& dir,
                     std::optional<std::string> load = std::nullopt) {
-  ZINF_ASSIGN_OR_RETURN(Config config, MakeConfig(run.setup, job, dir));
+  ZINF_ASSIGN_OR_RETURN(config::Config config, MakeConfig(run.setup, job, dir));
   EngineOptions options{.progress = false, .stop_signals = false, .create_nvme_paths = true};
   options.load = std::move(load);
   if (run.setup.groups) {

@@ -26,7 +26,7 @@
 
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/engine.h"
 #include "gather_counters.h"
 
@@ -71,7 +71,7 @@ struct Setup {
   std::string job_id = "lent";
 };
 
-Result<Config> MakeConfig(const Setup& s, const SharedScratchDir& dir) {
+Result<config::Config> MakeConfig(const Setup& s, const SharedScratchDir& dir) {
   const std::string swap = dir.Join("swap");
   nlohmann::json offload_param = {{"device", s.offload_param}};
   if (s.offload_param == "nvme") offload_param["nvme_path"] = swap;
@@ -103,7 +103,7 @@ Result<Config> MakeConfig(const Setup& s, const SharedScratchDir& dir) {
                                    {"job_id", s.job_id},
                                    {"collective_timeout_seconds", 60},
                                    {"checkpoint", {{"dir", dir.Join("ckpt-" + s.job_id)}}}}}};
-  return ParseConfig(config.dump(), ContextOf(World()));
+  return config::ParseConfig(config.dump(), config::ContextOf(World()));
 }
 
 EngineOptions Options(const std::vector<ParamGroup>& groups = {}) {
@@ -157,7 +157,7 @@ struct Model {
 
 Result<std::unique_ptr<ZeroEngine>> CreateReference(Model& model, const SharedScratchDir& dir,
                                                     const std::vector<ParamGroup>& groups = {}) {
-  ZINF_ASSIGN_OR_RETURN(Config config, MakeConfig({.stage = 1, .job_id = "registered"}, dir));
+  ZINF_ASSIGN_OR_RETURN(config::Config config, MakeConfig({.stage = 1, .job_id = "registered"}, dir));
   return ZeroEngine::Create(World(), config, model.Params(!groups.empty()), Options(groups));
 }
 
@@ -243,7 +243,7 @@ Setup ReadAheadSetup() {
 // the step changes the master. Step 3 asks for w2 first: a fresh read, with the new weights.
 TEST(Stage3ReadAhead, AShardReadBeforeAStepIsNeverServedAfterIt) {
   SharedScratchDir dir("stage3-readahead");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config config, MakeConfig(ReadAheadSetup(), dir));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config config, MakeConfig(ReadAheadSetup(), dir));
   ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
                             ZeroEngine::Create(World(), config, LentParams(), Options()));
   Model model;
@@ -285,7 +285,7 @@ TEST(Stage3ReadAhead, AShardReadBeforeAStepIsNeverServedAfterIt) {
 // 1's. The Gathers after it read step 1's weights, the first one afresh.
 TEST(Stage3ReadAhead, AShardReadBeforeALoadIsNeverServedAfterIt) {
   SharedScratchDir dir("stage3-readahead-load");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config config, MakeConfig(ReadAheadSetup(), dir));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config config, MakeConfig(ReadAheadSetup(), dir));
   ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
                             ZeroEngine::Create(World(), config, LentParams(), Options()));
   Model model;
@@ -322,7 +322,7 @@ TEST_P(Stage3MaxInCpu, ShardsUpToTheLimitStayInMemoryWithTheNewWeights) {
   const std::uint64_t in_memory = GetParam() == 0 ? 2 : 1;
   SharedScratchDir dir("stage3-max-in-cpu");
   ZINF_ASSERT_OK_AND_ASSIGN(
-      Config config,
+      config::Config config,
       MakeConfig({.offload_param = "nvme", .max_in_cpu = limit, .max_live = 1}, dir));
   ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
                             ZeroEngine::Create(World(), config, LentParams(), Options()));
@@ -353,9 +353,9 @@ INSTANTIATE_TEST_SUITE_P(Limits, Stage3MaxInCpu, ::testing::Values(0, 1),
 // element less drops it, and the second ask all-gathers it again.
 TEST(Stage3Bounds, ReuseDistanceKeepsAParameterUsedAgainWithinIt) {
   SharedScratchDir dir("stage3-reuse");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config within,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config within,
                             MakeConfig({.reuse_distance = kNumel, .job_id = "within"}, dir));
-  ZINF_ASSERT_OK_AND_ASSIGN(Config beyond,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config beyond,
                             MakeConfig({.reuse_distance = kNumel - 1, .job_id = "beyond"}, dir));
   ZINF_ASSERT_OK_AND_ASSIGN(auto kept,
                             ZeroEngine::Create(World(), within, LentParams(), Options()));
@@ -395,7 +395,7 @@ class Stage3BufferCount : public ::testing::TestWithParam<std::uint64_t> {};
 TEST_P(Stage3BufferCount, BoundsTheShardsReadAndGatheredAhead) {
   const std::uint64_t count = GetParam();
   SharedScratchDir dir("stage3-buffer-count");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config config, MakeConfig({.offload_param = "nvme",
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config config, MakeConfig({.offload_param = "nvme",
                                                        .max_in_cpu = 0,
                                                        .buffer_count = count,
                                                        .prefetch_bucket = 1'000'000},
@@ -441,7 +441,7 @@ TEST_P(Stage3GroupBoundaries, GroupRunsStartingAtASubGroupsEndStepWithTheirOwnVa
   const std::vector<ParamGroup> groups = {
       {}, {.lr = 0.004, .betas = std::array{0.8, 0.95}, .eps = 1e-6, .weight_decay = 0.0}};
   SharedScratchDir dir("stage3-group-boundaries");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config config,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config config,
                             MakeConfig({.sub_group_size = GetParam() * ShardNumel()}, dir));
   ZINF_ASSERT_OK_AND_ASSIGN(
       auto engine,

@@ -15,7 +15,7 @@
 #include "testing/status_matchers.h"
 #include "zinf/core/process_stats.h"
 #include "zinf/core/units.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/engine.h"
 
 namespace zinf::engine {
@@ -57,8 +57,8 @@ TEST(Stage3Memory, PeakRssDoesNotGrowWithTheModel) {
   SharedScratchDir dir("stage3-memory");
   const comm::Communicator& world = World();
   ZINF_ASSERT_OK_AND_ASSIGN(
-      Config config,
-      ParseConfig(ConfigText(dir.path()),
+      config::Config config,
+      config::ParseConfig(ConfigText(dir.path()),
                   {.world_size = world.size(), .local_rank = world.rank(), .node = 0}));
   std::vector<Param> params;
   for (int p = 0; p < kParams; ++p) {

@@ -25,7 +25,7 @@
 
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/engine.h"
 #include "gather_counters.h"
 #include "test_gradient.h"
@@ -190,7 +190,7 @@ struct Setup {
   std::string job_id = "lent";
 };
 
-Result<Config> MakeConfig(const Setup& s, const SharedScratchDir& dir) {
+Result<config::Config> MakeConfig(const Setup& s, const SharedScratchDir& dir) {
   const std::string swap = dir.Join("swap");
   nlohmann::json offload_optimizer = {{"device", s.offload_optimizer}};
   if (s.offload_optimizer == "nvme") offload_optimizer["nvme_path"] = swap;
@@ -236,7 +236,7 @@ Result<Config> MakeConfig(const Setup& s, const SharedScratchDir& dir) {
         {"job_id", s.job_id},
         {"collective_timeout_seconds", 60},
         {"checkpoint", {{"dir", dir.Join("ckpt")}}}}}};
-  return ParseConfig(config.dump(), ContextOf(World()));
+  return config::ParseConfig(config.dump(), config::ContextOf(World()));
 }
 
 const EngineOptions kOptions = {
@@ -422,7 +422,7 @@ constexpr double kClipping = 20;
 TEST_P(Stage3MatchesRegisteredModel, ForTenStepsWithClipping) {
   const ExactCase& c = GetParam();
   SharedScratchDir dir("stage3");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config lent_config,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config lent_config,
                             MakeConfig({.gas = c.gas,
                                         .optimizer_state = c.optimizer_state,
                                         .offload_optimizer = c.offload_optimizer,
@@ -432,7 +432,7 @@ TEST_P(Stage3MatchesRegisteredModel, ForTenStepsWithClipping) {
                                         .model_persistence = c.model_persistence,
                                         .clipping = kClipping},
                                        dir));
-  ZINF_ASSERT_OK_AND_ASSIGN(Config registered_config,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config registered_config,
                             MakeConfig({.stage = c.registered_stage,
                                         .gas = c.gas,
                                         .optimizer_state = c.optimizer_state,
@@ -522,8 +522,8 @@ INSTANTIATE_TEST_SUITE_P(
 // recorded anew.
 TEST(Stage3Prefetch, RepeatedOrderIsGatheredAhead) {
   SharedScratchDir dir("stage3-prefetch");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config lent_config, MakeConfig({.prefetch_bucket = 1'000'000}, dir));
-  ZINF_ASSERT_OK_AND_ASSIGN(Config registered_config,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config lent_config, MakeConfig({.prefetch_bucket = 1'000'000}, dir));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config registered_config,
                             MakeConfig({.stage = 1, .job_id = "registered"}, dir));
   ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
                             ZeroEngine::Create(World(), lent_config, LentParams(), kOptions));
@@ -563,8 +563,8 @@ class Stage3NoPrefetch : public ::testing::TestWithParam<std::uint64_t> {};
 // A bucket of 0 elements, or of 1 (no parameter fits), prefetches nothing.
 TEST_P(Stage3NoPrefetch, PrefetchesNothing) {
   SharedScratchDir dir("stage3-noprefetch");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config lent_config, MakeConfig({.prefetch_bucket = GetParam()}, dir));
-  ZINF_ASSERT_OK_AND_ASSIGN(Config registered_config,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config lent_config, MakeConfig({.prefetch_bucket = GetParam()}, dir));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config registered_config,
                             MakeConfig({.stage = 1, .job_id = "registered"}, dir));
   ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
                             ZeroEngine::Create(World(), lent_config, LentParams(), kOptions));
@@ -593,11 +593,11 @@ TEST(Stage3Prefetch, LiveElementsStayWithinTheLimit) {
   constexpr std::uint64_t kLimit = 20'000;
   SharedScratchDir dir("stage3-live");
   ZINF_ASSERT_OK_AND_ASSIGN(
-      Config limited_config,
+      config::Config limited_config,
       MakeConfig({.prefetch_bucket = 1'000'000, .max_live = kLimit, .job_id = "limited"}, dir));
-  ZINF_ASSERT_OK_AND_ASSIGN(Config unlimited_config,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config unlimited_config,
                             MakeConfig({.prefetch_bucket = 1'000'000, .job_id = "unlimited"}, dir));
-  ZINF_ASSERT_OK_AND_ASSIGN(Config registered_config,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config registered_config,
                             MakeConfig({.stage = 1, .job_id = "registered"}, dir));
   ZINF_ASSERT_OK_AND_ASSIGN(auto limited,
                             ZeroEngine::Create(World(), limited_config, LentParams(), kOptions));
@@ -637,7 +637,7 @@ class Stage3Errors : public ::testing::Test {
   }
 
   SharedScratchDir dir_{"stage3-errors"};
-  Config config_;
+  config::Config config_;
 };
 
 TEST_F(Stage3Errors, RanksAskingForDifferentParameters) {
@@ -770,7 +770,7 @@ TEST_F(Stage3Errors, GradientReadyMisuse) {
   ZINF_ASSERT_OK(engine->Close());
 
   // And the other way round: a lent gradient for an engine with gradient buffers.
-  ZINF_ASSERT_OK_AND_ASSIGN(Config registered_config,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config registered_config,
                             MakeConfig({.stage = 1, .job_id = "registered"}, dir_));
   Model model = MakeModel();
   ZINF_ASSERT_OK_AND_ASSIGN(
@@ -790,7 +790,7 @@ TEST_F(Stage3Errors, CreateRefusesParametersItCannotFill) {
   for (int stage : {1, 2}) {
     SCOPED_TRACE(fmt::format("stage {}", stage));
     ZINF_ASSERT_OK_AND_ASSIGN(
-        Config config, MakeConfig({.stage = stage, .job_id = fmt::format("s{}", stage)}, dir_));
+        config::Config config, MakeConfig({.stage = stage, .job_id = fmt::format("s{}", stage)}, dir_));
     Model model = MakeModel();
     std::vector<Param> params = model.Params();
     params[2].weights = {};
@@ -808,7 +808,7 @@ TEST_F(Stage3Errors, CreateRefusesParametersItCannotFill) {
 
   // offload_param nvme with nothing to partition: every parameter registered with weights.
   ZINF_ASSERT_OK_AND_ASSIGN(
-      Config nvme_config,
+      config::Config nvme_config,
       MakeConfig({.offload_param = "nvme", .max_in_cpu = 0, .job_id = "nvme"}, dir_));
   Model model = MakeModel();
   EXPECT_THAT(ZeroEngine::Create(World(), nvme_config, model.Params(), kOptions),
@@ -816,7 +816,7 @@ TEST_F(Stage3Errors, CreateRefusesParametersItCannotFill) {
   // A shard to read from NVMe larger than offload_param.buffer_size (fc1.weight's has at least
   // 2450 elements on 4 ranks).
   ZINF_ASSERT_OK_AND_ASSIGN(
-      Config small_buffer_config,
+      config::Config small_buffer_config,
       MakeConfig({.offload_param = "nvme", .max_in_cpu = 0, .buffer_size = 2000, .job_id = "nvme"},
                  dir_));
   EXPECT_THAT(ZeroEngine::Create(World(), small_buffer_config, LentParams(), kOptions),
@@ -830,8 +830,8 @@ TEST_F(Stage3Errors, CreateRefusesParametersItCannotFill) {
 // ones the partitioned run gathered, and the next step matches the partitioned run's.
 TEST(Stage3Checkpoint, PartitionedRunRestoresIntoRegisteredWeights) {
   SharedScratchDir dir("stage3-ckpt");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config lent_config, MakeConfig({}, dir));
-  ZINF_ASSERT_OK_AND_ASSIGN(Config registered_config,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config lent_config, MakeConfig({}, dir));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config registered_config,
                             MakeConfig({.stage = 1, .job_id = "registered"}, dir));
   std::string path;
   std::vector<std::vector<float>> saved, next;
@@ -862,8 +862,8 @@ TEST(Stage3Checkpoint, PartitionedRunRestoresIntoRegisteredWeights) {
 // A registered run's checkpoint restores into a partitioned model, which then needs no init.
 TEST(Stage3Checkpoint, RegisteredRunRestoresIntoPartitionedModel) {
   SharedScratchDir dir("stage3-ckpt");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config lent_config, MakeConfig({}, dir));
-  ZINF_ASSERT_OK_AND_ASSIGN(Config registered_config,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config lent_config, MakeConfig({}, dir));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config registered_config,
                             MakeConfig({.stage = 1, .job_id = "registered"}, dir));
   std::string path;
   std::vector<std::vector<float>> saved, next;
@@ -902,8 +902,8 @@ TEST(Stage3Checkpoint, RegisteredRunRestoresIntoPartitionedModel) {
 // Gather serves the new values, again without an all-gather.
 TEST(Stage3Persistent, ServedWithoutAnAllGather) {
   SharedScratchDir dir("stage3-persistent");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config lent_config, MakeConfig({}, dir));
-  ZINF_ASSERT_OK_AND_ASSIGN(Config registered_config,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config lent_config, MakeConfig({}, dir));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config registered_config,
                             MakeConfig({.stage = 1, .job_id = "registered"}, dir));
   ZINF_ASSERT_OK_AND_ASSIGN(auto engine,
                             ZeroEngine::Create(World(), lent_config, LentParams(), kOptions));
@@ -967,8 +967,8 @@ TEST(Stage3Persistent, ServedWithoutAnAllGather) {
 // Step writes its new values there, as for the rest of the model.
 TEST(Stage3Persistent, ParameterRegisteredWithWeightsStaysInThem) {
   SharedScratchDir dir("stage3-mixed");
-  ZINF_ASSERT_OK_AND_ASSIGN(Config lent_config, MakeConfig({}, dir));
-  ZINF_ASSERT_OK_AND_ASSIGN(Config registered_config,
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config lent_config, MakeConfig({}, dir));
+  ZINF_ASSERT_OK_AND_ASSIGN(config::Config registered_config,
                             MakeConfig({.stage = 1, .job_id = "registered"}, dir));
   std::vector<float> head = InitValues(4);
   ZINF_ASSERT_OK_AND_ASSIGN(

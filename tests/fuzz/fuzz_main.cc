@@ -46,7 +46,7 @@
 #include "zinf/checkpoint/checkpoint.h"
 #include "zinf/core/json.h"
 #include "zinf/core/log.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/trainer_state.h"
 #include "zinf/storage/checksum.h"
 
@@ -244,7 +244,7 @@ int FuzzConfig(const Flags& flags) {
     const std::string text =
         m.Chance(0.05) ? m.Pick(inputs) : m.MutateBytes(m.Pick(inputs), inputs);
     WriteAll(last, text);
-    const zinf::engine::ConfigContext ctx{.world_size = static_cast<int>(1 + m.Below(7)),
+    const zinf::config::ConfigContext ctx{.world_size = static_cast<int>(1 + m.Below(7)),
                                           .local_rank = static_cast<int>(m.Below(3)),
                                           .node = static_cast<int>(m.Below(3))};
     const auto start = Clock::now();
@@ -264,9 +264,9 @@ int FuzzConfig(const Flags& flags) {
     }
     if (parsed) {
       // What the parser accepts, it prints and reads back the same.
-      const std::string effective = zinf::engine::EffectiveConfigJson(*parsed);
+      const std::string effective = zinf::config::EffectiveConfigJson(*parsed);
       zinf::Result<zinf::train::TrainConfig> again = zinf::train::ParseTrainConfig(effective, ctx);
-      if (!again || zinf::engine::ConfigHash(*again) != zinf::engine::ConfigHash(*parsed)) {
+      if (!again || zinf::config::ConfigHash(*again) != zinf::config::ConfigHash(*parsed)) {
         std::fprintf(stderr, "FAIL: an accepted config does not round-trip (input in %s)\n",
                      last.c_str());
         return 1;

@@ -3,6 +3,6 @@
 if(TARGET zinf-train)
   add_test(NAME launch_check_config_test
            COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/check_config_test.sh $<TARGET_FILE:zinf-train>
-                   ${CMAKE_CURRENT_LIST_DIR}/bad_configs)
+                   ${PROJECT_SOURCE_DIR}/tests/config/bad_configs)
   set_tests_properties(launch_check_config_test PROPERTIES TIMEOUT 180 LABELS "e2e")
 endif()

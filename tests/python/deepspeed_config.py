@@ -1,6 +1,6 @@
 """A DeepSpeed user's config handed to zinf.torch as it is: `mpirun -np 2 python3
 deepspeed_config.py <work dir>`. The example config of DeepSpeed's config reference
-(tests/launch/deepspeed_configs/config-json-nvme.json: fp16 dynamic loss scaling, WarmupLR, stage 3
+(tests/config/deepspeed_configs/config-json-nvme.json: fp16 dynamic loss scaling, WarmupLR, stage 3
 with GPU hints, tensorboard, flops_profiler, activation_checkpointing) with only the NVMe path made
 this test's and the parameters in host memory. Checked first: with only the optimizer's
 nvme_path changed, offload_param stays on nvme in another directory (here one that does not
@@ -20,7 +20,7 @@ import zinf.errors
 import zinf.torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIG = os.path.join(HERE, "..", "launch", "deepspeed_configs", "config-json-nvme.json")
+CONFIG = os.path.join(HERE, "..", "config", "deepspeed_configs", "config-json-nvme.json")
 
 
 def stderr_of(fn):

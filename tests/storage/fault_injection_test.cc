@@ -82,7 +82,7 @@ TEST(ParseFaultSpecTest, EveryEnvCallHasAName) {
               StatusIs(ErrorCode::kInvalidArgument, HasSubstr("'short' applies to")));
 }
 
-// An Env rule fails the nth call of its op and nothing else; engine ops leave Env calls alone.
+// An Env rule fails the nth call of its op and nothing else; backend ops leave Env calls alone.
 TEST(FaultInjectingEnvTest, FailsTheNthCallOfItsOp) {
   ScratchDir dir("env");
   ZINF_ASSERT_OK_AND_ASSIGN(FaultSpec spec, ParseFaultSpec("rename:2:eio,write:1+:eio"));
@@ -186,33 +186,33 @@ class FaultEnvTest : public ::testing::Test {
   ScratchDir dir_{"faultenv"};
 };
 
-TEST_F(FaultEnvTest, CreateIoEngineWrapsWhenTheVariableIsSet) {
+TEST_F(FaultEnvTest, CreateIoBackendWrapsWhenTheVariableIsSet) {
   ::setenv("ZINF_FAULT_INJECT", "write:1:enospc", 1);
-  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, CreateIoEngine(EngineKind::kPosix, {}, dir_.path()));
-  EXPECT_EQ(engine->name(), "posix+faults");
+  ZINF_ASSERT_OK_AND_ASSIGN(auto backend, CreateIoBackend(IoBackendKind::kPosix, {}, dir_.path()));
+  EXPECT_EQ(backend->name(), "posix+faults");
   OpenOptions options;
   options.mode = OpenMode::kCreate;
   ZINF_ASSERT_OK_AND_ASSIGN(File file, File::Open(dir_.Join("f"), options));
   alignas(4096) static std::byte data[4096];
-  ZINF_ASSERT_OK(engine->Submit(IoRequest{IoOp::kWrite, &file, 0, data}));
-  EXPECT_THAT(engine->WaitAll(), StatusIs(ErrorCode::kResourceExhausted, HasSubstr(file.path())));
+  ZINF_ASSERT_OK(backend->Submit(IoRequest{IoOp::kWrite, &file, 0, data}));
+  EXPECT_THAT(backend->WaitAll(), StatusIs(ErrorCode::kResourceExhausted, HasSubstr(file.path())));
 }
 
 TEST_F(FaultEnvTest, MalformedVariableIsInvalidArgument) {
   ::setenv("ZINF_FAULT_INJECT", "write:3:eio,bogus", 1);
-  EXPECT_THAT(CreateIoEngine(EngineKind::kPosix, {}, dir_.path()),
+  EXPECT_THAT(CreateIoBackend(IoBackendKind::kPosix, {}, dir_.path()),
               StatusIs(ErrorCode::kInvalidArgument,
                        ::testing::AllOf(HasSubstr("ZINF_FAULT_INJECT"), HasSubstr("'bogus'"))));
 }
 
 TEST_F(FaultEnvTest, OtherRankIsNotWrapped) {
   ::setenv("ZINF_FAULT_INJECT", "write:1:eio,rank=4321", 1);
-  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, CreateIoEngine(EngineKind::kPosix, {}, dir_.path()));
-  EXPECT_EQ(engine->name(), "posix");
+  ZINF_ASSERT_OK_AND_ASSIGN(auto backend, CreateIoBackend(IoBackendKind::kPosix, {}, dir_.path()));
+  EXPECT_EQ(backend->name(), "posix");
 }
 
-TEST(FaultInjectingEngineTest, RefusesForeignEngines) {
-  class Foreign final : public IoEngine {
+TEST(FaultInjectingBackendTest, RefusesForeignBackends) {
+  class Foreign final : public IoBackend {
    public:
     std::string_view name() const override { return "foreign"; }
     const AioOptions& options() const override { return options_; }
@@ -224,7 +224,7 @@ TEST(FaultInjectingEngineTest, RefusesForeignEngines) {
     AioOptions options_;
   };
   auto injector = std::make_shared<FaultInjector>(FaultSpec{});
-  EXPECT_THAT(FaultInjectingEngine::Wrap(std::make_unique<Foreign>(), injector),
+  EXPECT_THAT(FaultInjectingBackend::Wrap(std::make_unique<Foreign>(), injector),
               StatusIs(ErrorCode::kUnimplemented, HasSubstr("foreign")));
 }
 

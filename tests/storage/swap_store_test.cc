@@ -34,7 +34,7 @@
 #include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/env.h"
 #include "zinf/storage/fault_injection.h"
-#include "zinf/storage/io_engine.h"
+#include "zinf/storage/io_backend.h"
 
 namespace zinf::storage {
 namespace {
@@ -102,11 +102,11 @@ Result<AlignedBuffer> IoBuffer(const SwapStore& store, std::uint64_t size_bytes)
   return AlignedBuffer::Allocate(std::max<std::uint64_t>(size_bytes, 1), options);
 }
 
-Result<std::unique_ptr<IoEngine>> MakeEngine(const std::string& dir) {
+Result<std::unique_ptr<IoBackend>> MakeIoBackend(const std::string& dir) {
   AioOptions aio;
   aio.block_size = 64 * kKiB;
   aio.queue_depth = 8;
-  return CreateIoEngine(EngineKind::kAuto, aio, dir);
+  return CreateIoBackend(IoBackendKind::kAuto, aio, dir);
 }
 
 const std::vector<TensorSpec> kOddTensors = {
@@ -120,21 +120,21 @@ const std::vector<TensorSpec> kOddTensors = {
     {"sg1/grad", 2 * 64 * 1024 - 1},
 };
 
-class SwapStoreEngineTest : public ::testing::TestWithParam<EngineKind> {};
+class SwapStoreBackendTest : public ::testing::TestWithParam<IoBackendKind> {};
 
-TEST_P(SwapStoreEngineTest, OddSizedTensorsRoundTrip) {
+TEST_P(SwapStoreBackendTest, OddSizedTensorsRoundTrip) {
   ScratchDir dir("swap");
   ZINF_ASSERT_OK_AND_ASSIGN(auto store,
                             SwapStore::Open(MakeOptions({dir.path()}, UniqueJob("roundtrip"))));
   ZINF_ASSERT_OK(store->Reserve(kOddTensors));
   AioOptions aio;
   aio.block_size = 64 * kKiB;
-  auto engine_or = CreateIoEngine(GetParam(), aio, dir.path());
-  if (!engine_or && engine_or.error().code() == ErrorCode::kUnimplemented) {
-    ZINF_SKIP_MISSING("uring", "engine unavailable: " << engine_or.error().ToString());
+  auto backend_or = CreateIoBackend(GetParam(), aio, dir.path());
+  if (!backend_or && backend_or.error().code() == ErrorCode::kUnimplemented) {
+    ZINF_SKIP_MISSING("uring", "backend unavailable: " << backend_or.error().ToString());
   }
-  ZINF_ASSERT_OK(engine_or);
-  std::unique_ptr<IoEngine> engine = std::move(*engine_or);
+  ZINF_ASSERT_OK(backend_or);
+  std::unique_ptr<IoBackend> backend = std::move(*backend_or);
 
   std::vector<AlignedBuffer> buffers;
   std::uint64_t io_bytes = 0;  // what one pass over every tensor asks of the disk
@@ -146,19 +146,19 @@ TEST_P(SwapStoreEngineTest, OddSizedTensorsRoundTrip) {
     ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, extent.io_size_bytes));
     const std::vector<std::byte> data = Pattern(spec.name, spec.size_bytes);
     std::memcpy(buffer.data(), data.data(), data.size());
-    ZINF_ASSERT_OK(store->SubmitWrite(spec.name, buffer.span(), *engine));
+    ZINF_ASSERT_OK(store->SubmitWrite(spec.name, buffer.span(), *backend));
     buffers.push_back(std::move(buffer));
   }
-  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(backend->WaitAll());
   ZINF_ASSERT_OK(store->Sync());
   EXPECT_EQ(store->io_counters().write_bytes, io_bytes);
   EXPECT_EQ(store->io_counters().read_bytes, 0u);
 
   for (std::size_t i = 0; i < kOddTensors.size(); ++i) {
     std::memset(buffers[i].data(), 0xee, buffers[i].size());
-    ZINF_ASSERT_OK(store->SubmitRead(kOddTensors[i].name, buffers[i].span(), *engine));
+    ZINF_ASSERT_OK(store->SubmitRead(kOddTensors[i].name, buffers[i].span(), *backend));
   }
-  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(backend->WaitAll());
   EXPECT_EQ(store->io_counters().read_bytes, io_bytes);
   for (std::size_t i = 0; i < kOddTensors.size(); ++i) {
     const TensorSpec& spec = kOddTensors[i];
@@ -174,10 +174,10 @@ TEST_P(SwapStoreEngineTest, OddSizedTensorsRoundTrip) {
   ZINF_EXPECT_OK(store->Close());
 }
 
-INSTANTIATE_TEST_SUITE_P(Engines, SwapStoreEngineTest,
-                         ::testing::Values(EngineKind::kPosix, EngineKind::kUring),
-                         [](const ::testing::TestParamInfo<EngineKind>& param_info) {
-                           return std::string(EngineKindName(param_info.param));
+INSTANTIATE_TEST_SUITE_P(Backends, SwapStoreBackendTest,
+                         ::testing::Values(IoBackendKind::kPosix, IoBackendKind::kUring),
+                         [](const ::testing::TestParamInfo<IoBackendKind>& param_info) {
+                           return std::string(IoBackendKindName(param_info.param));
                          });
 
 TEST(SwapStore, SynchronousWriteThenAsynchronousRead) {
@@ -188,12 +188,12 @@ TEST(SwapStore, SynchronousWriteThenAsynchronousRead) {
   for (const TensorSpec& spec : kOddTensors) {
     ZINF_ASSERT_OK(store->Write(spec.name, Pattern(spec.name, spec.size_bytes)));
   }
-  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, MakeEngine(dir.path()));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto backend, MakeIoBackend(dir.path()));
   for (const TensorSpec& spec : kOddTensors) {
     ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent(spec.name));
     ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, extent.io_size_bytes));
-    ZINF_ASSERT_OK(store->SubmitRead(spec.name, buffer.span(), *engine));
-    ZINF_ASSERT_OK(engine->WaitAll());
+    ZINF_ASSERT_OK(store->SubmitRead(spec.name, buffer.span(), *backend));
+    ZINF_ASSERT_OK(backend->WaitAll());
     const std::vector<std::byte> expected = Pattern(spec.name, spec.size_bytes);
     EXPECT_EQ(std::memcmp(buffer.data(), expected.data(), expected.size()), 0) << spec.name;
   }
@@ -278,7 +278,7 @@ TEST(SwapStore, StripesUnitsRoundRobinAcrossThreePaths) {
       {"t0", 5 * kUnit + 100}, {"t1", 2 * kUnit}, {"t2", 1}, {"t3", 4 * kUnit - 7}};
   ZINF_ASSERT_OK(store->Reserve(specs));
   EXPECT_EQ(store->total_units(), 6u + 2u + 1u + 4u);
-  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, MakeEngine(a.path()));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto backend, MakeIoBackend(a.path()));
   std::vector<AlignedBuffer> buffers;
   for (const TensorSpec& spec : specs) {
     ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent(spec.name));
@@ -286,12 +286,12 @@ TEST(SwapStore, StripesUnitsRoundRobinAcrossThreePaths) {
     const std::vector<std::byte> data = Pattern(spec.name, spec.size_bytes);
     std::memcpy(buffer.data(), data.data(), data.size());
     ZINF_ASSERT_OK_AND_ASSIGN(std::vector<std::uint64_t> ids,
-                              store->SubmitWrite(spec.name, buffer.span(), *engine));
+                              store->SubmitWrite(spec.name, buffer.span(), *backend));
     // One request per stripe unit: consecutive units never sit side by side in one file.
     EXPECT_EQ(ids.size(), extent.num_units) << spec.name;
     buffers.push_back(std::move(buffer));
   }
-  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(backend->WaitAll());
   ZINF_ASSERT_OK(store->Sync());
 
   const std::vector<std::string> files = {a.path() + "/zinf-" + job + "/rank3/swap.bin",
@@ -547,10 +547,10 @@ TEST(SwapStore, VerifySwapCatchesACorruptedByte) {
                              HasSubstr("checksum mismatch"))));
 
   // The asynchronous path: read, then VerifyRead.
-  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, MakeEngine(a.path()));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto backend, MakeIoBackend(a.path()));
   ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, extent.io_size_bytes));
-  ZINF_ASSERT_OK(store->SubmitRead("sg0/exp_avg", buffer.span(), *engine));
-  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(store->SubmitRead("sg0/exp_avg", buffer.span(), *backend));
+  ZINF_ASSERT_OK(backend->WaitAll());
   const auto bytes = std::span<const std::byte>(buffer.span()).first(size);
   EXPECT_THAT(store->VerifyRead("sg0/exp_avg", bytes), StatusIs(ErrorCode::kDataLoss));
   // Units not covered by the corruption verify fine on their own.
@@ -568,40 +568,40 @@ TEST(SwapStore, RangeWritesStreamChunksAndMisalignedRangesAreRefused) {
   ZINF_ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(options));
   const std::uint64_t size = 5 * 64 * kKiB + 999;
   ZINF_ASSERT_OK(store->Reserve({{"t", size}}));
-  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, MakeEngine(dir.path()));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto backend, MakeIoBackend(dir.path()));
   const std::vector<std::byte> data = Pattern("t", size);
   const std::uint64_t chunk = 2 * 64 * kKiB;
   ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, chunk));
   for (std::uint64_t offset = 0; offset < size; offset += chunk) {
     const std::uint64_t length = std::min(chunk, size - offset);
     std::memcpy(buffer.data(), data.data() + offset, length);
-    ZINF_ASSERT_OK(store->SubmitWriteRange("t", offset, length, buffer.span(), *engine));
-    ZINF_ASSERT_OK(engine->WaitAll());
+    ZINF_ASSERT_OK(store->SubmitWriteRange("t", offset, length, buffer.span(), *backend));
+    ZINF_ASSERT_OK(backend->WaitAll());
   }
   std::vector<std::byte> out(size);
   ZINF_ASSERT_OK(store->Read("t", out));  // checksums recorded per chunk match
   EXPECT_EQ(out, data);
 
   // Read a middle chunk back asynchronously.
-  ZINF_ASSERT_OK(store->SubmitReadRange("t", chunk, chunk, buffer.span(), *engine));
-  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(store->SubmitReadRange("t", chunk, chunk, buffer.span(), *backend));
+  ZINF_ASSERT_OK(backend->WaitAll());
   EXPECT_EQ(std::memcmp(buffer.data(), data.data() + chunk, chunk), 0);
   ZINF_EXPECT_OK(
       store->VerifyRead("t", std::span<const std::byte>(buffer.span()).first(chunk), chunk));
 
-  EXPECT_THAT(store->SubmitReadRange("t", size, 1, buffer.span(), *engine),
+  EXPECT_THAT(store->SubmitReadRange("t", size, 1, buffer.span(), *backend),
               StatusIs(ErrorCode::kInvalidArgument, HasSubstr("outside")));
-  EXPECT_THAT(store->SubmitRead("t", buffer.span(), *engine),
+  EXPECT_THAT(store->SubmitRead("t", buffer.span(), *backend),
               StatusIs(ErrorCode::kInvalidArgument, HasSubstr("buffer of")));
   if (store->alignment() > 1) {
-    EXPECT_THAT(store->SubmitReadRange("t", 1, 4096, buffer.span(), *engine),
+    EXPECT_THAT(store->SubmitReadRange("t", 1, 4096, buffer.span(), *backend),
                 StatusIs(ErrorCode::kInvalidArgument, HasSubstr("not aligned")));
-    EXPECT_THAT(store->SubmitReadRange("t", 0, store->alignment() + 1, buffer.span(), *engine),
+    EXPECT_THAT(store->SubmitReadRange("t", 0, store->alignment() + 1, buffer.span(), *backend),
                 StatusIs(ErrorCode::kInvalidArgument, HasSubstr("not aligned")));
-    EXPECT_THAT(store->SubmitReadRange("t", 0, 4096, buffer.span().subspan(1), *engine),
+    EXPECT_THAT(store->SubmitReadRange("t", 0, 4096, buffer.span().subspan(1), *backend),
                 StatusIs(ErrorCode::kInvalidArgument, HasSubstr("not aligned")));
   }
-  EXPECT_EQ(engine->pending(), 0u);
+  EXPECT_EQ(backend->pending(), 0u);
 }
 
 TEST(SwapStore, CloseRemovesTheStoreUnlessKeep) {
@@ -681,13 +681,13 @@ TEST(SwapStore, TinyTmpfsRoundTripsAndPreflightCatchesEnospc) {
   // 6.6 tmpfs accepts it. Either way the store works; BufferedStoreWorks covers the fallback.
   RecordProperty("tmpfs_direct", store->direct() ? "yes" : "no");
   ZINF_ASSERT_OK(store->Reserve({{"a", 300'001}}));
-  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, MakeEngine(dir.path()));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto backend, MakeIoBackend(dir.path()));
   ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent("a"));
   ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, extent.io_size_bytes));
   const std::vector<std::byte> data = Pattern("a", 300'001);
   std::memcpy(buffer.data(), data.data(), data.size());
-  ZINF_ASSERT_OK(store->SubmitWrite("a", buffer.span(), *engine));
-  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(store->SubmitWrite("a", buffer.span(), *backend));
+  ZINF_ASSERT_OK(backend->WaitAll());
   ZINF_ASSERT_OK(store->Sync());
   std::vector<std::byte> out(data.size());
   ZINF_ASSERT_OK(store->Read("a", out));
@@ -714,7 +714,7 @@ TEST(SwapStore, BufferedStoreWorks) {
   EXPECT_FALSE(store->direct());
   EXPECT_EQ(store->alignment(), 1u);
   ZINF_ASSERT_OK(store->Reserve(kOddTensors));
-  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, MakeEngine(a.path()));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto backend, MakeIoBackend(a.path()));
   std::vector<AlignedBuffer> buffers;
   for (const TensorSpec& spec : kOddTensors) {
     ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent(spec.name));
@@ -722,10 +722,10 @@ TEST(SwapStore, BufferedStoreWorks) {
     ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, extent.io_size_bytes));
     const std::vector<std::byte> data = Pattern(spec.name, spec.size_bytes);
     std::memcpy(buffer.data(), data.data(), data.size());
-    ZINF_ASSERT_OK(store->SubmitWrite(spec.name, buffer.span(), *engine));
+    ZINF_ASSERT_OK(store->SubmitWrite(spec.name, buffer.span(), *backend));
     buffers.push_back(std::move(buffer));
   }
-  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(backend->WaitAll());
   ZINF_ASSERT_OK(store->Sync());
   for (const TensorSpec& spec : kOddTensors) {
     std::vector<std::byte> out(spec.size_bytes);
@@ -735,8 +735,8 @@ TEST(SwapStore, BufferedStoreWorks) {
   // An unaligned middle range is fine without O_DIRECT.
   ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent("sg0/grad"));
   ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer, IoBuffer(*store, 1000));
-  ZINF_ASSERT_OK(store->SubmitReadRange("sg0/grad", 4097, 1000, buffer.span(), *engine));
-  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(store->SubmitReadRange("sg0/grad", 4097, 1000, buffer.span(), *backend));
+  ZINF_ASSERT_OK(backend->WaitAll());
   const std::vector<std::byte> expected = Pattern("sg0/grad", extent.size_bytes);
   EXPECT_EQ(std::memcmp(buffer.data(), expected.data() + 4097, 1000), 0);
 }

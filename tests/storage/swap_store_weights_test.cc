@@ -23,7 +23,7 @@
 #include "zinf/core/units.h"
 #include "zinf/storage/aligned_buffer.h"
 #include "zinf/storage/fault_injection.h"
-#include "zinf/storage/io_engine.h"
+#include "zinf/storage/io_backend.h"
 #include "zinf/storage/stripe_map.h"
 #include "zinf/storage/swap_store.h"
 
@@ -106,7 +106,7 @@ TEST(SwapStoreWeights, OneToThreeRoundTripsWithEachFileHoldingItsShare) {
   buffer_options.register_cuda = false;
   AioOptions aio;
   aio.block_size = kUnit;
-  ZINF_ASSERT_OK_AND_ASSIGN(auto engine, CreateIoEngine(EngineKind::kAuto, aio, a.path()));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto backend, CreateIoBackend(IoBackendKind::kAuto, aio, a.path()));
   std::vector<AlignedBuffer> buffers;
   for (const TensorSpec& spec : kTensors) {
     ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent(spec.name));
@@ -115,7 +115,7 @@ TEST(SwapStoreWeights, OneToThreeRoundTripsWithEachFileHoldingItsShare) {
     const std::vector<std::byte> data = Pattern(spec.name, spec.size_bytes);
     std::memcpy(buffer.data(), data.data(), data.size());
     ZINF_ASSERT_OK_AND_ASSIGN(std::vector<std::uint64_t> ids,
-                              store->SubmitWrite(spec.name, buffer.span(), *engine));
+                              store->SubmitWrite(spec.name, buffer.span(), *backend));
     if (spec.name == "sg0/fp32") {
       // Units 0-7: paths 1 0 1 1 | 1 0 1 1: runs of path 1 that meet in its file are merged
       // (units 2, 3, 4 are one request), 5 requests instead of 8.
@@ -123,7 +123,7 @@ TEST(SwapStoreWeights, OneToThreeRoundTripsWithEachFileHoldingItsShare) {
     }
     buffers.push_back(std::move(buffer));
   }
-  ZINF_ASSERT_OK(engine->WaitAll());
+  ZINF_ASSERT_OK(backend->WaitAll());
   ZINF_ASSERT_OK(store->Sync());
   // Every unit sits where the stripe map says, and reads back through Read().
   for (const TensorSpec& spec : kTensors) {
@@ -355,20 +355,20 @@ TEST(SwapStoreWeights, FullOrVanishedPathIsACleanError) {
   ZINF_ASSERT_OK(store->Reserve(kTensors));
   AioOptions aio;
   aio.block_size = kUnit;
-  ZINF_ASSERT_OK_AND_ASSIGN(auto inner, CreateIoEngine(EngineKind::kPosix, aio, a.path()));
+  ZINF_ASSERT_OK_AND_ASSIGN(auto inner, CreateIoBackend(IoBackendKind::kPosix, aio, a.path()));
   ZINF_ASSERT_OK_AND_ASSIGN(FaultSpec spec, ParseFaultSpec("write:1+:enospc"));
   ZINF_ASSERT_OK_AND_ASSIGN(
-      auto engine,
-      FaultInjectingEngine::Wrap(std::move(inner), std::make_shared<FaultInjector>(spec)));
+      auto backend,
+      FaultInjectingBackend::Wrap(std::move(inner), std::make_shared<FaultInjector>(spec)));
   BufferOptions buffer_options;
   buffer_options.alignment = std::bit_ceil(std::max<std::uint64_t>(store->alignment(), 4096));
   ZINF_ASSERT_OK_AND_ASSIGN(TensorExtent extent, store->Extent("sg1/fp32"));
   ZINF_ASSERT_OK_AND_ASSIGN(AlignedBuffer buffer,
                             AlignedBuffer::Allocate(extent.io_size_bytes, buffer_options));
-  ZINF_ASSERT_OK(store->SubmitWrite("sg1/fp32", buffer.span(), *engine));
-  EXPECT_THAT(engine->WaitAll(),
+  ZINF_ASSERT_OK(store->SubmitWrite("sg1/fp32", buffer.span(), *backend));
+  EXPECT_THAT(backend->WaitAll(),
               StatusIs(ErrorCode::kResourceExhausted, HasSubstr("/rank1/swap.bin")));
-  EXPECT_EQ(engine->pending(), 0u);
+  EXPECT_EQ(backend->pending(), 0u);
   ZINF_ASSERT_OK(store->Close());
 
   fs::remove_all(b.path() + "/zinf-" + options.job_id + "/rank1");
@@ -378,7 +378,7 @@ TEST(SwapStoreWeights, FullOrVanishedPathIsACleanError) {
                        AllOf(HasSubstr("exists on 1 of 2 paths"), HasSubstr(b.path()))));
 }
 
-// A fault in the probe's I/O (ZINF_FAULT_INJECT reaches its engine) fails Open with the error
+// A fault in the probe's I/O (ZINF_FAULT_INJECT reaches its backend) fails Open with the error
 // and the path it happened on, and leaves nothing behind.
 TEST(SwapStoreWeights, ProbeIoErrorNamesThePath) {
   ScratchDir a("weights-a"), b("weights-b");

@@ -578,7 +578,7 @@ TEST(OptimizerSwapper, PipelineFallsBackToSyncWhenThePoolIsTooSmall) {
   EXPECT_EQ(h.swapper().pool().buffer_count(), 4u);
 }
 
-// ---- Faults: one rank's engine fails; every rank must get that error, no rank hangs. ----
+// ---- Faults: one rank's backend fails; every rank must get that error, no rank hangs. ----
 
 enum class FaultAt { kSwapIn, kSwapOut, kGradientWrite };
 
@@ -616,18 +616,18 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
   }
   ASSERT_GE(num_sub_groups, 3u);
   std::string spec;
-  EngineRole role = EngineRole::kRead;
+  IoRole role = IoRole::kRead;
   switch (fault.at) {
     case FaultAt::kSwapIn:
       spec = fmt::format("read:{}:eio", k * num_sub_groups + 2 * k + 1);
       break;
     case FaultAt::kSwapOut:
       spec = fmt::format("write:{}:eio", k * num_sub_groups * 2 + k + 2);
-      role = EngineRole::kWrite;
+      role = IoRole::kWrite;
       break;
     case FaultAt::kGradientWrite:
       spec = "write:1+:eio";
-      role = EngineRole::kGradient;
+      role = IoRole::kGradient;
       break;
   }
   std::shared_ptr<storage::FaultInjector> injector;
@@ -637,15 +637,15 @@ TEST_P(OneRankFails, SameErrorEverywhereAndStateConsistent) {
     injector = std::make_shared<storage::FaultInjector>(*parsed);
   }
   bool armed = false;
-  h.options().engine_wrapper =
-      [&](EngineRole r,
-          std::unique_ptr<storage::IoEngine> engine) -> Result<std::unique_ptr<storage::IoEngine>> {
-    // A state fault wraps both state engines (read and write) in the one injector, which
+  h.options().io_backend_wrapper =
+      [&](IoRole r,
+          std::unique_ptr<storage::IoBackend> backend) -> Result<std::unique_ptr<storage::IoBackend>> {
+    // A state fault wraps both state backends (read and write) in the one injector, which
     // counts the completions of the op it names.
-    const bool state_engine = r != EngineRole::kGradient && role != EngineRole::kGradient;
-    if (!injector || !(r == role || state_engine)) return engine;
+    const bool state_engine = r != IoRole::kGradient && role != IoRole::kGradient;
+    if (!injector || !(r == role || state_engine)) return backend;
     armed = true;
-    return storage::FaultInjectingEngine::Wrap(std::move(engine), injector);
+    return storage::FaultInjectingBackend::Wrap(std::move(backend), injector);
   };
   ZINF_ASSERT_OK(h.Create());
   EXPECT_EQ(armed, world.rank() == failing);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A corpus of at least 30 bad configs, each giving its specific error, end to end: for every
-# tests/launch/bad_configs/NN-name.json, `zinf-train --config NN-name.json --steps 1
+# tests/config/bad_configs/NN-name.json, `zinf-train --config NN-name.json --steps 1
 # --nvme-path <scratch>` (one rank, an MPI singleton) must exit 2 and print exactly one
 # "zinf-train failed: " line that contains the text of NN-name.expect. Command-line overrides are
 # applied to the config before it is parsed, so a flag that would overwrite what a file gets wrong
@@ -17,8 +17,8 @@
 #   bad_configs.sh ZINF_TRAIN ZINF_CKPT MPIEXEC
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-corpus=$(cd "$(dirname "${BASH_SOURCE[0]}")/../bad_configs" && pwd) ||
-  { echo "FAIL: no bad_configs directory next to e2e/" >&2; exit 1; }
+corpus=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../config/bad_configs" && pwd) ||
+  { echo "FAIL: no tests/config/bad_configs directory" >&2; exit 1; }
 e2e_init bad-configs
 mkdir -p "$work/swap"
 

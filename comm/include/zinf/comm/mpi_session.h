@@ -41,7 +41,6 @@ class MpiSession {
 
   // True if this session called MPI_Init_thread (and so will finalize).
   bool owns_mpi() const { return owns_mpi_; }
-  ThreadLevel thread_level() const { return provided_; }
 
   // Frees the world communicator and, if this session initialized MPI, finalizes it. Idempotent.
   // Not collective in the zinf sense (MPI_Finalize is collective over MPI itself).
@@ -57,7 +56,6 @@ class MpiSession {
   std::unique_ptr<Communicator> world_;
   bool owns_mpi_ = false;
   bool finalized_ = false;
-  ThreadLevel provided_ = ThreadLevel::kSingle;
 };
 
 // The thread level MPI provides to this process (MPI_Query_thread), for code that was handed a

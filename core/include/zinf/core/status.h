@@ -27,30 +27,37 @@ namespace zinf {
 
 // Error codes, ordered by severity: when ranks disagree, the highest code wins (see
 // comm::AgreeOnStatus). kOk is never stored in an Error.
+//
+// The one table of them, X(Name, value). The enum (ErrorCode::kName), kErrorCodes,
+// ErrorCodeName ("Name") and the factories (NameError(message)) are all made from it.
+#define ZINF_ERROR_CODES(X)                                                                    \
+  X(Unavailable, 1)        /* transient: EAGAIN, EINTR, a busy resource; retrying may work */  \
+  X(NotFound, 2)           /* a file, key or dataset does not exist */                         \
+  X(AlreadyExists, 3)      /* something to be created exists already */                        \
+  X(InvalidArgument, 4)    /* the caller passed a bad value (config, flag, argument) */        \
+  X(FailedPrecondition, 5) /* the system is not in the state the call needs (permissions) */   \
+  X(ResourceExhausted, 6)  /* out of space, memory, buffers, file descriptors */               \
+  X(Unimplemented, 7)      /* not supported here (kernel feature, build option) */             \
+  X(Aborted, 8)            /* the operation was cancelled, e.g. because another rank failed */ \
+  X(DataLoss, 9)           /* I/O error, checksum mismatch, truncated or corrupted data */     \
+  X(Internal, 10)          /* a broken invariant or an unexpected library failure */
+
 enum class ErrorCode : int {
   kOk = 0,
-  kUnavailable = 1,         // transient: EAGAIN, EINTR, a busy resource; retrying may work
-  kNotFound = 2,            // a file, key or dataset does not exist
-  kAlreadyExists = 3,       // something to be created exists already
-  kInvalidArgument = 4,     // the caller passed a bad value (config, flag, argument)
-  kFailedPrecondition = 5,  // the system is not in the state the call needs (permissions, symlink)
-  kResourceExhausted = 6,   // out of space, memory, buffers, file descriptors
-  kUnimplemented = 7,       // not supported here (kernel feature, build option)
-  kAborted = 8,             // the operation was cancelled, e.g. because another rank failed
-  kDataLoss = 9,            // I/O error, checksum mismatch, truncated or corrupted data
-  kInternal = 10,           // a broken invariant or an unexpected library failure
+#define ZINF_ERROR_CODE_ENUM(name, value) k##name = value,
+  ZINF_ERROR_CODES(ZINF_ERROR_CODE_ENUM)
+#undef ZINF_ERROR_CODE_ENUM
 };
 
 // Every error code (kOk excluded), in order: the list zinf's Python exceptions are checked
 // against (python/zinf/errors.py).
 inline constexpr std::array kErrorCodes = {
-    ErrorCode::kUnavailable,        ErrorCode::kNotFound,
-    ErrorCode::kAlreadyExists,      ErrorCode::kInvalidArgument,
-    ErrorCode::kFailedPrecondition, ErrorCode::kResourceExhausted,
-    ErrorCode::kUnimplemented,      ErrorCode::kAborted,
-    ErrorCode::kDataLoss,           ErrorCode::kInternal};
+#define ZINF_ERROR_CODE_ITEM(name, value) ErrorCode::k##name,
+    ZINF_ERROR_CODES(ZINF_ERROR_CODE_ITEM)
+#undef ZINF_ERROR_CODE_ITEM
+};
 static_assert(static_cast<std::size_t>(kErrorCodes.back()) == kErrorCodes.size(),
-              "a new ErrorCode belongs in kErrorCodes and ErrorCodeName");
+              "error codes are numbered 1..N in order");
 
 // "InvalidArgument", "DataLoss", ...; "Ok" for kOk; "Unknown" for anything else.
 std::string_view ErrorCodeName(ErrorCode code);
@@ -76,7 +83,7 @@ class Error {
   Error WithContext(std::string_view context) &&;
   Error WithContext(std::string_view context) const&;
 
-  // "DataLoss: pread /x offset 4096: Input/output error (errno 5) [io_engine.cc:120]"
+  // "DataLoss: pread /x offset 4096: Input/output error (errno 5) [io_backend.cc:120]"
   std::string ToString() const;
 
  private:
@@ -103,26 +110,13 @@ using Status = Result<void>;
 
 inline Status OkStatus() { return Status(); }
 
-// Factories. The location defaults to the caller's line.
-Error UnavailableError(std::string message,
-                       std::source_location loc = std::source_location::current());
-Error NotFoundError(std::string message,
+// Factories, one per code: UnavailableError(message), ..., InternalError(message). The location
+// defaults to the caller's line.
+#define ZINF_ERROR_CODE_FACTORY(name, value) \
+  Error name##Error(std::string message,     \
                     std::source_location loc = std::source_location::current());
-Error AlreadyExistsError(std::string message,
-                         std::source_location loc = std::source_location::current());
-Error InvalidArgumentError(std::string message,
-                           std::source_location loc = std::source_location::current());
-Error FailedPreconditionError(std::string message,
-                              std::source_location loc = std::source_location::current());
-Error ResourceExhaustedError(std::string message,
-                             std::source_location loc = std::source_location::current());
-Error UnimplementedError(std::string message,
-                         std::source_location loc = std::source_location::current());
-Error AbortedError(std::string message, std::source_location loc = std::source_location::current());
-Error DataLossError(std::string message,
-                    std::source_location loc = std::source_location::current());
-Error InternalError(std::string message,
-                    std::source_location loc = std::source_location::current());
+ZINF_ERROR_CODES(ZINF_ERROR_CODE_FACTORY)
+#undef ZINF_ERROR_CODE_FACTORY
 
 // An error for a failed system call: code from ErrorCodeFromErrno(err), message
 // "<what>: <strerror(err)> (errno <err>)".

@@ -6,8 +6,8 @@
 //
 //   auto session = zinf::comm::MpiSession::Init(&argc, &argv);        // or adopt the host's MPI
 //   const zinf::comm::Communicator& world = session->world();
-//   ZINF_ASSIGN_OR_RETURN(zinf::engine::Config config,
-//                         zinf::engine::LoadConfig(world, "ds.json"));  // collective
+//   ZINF_ASSIGN_OR_RETURN(zinf::config::Config config,
+//                         zinf::config::LoadConfig(world, "ds.json"));  // collective
 //   std::vector<zinf::engine::Param> params = {
 //       {"fc1.weight", {512, 256}, w1, g1},  // std::span<float>: weights, gradients
 //       {"fc1.bias", {512}, b1, gb1}};
@@ -159,8 +159,8 @@
 #include <nlohmann/json.hpp>
 
 #include "zinf/comm/communicator.h"
+#include "zinf/config/config.h"
 #include "zinf/core/status.h"
-#include "zinf/engine/config.h"
 #include "zinf/engine/step_info.h"
 #include "zinf/partition/layout.h"
 #include "zinf/swapper/cpu_adam.h"
@@ -308,7 +308,8 @@ class ZeroEngine {
   // parameter; a trainer state no writer produces is DataLoss, a loss scale outside this config's
   // fp16 range FailedPrecondition: engine/trainer_state.h), all before the store is written.
   static Result<std::unique_ptr<ZeroEngine>> Create(const comm::Communicator& world,
-                                                    const Config& config, std::vector<Param> params,
+                                                    const config::Config& config,
+                                                    std::vector<Param> params,
                                                     const EngineOptions& options = {});
 
   ~ZeroEngine();
@@ -456,14 +457,15 @@ class ZeroEngine {
   const std::string& resumed_from() const;
   const nlohmann::json& user_state() const;
   int resumed_world_size() const;
-  const Config& config() const;
+  const config::Config& config() const;
   const partition::ParamLayout& layout() const;
   const comm::Communicator& world() const;
 
  private:
   friend class Gathered;
   class Impl;  // engine.cc: the state and the parts of each call
-  ZeroEngine(const comm::Communicator& world, const Config& config, const EngineOptions& options);
+  ZeroEngine(const comm::Communicator& world, const config::Config& config,
+             const EngineOptions& options);
 
   std::unique_ptr<Impl> impl_;
 };

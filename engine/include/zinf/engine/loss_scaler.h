@@ -35,7 +35,7 @@
 #include <nlohmann/json.hpp>
 
 #include "zinf/core/status.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 
 namespace zinf::engine {
 
@@ -53,7 +53,7 @@ class LossScaler {
   // allows.
   static constexpr double kMaxDynamicScale = 0x1p64;
 
-  explicit LossScaler(const Fp16Config& config);
+  explicit LossScaler(const config::Fp16Config& config);
 
   // The scale the gradients handed to the next step carry (1 without fp16).
   double scale() const { return state_.scale; }
@@ -67,8 +67,8 @@ class LossScaler {
   Status Update(bool overflow);
 
   // The range of the scale of a dynamic scaler with `config` (see the top).
-  static double MinDynamicScale(const Fp16Config& config);
-  static double MaxDynamicScale(const Fp16Config& config);
+  static double MinDynamicScale(const config::Fp16Config& config);
+  static double MaxDynamicScale(const config::Fp16Config& config);
 
   // The state as JSON for a checkpoint ({"dynamic", "scale", "iteration",
   // "last_overflow_iteration", "hysteresis"}).
@@ -80,7 +80,7 @@ class LossScaler {
   // <= writer.hysteresis. Returns the dynamic state, or nullopt for a static or disabled
   // scaler's (which a resume ignores). Errors: DataLoss naming the key and the state.
   static Result<std::optional<State>> ParseState(const nlohmann::json& saved,
-                                                 const Fp16Config& writer,
+                                                 const config::Fp16Config& writer,
                                                  std::int64_t max_iteration);
   // Continues from a parsed state (ParseState). A dynamic scaler takes a saved dynamic state,
   // its hysteresis left clamped to this config's fp16.hysteresis, and keeps its first scale
@@ -92,7 +92,7 @@ class LossScaler {
   Status Restore(const nlohmann::json& saved);
 
  private:
-  Fp16Config config_;
+  config::Fp16Config config_;
   State state_;
 };
 

@@ -9,7 +9,7 @@
 #include <array>
 #include <cstdint>
 
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 
 namespace zinf::engine {
 
@@ -41,7 +41,7 @@ namespace zinf::engine {
 // WarmupDecayLR), 0 (WarmupCosineLR), the formula (OneCycle: cycle_min_lr; LRRangeTest:
 // min_lr). One difference: past total_num_steps DeepSpeed's cosine rises again (its progress
 // exceeds 1); zinf holds the floor c (the min(1, ...) above).
-double LearningRate(const SchedulerConfig& scheduler, double base_lr,
+double LearningRate(const config::SchedulerConfig& scheduler, double base_lr,
                     std::int64_t last_batch_iteration);
 
 // Adam's betas at the scheduler's `last_batch_iteration` (as LearningRate): `betas` (the
@@ -51,7 +51,7 @@ double LearningRate(const SchedulerConfig& scheduler, double base_lr,
 // and after it beta1 = cycle_max_mom * (1 + decay_mom_rate * d) (cycle_max_mom without decay).
 // DeepSpeed's values, quirks included: beta2 becomes 0.99, and a decaying beta1 grows; a beta1
 // that reaches 1 is an error of the step (CpuAdam refuses it).
-std::array<double, 2> AdamBetas(const SchedulerConfig& scheduler, std::array<double, 2> betas,
+std::array<double, 2> AdamBetas(const config::SchedulerConfig& scheduler, std::array<double, 2> betas,
                                 std::int64_t last_batch_iteration);
 
 }  // namespace zinf::engine

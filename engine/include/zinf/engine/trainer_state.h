@@ -38,7 +38,7 @@
 
 #include "zinf/checkpoint/checkpoint.h"
 #include "zinf/core/status.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/loss_scaler.h"
 #include "zinf/swapper/cpu_adam.h"
 
@@ -59,7 +59,7 @@ struct TrainerState {
 
 // The fp16 block of a checkpoint's stored config, Fp16Config's defaults for the keys it lacks.
 // Errors: DataLoss naming the key for a value of the wrong type or out of the config's range.
-Result<Fp16Config> SavedFp16Config(const nlohmann::json& config);
+Result<config::Fp16Config> SavedFp16Config(const nlohmann::json& config);
 
 // Validates `info.trainer` as described at the top. Errors: DataLoss "<path>: trainer state
 // <key> is <value>, ..." naming the first bad key and its value.

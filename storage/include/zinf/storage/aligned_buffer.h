@@ -1,4 +1,4 @@
-// AlignedBuffer: host memory for engine I/O. Aligned to the direct-I/O alignment of its target
+// AlignedBuffer: host memory for backend I/O. Aligned to the direct-I/O alignment of its target
 // file system, length rounded up to it; optionally locked in RAM (mlock) and, in a CUDA build on a
 // machine with a GPU, registered with the CUDA runtime (cudaHostRegister) so device copies from it
 // run at full speed. Buffers of 2 MiB or more start on a 2 MiB boundary and are advised onto
@@ -7,7 +7,7 @@
 // swapped step 2.5x faster.
 //
 // Move-only; a moved-from buffer is empty. The caller guarantees that no I/O uses the buffer when
-// it is destroyed (engines report every request before they let go of it).
+// it is destroyed (backends report every request before they let go of it).
 #pragma once
 
 #include <cstddef>

@@ -1,9 +1,9 @@
-// Env: the file-system calls zinf makes outside its I/O engines, behind one seam (LevelDB's Env):
+// Env: the file-system calls zinf makes outside its I/O backends, behind one seam (LevelDB's Env):
 // the small-file layer (fs.h), File's open and sizing (file.h), the swap store (its directories,
 // locks and weights file) and the checkpoint commit protocol and write-behind: open, stat, mkdir,
 // rename, unlink, fsync, fallocate, ftruncate, write, read, pwrite, pread, fcntl, flock, fchmod,
-// posix_fadvise, sync_file_range, statfs, readdir, close. The I/O engines' block reads and writes
-// (io_engine.h) have their own fault hook.
+// posix_fadvise, sync_file_range, statfs, readdir, close. The I/O backends' block reads and writes
+// (io_backend.h) have their own fault hook.
 // A test or a run with ZINF_FAULT_INJECT can make any of them fail (FaultInjectingEnv), so the
 // code that handles each failure is exercised, not just written.
 //

@@ -1,19 +1,19 @@
-// Fault injection for the I/O engines: make the Nth block transfer fail with EIO or ENOSPC, report
+// Fault injection for the I/O backends: make the Nth block transfer fail with EIO or ENOSPC, report
 // a short transfer, or ask for a retry (EAGAIN/EINTR), so that tests and end-to-end runs exercise
-// every error and retry path of the engines and of the code above them.
+// every error and retry path of the backends and of the code above them.
 //
-// Faults are injected inside the engines' completion handling (UringEngine, PosixEngine): the
-// real transfer happens, then its result is rewritten before the engine looks at it. So an
-// injected short transfer really makes the engine resubmit the remainder, an injected EAGAIN
+// Faults are injected inside the backends' completion handling (UringBackend, PosixBackend): the
+// real transfer happens, then its result is rewritten before the backend looks at it. So an
+// injected short transfer really makes the backend resubmit the remainder, an injected EAGAIN
 // really makes it retry the block, and an injected EIO/ENOSPC surfaces from Wait() as the error
-// the engine builds for a real one (op, path, offset, length, errno; DataLoss / ResourceExhausted).
+// the backend builds for a real one (op, path, offset, length, errno; DataLoss / ResourceExhausted).
 //
-// Spec syntax (code: ParseFaultSpec; environment: ZINF_FAULT_INJECT, applied by CreateIoEngine):
+// Spec syntax (code: ParseFaultSpec; environment: ZINF_FAULT_INJECT, applied by CreateIoBackend):
 //
 //   ZINF_FAULT_INJECT="write:3:eio,read:1:short,read:2:eagain,rank=1"
 //
 //   rule   := OP ':' N ['+'] ':' KIND
-//   OP     := read | write | any                      the engines' block transfers
+//   OP     := read | write | any                      the backends' block transfers
 //           | open | stat | mkdir | rename | unlink | fsync | fallocate | fwrite | fread
 //           | pwrite | pread | ftruncate | fcntl | flock | fchmod | fadvise
 //           | sync_file_range | statfs | readdir | close
@@ -33,10 +33,10 @@
 //
 // Rules are separated by commas; whitespace around tokens is ignored. A malformed spec is
 // InvalidArgument naming the bad token. The environment spec has one process-wide injector, shared
-// by every engine CreateIoEngine makes, so "the 3rd write" counts across engines.
+// by every backend CreateIoBackend makes, so "the 3rd write" counts across backends.
 //
-// Thread safety: FaultInjector is thread safe (engines call it from their worker threads).
-// FaultInjectingEngine has the IoEngine threading contract.
+// Thread safety: FaultInjector is thread safe (backends call it from their worker threads).
+// FaultInjectingBackend has the IoBackend threading contract.
 #pragma once
 
 #include <atomic>
@@ -48,7 +48,7 @@
 #include <vector>
 
 #include "zinf/core/status.h"
-#include "zinf/storage/io_engine.h"
+#include "zinf/storage/io_backend.h"
 
 namespace zinf::storage {
 
@@ -82,8 +82,8 @@ inline constexpr int kNumFsOps = static_cast<int>(FsOp::kClose) + 1;
 std::string_view FsOpName(FsOp op);  // "open", ..., "fwrite", ...
 
 struct FaultRule {
-  std::optional<IoOp> op;     // nullopt: any engine op (unless fs_op is set)
-  std::optional<FsOp> fs_op;  // set: the rule is for this Env call, not for engines
+  std::optional<IoOp> op;     // nullopt: any backend op (unless fs_op is set)
+  std::optional<FsOp> fs_op;  // set: the rule is for this Env call, not for backends
   std::uint64_t nth = 1;      // 1-based count of block completions of `op`
   bool and_later = false;     // also every completion after the nth
   FaultKind kind = FaultKind::kEio;
@@ -103,8 +103,8 @@ class FaultInjector {
  public:
   explicit FaultInjector(FaultSpec spec);
 
-  // Called by an engine once per block completion with the kernel's result (`result` bytes moved,
-  // or -errno) and the file's alignment; returns the result the engine must act on.
+  // Called by a backend once per block completion with the kernel's result (`result` bytes moved,
+  // or -errno) and the file's alignment; returns the result the backend must act on.
   std::int64_t Apply(IoOp op, std::int64_t result, std::uint64_t alignment);
 
   // Called by FaultInjectingEnv once per call of `op`: 0 to make the call, else the errno to
@@ -134,12 +134,12 @@ class FaultInjector {
 // rank; one shared instance per distinct spec text. Errors: InvalidArgument for a malformed spec.
 Result<std::shared_ptr<FaultInjector>> FaultInjectorFromEnv();
 
-// An engine whose block completions pass through `injector`. Takes ownership of `inner`, which must
-// be an engine made by CreateIoEngine (directly or unwrapped); other IoEngine implementations have
+// A backend whose block completions pass through `injector`. Takes ownership of `inner`, which must
+// be a backend made by CreateIoBackend (directly or unwrapped); other IoBackend implementations have
 // no completion hook and give Unimplemented. Replaces any injector already attached to `inner`.
-class FaultInjectingEngine final : public IoEngine {
+class FaultInjectingBackend final : public IoBackend {
  public:
-  static Result<std::unique_ptr<IoEngine>> Wrap(std::unique_ptr<IoEngine> inner,
+  static Result<std::unique_ptr<IoBackend>> Wrap(std::unique_ptr<IoBackend> inner,
                                                 std::shared_ptr<FaultInjector> injector);
 
   std::string_view name() const override { return name_; }
@@ -158,8 +158,8 @@ class FaultInjectingEngine final : public IoEngine {
   FaultInjector& injector() { return *injector_; }
 
  private:
-  FaultInjectingEngine(std::unique_ptr<IoEngine> inner, std::shared_ptr<FaultInjector> injector);
-  std::unique_ptr<IoEngine> inner_;
+  FaultInjectingBackend(std::unique_ptr<IoBackend> inner, std::shared_ptr<FaultInjector> injector);
+  std::unique_ptr<IoBackend> inner_;
   std::shared_ptr<FaultInjector> injector_;
   std::string name_;
 };

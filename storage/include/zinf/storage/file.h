@@ -1,4 +1,4 @@
-// File: an owned file descriptor opened for engine I/O, with what the engines need to know about
+// File: an owned file descriptor opened for backend I/O, with what the backends need to know about
 // it: its path (for error messages), whether it is O_DIRECT, and the direct-I/O alignment.
 //
 // Alignment comes from the file system: statx(STATX_DIOALIGN) where the kernel has it, else the

@@ -29,7 +29,7 @@
 //
 // Weights. `path_weights` gives them; with `probe_path_weights` Open measures each path, one
 // after the other (an O_DIRECT write and read of `probe_bytes`, twice, keeping the faster of
-// each, through an IoEngine, in probe.tmp) and uses the ratios of (bytes read + written) / time
+// each, through an IoBackend, in probe.tmp) and uses the ratios of (bytes read + written) / time
 // (StripeMap::FromRatios; paths within 15% of each other get equal shares); neither: equal
 // shares. The manifest records the weights in effect, and a resumed store uses those, whatever
 // the options say (an INFO line when they differ).
@@ -91,7 +91,7 @@
 //
 // Thread safety: Open/Reserve/Sync/Close must not run concurrently with any other call. Between
 // them, Submit*/Read/Write/VerifyRead and the accessors may be called from several threads (the
-// checksum table is locked); each engine keeps its own threading rule (see io_engine.h).
+// checksum table is locked); each backend keeps its own threading rule (see io_backend.h).
 //
 // Ownership: the store owns its files and directory descriptors. Requests it submits point at
 // its File objects: every request must have been waited for before Close() or destruction.
@@ -115,7 +115,7 @@
 #include "zinf/core/status.h"
 #include "zinf/storage/file.h"
 #include "zinf/storage/fs.h"
-#include "zinf/storage/io_engine.h"
+#include "zinf/storage/io_backend.h"
 #include "zinf/storage/stripe_map.h"
 
 namespace zinf::storage {
@@ -147,10 +147,10 @@ struct SwapStoreOptions {
   std::vector<std::uint32_t> path_weights;
   // Measure each path's bandwidth at Open and use the ratios as the weights (new stores only;
   // not with path_weights). The probe writes and reads `probe_bytes` per path, one path after
-  // the other, through an engine of `probe_engine` and `probe_aio`.
+  // the other, through a backend of `probe_backend` and `probe_aio`.
   bool probe_path_weights = false;
   std::uint64_t probe_bytes = 32 << 20;
-  EngineKind probe_engine = EngineKind::kAuto;
+  IoBackendKind probe_backend = IoBackendKind::kAuto;
   AioOptions probe_aio;
 };
 
@@ -205,7 +205,7 @@ class SwapStore {
   // or file is owned by another uid, a resumed store is incomplete or its manifest disagrees
   // with `options` on stripe unit or path count); DataLoss (a corrupt manifest, bad weights in
   // it included, and a version 3 manifest whose checksum does not match); errors of the probe's
-  // engine and I/O, naming the path; AlreadyExists (the rank directory exists and `resume` is
+  // backend and I/O, naming the path; AlreadyExists (the rank directory exists and `resume` is
   // false, or a live instance holds it; with reclaim_stale, one that is not provably a store,
   // the message saying why and naming `rm -rf <dir>`); Unavailable (a job directory stayed
   // locked exclusively for 30 s, or was removed under us again and again; the rank directory was
@@ -265,27 +265,27 @@ class SwapStore {
 
   // Asynchronous I/O: splits the tensor (or the range [offset_bytes, offset_bytes + length_bytes)
   // of it) into per-stripe-unit requests on the right files and offsets, submits them to
-  // `engine` and returns their ids; the caller waits for them on `engine` and keeps `buffer`
+  // `backend` and returns their ids; the caller waits for them on `backend` and keeps `buffer`
   // alive and untouched until then. buffer[0] is the range's first byte; the buffer's address
   // must be aligned to alignment() and its size at least AlignUp(length, alignment()).
   // offset_bytes must be a multiple of alignment(), and length_bytes too unless the range ends
   // at the end of the tensor. SubmitWrite records checksums (verify_swap) at submit time.
-  // Errors: NotFound, InvalidArgument (range, buffer size or alignment), engine Submit errors
-  // (requests already submitted before an error stay in the engine: wait for them).
+  // Errors: NotFound, InvalidArgument (range, buffer size or alignment), backend Submit errors
+  // (requests already submitted before an error stay in the backend: wait for them).
   Result<std::vector<std::uint64_t>> SubmitWrite(std::string_view name,
                                                  std::span<const std::byte> buffer,
-                                                 IoEngine& engine);
+                                                 IoBackend& backend);
   Result<std::vector<std::uint64_t>> SubmitRead(std::string_view name, std::span<std::byte> buffer,
-                                                IoEngine& engine);
+                                                IoBackend& backend);
   Result<std::vector<std::uint64_t>> SubmitWriteRange(std::string_view name,
                                                       std::uint64_t offset_bytes,
                                                       std::uint64_t length_bytes,
                                                       std::span<const std::byte> buffer,
-                                                      IoEngine& engine);
+                                                      IoBackend& backend);
   Result<std::vector<std::uint64_t>> SubmitReadRange(std::string_view name,
                                                      std::uint64_t offset_bytes,
                                                      std::uint64_t length_bytes,
-                                                     std::span<std::byte> buffer, IoEngine& engine);
+                                                     std::span<std::byte> buffer, IoBackend& backend);
 
   // After an asynchronous read completed: checks the recorded checksums of the stripe units that
   // [offset_bytes, offset_bytes + data.size()) covers completely (data[0] is the byte at
@@ -405,7 +405,7 @@ class SwapStore {
   Result<std::vector<std::uint64_t>> SubmitRange(IoOp op, std::string_view name,
                                                  std::uint64_t offset_bytes,
                                                  std::uint64_t length_bytes,
-                                                 std::span<std::byte> buffer, IoEngine& engine);
+                                                 std::span<std::byte> buffer, IoBackend& backend);
   // Records (or, with `invalidate`, forgets) the checksums of the units `data` touches.
   void RecordChecksums(std::size_t tensor_index, std::uint64_t offset_bytes,
                        std::span<const std::byte> data, bool invalidate = false);

@@ -15,7 +15,7 @@
 //
 // Ownership: the pool owns its buffers; a PoolLease borrows some of them and must not outlive the
 // pool (checked at pool destruction). A lease's buffers must not be in use by any I/O when the
-// lease is destroyed or released (the swappers drain their engines first).
+// lease is destroyed or released (the swappers drain their backends first).
 //
 // Thread safety: Allocate/AllocateAll/free_count and lease destruction may be called from several
 // threads (a mutex guards the free list). A PoolLease itself is used by one thread at a time.
@@ -100,7 +100,7 @@ class BufferPool {
   std::uint64_t total_bytes() const { return buffer_bytes_ * buffers_.size(); }
   std::uint64_t budget_bytes() const { return budget_bytes_; }
   bool pinned() const { return pinned_; }
-  // Every buffer, for IoEngine::RegisterBuffers.
+  // Every buffer, for IoBackend::RegisterBuffers.
   std::vector<std::span<std::byte>> AllBuffers();
 
  private:

@@ -21,7 +21,7 @@
 // (the caller must recompute the micro-batches).
 //
 // Ownership and thread safety: owned by an OptimizerSwapper (it uses that swapper's store and
-// pool and has its own engine). One thread at a time.
+// pool and has its own backend). One thread at a time.
 #pragma once
 
 #include <cstddef>
@@ -33,7 +33,7 @@
 
 #include "zinf/comm/timers.h"
 #include "zinf/core/status.h"
-#include "zinf/storage/io_engine.h"
+#include "zinf/storage/io_backend.h"
 #include "zinf/storage/swap_store.h"
 #include "zinf/swapper/buffer_pool.h"
 #include "zinf/swapper/optimizer_swapper.h"
@@ -46,7 +46,7 @@ class GradientSwapper {
   // gradient split and tensor names; `store`, `pool` and `timers` must outlive this object.
   GradientSwapper(GradientAccumulation mode, int gradient_accumulation_steps,
                   const std::vector<SubGroupSwapInfo>* infos, std::uint64_t partition_numel,
-                  storage::SwapStore* store, std::unique_ptr<storage::IoEngine> engine,
+                  storage::SwapStore* store, std::unique_ptr<storage::IoBackend> backend,
                   BufferPool* pool, comm::Timers* timers);
   ~GradientSwapper();
   GradientSwapper(const GradientSwapper&) = delete;
@@ -78,7 +78,7 @@ class GradientSwapper {
   // A free write-behind buffer (leased from the pool on first use); waits for the writes in
   // flight when every buffer is busy.
   Result<std::size_t> AcquireBuffer(std::uint64_t numel);
-  // Waits for every request on the engine; all buffers are free afterwards.
+  // Waits for every request on the backend; all buffers are free afterwards.
   Status DrainAll();
   void Record(const Status& status);
 
@@ -86,7 +86,7 @@ class GradientSwapper {
   int gradient_accumulation_steps_;
   const std::vector<SubGroupSwapInfo>* infos_;
   storage::SwapStore* store_;
-  std::unique_ptr<storage::IoEngine> engine_;
+  std::unique_ptr<storage::IoBackend> backend_;
   BufferPool* pool_;
   comm::Timers* timers_;
   std::vector<float> in_memory_;                // kInMemory: the partition's gradient

@@ -45,7 +45,7 @@
 // has been drained: no buffer goes back to the pool under an in-flight operation. ReadState,
 // WriteState and the gradient swapper's SwapOut are local.
 //
-// Ownership and thread safety: the swapper owns its store, engines, pool, gradient swapper and
+// Ownership and thread safety: the swapper owns its store, backends, pool, gradient swapper and
 // CpuAdam, and a dup of `comm`. One thread at a time (the callbacks run on the calling thread).
 #pragma once
 
@@ -69,7 +69,7 @@
 #include "zinf/partition/plan.h"
 #include "zinf/partition/sub_group.h"
 #include "zinf/storage/aligned_buffer.h"
-#include "zinf/storage/io_engine.h"
+#include "zinf/storage/io_backend.h"
 #include "zinf/storage/swap_store.h"
 #include "zinf/swapper/buffer_pool.h"
 #include "zinf/swapper/cpu_adam.h"
@@ -106,9 +106,9 @@ Q8Moments ViewQ8Moments(std::span<std::byte> buffer, const Q8MomentsLayout& layo
 // plus Q8MomentsLayout's bytes).
 std::uint64_t SubGroupStateBytes(std::uint64_t numel, StateFormat format, std::uint64_t alignment);
 
-// Which engine an EngineWrapper is asked to wrap.
-enum class EngineRole { kRead, kWrite, kGradient };
-std::string_view EngineRoleName(EngineRole role);  // "read", "write", "gradient"
+// Which backend an IoBackendWrapper is asked to wrap.
+enum class IoRole { kRead, kWrite, kGradient };
+std::string_view EngineRoleName(IoRole role);  // "read", "write", "gradient"
 
 // Where Step takes a sub-group's gradient (sub_group.numel elements; padding elements should be
 // 0), in one of two ways:
@@ -153,9 +153,9 @@ using ParamSink =
 // Fills the initial fp32 weights of partition range [partition_offset, partition_offset +
 // out.size()).
 using InitialWeights = std::function<Status(std::uint64_t partition_offset, std::span<float> out)>;
-// Tests: wraps an engine the swapper created (e.g. in a storage::FaultInjectingEngine).
-using EngineWrapper = std::function<Result<std::unique_ptr<storage::IoEngine>>(
-    EngineRole role, std::unique_ptr<storage::IoEngine> engine)>;
+// Tests: wraps a backend the swapper created (e.g. in a storage::FaultInjectingBackend).
+using IoBackendWrapper = std::function<Result<std::unique_ptr<storage::IoBackend>>(
+    IoRole role, std::unique_ptr<storage::IoBackend> backend)>;
 
 // How the GradientSwapper accumulates micro-batches.
 enum class GradientAccumulation {
@@ -170,7 +170,7 @@ struct SwapperOptions {
   // by the rank in `comm`.
   storage::SwapStoreOptions store;
   storage::AioOptions aio;                                         // DeepSpeed's aio section
-  storage::EngineKind engine = storage::EngineKind::kAuto;         // ZINF_IO_ENGINE overrides
+  storage::IoBackendKind backend = storage::IoBackendKind::kAuto;         // ZINF_IO_ENGINE overrides
   std::uint64_t sub_group_size = partition::kDefaultSubGroupSize;  // elements per sub-group
   // Pool: zinf.pinned_budget_bytes; 0: buffer_count buffers of the largest sub-group.
   std::uint64_t pinned_budget_bytes = 0;
@@ -202,7 +202,7 @@ struct SwapperOptions {
   GradientAccumulation accumulation = GradientAccumulation::kAuto;
   std::uint64_t accumulation_memory_limit_bytes = 256ull << 20;    // kAuto: in memory up to this
   std::uint64_t min_swap_numel = partition::kDefaultMinSwapNumel;  // smaller pieces stay in RAM
-  EngineWrapper engine_wrapper;  // tests only: e.g. attach a FaultInjector
+  IoBackendWrapper io_backend_wrapper;  // tests only: e.g. attach a FaultInjector
 };
 
 // Per sub-group swap information (DeepSpeed's SwapInfo).
@@ -262,16 +262,16 @@ class OptimizerSwapper {
   // at least out.size() * 4 + 2 x the store's alignment bytes: for a reader whose pool buffers
   // may all be leased, e.g. by the gradient swapper in the middle of a micro-batch).
   // Errors: InvalidArgument (range, staging too small), ResourceExhausted (no free buffer), I/O
-  // errors. `engine` (default: the swapper's read engine) is one from CreateReaderEngine for a
+  // errors. `backend` (default: the swapper's read backend) is one from CreateReaderBackend for a
   // reader on another thread: with it, ReadState of the fp32 weights may run there while this
   // thread makes any call but Step, WriteState, WriteQ8State and Close (those change what the
   // committed state is).
   Status ReadState(std::size_t sub_group, StateTensor which, std::uint64_t offset_elems,
                    std::span<float> out, std::span<std::byte> staging = {},
-                   storage::IoEngine* engine = nullptr);
-  // Local: an engine like the swapper's own (kind, options, options.engine_wrapper as a read
-  // engine) for ReadState on another thread; no pool buffers are registered with it.
-  Result<std::unique_ptr<storage::IoEngine>> CreateReaderEngine() const;
+                   storage::IoBackend* backend = nullptr);
+  // Local: a backend like the swapper's own (kind, options, options.io_backend_wrapper as a read
+  // backend) for ReadState on another thread; no pool buffers are registered with it.
+  Result<std::unique_ptr<storage::IoBackend>> CreateReaderBackend() const;
   // (q8: the moments are dequantized from the sub-group's whole moments tensor.)
   // Local. Writes a whole new state of a sub-group (e.g. restored from a checkpoint):
   // `fill(which, span)` fills each state tensor (sub-group numel elements), the state goes to the
@@ -296,7 +296,7 @@ class OptimizerSwapper {
   // committing: Step's caller then commits it, which makes it as if Step had stepped it with the
   // same arguments, or discards it, which leaves the committed state as it was. Speculate and
   // FinishSpeculation may run on a thread other than the swapper's (one at a time) while that
-  // thread makes no call but ReadState and the accessors: they use engines of their own, pool
+  // thread makes no call but ReadState and the accessors: they use backends of their own, pool
   // buffers, and spare slots beyond the one Step needs (SwapperOptions::speculative_slots).
   //
   // A resident sub-group is speculated into the second copy of its state
@@ -376,24 +376,24 @@ class OptimizerSwapper {
   struct Parts;  // what Create builds; see optimizer_swapper.cc
   OptimizerSwapper(std::string_view mode_name, Parts&& parts);
 
-  // What an engine has reported so far to IoBatch::WaitFor: the ids completed, and the first
-  // failure (whose request is not known: an engine reports failures without ids).
+  // What a backend has reported so far to IoBatch::WaitFor: the ids completed, and the first
+  // failure (whose request is not known: a backend reports failures without ids).
   struct Completions {
     std::unordered_set<std::uint64_t> ids;
     std::optional<Error> failure;
   };
-  // The requests one engine has in flight for one sub-group, labelled for error messages.
+  // The requests one backend has in flight for one sub-group, labelled for error messages.
   class IoBatch {
    public:
     void Add(const std::vector<std::uint64_t>& ids, std::string label);
     bool empty() const { return ids_.empty(); }
-    // Drains `engine` (every pending request); on failure the error names the failed labels.
-    Status Wait(storage::IoEngine& engine);
-    // Waits until this batch's requests have completed, leaving the engine's other requests in
-    // flight; `seen` collects what the engine reports, for the engine's other batches. After a
-    // failure on the engine it drains the engine and fails if any of its requests did not
+    // Drains `backend` (every pending request); on failure the error names the failed labels.
+    Status Wait(storage::IoBackend& backend);
+    // Waits until this batch's requests have completed, leaving the backend's other requests in
+    // flight; `seen` collects what the backend reports, for the backend's other batches. After a
+    // failure on the backend it drains the backend and fails if any of its requests did not
     // complete (naming their labels). Empties the batch.
-    Status WaitFor(storage::IoEngine& engine, Completions* seen);
+    Status WaitFor(storage::IoBackend& backend, Completions* seen);
 
    private:
     std::vector<std::uint64_t> ids_;
@@ -418,19 +418,19 @@ class OptimizerSwapper {
   void CopyState(std::size_t sub_group, const StateBuffers& from, const StateBuffers& to) const;
 
   Status SubmitStateRead(std::size_t sub_group, std::size_t tensor, std::span<std::byte> buffer,
-                         storage::IoEngine& engine, IoBatch* batch);
+                         storage::IoBackend& backend, IoBatch* batch);
   Status SubmitStateReads(std::size_t sub_group, const StateBuffers& buffers,
-                          storage::IoEngine& engine, IoBatch* batch);
+                          storage::IoBackend& backend, IoBatch* batch);
   Status VerifyStateReads(std::size_t sub_group, const StateBuffers& buffers) const;
   // Takes the spare slot and submits the writes of the slot tensors to it, in `order` (default
   // 0, 1, ...); one request list per tensor goes to `batches[t]` (or all to batches[0]).
   Result<std::size_t> SubmitStateWrites(std::size_t sub_group, const StateBuffers& buffers,
-                                        storage::IoEngine& engine, std::span<IoBatch> batches,
+                                        storage::IoBackend& backend, std::span<IoBatch> batches,
                                         std::span<const std::size_t> order = {});
   // Local: reads bytes [begin, begin + buffer.size()) of slot tensor `name` (I/O-aligned) into
-  // `buffer` on `engine`, waits and verifies (verify_swap); errors prefixed by `context`.
+  // `buffer` on `backend`, waits and verifies (verify_swap); errors prefixed by `context`.
   Status ReadSlotTensor(const std::string& name, std::uint64_t begin, std::span<std::byte> buffer,
-                        const std::string& context, storage::IoEngine& engine);
+                        const std::string& context, storage::IoBackend& backend);
   // Makes `buffers` the committed state of the sub-group at `step`: written to the spare slot
   // and committed, or copied into its resident memory.
   Status WriteAndCommit(std::size_t sub_group, std::int64_t step, const StateBuffers& buffers,
@@ -467,10 +467,10 @@ class OptimizerSwapper {
   // Ends a Step: agrees on `local` over comm_.
   Status FinishStep(std::int64_t step, Status local);
 
-  storage::IoEngine& read_engine() { return *read_engine_; }
-  // Both swappers read on one engine and write on another (a ring and thread each), so that
+  storage::IoBackend& read_engine() { return *read_engine_; }
+  // Both swappers read on one backend and write on another (a ring and thread each), so that
   // reads and writes overlap.
-  storage::IoEngine& write_engine() { return *write_engine_; }
+  storage::IoBackend& write_engine() { return *write_engine_; }
 
   SwapperOptions options_;
   comm::Communicator comm_;
@@ -478,8 +478,8 @@ class OptimizerSwapper {
   partition::SubGroupPlan sub_groups_;
   std::vector<SubGroupSwapInfo> infos_;
   std::unique_ptr<storage::SwapStore> store_;
-  std::unique_ptr<storage::IoEngine> read_engine_;
-  std::unique_ptr<storage::IoEngine> write_engine_;
+  std::unique_ptr<storage::IoBackend> read_engine_;
+  std::unique_ptr<storage::IoBackend> write_engine_;
   std::unique_ptr<BufferPool> pool_;
   std::unique_ptr<GradientSwapper> gradient_swapper_;
   CpuAdam adam_;
@@ -491,7 +491,7 @@ class OptimizerSwapper {
   std::vector<std::vector<storage::AlignedBuffer>> resident_;
   // A resident sub-group whose in-place WriteState failed: its state is lost until one succeeds.
   std::vector<bool> damaged_;
-  // Speculation: per sub-group the slot and step of its speculated state, if any; the engines,
+  // Speculation: per sub-group the slot and step of its speculated state, if any; the backends,
   // and the writes in flight (optimizer_swapper.cc).
   struct Speculated {
     std::size_t slot = 0;  // kResidentSlot: in resident_spare_
@@ -539,11 +539,11 @@ Result<SwapperHostPlan> PlanSwapperHostMemory(const partition::PartitionPlan& pl
 // pipeline_read or pipeline_write is set and the pool holds PipelinedOptimizerSwapper::MinBuffers
 // (fp32: 10, q8: 7), else the synchronous PartitionedOptimizerSwapper (with a WARN line
 // when a pipeline was asked for but the budget is too small). Steps: sub-group plan of this rank,
-// store Open, pool, engines, collective free-space preflight (bytes summed per file system over the
-// ranks of each node), Reserve. Logs (rank 0) the mode, sub-groups, pool size, engines and store.
+// store Open, pool, backends, collective free-space preflight (bytes summed per file system over the
+// ranks of each node), Reserve. Logs (rank 0) the mode, sub-groups, pool size, backends and store.
 // Errors (same on every rank): InvalidArgument (options), ResourceExhausted (pool budget below 4
 // buffers, q8: 3, naming the minimum; not enough disk space on a node, naming host, path, needed
-// and available bytes), store and engine errors. The pool's buffers hold one fp32 tensor of the
+// and available bytes), store and backend errors. The pool's buffers hold one fp32 tensor of the
 // largest sub-group each, so a q8 sub-group needs 3 of them instead of 4: the same budget takes 4/3
 // larger sub-groups.
 Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(

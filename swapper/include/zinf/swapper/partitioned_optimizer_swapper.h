@@ -5,7 +5,7 @@
 // Step() steps the resident sub-groups (host memory tier) while the first swapped sub-group is
 // read, then for each swapped sub-group i, with n slot tensors in n + 1 buffers:
 //   wait for i's reads; fill its gradient (unless done ahead); Adam;
-//   write i's tensors 1..n-1, then 0 (fp32) to the spare slot, on the write engine;
+//   write i's tensors 1..n-1, then 0 (fp32) to the spare slot, on the write backend;
 //   read the next sub-group j's tensor 1 into the gradient buffer, free now, and each tensor
 //     t >= 2 of j into the buffer of i's tensor t - 1 as soon as that one is written;
 //   once all of i's writes are done: commit, sink (bf16 scratch: the buffer of tensor n - 1),

@@ -41,7 +41,10 @@ namespace zinf::swapper {
 //   kQ8:   fp32 weights, exp_avg and exp_avg_sq as this codec's 8-bit codes plus one fp32 scale
 //          per block each (6 + 8 / kBlockNumel bytes per element).
 enum class StateFormat { kFp32 = 0, kQ8 = 1 };
-std::string_view StateFormatName(StateFormat format);  // "fp32", "q8"
+// The formats' names, indexed by StateFormat: the one list zinf.optimizer_state and the benches'
+// --optimizer-state accept.
+inline constexpr std::array<std::string_view, 2> kStateFormatNames = {"fp32", "q8"};
+std::string_view StateFormatName(StateFormat format);  // kStateFormatNames[format]
 
 }  // namespace zinf::swapper
 

@@ -1,8 +1,8 @@
-// Private to zinf::storage: what UringEngine and PosixEngine share. EngineBase owns the request
+// Private to zinf::storage: what UringBackend and PosixBackend share. BackendBase owns the request
 // bookkeeping (ids, per-request part counts, the completion queue, Wait semantics) and request
-// validation; an engine only implements Dispatch (hand the parts of a request to its workers) and
+// validation; a backend only implements Dispatch (hand the parts of a request to its workers) and
 // reports each part with FinishPart. BlockProgress holds the one result-checking routine both
-// engines run on every completion.
+// backends run on every completion.
 #pragma once
 
 #include <atomic>
@@ -20,7 +20,7 @@
 #include "zinf/core/status.h"
 #include "zinf/storage/fault_injection.h"
 #include "zinf/storage/file.h"
-#include "zinf/storage/io_engine.h"
+#include "zinf/storage/io_backend.h"
 
 namespace zinf::storage::internal {
 
@@ -36,7 +36,7 @@ Status ValidateOptions(const AioOptions& options);
 struct RequestState {
   std::uint64_t id = 0;
   IoRequest request;
-  // Guarded by EngineBase::mu_ once the request is dispatched.
+  // Guarded by BackendBase::mu_ once the request is dispatched.
   int parts_left = 0;
   std::uint64_t bytes_done = 0;
   std::optional<Error> error;
@@ -78,10 +78,10 @@ enum class BlockNext { kDone, kResubmit, kFailed };
 BlockNext ApplyResult(BlockProgress* block, std::int64_t result, FaultInjector* injector,
                       std::optional<Error>* error);
 
-class EngineBase : public IoEngine {
+class BackendBase : public IoBackend {
  public:
-  EngineBase(std::string name, const AioOptions& options);
-  ~EngineBase() override;
+  BackendBase(std::string name, const AioOptions& options);
+  ~BackendBase() override;
 
   std::string_view name() const override { return name_; }
   const AioOptions& options() const override { return options_; }
@@ -91,7 +91,7 @@ class EngineBase : public IoEngine {
 
   // Attaches (or with nullptr detaches) the completion hook. Call while nothing is pending.
   void SetFaultInjector(std::shared_ptr<FaultInjector> injector);
-  // Makes the next id 1 again, after CreateIoEngine's probe used the engine. Nothing pending.
+  // Makes the next id 1 again, after CreateIoBackend's probe used the backend. Nothing pending.
   void ResetIds() { next_id_ = 1; }
 
  protected:
@@ -115,9 +115,9 @@ class EngineBase : public IoEngine {
   std::deque<std::unique_ptr<RequestState>> completed_;  // guarded by mu_
 };
 
-// The two engines; CreateIoEngine picks one.
-Result<std::unique_ptr<EngineBase>> CreateUringEngine(const AioOptions& options);
-Result<std::unique_ptr<EngineBase>> CreatePosixEngine(const AioOptions& options);
+// The two backends; CreateIoBackend picks one.
+Result<std::unique_ptr<BackendBase>> CreateUringBackend(const AioOptions& options);
+Result<std::unique_ptr<BackendBase>> CreatePosixBackend(const AioOptions& options);
 
 // "" if io_uring may be used, else why not (sysctl kernel.io_uring_disabled).
 std::string UringDisabledReason();

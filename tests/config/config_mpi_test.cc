@@ -8,7 +8,7 @@
 #include "testing/mpi_env.h"
 #include "testing/status_matchers.h"
 #include "train/train_config.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 
 namespace zinf::train {
 namespace {
@@ -25,8 +25,8 @@ constexpr const char* kConfig = R"({
       "device": "nvme", "nvme_path": ["/tmp/zinf-a{local_rank}", "/tmp/zinf-b{node}"]}}
 })";
 
-using engine::CheckSameConfigOnAllRanks;
-using engine::ContextOf;
+using config::CheckSameConfigOnAllRanks;
+using config::ContextOf;
 
 TEST(CheckSameConfigOnAllRanks, SameFileAgreesWhateverTheLocalRank) {
   const comm::Communicator& world = World();

@@ -1,4 +1,4 @@
-#include "zinf/storage/io_engine.h"
+#include "zinf/storage/io_backend.h"
 
 #include <unistd.h>
 
@@ -11,7 +11,7 @@
 
 #include <fmt/format.h>
 
-#include "io_engine_internal.h"
+#include "io_backend_internal.h"
 #include "zinf/core/env.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
@@ -22,27 +22,21 @@ namespace zinf::storage {
 
 std::string_view IoOpName(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
 
-std::string_view EngineKindName(EngineKind kind) {
-  switch (kind) {
-    case EngineKind::kAuto:
-      return "auto";
-    case EngineKind::kUring:
-      return "uring";
-    case EngineKind::kPosix:
-      return "posix";
-  }
-  return "unknown";
+std::string_view IoBackendKindName(IoBackendKind kind) {
+  const auto index = static_cast<std::size_t>(kind);
+  return index < kIoBackendNames.size() ? kIoBackendNames[index] : "unknown";
 }
 
-Result<EngineKind> ParseEngineKind(std::string_view text) {
-  if (text == "auto") return EngineKind::kAuto;
-  if (text == "uring" || text == "io_uring") return EngineKind::kUring;
-  if (text == "posix") return EngineKind::kPosix;
+Result<IoBackendKind> ParseIoBackendKind(std::string_view text) {
+  for (std::size_t i = 0; i < kIoBackendNames.size(); ++i) {
+    if (text == kIoBackendNames[i]) return static_cast<IoBackendKind>(i);
+  }
+  if (text == "io_uring") return IoBackendKind::kUring;
   return InvalidArgumentError(
       fmt::format("unknown I/O engine '{}': expected uring, posix or auto", text));
 }
 
-Status IoEngine::RegisterBuffers(std::span<const std::span<std::byte>> /*buffers*/) {
+Status IoBackend::RegisterBuffers(std::span<const std::span<std::byte>> /*buffers*/) {
   if (pending() != 0) {
     return FailedPreconditionError(
         fmt::format("RegisterBuffers with {} requests pending", pending()));
@@ -50,7 +44,7 @@ Status IoEngine::RegisterBuffers(std::span<const std::span<std::byte>> /*buffers
   return OkStatus();
 }
 
-Status IoEngine::WaitAll() {
+Status IoBackend::WaitAll() {
   Status first = OkStatus();
   std::vector<IoCompletion> done;
   while (pending() > 0) {
@@ -146,16 +140,16 @@ BlockNext ApplyResult(BlockProgress* block, std::int64_t result, FaultInjector* 
   return BlockNext::kResubmit;
 }
 
-EngineBase::EngineBase(std::string name, const AioOptions& options)
+BackendBase::BackendBase(std::string name, const AioOptions& options)
     : name_(std::move(name)), options_(options) {}
 
-EngineBase::~EngineBase() = default;
+BackendBase::~BackendBase() = default;
 
-void EngineBase::SetFaultInjector(std::shared_ptr<FaultInjector> injector) {
+void BackendBase::SetFaultInjector(std::shared_ptr<FaultInjector> injector) {
   injector_ = std::move(injector);
 }
 
-Result<std::uint64_t> EngineBase::Submit(const IoRequest& request) {
+Result<std::uint64_t> BackendBase::Submit(const IoRequest& request) {
   if (request.file == nullptr || !request.file->is_open()) {
     return InvalidArgumentError(
         fmt::format("{} request without an open file", IoOpName(request.op)));
@@ -205,7 +199,7 @@ Result<std::uint64_t> EngineBase::Submit(const IoRequest& request) {
   return id;
 }
 
-void EngineBase::FinishPart(RequestState* state, std::uint64_t bytes, std::optional<Error> error) {
+void BackendBase::FinishPart(RequestState* state, std::uint64_t bytes, std::optional<Error> error) {
   std::lock_guard<std::mutex> lock(mu_);
   state->bytes_done += bytes;
   if (error.has_value() && !state->error.has_value()) state->error = std::move(error);
@@ -215,7 +209,7 @@ void EngineBase::FinishPart(RequestState* state, std::uint64_t bytes, std::optio
   }
 }
 
-Status EngineBase::Wait(std::size_t min_requests, std::vector<IoCompletion>* done) {
+Status BackendBase::Wait(std::size_t min_requests, std::vector<IoCompletion>* done) {
   std::optional<Error> first;
   std::vector<std::string> more_failures;
   {
@@ -243,13 +237,13 @@ Status EngineBase::Wait(std::size_t min_requests, std::vector<IoCompletion>* don
   }
   // Only the first failure is returned; the others must not vanish silently.
   for (const std::string& failure : more_failures) {
-    ZINF_LOG_WARN("{} engine: another request failed in the same Wait: {}", name_, failure);
+    ZINF_LOG_WARN("{} backend: another request failed in the same Wait: {}", name_, failure);
   }
   if (first.has_value()) return std::move(*first);
   return OkStatus();
 }
 
-std::size_t EngineBase::pending() const {
+std::size_t BackendBase::pending() const {
   std::lock_guard<std::mutex> lock(mu_);
   return pending_;
 }
@@ -267,8 +261,8 @@ std::string UringDisabledReason() {
 
 namespace {
 
-// A tiny write and read back through `engine` in `dir`, on a file unlinked right after it is made.
-Status ProbeRoundTrip(IoEngine& engine, const std::string& dir) {
+// A tiny write and read back through `backend` in `dir`, on a file unlinked right after it is made.
+Status ProbeRoundTrip(IoBackend& backend, const std::string& dir) {
   static std::atomic<int> counter{0};
   const std::string path =
       fmt::format("{}/.zinf-io-probe-{}-{}", dir, ::getpid(), counter.fetch_add(1));
@@ -287,64 +281,64 @@ Status ProbeRoundTrip(IoEngine& engine, const std::string& dir) {
   for (std::uint64_t i = 0; i < out.size(); ++i) {
     out.data()[i] = static_cast<std::byte>((i * 131 + 7) & 0xff);
   }
-  ZINF_RETURN_IF_ERROR(engine.Submit(IoRequest{IoOp::kWrite, &file, 0, out.span()}));
-  ZINF_RETURN_IF_ERROR(engine.WaitAll());
-  ZINF_RETURN_IF_ERROR(engine.Submit(IoRequest{IoOp::kRead, &file, 0, in.span()}));
-  ZINF_RETURN_IF_ERROR(engine.WaitAll());
+  ZINF_RETURN_IF_ERROR(backend.Submit(IoRequest{IoOp::kWrite, &file, 0, out.span()}));
+  ZINF_RETURN_IF_ERROR(backend.WaitAll());
+  ZINF_RETURN_IF_ERROR(backend.Submit(IoRequest{IoOp::kRead, &file, 0, in.span()}));
+  ZINF_RETURN_IF_ERROR(backend.WaitAll());
   if (std::memcmp(out.data(), in.data(), out.size()) != 0) {
     return DataLossError(fmt::format("probe file {}: the data read back differs", path));
   }
   return file.Close();
 }
 
-Result<std::unique_ptr<internal::EngineBase>> ProbeUring(const AioOptions& options,
-                                                         std::string_view probe_dir) {
+Result<std::unique_ptr<internal::BackendBase>> ProbeUring(const AioOptions& options,
+                                                          std::string_view probe_dir) {
   const std::string disabled = internal::UringDisabledReason();
   if (!disabled.empty()) return UnimplementedError(disabled);
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<internal::EngineBase> engine,
-                        internal::CreateUringEngine(options));
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<internal::BackendBase> backend,
+                        internal::CreateUringBackend(options));
   if (!probe_dir.empty()) {
-    ZINF_RETURN_IF_ERROR(Annotate(ProbeRoundTrip(*engine, std::string(probe_dir)),
+    ZINF_RETURN_IF_ERROR(Annotate(ProbeRoundTrip(*backend, std::string(probe_dir)),
                                   fmt::format("O_DIRECT round trip in {}: ", probe_dir)));
-    engine->ResetIds();
+    backend->ResetIds();
   }
-  return engine;
+  return backend;
 }
 
 }  // namespace
 
-Result<std::unique_ptr<IoEngine>> CreateIoEngine(EngineKind kind, const AioOptions& options,
-                                                 std::string_view probe_dir) {
+Result<std::unique_ptr<IoBackend>> CreateIoBackend(IoBackendKind kind, const AioOptions& options,
+                                                   std::string_view probe_dir) {
   ZINF_RETURN_IF_ERROR(internal::ValidateOptions(options));
   std::string origin = "requested";
   if (std::optional<std::string> env = GetEnv("ZINF_IO_ENGINE")) {
-    Result<EngineKind> parsed = ParseEngineKind(*env);
+    Result<IoBackendKind> parsed = ParseIoBackendKind(*env);
     if (!parsed) return std::move(parsed).error().WithContext("ZINF_IO_ENGINE: ");
     kind = *parsed;
     origin = "ZINF_IO_ENGINE";
   }
-  // A bad fault spec is reported before any engine is made.
+  // A bad fault spec is reported before any backend is made.
   ZINF_ASSIGN_OR_RETURN(std::shared_ptr<FaultInjector> injector, FaultInjectorFromEnv());
 
-  std::unique_ptr<internal::EngineBase> engine;
+  std::unique_ptr<internal::BackendBase> backend;
   std::string reason;
-  if (kind != EngineKind::kPosix) {
-    Result<std::unique_ptr<internal::EngineBase>> uring = ProbeUring(options, probe_dir);
+  if (kind != IoBackendKind::kPosix) {
+    Result<std::unique_ptr<internal::BackendBase>> uring = ProbeUring(options, probe_dir);
     if (uring) {
-      engine = std::move(*uring);
-      reason = kind == EngineKind::kUring ? fmt::format("{} uring", origin)
-                                          : "auto: the io_uring probe passed";
-    } else if (kind == EngineKind::kUring) {
+      backend = std::move(*uring);
+      reason = kind == IoBackendKind::kUring ? fmt::format("{} uring", origin)
+                                             : "auto: the io_uring probe passed";
+    } else if (kind == IoBackendKind::kUring) {
       return UnimplementedError(
-          fmt::format("io_uring engine unavailable: {}", uring.error().message()));
+          fmt::format("io_uring backend unavailable: {}", uring.error().message()));
     } else {
       reason = fmt::format("auto: io_uring unavailable ({})", uring.error().message());
     }
   } else {
     reason = fmt::format("{} posix", origin);
   }
-  if (engine == nullptr) {
-    ZINF_ASSIGN_OR_RETURN(engine, internal::CreatePosixEngine(options));
+  if (backend == nullptr) {
+    ZINF_ASSIGN_OR_RETURN(backend, internal::CreatePosixBackend(options));
   }
 
   static std::atomic<bool> logged{false};
@@ -352,14 +346,14 @@ Result<std::unique_ptr<IoEngine>> CreateIoEngine(EngineKind kind, const AioOptio
   Log(level,
       "I/O engine: {} ({}); block_size {}, queue_depth {}, intra_op_parallelism {}, "
       "single_submit {}, overlap_events {}",
-      engine->name(), reason, FormatBytes(options.block_size), options.queue_depth,
+      backend->name(), reason, FormatBytes(options.block_size), options.queue_depth,
       options.intra_op_parallelism, options.single_submit, options.overlap_events);
 
-  std::unique_ptr<IoEngine> result = std::move(engine);
+  std::unique_ptr<IoBackend> result = std::move(backend);
   if (injector != nullptr) {
-    ZINF_LOG_WARN("ZINF_FAULT_INJECT='{}': injecting I/O faults into the {} engine",
+    ZINF_LOG_WARN("ZINF_FAULT_INJECT='{}': injecting I/O faults into the {} backend",
                   FormatFaultSpec(injector->spec()), result->name());
-    ZINF_ASSIGN_OR_RETURN(result, FaultInjectingEngine::Wrap(std::move(result), injector));
+    ZINF_ASSIGN_OR_RETURN(result, FaultInjectingBackend::Wrap(std::move(result), injector));
   }
   return result;
 }

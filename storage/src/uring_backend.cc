@@ -1,4 +1,4 @@
-// UringEngine: intra_op_parallelism rings, each owned by one worker thread that creates it, fills
+// UringBackend: intra_op_parallelism rings, each owned by one worker thread that creates it, fills
 // it, reaps it and tears it down, so a ring is never touched by two threads (which also allows
 // IORING_SETUP_SINGLE_ISSUER). The submitting thread talks to a worker only through its mutex:
 // parts of requests and control tasks (buffer registration) go in, FinishPart reports come out.
@@ -21,7 +21,7 @@
 
 #include <fmt/format.h>
 
-#include "io_engine_internal.h"
+#include "io_backend_internal.h"
 #include "zinf/core/check.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
@@ -37,7 +37,7 @@ constexpr std::uint64_t kMaxRegisteredChunk = std::uint64_t{1} << 30;
 constexpr std::size_t kMaxRegisteredBuffers = 16384;
 constexpr unsigned kReapBatch = 64;
 
-class UringEngine;
+class UringBackend;
 
 struct RegisteredChunk {
   const std::byte* base;
@@ -47,8 +47,8 @@ struct RegisteredChunk {
 
 class RingWorker {
  public:
-  RingWorker(UringEngine* engine, const AioOptions& options, int index)
-      : engine_(engine), options_(options), index_(index) {}
+  RingWorker(UringBackend* backend, const AioOptions& options, int index)
+      : backend_(backend), options_(options), index_(index) {}
   RingWorker(const RingWorker&) = delete;
   RingWorker& operator=(const RingWorker&) = delete;
 
@@ -164,7 +164,7 @@ class RingWorker {
   int AcquireFileSlot(int fd);
   void ReleaseFileSlot(int slot);
 
-  UringEngine* const engine_;
+  UringBackend* const backend_;
   const AioOptions options_;
   const int index_;
   std::thread thread_;
@@ -193,11 +193,11 @@ class RingWorker {
   std::vector<RegisteredChunk> buffers_;
 };
 
-class UringEngine final : public EngineBase {
+class UringBackend final : public BackendBase {
  public:
-  explicit UringEngine(const AioOptions& options) : EngineBase("uring", options) {}
+  explicit UringBackend(const AioOptions& options) : BackendBase("uring", options) {}
 
-  ~UringEngine() override {
+  ~UringBackend() override {
     for (auto& worker : workers_) worker->RequestStop();
     for (auto& worker : workers_) worker->Join();
   }
@@ -333,7 +333,7 @@ bool RingWorker::TakeWork() {
   for (const Part& part : parts) Activate(part);
   if (stop && !stopping_) {
     stopping_ = true;
-    AbortUnissued(AbortedError("the I/O engine was destroyed before this block was issued"));
+    AbortUnissued(AbortedError("the I/O backend was destroyed before this block was issued"));
   }
   return !stopping_ || Busy();
 }
@@ -533,7 +533,7 @@ void RingWorker::Reap() {
 void RingWorker::HandleCompletion(int op_index, std::int64_t result) {
   Op& op = ops_[static_cast<std::size_t>(op_index)];
   std::optional<Error> error;
-  switch (ApplyResult(&op.block, result, engine_->Injector(), &error)) {
+  switch (ApplyResult(&op.block, result, backend_->Injector(), &error)) {
     case BlockNext::kResubmit:
       ready_.push_back(op_index);
       return;
@@ -569,7 +569,7 @@ void RingWorker::MaybeFinish(Slice* slice) {
   // A fully issued slice left feed_ with its last block; a stopped one may still be there.
   if (slice->stopped) std::erase(feed_, slice);
   ReleaseFileSlot(slice->file_slot);
-  engine_->ReportPart(slice->state, slice->done_bytes, std::move(slice->error));
+  backend_->ReportPart(slice->state, slice->done_bytes, std::move(slice->error));
   slices_.erase(slice->self);
 }
 
@@ -628,11 +628,11 @@ void RingWorker::ReleaseFileSlot(int slot) {
 
 }  // namespace
 
-Result<std::unique_ptr<EngineBase>> CreateUringEngine(const AioOptions& options) {
+Result<std::unique_ptr<BackendBase>> CreateUringBackend(const AioOptions& options) {
   ZINF_RETURN_IF_ERROR(ValidateOptions(options));
-  auto engine = std::make_unique<UringEngine>(options);
-  ZINF_RETURN_IF_ERROR(engine->Start());
-  return std::unique_ptr<EngineBase>(std::move(engine));
+  auto backend = std::make_unique<UringBackend>(options);
+  ZINF_RETURN_IF_ERROR(backend->Start());
+  return std::unique_ptr<BackendBase>(std::move(backend));
 }
 
 }  // namespace zinf::storage::internal

@@ -1,4 +1,4 @@
-// Tests of the engine's strict DeepSpeed-style config (engine/config.h) as zinf-train uses it
+// Tests of the strict DeepSpeed-style config (config/config.h) as zinf-train uses it
 // (launch/train/train_config.{h,cc}: the engine's keys plus zinf-train's own).
 #include "train/train_config.h"
 
@@ -21,7 +21,7 @@
 
 #include "testing/status_matchers.h"
 #include "zinf/core/units.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 #include "zinf/engine/config_options.h"
 #include "zinf/engine/lr_schedule.h"
 
@@ -32,7 +32,8 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 using ::zinf::testing::IsOk;
 using ::zinf::testing::StatusIs;
-using namespace ::zinf::engine;  // NOLINT(google-build-using-namespace): the config's vocabulary
+using namespace ::zinf::config;  // NOLINT(google-build-using-namespace): the config's vocabulary
+using namespace ::zinf::engine;  // NOLINT(google-build-using-namespace): its schedules and options
 
 // zinf-train's job id: the engine's, over the layout of the model the config describes.
 std::string JobIdOf(const TrainConfig& c) {
@@ -80,7 +81,7 @@ TEST(TrainConfig, MinimalConfigGetsDeepSpeedDefaults) {
   EXPECT_EQ(c.aio.intra_op_parallelism, 1);
   EXPECT_FALSE(c.aio.single_submit);
   EXPECT_TRUE(c.aio.overlap_events);
-  EXPECT_EQ(c.zinf.io_engine, storage::EngineKind::kAuto);
+  EXPECT_EQ(c.zinf.io_engine, storage::IoBackendKind::kAuto);
   EXPECT_EQ(c.zinf.pinned_budget_bytes, 0u);
   EXPECT_EQ(c.model.name, ModelName::kCharLM);
   EXPECT_TRUE(c.zinf.checkpoint.dir.empty());
@@ -126,7 +127,7 @@ TEST(TrainConfig, FullDeepSpeedConfigParses) {
                                      "checkpoint.use_node_local_storage",
                                      "zero_optimization.offload_optimizer.fast_init"));
   EXPECT_EQ(c.zinf.pinned_budget_bytes, 2 * kGiB);
-  EXPECT_EQ(c.zinf.io_engine, storage::EngineKind::kPosix);
+  EXPECT_EQ(c.zinf.io_engine, storage::IoBackendKind::kPosix);
   EXPECT_TRUE(c.zinf.verify_swap);
   EXPECT_EQ(c.zinf.checkpoint.every, 250);
   EXPECT_EQ(c.zinf.checkpoint.keep_last, 3);
@@ -146,7 +147,7 @@ TEST(TrainConfig, FullDeepSpeedConfigParses) {
   EXPECT_EQ(options.aio.block_size, 262144u);
   EXPECT_EQ(options.aio.queue_depth, 32);
   EXPECT_EQ(options.aio.intra_op_parallelism, 2);
-  EXPECT_EQ(options.engine, storage::EngineKind::kPosix);
+  EXPECT_EQ(options.backend, storage::IoBackendKind::kPosix);
   EXPECT_EQ(options.pinned_budget_bytes, 2 * kGiB);
   EXPECT_EQ(options.buffer_count, 12u);
   EXPECT_TRUE(options.pin_memory);
@@ -558,7 +559,7 @@ TEST(LearningRate, WarmupCosineLRMatchesDeepSpeed) {
   EXPECT_DOUBLE_EQ(LearningRate(s, base, 55), 0.0001688131050361422);
 }
 
-// ---- The corpus of bad configs: tests/launch/bad_configs/NN-name.{json,expect}. ----
+// ---- The corpus of bad configs: tests/config/bad_configs/NN-name.{json,expect}. ----
 
 std::vector<std::string> BadConfigNames() {
   std::vector<std::string> names;
@@ -938,7 +939,7 @@ TEST(TrainConfig, NvmePathWeightsReachTheSwapStore) {
   const swapper::SwapperOptions probed = ToSwapperOptions(probe, 0, layout);
   EXPECT_TRUE(probed.store.probe_path_weights);
   EXPECT_TRUE(probed.store.path_weights.empty());
-  EXPECT_EQ(probed.store.probe_engine, storage::EngineKind::kPosix);
+  EXPECT_EQ(probed.store.probe_backend, storage::IoBackendKind::kPosix);
   EXPECT_EQ(probed.store.probe_aio.queue_depth, 4);
   EXPECT_THAT(EffectiveConfigJson(probe), HasSubstr(R"("nvme_path_weights": "probe")"));
 

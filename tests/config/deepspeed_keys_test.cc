@@ -1,8 +1,8 @@
-// Every DeepSpeed key as the key table says (engine/config.h, DeepSpeedKeyTable()): the table in
+// Every DeepSpeed key as the key table says (config/config.h, DeepSpeedKeyTable()): the table in
 // docs/ is the generated one; each ignored key loads and is named among the ignored keys, each
 // refused key fails with its reason (and its harmless values load), each key misspelled fails
 // with the nearest key, each implemented leaf refuses a wrong type. Then DeepSpeed's own
-// configs (tests/launch/deepspeed_configs) and the shipped configs/ as a user hands them over.
+// configs (tests/config/deepspeed_configs) and the shipped configs/ as a user hands them over.
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -19,9 +19,9 @@
 #include "testing/status_matchers.h"
 #include "zinf/core/check.h"
 #include "zinf/core/log.h"
-#include "zinf/engine/config.h"
+#include "zinf/config/config.h"
 
-namespace zinf::engine {
+namespace zinf::config {
 namespace {
 
 using ::testing::Contains;
@@ -151,7 +151,7 @@ TEST(DeepSpeedKeyTable, EveryRowBehavesAsItsKindSays) {
   EXPECT_GT(implemented, 50);
 }
 
-// ---- DeepSpeed's configs (tests/launch/deepspeed_configs/README.md) ----
+// ---- DeepSpeed's configs (tests/config/deepspeed_configs/README.md) ----
 
 std::string CorpusFile(const std::string& name) {
   return ReadFile(std::filesystem::path(ZINF_DEEPSPEED_CONFIG_DIR) / name);
@@ -307,4 +307,4 @@ TEST(ShippedConfigs, EveryOneLoads) {
 }
 
 }  // namespace
-}  // namespace zinf::engine
+}  // namespace zinf::config

@@ -1,4 +1,4 @@
-// Private to zinf::engine: the config schema (one KeySpec per key: how to read and write it,
+// Private to zinf::config: the config schema (one KeySpec per key: how to read and write it,
 // its range, choices and description) and the helpers the parser and the printers share.
 #pragma once
 
@@ -16,10 +16,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "zinf/config/config.h"
 #include "zinf/core/status.h"
-#include "zinf/engine/config.h"
 
-namespace zinf::engine::config_internal {
+namespace zinf::config::internal {
 
 using Json = nlohmann::ordered_json;
 
@@ -119,10 +119,14 @@ inline constexpr unsigned kOneCycleBit = SchedulerBit(SchedulerType::kOneCycle);
 inline constexpr unsigned kLRRangeTestBit = SchedulerBit(SchedulerType::kLRRangeTest);
 inline constexpr unsigned kAllSchedulersBits =
     kWarmupLRBit | kWarmupDecayLRBit | kWarmupCosineLRBit | kOneCycleBit | kLRRangeTestBit;
-// The scheduler types a config may name, in the order --help lists them.
-inline constexpr std::array<SchedulerType, 5> kSchedulerTypes = {
-    SchedulerType::kWarmupLR, SchedulerType::kWarmupDecayLR, SchedulerType::kWarmupCosineLR,
-    SchedulerType::kOneCycle, SchedulerType::kLRRangeTest};
+// DeepSpeed's scheduler names, indexed by SchedulerType ("none" for kNone, the absence of the
+// block): the one list of them.
+inline constexpr std::array<std::string_view, 6> kSchedulerNames = {
+    "none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"};
+static_assert(kSchedulerNames.size() == static_cast<std::size_t>(SchedulerType::kLRRangeTest) + 1);
+// Only the scheduler types a config may name, in the order --help lists them.
+inline constexpr std::span<const std::string_view> kNamedSchedulers =
+    std::span(kSchedulerNames).subspan(1);
 inline constexpr unsigned kWarmupSchedulersBits =
     kWarmupLRBit | kWarmupDecayLRBit | kWarmupCosineLRBit;
 
@@ -157,14 +161,10 @@ struct KeySpec {
   std::string_view harmless_text = {};
 };
 
-// Only the scheduler types a config may name ("none" is the absence of the block).
-inline constexpr std::array<std::string_view, 5> kSchedulerChoicesForError = {
-    "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"};
+// The schema: every key the config knows, in the order EffectiveConfigJson prints them.
+const std::vector<KeySpec>& Schema();
 
-// THE engine's schema: every key it knows, in the order EffectiveConfigJson prints them.
-const std::vector<KeySpec>& EngineSchema();
-
-// The engine's schema plus an application's keys (after them, with sections made for their
+// The schema plus an application's keys (after them, with sections made for their
 // parents), indexed by path. Keeps views into `app_keys`, which must outlive it.
 class SchemaView {
  public:
@@ -230,4 +230,4 @@ Json::json_pointer PointerOf(std::string_view path);
 // The effective config as JSON, in schema order (see EffectiveConfigJson).
 Json CanonicalJson(const Config& config);
 
-}  // namespace zinf::engine::config_internal
+}  // namespace zinf::config::internal

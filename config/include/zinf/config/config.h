@@ -1,8 +1,8 @@
 // Config: the strict, DeepSpeed-style JSON configuration of the zinf engine (docs/DESIGN.md,
 // "Configuration").
 //
-//   ZINF_ASSIGN_OR_RETURN(zinf::engine::Config config,
-//                         zinf::engine::LoadConfig(world, "ds.json"));   // collective
+//   ZINF_ASSIGN_OR_RETURN(zinf::config::Config config,
+//                         zinf::config::LoadConfig(world, "ds.json"));   // collective
 //   LogEffectiveConfig(config);                                          // rank 0 prints it
 //
 // Keys. Every key of DeepSpeed's documented config is one of three kinds, listed with its reason
@@ -23,11 +23,11 @@
 //   - refused with an error that says what zinf does instead (amp, zero_quantized_weights,
 //     ...); many are refused only for values that ask for something (e.g. "amp": {"enabled":
 //     false} is accepted with no effect).
-// What DeepSpeed lacks lives in the `zinf` section: pinned budget, io engine, optimizer_state,
+// What DeepSpeed lacks lives in the `zinf` section: pinned budget, I/O backend, optimizer_state,
 // verify_swap, keep_swap, nvme_path_weights, swap_gradients, adam_threads, job_id, checkpoint
 // {dir, every, keep_last, load}. An application adds its own keys (AppKey: zinf-train's model,
 // data, seed and steps). The whole schema (path, kind, type, default, range, description) is one
-// table in engine/src/config_schema.cc; DescribeConfigKeys() prints it for --help.
+// table in config/src/schema.cc; DescribeConfigKeys() prints it for --help.
 //
 // Deliberate differences from DeepSpeed (each documented at its field):
 //   - zero_optimization.stage defaults to 1 (DeepSpeed: 0); zinf always partitions the optimizer
@@ -67,10 +67,11 @@
 #include "zinf/comm/communicator.h"
 #include "zinf/core/status.h"
 #include "zinf/partition/layout.h"
-#include "zinf/storage/io_engine.h"
+#include "zinf/partition/sub_group.h"
+#include "zinf/storage/io_backend.h"
 #include "zinf/swapper/q8.h"
 
-namespace zinf::engine {
+namespace zinf::config {
 
 // What the parser needs to know about the process: the batch arithmetic uses world_size, the
 // nvme_path placeholders {local_rank} and {node} use the other two.
@@ -92,11 +93,10 @@ enum class SchedulerType {
 enum class WarmupType { kLog, kLinear };
 enum class OffloadDevice { kNone, kCpu, kNvme };
 
-// DeepSpeed's names: "Adam", "AdamW"; "WarmupLR", ... ("none" for kNone); "log", "linear";
+// DeepSpeed's names: "Adam", "AdamW"; "WarmupLR", ... ("none" for kNone);
 // "none", "cpu", "nvme".
 std::string_view OptimizerTypeName(OptimizerType type);
 std::string_view SchedulerTypeName(SchedulerType type);
-std::string_view WarmupTypeName(WarmupType type);
 std::string_view OffloadDeviceName(OffloadDevice device);
 
 // optimizer {type, params {...}}. DeepSpeed's defaults.
@@ -205,7 +205,7 @@ struct OffloadParamConfig {
 // zero_optimization.
 struct ZeroConfig {
   int stage = 1;  // [1, 3]; 1 and 2: flat partition plan, 3: per-parameter plan
-  std::uint64_t sub_group_size = 1'000'000'000;  // elements per sub-group, >= 1 (DeepSpeed 1e9)
+  std::uint64_t sub_group_size = partition::kDefaultSubGroupSize;  // elements per sub-group, >= 1
   // Elements per gradient bucket, >= 1 (DeepSpeed 5e8): ZeroEngine reduces the gradient bucket
   // by bucket (whole parameters, at least this many elements each but the last).
   std::uint64_t reduce_bucket_size = 500'000'000;
@@ -294,7 +294,7 @@ struct ZinfConfig {
   // swapped. Unused with offload_optimizer.device "cpu" (everything is in memory).
   std::uint64_t host_cache_bytes = 0;
   HostMemoryBudgetConfig host_memory_budget;  // the memory plan's budget; default: detected
-  storage::EngineKind io_engine = storage::EngineKind::kAuto;  // ZINF_IO_ENGINE overrides it
+  storage::IoBackendKind io_engine = storage::IoBackendKind::kAuto;  // ZINF_IO_ENGINE overrides it
   // The swapped Adam state: "fp32", or "q8" (8-bit block-wise quantized moments, q8.h).
   swapper::StateFormat optimizer_state = swapper::StateFormat::kFp32;
   bool verify_swap = false;     // checksum every swapped stripe unit, check it on read
@@ -305,7 +305,7 @@ struct ZinfConfig {
   // on where the gradients are lent (stages 2 and 3 without grads buffers); Config::Gave says
   // whether it was set. ZeroEngine::config() holds what the engine does.
   bool speculative_step = true;
-  int adam_threads = 0;         // CpuAdam threads per rank; 0 = hardware concurrency; [0, 1024]
+  int adam_threads = 0;  // CpuAdam threads per rank; 0 = hardware concurrency; [0, 1024]
   // Seconds a rank waits in one of zinf's collectives for the other ranks before it ends the
   // job with an error naming the collective; [1, 604800].
   std::int64_t collective_timeout_seconds = 600;
@@ -424,7 +424,7 @@ ConfigContext ContextOf(const comm::Communicator& world);
 // path, type, default, range or choices and a description. For --help.
 std::string DescribeConfigKeys(std::span<const AppKey> app_keys = {});
 
-// docs/deepspeed-keys.md: every key of the engine's schema as a Markdown table (key, kind, type
+// docs/deepspeed-keys.md: every key of the schema as a Markdown table (key, kind, type
 // and default, what zinf does), the DeepSpeed keys first. `zinf-train --print-key-table` prints
 // it, and a test checks that the docs file is this text.
 std::string DeepSpeedKeyTable();
@@ -470,4 +470,4 @@ Result<C> AgreeOnConfig(const comm::Communicator& comm, Result<C> parsed) {
 // job id (EffectiveJobId) when it creates the swap store.
 void LogEffectiveConfig(const Config& config);
 
-}  // namespace zinf::engine
+}  // namespace zinf::config

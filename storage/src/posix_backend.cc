@@ -1,6 +1,6 @@
-// PosixEngine: the fallback where io_uring is unavailable. Synchronous pread/pwrite cannot keep
+// PosixBackend: the fallback where io_uring is unavailable. Synchronous pread/pwrite cannot keep
 // several blocks in flight from one thread, so the pool has intra_op_parallelism * queue_depth
-// threads (at most kMaxThreads): the same number of blocks in flight as the io_uring engine.
+// threads (at most kMaxThreads): the same number of blocks in flight as the io_uring backend.
 // All threads pull blocks, in order, from one FIFO of requests, so a request's blocks are spread
 // over every thread rather than over fixed slices: with blocking calls, contiguous slices per
 // thread would only serialize a large request behind a slow block.
@@ -18,18 +18,18 @@
 
 #include <fmt/format.h>
 
-#include "io_engine_internal.h"
+#include "io_backend_internal.h"
 
 namespace zinf::storage::internal {
 namespace {
 
 constexpr int kMaxThreads = 64;
 
-class PosixEngine final : public EngineBase {
+class PosixBackend final : public BackendBase {
  public:
-  explicit PosixEngine(const AioOptions& options) : EngineBase("posix", options) {}
+  explicit PosixBackend(const AioOptions& options) : BackendBase("posix", options) {}
 
-  ~PosixEngine() override {
+  ~PosixBackend() override {
     std::deque<Queued> cancelled;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -42,7 +42,7 @@ class PosixEngine final : public EngineBase {
       const std::uint64_t length = queued.state->request.buffer.size();
       for (std::uint64_t next = queued.next_bytes; next < length; next += options().block_size) {
         FinishPart(queued.state, 0,
-                   AbortedError(fmt::format("{} {}: the engine was destroyed first",
+                   AbortedError(fmt::format("{} {}: the backend was destroyed first",
                                             IoOpName(queued.state->request.op),
                                             queued.state->request.file->path())));
       }
@@ -57,7 +57,7 @@ class PosixEngine final : public EngineBase {
       for (int i = 0; i < count; ++i) threads_.emplace_back([this] { Run(); });
     } catch (const std::system_error& e) {
       return Error(ErrorCode::kResourceExhausted,
-                   fmt::format("posix engine: starting thread {} of {}: {}", threads_.size() + 1,
+                   fmt::format("posix backend: starting thread {} of {}: {}", threads_.size() + 1,
                                count, e.what()),
                    e.code().value());
     }
@@ -150,11 +150,11 @@ class PosixEngine final : public EngineBase {
 
 }  // namespace
 
-Result<std::unique_ptr<EngineBase>> CreatePosixEngine(const AioOptions& options) {
+Result<std::unique_ptr<BackendBase>> CreatePosixBackend(const AioOptions& options) {
   ZINF_RETURN_IF_ERROR(ValidateOptions(options));
-  auto engine = std::make_unique<PosixEngine>(options);
-  ZINF_RETURN_IF_ERROR(engine->Start());
-  return std::unique_ptr<EngineBase>(std::move(engine));
+  auto backend = std::make_unique<PosixBackend>(options);
+  ZINF_RETURN_IF_ERROR(backend->Start());
+  return std::unique_ptr<BackendBase>(std::move(backend));
 }
 
 }  // namespace zinf::storage::internal

@@ -1,4 +1,4 @@
-#include "config_schema.h"
+#include "schema.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,7 +12,7 @@
 
 #include "zinf/core/check.h"
 
-namespace zinf::engine::config_internal {
+namespace zinf::config::internal {
 namespace {
 
 char Lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
@@ -110,16 +110,10 @@ constexpr std::string_view kMonitor =
 }  // namespace
 
 constexpr std::array<std::string_view, 2> kOptimizerNames = {"Adam", "AdamW"};
-constexpr std::array<std::string_view, 6> kSchedulerNames = {
-    "none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"};
 constexpr std::array<std::string_view, 2> kWarmupNames = {"log", "linear"};
 constexpr std::array<std::string_view, 3> kDeviceNames = {"none", "cpu", "nvme"};
-// Indexed by storage::EngineKind (kAuto, kUring, kPosix).
-constexpr std::array<std::string_view, 3> kEngineNames = {"auto", "uring", "posix"};
-// Indexed by swapper::StateFormat (kFp32, kQ8).
-constexpr std::array<std::string_view, 2> kStateFormatNames = {"fp32", "q8"};
 
-const std::vector<KeySpec>& EngineSchema() {
+const std::vector<KeySpec>& Schema() {
   using T = Config;
   using O = OptimizerConfig;
   using S = SchedulerConfig;
@@ -770,7 +764,7 @@ const std::vector<KeySpec>& EngineSchema() {
               "zinf swaps the optimizer state through its own pipelined swapper; set it to "
               "false",
               IsFalse, "false"),
-      {.path = "aio", .field = {}, .description = "Asynchronous I/O engine knobs"},
+      {.path = "aio", .field = {}, .description = "Asynchronous I/O backend knobs"},
       {.path = "aio.block_size",
        .field = Leaf<&T::aio, &A::block_size>(),
        .description = "Bytes per block I/O; also a multiple of the file system's direct-I/O "
@@ -783,7 +777,7 @@ const std::vector<KeySpec>& EngineSchema() {
        .range = Between(1, 4096)},
       {.path = "aio.intra_op_parallelism",
        .field = Leaf<&T::aio, &A::intra_op_parallelism>(),
-       .description = "io_uring rings (POSIX workers) per engine, each with its own thread",
+       .description = "io_uring rings (POSIX workers) per I/O backend, each with its own thread",
        .range = Between(1, 64)},
       {.path = "aio.thread_count",
        .field = Leaf<&T::aio, &A::intra_op_parallelism>(),
@@ -876,13 +870,13 @@ const std::vector<KeySpec>& EngineSchema() {
        .field = Leaf<&T::zinf, &ZC::io_engine>(),
        .description = "auto (io_uring if it works, else POSIX), uring or posix; ZINF_IO_ENGINE "
                       "overrides",
-       .choices = kEngineNames},
+       .choices = storage::kIoBackendNames},
       {.path = "zinf.optimizer_state",
        .field = Leaf<&T::zinf, &ZC::optimizer_state>(),
        .description = "The swapped Adam state: fp32 (weights and both moments, 12 bytes per "
                       "element), or q8 (fp32 weights, both moments as 8-bit block-wise quantized "
                       "codes: about 6 bytes per element, half the swap I/O of a step)",
-       .choices = kStateFormatNames},
+       .choices = swapper::kStateFormatNames},
       {.path = "zinf.verify_swap",
        .field = Leaf<&T::zinf, &ZC::verify_swap>(),
        .description = "Checksum every swapped stripe unit on write, check it on read"},
@@ -948,7 +942,7 @@ const std::vector<KeySpec>& EngineSchema() {
 }
 
 SchemaView::SchemaView(std::span<const AppKey> app_keys) : app_keys_(app_keys) {
-  specs_ = EngineSchema();
+  specs_ = Schema();
   std::map<std::string, bool> known;
   for (const KeySpec& spec : specs_) known.emplace(spec.path, true);
   for (const AppKey& key : app_keys_) known.emplace(key.path, true);
@@ -1150,7 +1144,7 @@ Result<double> ReadNumber(std::string_view path, const Json& value, const KeySpe
 Result<int> ReadChoice(std::string_view path, const Json& value, const KeySpec& spec) {
   std::span<const std::string_view> choices = spec.choices;
   // "none" is how kNone prints, not something a scheduler block may say.
-  if (spec.path == "scheduler.type") choices = kSchedulerChoicesForError;
+  if (spec.path == "scheduler.type") choices = kNamedSchedulers;
   if (!value.is_string()) {
     return TypeError(path, fmt::format("one of {}", JoinQuoted(choices, "\"")), value);
   }
@@ -1197,7 +1191,7 @@ Json CanonicalJson(const Config& config_in) {
   Config config = config_in;  // the accessors take a mutable config
   const unsigned scheduler_bit = SchedulerBit(config.scheduler.type);
   Json root = Json::object();
-  for (const KeySpec& spec : EngineSchema()) {
+  for (const KeySpec& spec : Schema()) {
     if (std::holds_alternative<std::monostate>(spec.field) || !spec.alias_of.empty()) continue;
     if (spec.scheduler_types != 0 && (spec.scheduler_types & scheduler_bit) == 0) continue;
     Json value;
@@ -1261,7 +1255,7 @@ std::string TypeText(const KeySpec& spec) {
           return "[number, number]";
         } else if constexpr (std::is_same_v<F, EnumAccess>) {
           std::span<const std::string_view> choices = spec.choices;
-          if (spec.path == "scheduler.type") choices = kSchedulerChoicesForError;
+          if (spec.path == "scheduler.type") choices = kNamedSchedulers;
           return fmt::format("one of {}", JoinQuoted(choices, ""));
         } else if constexpr (std::is_same_v<F, SizeAccess>) {
           return "integer or size string";
@@ -1293,14 +1287,13 @@ std::string TypeText(const KeySpec& spec) {
       spec.field);
 }
 
-}  // namespace zinf::engine::config_internal
+}  // namespace zinf::config::internal
 
-namespace zinf::engine {
+namespace zinf::config {
 
-using config_internal::kDeviceNames;
-using config_internal::kOptimizerNames;
-using config_internal::kSchedulerNames;
-using config_internal::kWarmupNames;
+using internal::kDeviceNames;
+using internal::kOptimizerNames;
+using internal::kSchedulerNames;
 
 std::string_view OptimizerTypeName(OptimizerType type) {
   return kOptimizerNames[static_cast<std::size_t>(type)];
@@ -1308,11 +1301,8 @@ std::string_view OptimizerTypeName(OptimizerType type) {
 std::string_view SchedulerTypeName(SchedulerType type) {
   return kSchedulerNames[static_cast<std::size_t>(type)];
 }
-std::string_view WarmupTypeName(WarmupType type) {
-  return kWarmupNames[static_cast<std::size_t>(type)];
-}
 std::string_view OffloadDeviceName(OffloadDevice device) {
   return kDeviceNames[static_cast<std::size_t>(device)];
 }
 
-}  // namespace zinf::engine
+}  // namespace zinf::config

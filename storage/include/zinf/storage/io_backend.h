@@ -1,6 +1,6 @@
-// IoEngine: asynchronous, checked block I/O between aligned host buffers and files.
+// IoBackend: asynchronous, checked block I/O between aligned host buffers and files.
 //
-// The contract every engine keeps (DESIGN.md, "I/O engine contract"):
+// The contract every backend keeps (DESIGN.md, "I/O backend contract"):
 // - A request (op, file, offset, buffer) is split into blocks of `block_size`; up to
 //   `queue_depth` blocks are in flight per ring/worker, and `intra_op_parallelism` rings/workers
 //   each take a contiguous slice of a request.
@@ -9,14 +9,15 @@
 //   and EINTR are retried. A read that hits end-of-file before the requested length is DataLoss
 //   ("short read at EOF"), never silently zero-filled.
 // - A request's buffer must stay alive and untouched until Wait() has reported that request. The
-//   engine never frees or reuses a buffer: destroying an engine first drains every op in flight.
+//   backend never frees or reuses a buffer: destroying a backend first drains every op in flight.
 // - For O_DIRECT files, buffer address, offset and length must be multiples of the file's
 //   alignment (File::alignment()); a violation is InvalidArgument at Submit, not an EINVAL later.
 //
-// Thread safety: one thread submits and waits on an engine at a time (an engine may use worker
-// threads internally). Use two engines to read and write concurrently (the pipelined swapper does).
+// Thread safety: one thread submits and waits on a backend at a time (a backend may use worker
+// threads internally). Use two backends to read and write concurrently (the pipelined swapper
+// does).
 //
-// The engines:
+// The backends:
 // - "uring": `intra_op_parallelism` io_uring rings, each created, filled and reaped by its own
 //   worker thread; each takes one contiguous slice of a request and keeps up to `queue_depth`
 //   blocks of it (and of the requests queued behind it) in flight. Files are registered with the
@@ -25,10 +26,11 @@
 //   still be written by the kernel, so they can never be handed back.
 // - "posix": intra_op_parallelism * queue_depth threads (at most 64) doing pread/pwrite, pulling
 //   blocks in order from one queue, so the same number of blocks is in flight.
-// Destroying an engine with requests pending drops blocks not yet issued and waits for those in
-// the kernel. Faults can be injected into either engine's completions (fault_injection.h).
+// Destroying a backend with requests pending drops blocks not yet issued and waits for those in
+// the kernel. Faults can be injected into either backend's completions (fault_injection.h).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -66,14 +68,17 @@ struct IoCompletion {
   std::uint64_t bytes = 0;  // bytes transferred (== buffer size on success)
 };
 
-enum class EngineKind { kAuto, kUring, kPosix };
-std::string_view EngineKindName(EngineKind kind);
-// "uring", "posix", "auto" -> kind; InvalidArgument otherwise.
-Result<EngineKind> ParseEngineKind(std::string_view text);
+enum class IoBackendKind { kAuto, kUring, kPosix };
+// The kinds' names, indexed by IoBackendKind: the one list zinf.io_engine, ZINF_IO_ENGINE and the
+// benches' --engine accept.
+inline constexpr std::array<std::string_view, 3> kIoBackendNames = {"auto", "uring", "posix"};
+std::string_view IoBackendKindName(IoBackendKind kind);  // kIoBackendNames[kind]
+// A name of kIoBackendNames (or "io_uring" for kUring) -> kind; InvalidArgument otherwise.
+Result<IoBackendKind> ParseIoBackendKind(std::string_view text);
 
-class IoEngine {
+class IoBackend {
  public:
-  virtual ~IoEngine() = default;
+  virtual ~IoBackend() = default;
   virtual std::string_view name() const = 0;
   virtual const AioOptions& options() const = 0;
 
@@ -93,21 +98,21 @@ class IoEngine {
   // Requests submitted and not yet returned by Wait.
   virtual std::size_t pending() const = 0;
 
-  // Optional speed-up: registers long-lived I/O buffers (e.g. the pool) with the engine, replacing
+  // Optional speed-up: registers long-lived I/O buffers (e.g. the pool) with the backend, replacing
   // any earlier set; an empty list unregisters. Blocks that lie inside a registered buffer then
   // use fixed-buffer ops (io_uring READ_FIXED/WRITE_FIXED), which skip pinning pages per I/O.
-  // Where the kernel or RLIMIT_MEMLOCK refuses, the engine silently keeps plain ops (a DEBUG line
+  // Where the kernel or RLIMIT_MEMLOCK refuses, the backend silently keeps plain ops (a DEBUG line
   // says so): success means "accepted", not "registered". The buffers must stay alive until they
-  // are replaced, unregistered or the engine is destroyed. Precondition: pending() == 0, else
+  // are replaced, unregistered or the backend is destroyed. Precondition: pending() == 0, else
   // FailedPrecondition. The default does nothing.
   virtual Status RegisterBuffers(std::span<const std::span<std::byte>> buffers);
 };
 
-// Creates an engine. kAuto probes io_uring (ring setup plus a tiny O_DIRECT round trip in
-// `probe_dir`) and falls back to the POSIX thread-pool engine; the choice and the reason are
+// Creates a backend. kAuto probes io_uring (ring setup plus a tiny O_DIRECT round trip in
+// `probe_dir`) and falls back to the POSIX thread-pool backend; the choice and the reason are
 // logged once. ZINF_IO_ENGINE overrides `kind`. Errors: Unimplemented if kUring is asked for and
 // io_uring is unavailable (the message says why); InvalidArgument for bad options.
-Result<std::unique_ptr<IoEngine>> CreateIoEngine(EngineKind kind, const AioOptions& options,
-                                                 std::string_view probe_dir);
+Result<std::unique_ptr<IoBackend>> CreateIoBackend(IoBackendKind kind, const AioOptions& options,
+                                                   std::string_view probe_dir);
 
 }  // namespace zinf::storage

@@ -11,20 +11,20 @@
 
 #include <fmt/format.h>
 
-#include "config_schema.h"
+#include "schema.h"
+#include "zinf/config/config.h"
 #include "zinf/core/json.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
-#include "zinf/engine/config.h"
 #include "zinf/storage/fs.h"
 #include "zinf/storage/stripe_map.h"
 #include "zinf/storage/swap_store.h"
 #include "zinf/swapper/optimizer_swapper.h"
 
-namespace zinf::engine {
+namespace zinf::config {
 namespace {
 
-using namespace config_internal;  // NOLINT(google-build-using-namespace): the schema's vocabulary
+using namespace internal;  // NOLINT(google-build-using-namespace): the schema's vocabulary
 
 // What a config file may be: at most 16 MiB, nested at most 32 levels (the schema needs 4).
 constexpr std::uint64_t kMaxConfigBytes = 16u << 20;
@@ -393,7 +393,7 @@ class Parser {
       return InvalidArgumentError(
           fmt::format("scheduler.type: required in a scheduler block "
                       "(one of {})",
-                      JoinQuoted(kSchedulerChoicesForError, "\"")));
+                      JoinQuoted(kNamedSchedulers, "\"")));
     }
     const unsigned bit = SchedulerBit(s.type);
     for (const KeySpec& spec : schema_.specs()) {
@@ -596,8 +596,7 @@ class Parser {
   // everything in memory and uses no budget.
   Status CheckPinnedBudget() const {
     const std::uint64_t budget = config_.zinf.pinned_budget_bytes;
-    if (budget == 0 ||
-        config_.zero_optimization.offload_optimizer.device != OffloadDevice::kNvme) {
+    if (budget == 0 || config_.zero_optimization.offload_optimizer.device != OffloadDevice::kNvme) {
       return OkStatus();
     }
     const swapper::StateFormat format = config_.zinf.optimizer_state;
@@ -732,4 +731,4 @@ Result<Config> LoadConfigText(const comm::Communicator& world, std::string_view 
                                        fmt::format("config {}: ", source)));
 }
 
-}  // namespace zinf::engine
+}  // namespace zinf::config
