@@ -407,6 +407,180 @@ Status CpuAdam::Step(std::int64_t step, std::span<float> param, std::span<const 
   return OkStatus();
 }
 
+// One StepQ8 over a sub-group: what every chunk reads, and the first element whose moments are
+// not finite. A chunk runs on one thread, block by block (StepChunk); a block is decoded,
+// stepped and encoded by the fused kernels of the path, or one pass after the other
+// (StepBlockApart). The parts are always inlined: a chunk compiles to one loop, as when it was
+// one function (these members are not local to this file, so GCC would call them otherwise).
+class CpuAdam::Q8Pass {
+ public:
+  Q8Pass(SimdPath path, const std::vector<Segment>& segments, std::span<float> param,
+         std::span<const float> grad, Q8Moment exp_avg, Q8Moment exp_avg_sq,
+         std::span<std::uint16_t> bf16)
+      : kernel_(StepKernelFor(path)),
+        codec_(Q8KernelsFor(path)),
+        fused_(codec_.step != nullptr || codec_.step_encoding != nullptr),
+        segments_(segments),
+        n_(param.size()),
+        param_(param),
+        grad_(grad),
+        exp_avg_(exp_avg),
+        exp_avg_sq_(exp_avg_sq),
+        bf16_(bf16) {}
+
+  // The error for a non-finite moment, after every chunk ran.
+  Status Finish() const {
+    if (bad_.load() == std::numeric_limits<std::size_t>::max()) return OkStatus();
+    return FailedPreconditionError(fmt::format(
+        "adam q8: the moments of element {} are not finite (exp_avg or exp_avg_sq overflowed); "
+        "the state cannot be encoded",
+        bad_.load()));
+  }
+
+  [[gnu::always_inline]] void StepChunk(std::size_t c) {
+    // The decoded moments of two blocks: the one being stepped, and (step_encoding) the one
+    // before while its codes are written during that step. 32 KiB, on this thread's stack.
+    std::array<float, q8::kBlockNumel> scratch_m[2];
+    std::array<float, q8::kBlockNumel> scratch_v[2];
+    int current = 0;
+    std::optional<internal::Q8BlockOut> pending;
+    const std::size_t chunk_end = std::min(n_, (c + 1) * kChunkNumel);
+    for (std::size_t begin = c * kChunkNumel; begin < chunk_end; begin += q8::kBlockNumel) {
+      std::array<float, q8::kBlockNumel>& m = scratch_m[current];
+      std::array<float, q8::kBlockNumel>& v = scratch_v[current];
+      const std::size_t len = std::min(q8::kBlockNumel, n_ - begin);
+      const std::size_t b = begin / q8::kBlockNumel;
+      const AdamArrays arrays = {
+          .param = param_.data() + begin,
+          .grad = grad_.data() + begin,
+          .exp_avg = m.data(),
+          .exp_avg_sq = v.data(),
+          .max_exp_avg_sq = nullptr,
+          .bf16 = bf16_.empty() ? nullptr : bf16_.data() + begin,
+      };
+      // The segment of the block's first element, and whether the block ends inside it.
+      const auto home = std::ranges::upper_bound(segments_, begin, {}, &Segment::begin) - 1;
+      const bool whole = home->end >= begin + len;
+      if (!fused_ || !whole) {
+        EncodePending(&pending);
+        StepBlockApart(home, arrays, begin, len);
+      } else if (StepBlockFused(home->scalars, arrays, begin, len, &pending)) {
+        current ^= 1;
+      }
+      if (exp_avg_.scales[b] < 0 || exp_avg_sq_.scales[b] < 0) {
+        RecordNonFinite(begin, len, m.data(), v.data());
+      }
+    }
+    EncodePending(&pending);
+  }
+
+ private:
+  using SegmentIt = std::vector<Segment>::const_iterator;
+
+  [[gnu::always_inline]] void EncodePending(std::optional<internal::Q8BlockOut>* pending) const {
+    if (!*pending) return;
+    const internal::Q8BlockOut& p = **pending;
+    codec_.encode(signed_map_, p.m, p.n, p.m_scale, p.m_codes);
+    codec_.encode(unsigned_map_, p.v, p.n, p.v_scale, p.v_codes);
+    pending->reset();
+  }
+
+  // Decoded, stepped (segment by segment where groups meet in the block), encoded.
+  [[gnu::always_inline]] void StepBlockApart(SegmentIt home, const AdamArrays& arrays,
+                                             std::size_t begin, std::size_t len) {
+    const std::size_t b = begin / q8::kBlockNumel;
+    std::uint8_t* m_codes = exp_avg_.codes.data() + begin;
+    std::uint8_t* v_codes = exp_avg_sq_.codes.data() + begin;
+    codec_.dequantize(signed_map_, m_codes, exp_avg_.scales[b], len, arrays.exp_avg);
+    codec_.dequantize(unsigned_map_, v_codes, exp_avg_sq_.scales[b], len, arrays.exp_avg_sq);
+    for (auto seg = home; seg != segments_.end() && seg->begin < begin + len; ++seg) {
+      kernel_(seg->scalars, arrays, std::max(seg->begin, begin) - begin,
+              std::min(seg->end, begin + len) - begin);
+    }
+    exp_avg_.scales[b] = codec_.quantize(signed_map_, arrays.exp_avg, len, m_codes);
+    exp_avg_sq_.scales[b] = codec_.quantize(unsigned_map_, arrays.exp_avg_sq, len, v_codes);
+  }
+
+  // The fused kernel on a block inside one segment. True when the block's codes are left in
+  // *pending, to be written during the next block's step (its scratch must then be kept).
+  [[gnu::always_inline]] bool StepBlockFused(const AdamScalars& scalars, const AdamArrays& arrays,
+                                             std::size_t begin, std::size_t len,
+                                             std::optional<internal::Q8BlockOut>* pending) {
+    const std::size_t b = begin / q8::kBlockNumel;
+    std::uint8_t* m_codes = exp_avg_.codes.data() + begin;
+    std::uint8_t* v_codes = exp_avg_sq_.codes.data() + begin;
+    const internal::Q8BlockIn in = {
+        .m_codes = m_codes,
+        .v_codes = v_codes,
+        .m_map = signed_map_.values.data(),
+        .v_map = unsigned_map_.values.data(),
+        .m_planes = signed_map_.planes.data(),
+        .v_planes = unsigned_map_.planes.data(),
+        .m_scale = exp_avg_.scales[b],
+        .v_scale = exp_avg_sq_.scales[b],
+    };
+    float m_scale = 0.0f, v_scale = 0.0f;
+    const bool finite = codec_.step_encoding != nullptr
+                            ? codec_.step_encoding(scalars, arrays, in, len, &m_scale, &v_scale,
+                                                   *pending ? &**pending : nullptr)
+                            : codec_.step(scalars, arrays, in, len, &m_scale, &v_scale);
+    pending->reset();
+    if (!finite) {
+      exp_avg_.scales[b] = -1.0f;
+      exp_avg_sq_.scales[b] = -1.0f;
+      return false;
+    }
+    exp_avg_.scales[b] = m_scale;
+    exp_avg_sq_.scales[b] = v_scale;
+    // The fused step encodes only blocks whose scales allow 1 / scale (q8_kernels.h); the
+    // others, a zero block among them, are encoded at once.
+    if (codec_.step_encoding != nullptr && q8::internal::InReciprocalRange(m_scale) &&
+        q8::internal::InReciprocalRange(v_scale)) {
+      *pending = internal::Q8BlockOut{.m_tables = &signed_map_,
+                                      .v_tables = &unsigned_map_,
+                                      .m = arrays.exp_avg,
+                                      .v = arrays.exp_avg_sq,
+                                      .n = len,
+                                      .m_scale = m_scale,
+                                      .v_scale = v_scale,
+                                      .m_codes = m_codes,
+                                      .v_codes = v_codes};
+      return true;
+    }
+    Encode(codec_, signed_map_, arrays.exp_avg, len, m_scale, m_codes);
+    Encode(codec_, unsigned_map_, arrays.exp_avg_sq, len, v_scale, v_codes);
+    return false;
+  }
+
+  // Keeps the first element of the block [begin, begin + len) whose moments m, v are not
+  // finite, if it precedes the one found so far.
+  [[gnu::always_inline]] void RecordNonFinite(std::size_t begin, std::size_t len, const float* m,
+                                              const float* v) {
+    std::size_t first = begin;
+    while (first < begin + len && std::isfinite(m[first - begin]) &&
+           std::isfinite(v[first - begin])) {
+      ++first;
+    }
+    std::size_t seen = bad_.load();
+    while (first < seen && !bad_.compare_exchange_weak(seen, first)) {
+    }
+  }
+
+  const StepKernel kernel_;
+  const Q8Kernels codec_;
+  const bool fused_;
+  const q8::internal::Tables& signed_map_ = q8::internal::TablesFor(q8::MapKind::kSigned);
+  const q8::internal::Tables& unsigned_map_ = q8::internal::TablesFor(q8::MapKind::kUnsigned);
+  const std::vector<Segment>& segments_;
+  const std::size_t n_;
+  const std::span<float> param_;
+  const std::span<const float> grad_;
+  const Q8Moment exp_avg_;
+  const Q8Moment exp_avg_sq_;
+  const std::span<std::uint16_t> bf16_;
+  std::atomic<std::size_t> bad_{std::numeric_limits<std::size_t>::max()};
+};
+
 Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<const float> grad,
                        Q8Moment exp_avg, Q8Moment exp_avg_sq, const StepExtras& extras) {
   const std::size_t n = param.size();
@@ -423,119 +597,9 @@ Status CpuAdam::StepQ8(std::int64_t step, std::span<float> param, std::span<cons
     }
   }
   static_assert(kChunkNumel % q8::kBlockNumel == 0, "chunks hold whole blocks");
-  const StepKernel kernel = StepKernelFor(path_);
-  const Q8Kernels codec = Q8KernelsFor(path_);
-  const bool fused = codec.step != nullptr || codec.step_encoding != nullptr;
-  const q8::internal::Tables& signed_map = q8::internal::TablesFor(q8::MapKind::kSigned);
-  const q8::internal::Tables& unsigned_map = q8::internal::TablesFor(q8::MapKind::kUnsigned);
-  std::atomic<std::size_t> bad{std::numeric_limits<std::size_t>::max()};
-  const std::size_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
-  pool_->Run(chunks, [&](std::size_t c) {
-    // The decoded moments of two blocks: the one being stepped, and (step_encoding) the one
-    // before while its codes are written during that step. 32 KiB, on this thread's stack.
-    std::array<float, q8::kBlockNumel> scratch_m[2];
-    std::array<float, q8::kBlockNumel> scratch_v[2];
-    int current = 0;
-    std::optional<internal::Q8BlockOut> pending;
-    auto encode_pending = [&] {
-      if (!pending) return;
-      codec.encode(signed_map, pending->m, pending->n, pending->m_scale, pending->m_codes);
-      codec.encode(unsigned_map, pending->v, pending->n, pending->v_scale, pending->v_codes);
-      pending.reset();
-    };
-    const std::size_t chunk_end = std::min(n, (c + 1) * kChunkNumel);
-    for (std::size_t begin = c * kChunkNumel; begin < chunk_end; begin += q8::kBlockNumel) {
-      std::array<float, q8::kBlockNumel>& m = scratch_m[current];
-      std::array<float, q8::kBlockNumel>& v = scratch_v[current];
-      const std::size_t len = std::min(q8::kBlockNumel, n - begin);
-      const std::size_t b = begin / q8::kBlockNumel;
-      const AdamArrays arrays = {
-          .param = param.data() + begin,
-          .grad = grad.data() + begin,
-          .exp_avg = m.data(),
-          .exp_avg_sq = v.data(),
-          .max_exp_avg_sq = nullptr,
-          .bf16 = extras.bf16_param.empty() ? nullptr : extras.bf16_param.data() + begin,
-      };
-      std::uint8_t* m_codes = exp_avg.codes.data() + begin;
-      std::uint8_t* v_codes = exp_avg_sq.codes.data() + begin;
-      // The segment of the block's first element, and whether the block ends inside it.
-      const auto home = std::ranges::upper_bound(segments, begin, {}, &Segment::begin) - 1;
-      const bool whole = home->end >= begin + len;
-      if (!fused || !whole) {
-        encode_pending();
-        // Decoded, stepped (segment by segment where groups meet in the block), encoded.
-        codec.dequantize(signed_map, m_codes, exp_avg.scales[b], len, m.data());
-        codec.dequantize(unsigned_map, v_codes, exp_avg_sq.scales[b], len, v.data());
-        for (auto seg = home; seg != segments.end() && seg->begin < begin + len; ++seg) {
-          kernel(seg->scalars, arrays, std::max(seg->begin, begin) - begin,
-                 std::min(seg->end, begin + len) - begin);
-        }
-        exp_avg.scales[b] = codec.quantize(signed_map, m.data(), len, m_codes);
-        exp_avg_sq.scales[b] = codec.quantize(unsigned_map, v.data(), len, v_codes);
-      } else {
-        const internal::Q8BlockIn in = {
-            .m_codes = m_codes,
-            .v_codes = v_codes,
-            .m_map = signed_map.values.data(),
-            .v_map = unsigned_map.values.data(),
-            .m_planes = signed_map.planes.data(),
-            .v_planes = unsigned_map.planes.data(),
-            .m_scale = exp_avg.scales[b],
-            .v_scale = exp_avg_sq.scales[b],
-        };
-        float m_scale = 0.0f, v_scale = 0.0f;
-        const bool finite = codec.step_encoding != nullptr
-                                ? codec.step_encoding(home->scalars, arrays, in, len, &m_scale,
-                                                      &v_scale, pending ? &*pending : nullptr)
-                                : codec.step(home->scalars, arrays, in, len, &m_scale, &v_scale);
-        pending.reset();
-        if (finite) {
-          exp_avg.scales[b] = m_scale;
-          exp_avg_sq.scales[b] = v_scale;
-          // The fused step encodes only blocks whose scales allow 1 / scale (q8_kernels.h); the
-          // others, a zero block among them, are encoded at once.
-          if (codec.step_encoding != nullptr && q8::internal::InReciprocalRange(m_scale) &&
-              q8::internal::InReciprocalRange(v_scale)) {
-            pending = internal::Q8BlockOut{.m_tables = &signed_map,
-                                           .v_tables = &unsigned_map,
-                                           .m = m.data(),
-                                           .v = v.data(),
-                                           .n = len,
-                                           .m_scale = m_scale,
-                                           .v_scale = v_scale,
-                                           .m_codes = m_codes,
-                                           .v_codes = v_codes};
-            current ^= 1;
-          } else {
-            Encode(codec, signed_map, m.data(), len, m_scale, m_codes);
-            Encode(codec, unsigned_map, v.data(), len, v_scale, v_codes);
-          }
-        } else {
-          exp_avg.scales[b] = -1.0f;
-          exp_avg_sq.scales[b] = -1.0f;
-        }
-      }
-      if (exp_avg.scales[b] < 0 || exp_avg_sq.scales[b] < 0) {
-        std::size_t first = begin;
-        while (first < begin + len && std::isfinite(m[first - begin]) &&
-               std::isfinite(v[first - begin])) {
-          ++first;
-        }
-        std::size_t seen = bad.load();
-        while (first < seen && !bad.compare_exchange_weak(seen, first)) {
-        }
-      }
-    }
-    encode_pending();
-  });
-  if (bad.load() != std::numeric_limits<std::size_t>::max()) {
-    return FailedPreconditionError(fmt::format(
-        "adam q8: the moments of element {} are not finite (exp_avg or exp_avg_sq overflowed); "
-        "the state cannot be encoded",
-        bad.load()));
-  }
-  return OkStatus();
+  Q8Pass pass(path_, segments, param, grad, exp_avg, exp_avg_sq, extras.bf16_param);
+  pool_->Run((n + kChunkNumel - 1) / kChunkNumel, [&pass](std::size_t c) { pass.StepChunk(c); });
+  return pass.Finish();
 }
 
 double CpuAdam::SquaredL2Norm(std::span<const float> x) {

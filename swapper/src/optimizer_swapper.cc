@@ -162,18 +162,6 @@ std::string_view StateTensorName(StateTensor which) {
   return "?";
 }
 
-std::string_view EngineRoleName(IoRole role) {
-  switch (role) {
-    case IoRole::kRead:
-      return "read";
-    case IoRole::kWrite:
-      return "write";
-    case IoRole::kGradient:
-      return "gradient";
-  }
-  return "?";
-}
-
 std::string_view GradientAccumulationName(GradientAccumulation mode) {
   switch (mode) {
     case GradientAccumulation::kAuto:
@@ -533,6 +521,28 @@ Status OptimizerSwapper::Speculate(std::int64_t step, std::size_t sub_group,
                                    std::span<const float> grad, const StepOptions& options,
                                    std::span<float> weights, std::optional<std::size_t> next) {
   const std::string context = fmt::format("speculative {}", StepContext(step, sub_group));
+  ZINF_RETURN_IF_ERROR(CheckSpeculable(step, sub_group, grad, weights, context));
+  if (resident(sub_group)) {
+    return SpeculateResident(step, sub_group, grad, options, weights, context);
+  }
+  // Step keeps one spare slot for itself.
+  if (spare_slots_.size() < 2) {
+    return FailedPreconditionError(context + "no spare slot left for a speculated sub-group");
+  }
+  ZINF_RETURN_IF_ERROR(StartSpeculationIo());
+  ZINF_ASSIGN_OR_RETURN(PoolLease lease, SwapInSpeculated(sub_group, context));
+  const StateBuffers buffers = LeaseBuffers(lease);
+  ReadAhead(sub_group, next);
+  ZINF_RETURN_IF_ERROR(Annotate(Compute(step, sub_group, buffers, grad, options), context));
+  if (!weights.empty()) {
+    std::ranges::copy(buffers.floats(0).first(infos_[sub_group].sub_group.numel), weights.begin());
+  }
+  return SwapOutSpeculated(step, sub_group, std::move(lease), context);
+}
+
+Status OptimizerSwapper::CheckSpeculable(std::int64_t step, std::size_t sub_group,
+                                         std::span<const float> grad, std::span<float> weights,
+                                         const std::string& context) const {
   if (sub_group >= infos_.size() || speculated(sub_group) || last_step_[sub_group] >= step ||
       (resident(sub_group) && resident_spare_[sub_group].empty()) ||
       (!resident(sub_group) && !store_)) {
@@ -541,39 +551,47 @@ Status OptimizerSwapper::Speculate(std::int64_t step, std::size_t sub_group,
   }
   const std::size_t numel = infos_[sub_group].sub_group.numel;
   if (grad.size() != numel || (!weights.empty() && weights.size() != numel)) {
-    return InvalidArgumentError(fmt::format("{}gradient of {} and weights of {} elements, {} "
-                                            "expected",
-                                            context, grad.size(), weights.size(), numel));
+    return InvalidArgumentError(
+        fmt::format("{}gradient of {} and weights of {} elements, {} expected", context,
+                    grad.size(), weights.size(), numel));
   }
-  if (resident(sub_group)) {
-    // The second copy: the committed state copied in, stepped there (the swapper's thread only
-    // reads the first copy meanwhile).
-    ZINF_RETURN_IF_ERROR(Annotate(CheckNotDamaged(sub_group), context));
-    StateBuffers spare;
-    for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
-      spare.tensors[t] = resident_spare_[sub_group][t].span();
-    }
-    CopyState(sub_group, ResidentBuffers(sub_group), spare);
-    ZINF_RETURN_IF_ERROR(Annotate(Compute(step, sub_group, spare, grad, options), context));
-    if (!weights.empty()) std::ranges::copy(spare.floats(0).first(numel), weights.begin());
-    speculated_[sub_group] = Speculated{.slot = kResidentSlot, .step = step};
-    return OkStatus();
+  return OkStatus();
+}
+
+Status OptimizerSwapper::SpeculateResident(std::int64_t step, std::size_t sub_group,
+                                           std::span<const float> grad, const StepOptions& options,
+                                           std::span<float> weights, const std::string& context) {
+  // The second copy: the committed state copied in, stepped there (the swapper's thread only
+  // reads the first copy meanwhile).
+  ZINF_RETURN_IF_ERROR(Annotate(CheckNotDamaged(sub_group), context));
+  StateBuffers spare;
+  for (std::size_t t = 0; t < num_slot_tensors(); ++t) {
+    spare.tensors[t] = resident_spare_[sub_group][t].span();
   }
-  // Step keeps one spare slot for itself.
-  if (spare_slots_.size() < 2) {
-    return FailedPreconditionError(context + "no spare slot left for a speculated sub-group");
+  CopyState(sub_group, ResidentBuffers(sub_group), spare);
+  ZINF_RETURN_IF_ERROR(Annotate(Compute(step, sub_group, spare, grad, options), context));
+  if (!weights.empty()) {
+    std::ranges::copy(spare.floats(0).first(infos_[sub_group].sub_group.numel), weights.begin());
   }
-  if (!speculation_) {
-    auto io = std::make_unique<SpeculationIo>();
-    ZINF_ASSIGN_OR_RETURN(io->read, MakeIoBackend(options_, IoRole::kRead, nullptr));
-    ZINF_ASSIGN_OR_RETURN(io->write, MakeIoBackend(options_, IoRole::kWrite, nullptr));
-    speculation_ = std::move(io);
-  }
+  speculated_[sub_group] = Speculated{.slot = kResidentSlot, .step = step};
+  return OkStatus();
+}
+
+Status OptimizerSwapper::StartSpeculationIo() {
+  if (speculation_) return OkStatus();
+  auto io = std::make_unique<SpeculationIo>();
+  ZINF_ASSIGN_OR_RETURN(io->read, MakeIoBackend(options_, IoRole::kRead, nullptr));
+  ZINF_ASSIGN_OR_RETURN(io->write, MakeIoBackend(options_, IoRole::kWrite, nullptr));
+  speculation_ = std::move(io);
+  return OkStatus();
+}
+
+Result<PoolLease> OptimizerSwapper::SwapInSpeculated(std::size_t sub_group,
+                                                     const std::string& context) {
   SpeculationIo& io = *speculation_;
   const std::size_t n = num_slot_tensors();
-  const std::uint64_t max_numel = sub_groups_.max_sub_group_numel();
-  // The state: read ahead by the last call, or read now (with the pool's buffers for the writes
-  // in flight too when it has them, else after those writes ended).
+  // Read ahead by the last call, or read now (with the pool's buffers for the writes in flight
+  // too when it has them, else after those writes ended).
   PoolLease lease;
   IoBatch reads;
   Status submitted = OkStatus();
@@ -585,37 +603,45 @@ Status OptimizerSwapper::Speculate(std::int64_t step, std::size_t sub_group,
   } else {
     DropReadAhead();
     if (io.writing && pool_->free_count() < n) ZINF_RETURN_IF_ERROR(FinishSpeculation());
-    ZINF_ASSIGN_OR_RETURN(lease, pool_->Allocate(max_numel, n));
+    ZINF_ASSIGN_OR_RETURN(lease, pool_->Allocate(sub_groups_.max_sub_group_numel(), n));
     submitted = SubmitStateReads(sub_group, LeaseBuffers(lease), *io.read, &reads);
   }
-  const StateBuffers buffers = LeaseBuffers(lease);
   const Status read = reads.Wait(*io.read);
   ZINF_RETURN_IF_ERROR(Annotate(submitted, context + "swap-in "));
   ZINF_RETURN_IF_ERROR(Annotate(read, context + "swap-in "));
-  ZINF_RETURN_IF_ERROR(Annotate(VerifyStateReads(sub_group, buffers), context + "swap-in "));
-  // The next sub-group's reads overlap this one's Adam, when the pool has the buffers.
-  if (next && *next < infos_.size() && !resident(*next) && !speculated(*next) &&
-      *next != sub_group && pool_->free_count() >= n) {
-    Result<PoolLease> ahead = pool_->Allocate(max_numel, n);
-    if (ahead) {
-      SpeculationIo::InFlight reading;
-      reading.sub_group = *next;
-      reading.lease = std::move(*ahead);
-      // A failed submission is the next call's error (its batch holds what was submitted).
-      reading.submitted =
-          SubmitStateReads(*next, LeaseBuffers(reading.lease), *io.read, &reading.batch);
-      io.reading = std::move(reading);
-    }
+  ZINF_RETURN_IF_ERROR(
+      Annotate(VerifyStateReads(sub_group, LeaseBuffers(lease)), context + "swap-in "));
+  return lease;
+}
+
+void OptimizerSwapper::ReadAhead(std::size_t sub_group, std::optional<std::size_t> next) {
+  SpeculationIo& io = *speculation_;
+  const std::size_t n = num_slot_tensors();
+  if (!next || *next >= infos_.size() || resident(*next) || speculated(*next) ||
+      *next == sub_group || pool_->free_count() < n) {
+    return;
   }
-  ZINF_RETURN_IF_ERROR(Annotate(Compute(step, sub_group, buffers, grad, options), context));
-  if (!weights.empty()) std::ranges::copy(buffers.floats(0).first(numel), weights.begin());
+  Result<PoolLease> ahead = pool_->Allocate(sub_groups_.max_sub_group_numel(), n);
+  if (!ahead) return;
+  SpeculationIo::InFlight reading;
+  reading.sub_group = *next;
+  reading.lease = std::move(*ahead);
+  // A failed submission is the next call's error (its batch holds what was submitted).
+  reading.submitted =
+      SubmitStateReads(*next, LeaseBuffers(reading.lease), *io.read, &reading.batch);
+  io.reading = std::move(reading);
+}
+
+Status OptimizerSwapper::SwapOutSpeculated(std::int64_t step, std::size_t sub_group,
+                                           PoolLease lease, const std::string& context) {
+  SpeculationIo& io = *speculation_;
   // One sub-group's writes in flight at a time: the last one's end before these begin.
   ZINF_RETURN_IF_ERROR(FinishWrites());
   SpeculationIo::InFlight writing;
   writing.sub_group = sub_group;
   writing.step = step;
   writing.lease = std::move(lease);
-  Result<std::size_t> slot = SubmitStateWrites(sub_group, buffers, *io.write,
+  Result<std::size_t> slot = SubmitStateWrites(sub_group, LeaseBuffers(writing.lease), *io.write,
                                                std::span<IoBatch>(&writing.batch, 1));
   if (!slot) {
     (void)writing.batch.Wait(*io.write);
@@ -822,9 +848,28 @@ std::vector<std::size_t> OptimizerSwapper::SwappedTodo(std::int64_t step) const 
   return todo;
 }
 
-Status OptimizerSwapper::FlushGradientsCollective(std::int64_t step) {
-  Status local = OkStatus();
-  if (gradient_swapper_) {
+Status OptimizerSwapper::Step(std::int64_t step, const GradientSource& source,
+                              const ParamSink& sink, const StepOptions& options) {
+  // The caller's source is used where it is (not copied: its callable may hold state).
+  GradientSource own;
+  const GradientSource* gradient = &source;
+  Status usable = OkStatus();
+  if (source.empty() && gradient_swapper_) {
+    own = gradient_swapper_->Source();
+    gradient = &own;
+  } else if (source.empty()) {
+    usable = FailedPreconditionError(
+        fmt::format("step {}: an empty gradient source stands for the gradient swapper's "
+                    "gradient, and this swapper has none (swap_gradients is off); pass the "
+                    "gradient (no sub-group took the step)",
+                    step));
+  }
+  ZINF_RETURN_IF_ERROR(FlushGradientsCollective(step, std::move(usable)));
+  return FinishStep(step, StepLocal(step, *gradient, sink, options));
+}
+
+Status OptimizerSwapper::FlushGradientsCollective(std::int64_t step, Status local) {
+  if (local && gradient_swapper_) {
     local = Annotate(gradient_swapper_->Flush(),
                      fmt::format("step {}: gradient flush (no sub-group took the step): ", step));
   }

@@ -15,12 +15,6 @@ namespace zinf::swapper {
 PipelinedOptimizerSwapper::PipelinedOptimizerSwapper(Parts&& parts)
     : OptimizerSwapper("pipelined", std::move(parts)) {}
 
-Status PipelinedOptimizerSwapper::Step(std::int64_t step, const GradientSource& source,
-                                       const ParamSink& sink, const StepOptions& options) {
-  ZINF_RETURN_IF_ERROR(FlushGradientsCollective(step));
-  return FinishStep(step, StepLocal(step, source, sink, options));
-}
-
 // One step's pipeline over the swapped sub-groups `todo`. Set t % 3 serves todo[t]: computing at
 // iteration t, reading at t - 1, writing until the writes are waited for at iteration t + 1. Set
 // (t + 1) % 3 was therefore last used for the writes of todo[t - 2], waited for at iteration

@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -172,9 +174,9 @@ class Harness {
           [this](const partition::SubGroup& sg) -> Result<std::span<const float>> {
             return std::span<const float>(summed_).subspan(sg.partition_offset, sg.numel);
           });
-    } else {
+    } else if (!empty_source_) {
       source = swapper_->gradient_swapper()->Source();
-    }
+    }  // else empty: Step takes the gradient swapper's
     working_.resize(plan_->partition_numel());
     bf16_.resize(plan_->partition_numel());
     return swapper_->Step(
@@ -283,6 +285,8 @@ class Harness {
   std::vector<AdamSegment> segments_;
   std::vector<float> summed_, working_;
   std::vector<std::uint16_t> bf16_;
+  // With a gradient swapper: SwappedStep passes an empty GradientSource instead of its Source().
+  bool empty_source_ = false;
 
  private:
   partition::ParamLayout layout_;
@@ -486,6 +490,130 @@ TEST(OptimizerSwapper, AGradientViewOfTheWrongSizeIsRefusedBeforeAnythingChanges
   }
 }
 
+// An empty GradientSource steps with the gradient swapper's gradient: the same bits as passing
+// gradient_swapper()->Source() (and as the in-memory reference), for resident and swapped
+// sub-groups, synchronous and pipelined, in both accumulation modes.
+TEST(OptimizerSwapper, AnEmptySourceStepsWithTheGradientSwappersGradient) {
+  SharedScratchDir dir("swapper");
+  for (GradMode mode : {GradMode::kInMemory, GradMode::kReadAddWrite}) {
+    for (bool pipelined : {false, true}) {
+      SCOPED_TRACE(fmt::format("{} {}", GradModeName(mode), pipelined ? "pipelined" : "sync"));
+      Harness given(dir.path(), 2048, pipelined, mode, 2);
+      Harness empty(dir.path(), 2048, pipelined, mode, 2);
+      empty.empty_source_ = true;
+      for (Harness* h : {&given, &empty}) {
+        h->options().host_cache_bytes = 24576;  // sub-group 0 resident, the rest swapped
+        h->options().store.job_id = fmt::format("{}-source-{}-{}", h == &empty ? "empty" : "given",
+                                                GradModeName(mode), pipelined);
+        ZINF_ASSERT_OK(h->Create());
+      }
+      ASSERT_NE(empty.swapper().gradient_swapper(), nullptr);
+      for (std::int64_t step = 1; step <= 2; ++step) {
+        for (Harness* h : {&given, &empty}) {
+          ZINF_ASSERT_OK(h->Backward(step));
+          h->StepAndCompare(step);
+          if (::testing::Test::HasFatalFailure()) return;
+        }
+        EXPECT_EQ(
+            std::memcmp(empty.working_.data(), given.working_.data(), given.working_.size() * 4), 0)
+            << "step " << step;
+        EXPECT_EQ(empty.bf16_, given.bf16_) << "step " << step;
+      }
+      empty.ExpectStateEqualsReference();
+      ZINF_ASSERT_OK(given.swapper().Close());
+      ZINF_ASSERT_OK(empty.swapper().Close());
+    }
+  }
+}
+
+// Without a gradient swapper an empty GradientSource has no gradient to stand for: Step refuses
+// it on every rank before any sub-group is stepped, also when only one rank passes it.
+TEST(OptimizerSwapper, AnEmptySourceWithoutAGradientSwapperIsAFailedPrecondition) {
+  SharedScratchDir dir("swapper");
+  const GradientSource zeros = [](const partition::SubGroup&, std::span<float> grad) {
+    std::ranges::fill(grad, 0.0f);
+    return OkStatus();
+  };
+  const int last = World().size() - 1;
+  for (bool pipelined : {false, true}) {
+    SCOPED_TRACE(pipelined ? "pipelined" : "sync");
+    Harness h(dir.path(), 2048, pipelined, GradMode::kCopy, 1);
+    h.options().host_cache_bytes = 24576;  // sub-group 0 resident, the rest swapped
+    h.options().store.job_id = fmt::format("no-gradient-swapper-{}", pipelined);
+    ZINF_ASSERT_OK(h.Create());
+    ASSERT_EQ(h.swapper().gradient_swapper(), nullptr);
+    const auto refused = StatusIs(ErrorCode::kFailedPrecondition,
+                                  HasSubstr("step 1: an empty gradient source stands for the "
+                                            "gradient swapper's gradient, and this swapper has "
+                                            "none (swap_gradients is off)"));
+    EXPECT_THAT(h.swapper().Step(1, GradientSource(), {}), refused);
+    // Only the last rank passes it: every rank gets its error, no rank steps.
+    EXPECT_THAT(h.swapper().Step(1, World().rank() == last ? GradientSource() : zeros, {}),
+                refused);
+    for (std::size_t i = 0; i < h.swapper().num_sub_groups(); ++i) {
+      EXPECT_EQ(h.swapper().last_step(i), 0) << i;
+    }
+    h.ExpectStateEqualsReference();
+    ZINF_ASSERT_OK(h.swapper().Close());
+  }
+}
+
+// Speculated sub-groups, once committed, hold the state Step would have given them: a resident
+// one (its second copy), a swapped one whose successor is read ahead during its Adam, and that
+// successor; Step then steps the rest. The weights Speculate hands back are the new ones.
+TEST(OptimizerSwapper, CommittedSpeculationsEqualTheStepBitwise) {
+  SharedScratchDir dir("swapper");
+  for (StateFormat format : {StateFormat::kFp32, StateFormat::kQ8}) {
+    SCOPED_TRACE(StateFormatName(format));
+    Harness h(dir.path(), 2048, false, GradMode::kCopy, 1, format);
+    h.options().host_cache_bytes = format == StateFormat::kFp32 ? 3 * 8192 : 16384;  // sub-group 0
+    h.options().speculative_slots = 2;
+    h.options().speculate_resident = true;
+    h.options().pinned_budget_bytes = 10 * 8192;  // buffers for a read ahead
+    h.options().store.job_id = fmt::format("speculate-{}", StateFormatName(format));
+    ZINF_ASSERT_OK(h.Create());
+    OptimizerSwapper& swapper = h.swapper();
+    ASSERT_GE(swapper.num_sub_groups(), 4u);
+    ASSERT_TRUE(swapper.resident(0));
+    const StepOptions options{.lr = std::nullopt, .grad_scale = 0.5f, .segments = h.segments_};
+    for (std::int64_t step = 1; step <= 2; ++step) {
+      ZINF_ASSERT_OK(h.Backward(step));
+      std::vector<std::vector<float>> weights(3);
+      for (std::size_t i = 0; i < 3; ++i) {
+        ASSERT_TRUE(swapper.speculable(i)) << i;
+        const partition::SubGroup& sg = swapper.swap_info(i).sub_group;
+        weights[i].resize(sg.numel);
+        const std::optional<std::size_t> next =
+            i == 1 ? std::optional<std::size_t>(2) : std::nullopt;
+        ZINF_ASSERT_OK(swapper.Speculate(
+            step, i, std::span<const float>(h.summed_).subspan(sg.partition_offset, sg.numel),
+            options, weights[i], next));
+      }
+      ZINF_ASSERT_OK(swapper.FinishSpeculation());
+      for (std::size_t i = 0; i < 3; ++i) {
+        ASSERT_TRUE(swapper.speculated(i)) << i;
+        EXPECT_EQ(swapper.last_step(i), step - 1) << i;
+        swapper.CommitSpeculated(i);
+        EXPECT_EQ(swapper.last_step(i), step) << i;
+      }
+      ZINF_ASSERT_OK(h.SwappedStep(step));
+      h.ReferenceStep(step);
+      for (std::size_t i = 0; i < 3; ++i) {
+        const partition::SubGroup& sg = swapper.swap_info(i).sub_group;
+        EXPECT_EQ(
+            std::memcmp(weights[i].data(), h.ref_.fp32.data() + sg.partition_offset, sg.numel * 4),
+            0)
+            << "step " << step << " sub-group " << i;
+      }
+      for (std::size_t i = 0; i < swapper.num_sub_groups(); ++i) {
+        EXPECT_EQ(swapper.last_step(i), step) << i;
+      }
+      h.ExpectStateEqualsReference();
+    }
+    ZINF_ASSERT_OK(swapper.Close());
+  }
+}
+
 // Parameter groups (StepOptions::segments) whose runs begin exactly where a sub-group begins
 // (the previous one's end), and inside one: each element steps with its own group's values,
 // bitwise as CpuAdam over the whole partition (fp32) or the sub-group (q8, whose blocks are the
@@ -501,8 +629,8 @@ TEST(OptimizerSwapper, GroupSegmentsStartingAtASubGroupsEndStepWithTheirOwnValue
                                  pipelined ? "pipelined" : "sync",
                                  resident ? "sub-groups 0-1 resident" : "swapped"));
         Harness h(dir.path(), 2048, pipelined, GradMode::kCopy, 1, format);
-        h.options().store.job_id = fmt::format("segments-{}-{}-{}", StateFormatName(format),
-                                               pipelined, resident);
+        h.options().store.job_id =
+            fmt::format("segments-{}-{}-{}", StateFormatName(format), pipelined, resident);
         const std::uint64_t one = format == StateFormat::kFp32 ? 3 * 8192 : 16384;
         if (resident) h.options().host_cache_bytes = 2 * one;
         // Sub-groups of 2048 elements: 2048, 4096 and 6144 are sub-group ends (each rank's

@@ -197,6 +197,7 @@ class CpuAdam {
   CpuAdam(const AdamOptions& options, SimdPath path, int threads,
           std::unique_ptr<internal::AdamThreadPool> pool);
   struct Segment;  // [begin, end) and its scalars
+  class Q8Pass;    // one StepQ8 over the blocks (cpu_adam.cc)
   // The checks common to Step and StepQ8 (param size n, the grad's size, extras) and the
   // step's scalars for each segment (one covering [0, n) without extras.segments).
   Status Prepare(std::int64_t step, std::size_t n, std::size_t grad_size, const StepExtras& extras,

@@ -7,7 +7,7 @@
 //   ZINF_RETURN_IF_ERROR(swapper->Initialize(initial_weights));       // collective
 //   for (step = 1; ...; ++step) {
 //     ... backward; swapper->gradient_swapper()->SwapOut(micro_batch, i, grad) ...
-//     ZINF_RETURN_IF_ERROR(swapper->Step(step, swapper->gradient_swapper()->Source(), sink));
+//     ZINF_RETURN_IF_ERROR(swapper->Step(step, {}, sink));  // {}: the gradient swapper's gradient
 //   }
 //
 // Where the gradient lives does not matter to Step: a GradientSource fills a sub-group's
@@ -108,7 +108,6 @@ std::uint64_t SubGroupStateBytes(std::uint64_t numel, StateFormat format, std::u
 
 // Which backend an IoBackendWrapper is asked to wrap.
 enum class IoRole { kRead, kWrite, kGradient };
-std::string_view EngineRoleName(IoRole role);  // "read", "write", "gradient"
 
 // Where Step takes a sub-group's gradient (sub_group.numel elements; padding elements should be
 // 0), in one of two ways:
@@ -116,9 +115,10 @@ std::string_view EngineRoleName(IoRole role);  // "read", "write", "gradient"
 //     buffer: from disk (GradientSwapper::Source), or synthetic data;
 //   - a view (FromView) returns memory that already holds it and stays unchanged until Step
 //     returns (an in-memory partition gradient): Adam reads it there, with no copy.
-// An empty source is a zero gradient. Called on the Step's thread, once per sub-group stepped, in
-// the order the swapper steps them (not necessarily sub-group order: resident sub-groups step
-// between swapped ones, while their I/O is in flight).
+// An empty source (default-constructed) given to OptimizerSwapper::Step is the gradient swapper's
+// gradient (see Step); Get and FillInto read it as a zero gradient. Called on the Step's thread,
+// once per sub-group stepped, in the order the swapper steps them (not necessarily sub-group
+// order: resident sub-groups step between swapped ones, while their I/O is in flight).
 class GradientSource {
  public:
   using Fill = std::function<Status(const partition::SubGroup& sub_group, std::span<float> grad)>;
@@ -133,7 +133,6 @@ class GradientSource {
   static GradientSource FromView(View view);
 
   bool empty() const { return !fill_ && !view_; }
-  bool is_view() const { return static_cast<bool>(view_); }
   // The gradient of `sub_group`: the view, or `scratch` (at least numel elements) filled.
   // InvalidArgument if a view has another size than the sub-group.
   Result<std::span<const float>> Get(const partition::SubGroup& sub_group,
@@ -249,9 +248,11 @@ class OptimizerSwapper {
 
   // Collective. One optimizer step (step >= 1) over every sub-group not already at `step`:
   // swap in (flush gradients first), CpuAdam::Step, swap out, commit, sink. See the top of the
-  // file for what an error leaves behind.
-  virtual Status Step(std::int64_t step, const GradientSource& source, const ParamSink& sink,
-                      const StepOptions& options = {}) = 0;
+  // file for what an error leaves behind. `source` empty (a default-constructed GradientSource):
+  // the gradient swapper's gradient, gradient_swapper()->Source(); FailedPrecondition without a
+  // gradient swapper (options.swap_gradients off), agreed on before any sub-group is stepped.
+  Status Step(std::int64_t step, const GradientSource& source, const ParamSink& sink,
+              const StepOptions& options = {});
 
   // Collective: waits for the gradient swapper's writes (DeepSpeed's flush_gradients) and agrees
   // on their status. OK without a gradient swapper.
@@ -460,8 +461,13 @@ class OptimizerSwapper {
   std::size_t ResidentTodo(std::int64_t step) const;
   // The swapped sub-groups not yet at `step`, in order.
   std::vector<std::size_t> SwappedTodo(std::int64_t step) const;
-  // Flushes the gradient swapper and agrees on the result (collective).
-  Status FlushGradientsCollective(std::int64_t step);
+  // Step's local part, between the gradient flush and FinishStep: the mode's pass over the
+  // sub-groups, with `source` never empty.
+  virtual Status StepLocal(std::int64_t step, const GradientSource& source, const ParamSink& sink,
+                           const StepOptions& options) = 0;
+  // Flushes the gradient swapper unless `local` (the caller's checks) failed, and agrees on the
+  // result (collective).
+  Status FlushGradientsCollective(std::int64_t step, Status local);
   // "step 3, sub-group 2 of 5 (2 of 5 took the step): "
   std::string StepContext(std::int64_t step, std::size_t sub_group) const;
   // Ends a Step: agrees on `local` over comm_.
@@ -508,6 +514,25 @@ class OptimizerSwapper {
   Status CheckNotDamaged(std::size_t sub_group) const;
 
  private:
+  // Speculate's parts. FailedPrecondition or InvalidArgument unless `sub_group` can be
+  // speculated at `step` with `grad` and `weights` of its size.
+  Status CheckSpeculable(std::int64_t step, std::size_t sub_group, std::span<const float> grad,
+                         std::span<float> weights, const std::string& context) const;
+  // A resident sub-group, stepped in its second copy.
+  Status SpeculateResident(std::int64_t step, std::size_t sub_group, std::span<const float> grad,
+                           const StepOptions& options, std::span<float> weights,
+                           const std::string& context);
+  // The speculation's backends, created on first use.
+  Status StartSpeculationIo();
+  // The committed state of `sub_group` in a lease: read ahead by the last call, or read now.
+  Result<PoolLease> SwapInSpeculated(std::size_t sub_group, const std::string& context);
+  // Starts reading `next`'s state while Adam runs, when it is swapped, not speculated, not
+  // `sub_group` and the pool has the buffers.
+  void ReadAhead(std::size_t sub_group, std::optional<std::size_t> next);
+  // Submits the writes of the stepped `lease` to a spare slot (waited for by FinishWrites).
+  Status SwapOutSpeculated(std::int64_t step, std::size_t sub_group, PoolLease lease,
+                           const std::string& context);
+
   friend Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
       const comm::Communicator& comm, const partition::PartitionPlan& plan,
       const SwapperOptions& options);

@@ -16,41 +16,24 @@
 // written last and its buffer is read into only after the commit. The crash-consistency contract of
 // OptimizerSwapper holds unchanged: one write set in flight, one spare slot.
 //
-// SwapIn and Release (the per-sub-group halves of DeepSpeed's API) are local, not collective.
 // Thread safety: one thread at a time.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
-#include <map>
 
 #include "zinf/swapper/optimizer_swapper.h"
 
 namespace zinf::swapper {
 
 class PartitionedOptimizerSwapper final : public OptimizerSwapper {
- public:
-  Status Step(std::int64_t step, const GradientSource& source, const ParamSink& sink,
-              const StepOptions& options = {}) override;
-
-  // swap_in_optimizer_state: flushes the gradient swapper (locally), takes 4 buffers (q8: 3),
-  // reads the committed state (a resident sub-group's: copied) and fills the gradient, in the
-  // last buffer, from `source` (none when `source` is empty: the gradient is zeroed). Errors:
-  // FailedPrecondition (already swapped in), ResourceExhausted (pool), I/O and callback errors
-  // (the buffers are released then).
-  Status SwapIn(std::size_t sub_group, const GradientSource& source);
-  // release_swap_buffers: gives the buffers back without writing. No-op if not swapped in.
-  void Release(std::size_t sub_group);
-
  private:
+  class Rotation;  // one step's rotation of the buffers (partitioned_optimizer_swapper.cc)
   friend Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
       const comm::Communicator& comm, const partition::PartitionPlan& plan,
       const SwapperOptions& options);
   explicit PartitionedOptimizerSwapper(Parts&& parts);
   Status StepLocal(std::int64_t step, const GradientSource& source, const ParamSink& sink,
-                   const StepOptions& options);
-
-  std::map<std::size_t, PoolLease> swapped_in_;
+                   const StepOptions& options) override;
 };
 
 }  // namespace zinf::swapper

@@ -32,9 +32,6 @@ class PipelinedOptimizerSwapper final : public OptimizerSwapper {
     return kSets * (BuffersPerSubGroup(format) - 1) + 1;  // the gradient buffer is shared
   }
 
-  Status Step(std::int64_t step, const GradientSource& source, const ParamSink& sink,
-              const StepOptions& options = {}) override;
-
  private:
   class Pipeline;  // one step's rotation of the sets (pipelined_optimizer_swapper.cc)
   friend Result<std::unique_ptr<OptimizerSwapper>> CreateOptimizerSwapper(
@@ -42,7 +39,7 @@ class PipelinedOptimizerSwapper final : public OptimizerSwapper {
       const SwapperOptions& options);
   explicit PipelinedOptimizerSwapper(Parts&& parts);
   Status StepLocal(std::int64_t step, const GradientSource& source, const ParamSink& sink,
-                   const StepOptions& options);
+                   const StepOptions& options) override;
 };
 
 }  // namespace zinf::swapper
