@@ -279,6 +279,78 @@ struct Header {
   std::string optimizer, config, trainer, created;
 };
 
+// The root attributes: format and version, step, sizes, and the JSON and text of `header`.
+Status WriteRootAttributes(H5File& file, const OptimizerSwapper& swapper, std::int64_t step,
+                           int world_size, std::uint64_t total, std::uint64_t chunk,
+                           const Header& header) {
+  const StateFormat format = swapper.state_format();
+  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "format", kCheckpointFormat));
+  ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute(
+      "/", "format_version",
+      format == StateFormat::kQ8 ? kCheckpointFormatVersionQ8 : kCheckpointFormatVersion));
+  if (format == StateFormat::kQ8) {
+    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "optimizer_state", "q8"));
+  }
+  ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "step", step));
+  ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "world_size", world_size));
+  ZINF_RETURN_IF_ERROR(
+      file.WriteInt64Attribute("/", "total_numel", static_cast<std::int64_t>(total)));
+  ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute(
+      "/", "sub_group_size", static_cast<std::int64_t>(swapper.options().sub_group_size)));
+  ZINF_RETURN_IF_ERROR(
+      file.WriteInt64Attribute("/", "chunk_numel", static_cast<std::int64_t>(chunk)));
+  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "optimizer", header.optimizer));
+  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "config", header.config));
+  return file.WriteStringAttribute("/", "created", header.created);
+}
+
+// /layout: the layout's JSON, and each parameter's flat offset and numel as datasets.
+Status WriteLayout(H5File& file, const partition::ParamLayout& layout) {
+  ZINF_RETURN_IF_ERROR(file.CreateGroup("/layout"));
+  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/layout", "json", layout.ToJsonString()));
+  const std::uint64_t num_params = layout.num_params();
+  std::vector<std::uint64_t> offsets, numels;
+  for (const partition::ParamInfo& p : layout.params()) {
+    offsets.push_back(p.flat_offset);
+    numels.push_back(p.numel);
+  }
+  const std::uint64_t param_chunk = std::min<std::uint64_t>(num_params, 1 << 16);
+  ZINF_RETURN_IF_ERROR(
+      file.CreateDataset1D("/layout/flat_offset", num_params, param_chunk, H5DataType::kUInt64));
+  ZINF_RETURN_IF_ERROR(
+      file.CreateDataset1D("/layout/numel", num_params, param_chunk, H5DataType::kUInt64));
+  ZINF_RETURN_IF_ERROR(
+      file.WriteSlab("/layout/flat_offset", 0, std::span<const std::uint64_t>(offsets)));
+  return file.WriteSlab("/layout/numel", 0, std::span<const std::uint64_t>(numels));
+}
+
+// The q8 group. The block table and scales are written by the ranks; the maps (and their
+// checksums, entries 0 and 1 of /checksum/q8) here.
+Status WriteQ8Structure(H5File& file, std::uint64_t num_segments, std::uint64_t num_blocks) {
+  ZINF_RETURN_IF_ERROR(file.CreateGroup(internal::kQ8Group));
+  ZINF_RETURN_IF_ERROR(
+      file.WriteInt64Attribute(internal::kQ8Group, "block_numel", q8::kBlockNumel));
+  const std::uint64_t sizes[] = {256,          256,        num_segments, num_segments,
+                                 num_segments, num_blocks, num_blocks};
+  const H5DataType types[] = {H5DataType::kFloat32, H5DataType::kFloat32, H5DataType::kUInt64,
+                              H5DataType::kUInt64,  H5DataType::kUInt64,  H5DataType::kFloat32,
+                              H5DataType::kFloat32};
+  for (std::size_t d = 0; d < kQ8Datasets.size(); ++d) {
+    ZINF_RETURN_IF_ERROR(file.CreateDataset1D(
+        kQ8Datasets[d], sizes[d], std::min<std::uint64_t>(sizes[d], 1 << 20), types[d]));
+  }
+  ZINF_RETURN_IF_ERROR(file.CreateDataset1D(kQ8Checksums, kQ8Datasets.size(), kQ8Datasets.size(),
+                                            H5DataType::kUInt64));
+  std::array<std::uint64_t, 2> map_sums{};
+  for (std::size_t m = 0; m < 2; ++m) {
+    const std::array<float, 256>& map =
+        q8::MapValues(m == 0 ? q8::MapKind::kSigned : q8::MapKind::kUnsigned);
+    ZINF_RETURN_IF_ERROR(file.WriteSlab(kQ8Datasets[m], 0, std::span<const float>(map)));
+    map_sums[m] = storage::Checksum64(std::as_bytes(std::span(map)));
+  }
+  return file.WriteSlab(kQ8Checksums, 0, std::span<const std::uint64_t>(map_sums));
+}
+
 // Rank 0, before the ranks open the file collectively: the whole structure of the checkpoint
 // (attributes, the layout, every dataset with its space allocated), written serially and closed.
 // The collective phase then writes raw elements only and never flushes HDF5 metadata: in a
@@ -294,41 +366,9 @@ Status WriteStructure(const std::string& path, const OptimizerSwapper& swapper, 
   // O_EXCL: the name was cleared just before; a link planted there since is never followed.
   ZINF_ASSIGN_OR_RETURN(H5File file, H5File::CreateSerial(path, h5::H5CreateMode::kFailIfExists));
   const Status written = [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "format", kCheckpointFormat));
-    ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute(
-        "/", "format_version",
-        format == StateFormat::kQ8 ? kCheckpointFormatVersionQ8 : kCheckpointFormatVersion));
-    if (format == StateFormat::kQ8) {
-      ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "optimizer_state", "q8"));
-    }
-    ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "step", step));
-    ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "world_size", world_size));
     ZINF_RETURN_IF_ERROR(
-        file.WriteInt64Attribute("/", "total_numel", static_cast<std::int64_t>(total)));
-    ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute(
-        "/", "sub_group_size", static_cast<std::int64_t>(swapper.options().sub_group_size)));
-    ZINF_RETURN_IF_ERROR(
-        file.WriteInt64Attribute("/", "chunk_numel", static_cast<std::int64_t>(chunk)));
-    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "optimizer", header.optimizer));
-    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "config", header.config));
-    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "created", header.created));
-    ZINF_RETURN_IF_ERROR(file.CreateGroup("/layout"));
-    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/layout", "json", layout.ToJsonString()));
-    const std::uint64_t num_params = layout.num_params();
-    std::vector<std::uint64_t> offsets, numels;
-    for (const partition::ParamInfo& p : layout.params()) {
-      offsets.push_back(p.flat_offset);
-      numels.push_back(p.numel);
-    }
-    const std::uint64_t param_chunk = std::min<std::uint64_t>(num_params, 1 << 16);
-    ZINF_RETURN_IF_ERROR(
-        file.CreateDataset1D("/layout/flat_offset", num_params, param_chunk, H5DataType::kUInt64));
-    ZINF_RETURN_IF_ERROR(
-        file.CreateDataset1D("/layout/numel", num_params, param_chunk, H5DataType::kUInt64));
-    ZINF_RETURN_IF_ERROR(
-        file.WriteSlab("/layout/flat_offset", 0, std::span<const std::uint64_t>(offsets)));
-    ZINF_RETURN_IF_ERROR(
-        file.WriteSlab("/layout/numel", 0, std::span<const std::uint64_t>(numels)));
+        WriteRootAttributes(file, swapper, step, world_size, total, chunk, header));
+    ZINF_RETURN_IF_ERROR(WriteLayout(file, layout));
     ZINF_RETURN_IF_ERROR(file.CreateGroup("/trainer"));
     ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/trainer", "state", header.trainer));
     for (const StateDatasetSpec& spec : StateDatasets(format)) {
@@ -339,31 +379,7 @@ Status WriteStructure(const std::string& path, const OptimizerSwapper& swapper, 
                                                 H5DataType::kUInt64));
     }
     if (format == StateFormat::kQ8) {
-      // The block table and scales are written by the ranks; the maps (and their checksums,
-      // entries 0 and 1 of /checksum/q8) here.
-      ZINF_RETURN_IF_ERROR(file.CreateGroup(internal::kQ8Group));
-      ZINF_RETURN_IF_ERROR(
-          file.WriteInt64Attribute(internal::kQ8Group, "block_numel", q8::kBlockNumel));
-      const std::uint64_t sizes[] = {256,          256,        num_segments, num_segments,
-                                     num_segments, num_blocks, num_blocks};
-      const H5DataType types[] = {H5DataType::kFloat32, H5DataType::kFloat32, H5DataType::kUInt64,
-                                  H5DataType::kUInt64,  H5DataType::kUInt64,  H5DataType::kFloat32,
-                                  H5DataType::kFloat32};
-      for (std::size_t d = 0; d < kQ8Datasets.size(); ++d) {
-        ZINF_RETURN_IF_ERROR(file.CreateDataset1D(
-            kQ8Datasets[d], sizes[d], std::min<std::uint64_t>(sizes[d], 1 << 20), types[d]));
-      }
-      ZINF_RETURN_IF_ERROR(file.CreateDataset1D(kQ8Checksums, kQ8Datasets.size(),
-                                                kQ8Datasets.size(), H5DataType::kUInt64));
-      std::array<std::uint64_t, 2> map_sums{};
-      for (std::size_t m = 0; m < 2; ++m) {
-        const std::array<float, 256>& map =
-            q8::MapValues(m == 0 ? q8::MapKind::kSigned : q8::MapKind::kUnsigned);
-        ZINF_RETURN_IF_ERROR(file.WriteSlab(kQ8Datasets[m], 0, std::span<const float>(map)));
-        map_sums[m] = storage::Checksum64(std::as_bytes(std::span(map)));
-      }
-      ZINF_RETURN_IF_ERROR(
-          file.WriteSlab(kQ8Checksums, 0, std::span<const std::uint64_t>(map_sums)));
+      ZINF_RETURN_IF_ERROR(WriteQ8Structure(file, num_segments, num_blocks));
     }
     ZINF_RETURN_IF_ERROR(
         file.WriteStringAttribute("/checksum", "algorithm", storage::kChecksumAlgorithm));
@@ -463,6 +479,19 @@ Status ReadItem(OptimizerSwapper& swapper, const Item& item, std::span<std::byte
   return OkStatus();
 }
 
+// Collective: writes `data` (the elements of dataset `spec` from `flat_offset` on) as one slab.
+Status WriteSlabOf(H5File& file, const StateDatasetSpec& spec, std::uint64_t flat_offset,
+                   std::span<const std::byte> data) {
+  if (spec.type == H5DataType::kUInt8) {
+    return file.WriteSlab(spec.name, flat_offset,
+                          std::span<const std::uint8_t>(
+                              reinterpret_cast<const std::uint8_t*>(data.data()), data.size()));
+  }
+  return file.WriteSlab(spec.name, flat_offset,
+                        std::span<const float>(reinterpret_cast<const float*>(data.data()),
+                                               data.size() / sizeof(float)));
+}
+
 // Collective: writes every item's slab, each after agreeing on its read and on the write-behind;
 // with two staging buffers the next item is read on a helper thread meanwhile.
 Status WriteItems(OptimizerSwapper& swapper, H5File& file, const Staging& staging,
@@ -514,18 +543,7 @@ Status WriteItems(OptimizerSwapper& swapper, H5File& file, const Staging& stagin
     if (item.mine) data = buffer_of(i);
     {
       ScopedTimer t(timers, "ckpt_save_write_slab");
-      const StateDatasetSpec& spec = specs[item.which];
-      if (spec.type == H5DataType::kUInt8) {
-        ZINF_RETURN_IF_ERROR(
-            file.WriteSlab(spec.name, item.run.flat_offset,
-                           std::span<const std::uint8_t>(
-                               reinterpret_cast<const std::uint8_t*>(data.data()), data.size())));
-      } else {
-        ZINF_RETURN_IF_ERROR(
-            file.WriteSlab(spec.name, item.run.flat_offset,
-                           std::span<const float>(reinterpret_cast<const float*>(data.data()),
-                                                  data.size() / sizeof(float))));
-      }
+      ZINF_RETURN_IF_ERROR(WriteSlabOf(file, specs[item.which], item.run.flat_offset, data));
     }
     write_behind.Start();
     if (item.which == kNumStateTensors - 1) {
@@ -960,6 +978,76 @@ class PartialFile {
   std::uint64_t reserved_bytes_ = 0;
 };
 
+// SaveCheckpoint's arguments: dir, step, chunk_numel and the JSON objects.
+Status CheckSaveArguments(std::int64_t step, const CheckpointSaveOptions& options) {
+  Status check = OkStatus();
+  if (options.dir.empty()) {
+    check = InvalidArgumentError("SaveCheckpoint: empty dir");
+  } else if (step < 0 || step > kMaxCheckpointStep) {
+    check = InvalidArgumentError(
+        fmt::format("SaveCheckpoint: step {} not in [0, {}]", step, kMaxCheckpointStep));
+  } else if (options.chunk_numel == 0 || options.chunk_numel > kMaxCheckpointChunkNumel) {
+    check = InvalidArgumentError(fmt::format("SaveCheckpoint: chunk_numel {} not in [1, {}]",
+                                             options.chunk_numel, kMaxCheckpointChunkNumel));
+  }
+  for (const nlohmann::json* j : {&options.optimizer, &options.config, &options.trainer}) {
+    if (check && !j->is_null() && !j->is_object()) {
+      check = InvalidArgumentError(
+          "SaveCheckpoint: optimizer, config and trainer must be JSON "
+          "objects");
+    }
+  }
+  return check;
+}
+
+// Rank 0: checks the space and clears the partial file's name (into `partial`, kept when a later
+// step fails so that the caller removes the file), writes the file's structure and reserves the
+// estimated space.
+Status PreparePartialFile(const OptimizerSwapper& swapper, std::int64_t step,
+                          const CheckpointSaveOptions& options, const std::string& partial_name,
+                          const std::string& partial_path, const Q8Placement& placement,
+                          std::optional<PartialFile>& partial) {
+  const Header header = MakeHeader(swapper, options);
+  const std::uint64_t estimate =
+      EstimateFileBytes(swapper.plan().layout(), swapper.state_format(), options.chunk_numel,
+                        placement.num_segments, placement.num_blocks, header);
+  ZINF_ASSIGN_OR_RETURN(partial, PartialFile::Prepare(options.dir, partial_name, estimate, step));
+  ZINF_RETURN_IF_ERROR(WriteStructure(partial_path, swapper, step, swapper.comm().size(),
+                                      options.chunk_numel, placement.num_segments,
+                                      placement.num_blocks, header));
+  return partial->Reserve(estimate);
+}
+
+// Collective: closes the file and makes this rank's writes durable before the rename.
+// `written` is WriteContents' status, agreed already: agreeing it again would name rank 0 and
+// count every rank as failed.
+Status CloseAndSync(const comm::Communicator& comm, H5File& file, Status written,
+                    const std::string& partial_path, comm::Timers& timers) {
+  timers.Start("ckpt_save_close");
+  Status closed = file.Close();
+  timers.Stop("ckpt_save_close");
+  Status local = written ? closed : written;
+  // Durability of the data before the rename: every rank syncs what it wrote.
+  timers.Start("ckpt_save_fdatasync");
+  if (local) local = storage::SyncPath(partial_path);
+  timers.Stop("ckpt_save_fdatasync");
+  return written ? comm.AgreeOnStatus(local) : std::move(written);
+}
+
+// Collective: rank 0 (the one holding `partial`) renames it to `name` and applies retention,
+// the files it removed into `removed`; the status is agreed.
+Status CommitPartial(const comm::Communicator& comm, std::optional<PartialFile>& partial,
+                     const std::string& name, int keep_last, std::vector<std::string>* removed,
+                     comm::Timers& timers) {
+  Status committed = OkStatus();
+  ScopedTimer t(timers, "ckpt_save_commit");
+  if (partial) {
+    partial->TrimReservation();
+    committed = partial->Commit(name, keep_last, removed);
+  }
+  return comm.AgreeOnStatus(Annotate(committed, "checkpoint commit: "));
+}
+
 }  // namespace
 
 std::uint64_t EstimateCheckpointBytes(const OptimizerSwapper& swapper,
@@ -986,23 +1074,7 @@ Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t s
   const auto start = std::chrono::steady_clock::now();
   const comm::Communicator& comm = swapper.comm();
   const bool root = comm.rank() == 0;
-  Status check = OkStatus();
-  if (options.dir.empty()) {
-    check = InvalidArgumentError("SaveCheckpoint: empty dir");
-  } else if (step < 0 || step > kMaxCheckpointStep) {
-    check = InvalidArgumentError(
-        fmt::format("SaveCheckpoint: step {} not in [0, {}]", step, kMaxCheckpointStep));
-  } else if (options.chunk_numel == 0 || options.chunk_numel > kMaxCheckpointChunkNumel) {
-    check = InvalidArgumentError(fmt::format("SaveCheckpoint: chunk_numel {} not in [1, {}]",
-                                             options.chunk_numel, kMaxCheckpointChunkNumel));
-  }
-  for (const nlohmann::json* j : {&options.optimizer, &options.config, &options.trainer}) {
-    if (check && !j->is_null() && !j->is_object()) {
-      check = InvalidArgumentError(
-          "SaveCheckpoint: optimizer, config and trainer must be JSON "
-          "objects");
-    }
-  }
+  Status check = CheckSaveArguments(step, options);
   const std::string name = CheckpointFileName(step);
   const std::string partial_name = name + ".partial";
   const std::string partial_path = options.dir + "/" + partial_name;
@@ -1015,18 +1087,8 @@ Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t s
   std::optional<PartialFile> partial;
   if (root && check) {
     ScopedTimer t(timers, "ckpt_save_header");
-    check = [&]() -> Status {
-      const Header header = MakeHeader(swapper, options);
-      const std::uint64_t estimate =
-          EstimateFileBytes(swapper.plan().layout(), swapper.state_format(), options.chunk_numel,
-                            placement->num_segments, placement->num_blocks, header);
-      ZINF_ASSIGN_OR_RETURN(partial,
-                            PartialFile::Prepare(options.dir, partial_name, estimate, step));
-      ZINF_RETURN_IF_ERROR(WriteStructure(partial_path, swapper, step, comm.size(),
-                                          options.chunk_numel, placement->num_segments,
-                                          placement->num_blocks, header));
-      return partial->Reserve(estimate);
-    }();
+    check =
+        PreparePartialFile(swapper, step, options, partial_name, partial_path, *placement, partial);
   }
   // From here on, every failure removes the partial file on rank 0.
   auto fail = [&](Error error) -> Error {
@@ -1044,25 +1106,10 @@ Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t s
   // WriteContents' errors are agreed already. The collective close below is safe after them:
   // the file holds no unwritten HDF5 metadata (see WriteStructure).
   Status written = WriteContents(swapper, file, options, *placement, &progress);
-  timers.Start("ckpt_save_close");
-  Status closed = file.Close();
-  timers.Stop("ckpt_save_close");
-  Status local = written ? closed : written;
-  // Durability of the data before the rename: every rank syncs what it wrote.
-  timers.Start("ckpt_save_fdatasync");
-  if (local) local = storage::SyncPath(partial_path);
-  timers.Stop("ckpt_save_fdatasync");
-  // Agreeing WriteContents' errors again would name rank 0 and count every rank as failed.
-  Status agreed = written ? comm.AgreeOnStatus(local) : std::move(written);
+  Status agreed = CloseAndSync(comm, file, std::move(written), partial_path, timers);
   SavedCheckpoint saved;
   if (agreed) {
-    Status committed = OkStatus();
-    ScopedTimer t(timers, "ckpt_save_commit");
-    if (partial) {
-      partial->TrimReservation();
-      committed = partial->Commit(name, options.keep_last, &saved.removed);
-    }
-    agreed = comm.AgreeOnStatus(Annotate(committed, "checkpoint commit: "));
+    agreed = CommitPartial(comm, partial, name, options.keep_last, &saved.removed, timers);
   }
   if (!agreed) return fail(std::move(agreed).error());
   progress.Finish();

@@ -398,20 +398,23 @@ std::size_t Q8Tables::SegmentOf(std::uint64_t flat) const {
   return static_cast<std::size_t>(it - segments.begin()) - 1;  // segments[0].start == 0
 }
 
-Result<Q8Tables> ReadQ8Tables(H5File& file, const CheckpointInfo& info) {
-  Q8Tables t;
-  std::vector<std::uint64_t> sums(kQ8Datasets.size());
-  ZINF_RETURN_IF_ERROR(Annotate(file.ReadSlab(kQ8Checksums, 0, std::span(sums)),
-                                fmt::format("reading {}: ", kQ8Checksums)));
-  auto read = [&](Q8Dataset d, auto out) -> Status {
-    ZINF_RETURN_IF_ERROR(Annotate(file.ReadSlab(kQ8Datasets[d], 0, out),
-                                  fmt::format("reading {}: ", kQ8Datasets[d])));
-    return storage::VerifyChecksum(std::as_bytes(out), sums[d],
-                                   fmt::format("dataset {}", kQ8Datasets[d]));
-  };
+namespace {
+
+// Reads q8 dataset `d` whole into `out` and verifies it against its entry in `sums` (those of
+// kQ8Checksums).
+Status ReadQ8Dataset(H5File& file, const std::vector<std::uint64_t>& sums, Q8Dataset d, auto out) {
+  ZINF_RETURN_IF_ERROR(
+      Annotate(file.ReadSlab(kQ8Datasets[d], 0, out), fmt::format("reading {}: ", kQ8Datasets[d])));
+  return storage::VerifyChecksum(std::as_bytes(out), sums[d],
+                                 fmt::format("dataset {}", kQ8Datasets[d]));
+}
+
+// The signed and the unsigned map, each ascending in [-1, 1].
+Status ReadQ8Maps(H5File& file, const std::vector<std::uint64_t>& sums, const CheckpointInfo& info,
+                  std::array<std::array<float, 256>, 2>& maps) {
   for (Q8Dataset d : {kMapSigned, kMapUnsigned}) {
-    std::array<float, 256>& map = t.maps[d == kMapSigned ? 0 : 1];
-    ZINF_RETURN_IF_ERROR(read(d, std::span(map)));
+    std::array<float, 256>& map = maps[d == kMapSigned ? 0 : 1];
+    ZINF_RETURN_IF_ERROR(ReadQ8Dataset(file, sums, d, std::span(map)));
     for (std::size_t c = 0; c < 256; ++c) {
       if (!(map[c] >= -1.0f && map[c] <= 1.0f) || (c > 0 && !(map[c] > map[c - 1]))) {
         return DataLossError(fmt::format("{}: {} is not ascending in [-1, 1] at code {}", info.path,
@@ -419,11 +422,18 @@ Result<Q8Tables> ReadQ8Tables(H5File& file, const CheckpointInfo& info) {
       }
     }
   }
+  return OkStatus();
+}
+
+// The segment table into t.segments (sorted by start) and t.block_segments: each segment inside
+// the flat vector and the blocks, each block holding 1 to q8::kBlockNumel elements.
+Status ReadQ8Segments(H5File& file, const std::vector<std::uint64_t>& sums,
+                      const CheckpointInfo& info, Q8Tables& t) {
   const std::uint64_t n = info.num_segments;
   std::vector<std::uint64_t> start(n), numel(n), block(n);
-  ZINF_RETURN_IF_ERROR(read(kSegmentStart, std::span(start)));
-  ZINF_RETURN_IF_ERROR(read(kSegmentNumel, std::span(numel)));
-  ZINF_RETURN_IF_ERROR(read(kSegmentBlock, std::span(block)));
+  ZINF_RETURN_IF_ERROR(ReadQ8Dataset(file, sums, kSegmentStart, std::span(start)));
+  ZINF_RETURN_IF_ERROR(ReadQ8Dataset(file, sums, kSegmentNumel, std::span(numel)));
+  ZINF_RETURN_IF_ERROR(ReadQ8Dataset(file, sums, kSegmentBlock, std::span(block)));
   t.segments.resize(n);
   t.block_segments.assign(info.num_blocks, 0);
   std::vector<std::uint64_t> block_numel(info.num_blocks, 0);
@@ -447,8 +457,13 @@ Result<Q8Tables> ReadQ8Tables(H5File& file, const CheckpointInfo& info) {
   }
   std::sort(t.segments.begin(), t.segments.end(),
             [](const Q8Segment& a, const Q8Segment& b) { return a.start < b.start; });
+  return OkStatus();
+}
+
+// The `segments` (sorted by start) tile [0, total_numel): no gap, no overlap.
+Status CheckQ8Tiling(const std::vector<Q8Segment>& segments, const CheckpointInfo& info) {
   std::uint64_t next = 0;
-  for (const Q8Segment& seg : t.segments) {
+  for (const Q8Segment& seg : segments) {
     if (seg.start != next) {
       return DataLossError(fmt::format(
           "{}: the q8 segments do not tile the flat vector: element {} is {}", info.path,
@@ -460,18 +475,38 @@ Result<Q8Tables> ReadQ8Tables(H5File& file, const CheckpointInfo& info) {
     return DataLossError(fmt::format("{}: the q8 segments end at element {} of {}", info.path, next,
                                      info.total_numel));
   }
+  return OkStatus();
+}
+
+// Each block's scales: exp_avg's in [0, kMaxQ8ExpAvgScale], exp_avg_sq's finite and >= 0.
+Status ReadQ8Scales(H5File& file, const std::vector<std::uint64_t>& sums,
+                    const CheckpointInfo& info, std::array<std::vector<float>, 2>& scales) {
   for (std::size_t m = 0; m < 2; ++m) {
     const Q8Dataset d = m == 0 ? kExpAvgScales : kExpAvgSqScales;
-    t.scales[m].resize(info.num_blocks);
-    ZINF_RETURN_IF_ERROR(read(d, std::span(t.scales[m])));
+    scales[m].resize(info.num_blocks);
+    ZINF_RETURN_IF_ERROR(ReadQ8Dataset(file, sums, d, std::span(scales[m])));
     const float max = m == 0 ? kMaxQ8ExpAvgScale : std::numeric_limits<float>::max();
     for (std::uint64_t k = 0; k < info.num_blocks; ++k) {
-      if (!(t.scales[m][k] >= 0.0f && t.scales[m][k] <= max)) {
+      if (!(scales[m][k] >= 0.0f && scales[m][k] <= max)) {
         return DataLossError(fmt::format("{}: {} block {} has scale {}, outside [0, {}]", info.path,
-                                         kQ8Datasets[d], k, t.scales[m][k], max));
+                                         kQ8Datasets[d], k, scales[m][k], max));
       }
     }
   }
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<Q8Tables> ReadQ8Tables(H5File& file, const CheckpointInfo& info) {
+  Q8Tables t;
+  std::vector<std::uint64_t> sums(kQ8Datasets.size());
+  ZINF_RETURN_IF_ERROR(Annotate(file.ReadSlab(kQ8Checksums, 0, std::span(sums)),
+                                fmt::format("reading {}: ", kQ8Checksums)));
+  ZINF_RETURN_IF_ERROR(ReadQ8Maps(file, sums, info, t.maps));
+  ZINF_RETURN_IF_ERROR(ReadQ8Segments(file, sums, info, t));
+  ZINF_RETURN_IF_ERROR(CheckQ8Tiling(t.segments, info));
+  ZINF_RETURN_IF_ERROR(ReadQ8Scales(file, sums, info, t.scales));
   return t;
 }
 
@@ -833,6 +868,23 @@ Status WriteSafetensorsExport(const ExportPlan& plan, storage::AtomicFile& out) 
   return OkStatus();
 }
 
+// The bytes an export of `num_states` tensors per parameter may need, checked against the free
+// space of out_path's directory (ResourceExhausted when short).
+Result<std::uint64_t> CheckExportSpace(const std::string& out_path, const CheckpointInfo& info,
+                                       std::size_t num_states) {
+  ZINF_ASSIGN_OR_RETURN(const storage::DirAndName out_parts, storage::SplitPath(out_path));
+  const std::uint64_t estimate =
+      num_states * (info.total_numel * sizeof(float) + info.layout->num_params() * (8u << 10)) +
+      (1u << 20);
+  ZINF_ASSIGN_OR_RETURN(const std::uint64_t available, storage::AvailableBytes(out_parts.dir));
+  if (available < estimate) {
+    return ResourceExhaustedError(fmt::format("export needs about {} in {}, which has {} available",
+                                              FormatBytes(estimate), out_parts.dir,
+                                              FormatBytes(available)));
+  }
+  return estimate;
+}
+
 }  // namespace
 
 Status ExportCheckpoint(const std::string& path, const std::string& out_path, ExportFormat format,
@@ -888,16 +940,7 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
   // The output appears under out_path only when complete: a failed export (a bad chunk, a full
   // disk) leaves the previous output, if any, as it was. Its space is checked and reserved
   // first: HDF5 (1.10) cannot close a file cleanly after a write failed for lack of space.
-  ZINF_ASSIGN_OR_RETURN(const storage::DirAndName out_parts, storage::SplitPath(out_path));
-  const std::uint64_t estimate =
-      num_states * (info.total_numel * sizeof(float) + info.layout->num_params() * (8u << 10)) +
-      (1u << 20);
-  ZINF_ASSIGN_OR_RETURN(const std::uint64_t available, storage::AvailableBytes(out_parts.dir));
-  if (available < estimate) {
-    return ResourceExhaustedError(fmt::format("export needs about {} in {}, which has {} available",
-                                              FormatBytes(estimate), out_parts.dir,
-                                              FormatBytes(available)));
-  }
+  ZINF_ASSIGN_OR_RETURN(const std::uint64_t estimate, CheckExportSpace(out_path, info, num_states));
   ZINF_RETURN_IF_ERROR(format == ExportFormat::kHdf5 ? WriteHdf5Export(plan, out, estimate)
                                                      : WriteSafetensorsExport(plan, out));
   ZINF_RETURN_IF_ERROR(file.Close());

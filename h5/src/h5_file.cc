@@ -609,6 +609,57 @@ H5TransferMode ToTransferMode(H5D_mpio_actual_io_mode_t mode) {
   return H5TransferMode::kNotCollective;
 }
 
+// How HDF5 carried out the last transfer with `dxpl` (kNotCollective when it cannot say).
+H5TransferMode ActualTransferMode(hid_t dxpl) {
+  H5D_mpio_actual_io_mode_t mode = H5D_MPIO_NO_COLLECTIVE;
+  if (H5Pget_mpio_actual_io_mode(dxpl, &mode) >= 0) return ToTransferMode(mode);
+  H5Eclear2(H5E_DEFAULT);
+  return H5TransferMode::kNotCollective;
+}
+
+// The dataspaces of a transfer: the dataset's, with the slab selected, and the buffer's.
+struct SlabSpaces {
+  DataspaceHandle file;
+  DataspaceHandle mem;
+};
+
+// Selects elements [offset, offset + count) of `dataset`. With count 0 nothing is selected in
+// either space (the rank still takes part in a collective transfer).
+Result<SlabSpaces> SelectSlab(hid_t dataset, std::uint64_t offset, std::uint64_t count) {
+  SlabSpaces spaces;
+  ZINF_ASSIGN_OR_RETURN(spaces.file, Check<DataspaceHandle>(H5Dget_space(dataset),
+                                                            ErrorCode::kInternal, "H5Dget_space"));
+  const hsize_t mem_dims[1] = {std::max<hsize_t>(count, 1)};
+  ZINF_ASSIGN_OR_RETURN(spaces.mem,
+                        Check<DataspaceHandle>(H5Screate_simple(1, mem_dims, nullptr),
+                                               ErrorCode::kInternal, "H5Screate_simple"));
+  if (count == 0) {
+    ZINF_RETURN_IF_ERROR(
+        CheckErr(H5Sselect_none(spaces.file.get()), ErrorCode::kInternal, "H5Sselect_none"));
+    ZINF_RETURN_IF_ERROR(
+        CheckErr(H5Sselect_none(spaces.mem.get()), ErrorCode::kInternal, "H5Sselect_none"));
+  } else {
+    const hsize_t start[1] = {offset};
+    const hsize_t counts[1] = {count};
+    ZINF_RETURN_IF_ERROR(CheckErr(
+        H5Sselect_hyperslab(spaces.file.get(), H5S_SELECT_SET, start, nullptr, counts, nullptr),
+        ErrorCode::kInternal, "H5Sselect_hyperslab"));
+  }
+  return spaces;
+}
+
+// The transfer property list: MPI-IO collective transfers on a collective file.
+Result<PropListHandle> TransferProperties(bool collective) {
+  ZINF_ASSIGN_OR_RETURN(
+      PropListHandle dxpl,
+      Check<PropListHandle>(H5Pcreate(H5P_DATASET_XFER), ErrorCode::kInternal, "H5Pcreate(dxpl)"));
+  if (collective) {
+    ZINF_RETURN_IF_ERROR(CheckErr(H5Pset_dxpl_mpio(dxpl.get(), H5FD_MPIO_COLLECTIVE),
+                                  ErrorCode::kInternal, "H5Pset_dxpl_mpio"));
+  }
+  return dxpl;
+}
+
 }  // namespace
 
 template <typename T>
@@ -622,8 +673,7 @@ Status H5File::TransferSlab(std::string_view dataset, std::uint64_t offset, std:
   // ranks agree on it first: a rank that skipped the transfer would leave the others blocked.
   std::string path;
   DatasetHandle ds;
-  DataspaceHandle file_space;
-  DataspaceHandle mem_space;
+  SlabSpaces spaces;
   PropListHandle dxpl;
   const Status prepared = [&]() -> Status {
     ZINF_RETURN_IF_ERROR(CheckUsable(is_open(), read_only_, kWrite, path_, op));
@@ -640,30 +690,8 @@ Status H5File::TransferSlab(std::string_view dataset, std::uint64_t offset, std:
           fmt::format("{} {} elements [{}, {}) in {}: outside the dataset's {} elements", op, path,
                       offset, offset + count, path_, info.numel));
     }
-    ZINF_ASSIGN_OR_RETURN(file_space, Check<DataspaceHandle>(H5Dget_space(ds.get()),
-                                                             ErrorCode::kInternal, "H5Dget_space"));
-    const hsize_t mem_dims[1] = {std::max<hsize_t>(count, 1)};
-    ZINF_ASSIGN_OR_RETURN(mem_space,
-                          Check<DataspaceHandle>(H5Screate_simple(1, mem_dims, nullptr),
-                                                 ErrorCode::kInternal, "H5Screate_simple"));
-    if (count == 0) {
-      ZINF_RETURN_IF_ERROR(
-          CheckErr(H5Sselect_none(file_space.get()), ErrorCode::kInternal, "H5Sselect_none"));
-      ZINF_RETURN_IF_ERROR(
-          CheckErr(H5Sselect_none(mem_space.get()), ErrorCode::kInternal, "H5Sselect_none"));
-    } else {
-      const hsize_t start[1] = {offset};
-      const hsize_t counts[1] = {count};
-      ZINF_RETURN_IF_ERROR(CheckErr(
-          H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start, nullptr, counts, nullptr),
-          ErrorCode::kInternal, "H5Sselect_hyperslab"));
-    }
-    ZINF_ASSIGN_OR_RETURN(dxpl, Check<PropListHandle>(H5Pcreate(H5P_DATASET_XFER),
-                                                      ErrorCode::kInternal, "H5Pcreate(dxpl)"));
-    if (is_collective()) {
-      ZINF_RETURN_IF_ERROR(CheckErr(H5Pset_dxpl_mpio(dxpl.get(), H5FD_MPIO_COLLECTIVE),
-                                    ErrorCode::kInternal, "H5Pset_dxpl_mpio"));
-    }
+    ZINF_ASSIGN_OR_RETURN(spaces, SelectSlab(ds.get(), offset, count));
+    ZINF_ASSIGN_OR_RETURN(dxpl, TransferProperties(is_collective()));
     return OkStatus();
   }();
   ZINF_RETURN_IF_ERROR(Agree(prepared));
@@ -673,23 +701,17 @@ Status H5File::TransferSlab(std::string_view dataset, std::uint64_t offset, std:
   herr_t rc;
   if constexpr (kWrite) {
     const void* buffer = data.empty() ? &dummy : static_cast<const void*>(data.data());
-    rc = H5Dwrite(ds.get(), MemType(kType), mem_space.get(), file_space.get(), dxpl.get(), buffer);
+    rc =
+        H5Dwrite(ds.get(), MemType(kType), spaces.mem.get(), spaces.file.get(), dxpl.get(), buffer);
   } else {
     void* buffer = data.empty() ? &dummy : static_cast<void*>(data.data());
-    rc = H5Dread(ds.get(), MemType(kType), mem_space.get(), file_space.get(), dxpl.get(), buffer);
+    rc = H5Dread(ds.get(), MemType(kType), spaces.mem.get(), spaces.file.get(), dxpl.get(), buffer);
   }
   Status local = CheckErr(
       rc, ErrorCode::kDataLoss,
       fmt::format("{}: H5D{} {} elements [{}, {})", path_, op, path, offset, offset + count));
   last_transfer_mode_ = H5TransferMode::kNotCollective;
-  if (local && is_collective()) {
-    H5D_mpio_actual_io_mode_t mode = H5D_MPIO_NO_COLLECTIVE;
-    if (H5Pget_mpio_actual_io_mode(dxpl.get(), &mode) >= 0) {
-      last_transfer_mode_ = ToTransferMode(mode);
-    } else {
-      H5Eclear2(H5E_DEFAULT);
-    }
-  }
+  if (local && is_collective()) last_transfer_mode_ = ActualTransferMode(dxpl.get());
   if (local) local = ds.Close(fmt::format("{}: H5Dclose {}", path_, path), ErrorCode::kDataLoss);
   return Agree(local);
 }

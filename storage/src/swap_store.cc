@@ -65,7 +65,6 @@ std::string StripTrailingSlashes(std::string path) {
   return path;
 }
 
-
 // The stripe map `options` ask for (equal shares when path_weights is empty).
 Result<StripeMap> MapOfOptions(const SwapStoreOptions& options) {
   if (options.path_weights.empty()) return StripeMap::Equal(options.paths.size());
@@ -385,8 +384,8 @@ Status ValidateJobId(std::string_view job_id) {
         job_id.size(), kMaxJobIdLength));
   }
   const bool valid_chars = std::all_of(job_id.begin(), job_id.end(), [](char c) {
-    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
-           c == '_' || c == '.' || c == '-';
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' ||
+           c == '.' || c == '-';
   });
   if (!valid_chars || job_id.find("..") != std::string_view::npos || job_id == ".") {
     return InvalidArgumentError(
@@ -1059,6 +1058,64 @@ class StaleScan {
   uid_t uid_;
 };
 
+// Reserve's names: valid, and each new (neither in `index` nor twice in `specs`).
+Status CheckNewNames(std::span<const TensorSpec> specs,
+                     const std::unordered_map<std::string, std::size_t>& index) {
+  std::set<std::string> names;
+  for (const TensorSpec& spec : specs) {
+    ZINF_RETURN_IF_ERROR(ValidateTensorName(spec.name));
+    if (index.contains(spec.name) || !names.insert(spec.name).second) {
+      return AlreadyExistsError(
+          fmt::format("swap store: tensor '{}' is reserved twice", spec.name));
+    }
+  }
+  return OkStatus();
+}
+
+// A resumed store must be reserved in the order its manifest recorded: `specs`, placed after
+// `reserved` tensors, against the manifest's tensors of the store in `rank_dir`.
+Status CheckResumeOrder(std::span<const TensorSpec> specs, std::size_t reserved,
+                        std::span<const TensorSpec> manifest_tensors, const std::string& rank_dir) {
+  for (std::size_t k = 0; k < specs.size(); ++k) {
+    const std::size_t i = reserved + k;
+    if (i >= manifest_tensors.size()) break;
+    const TensorSpec& old = manifest_tensors[i];
+    if (old.name != specs[k].name || old.size_bytes != specs[k].size_bytes) {
+      return FailedPreconditionError(fmt::format(
+          "swap store: cannot resume {}: tensor {} is '{}' of {} bytes there, but '{}' of {} "
+          "bytes now (the layout changed)",
+          rank_dir, i, old.name, old.size_bytes, specs[k].name, specs[k].size_bytes));
+    }
+  }
+  return OkStatus();
+}
+
+// The size of `file`, which must hold the `resumed_bytes` a resumed manifest promises (DataLoss
+// for a truncated file).
+Result<std::uint64_t> SizeHolding(const File& file, std::uint64_t resumed_bytes) {
+  ZINF_ASSIGN_OR_RETURN(std::uint64_t current, Annotate(file.Size(), "swap store: "));
+  if (current < resumed_bytes) {
+    return DataLossError(
+        fmt::format("swap store: cannot resume: {} holds {} bytes, the manifest's tensors need {} "
+                    "(truncated file)",
+                    file.path(), current, resumed_bytes));
+  }
+  return current;
+}
+
+// The extent of the tensor `spec` placed at logical stripe unit `first_unit`.
+TensorExtent ExtentAt(TensorSpec spec, std::uint64_t first_unit, std::uint64_t alignment,
+                      std::uint64_t stripe_unit_bytes) {
+  TensorExtent extent;
+  extent.name = std::move(spec.name);
+  extent.size_bytes = spec.size_bytes;
+  extent.io_size_bytes = AlignUp(spec.size_bytes, alignment);
+  extent.num_units = UnitsFor(spec.size_bytes, stripe_unit_bytes);
+  extent.padded_size_bytes = extent.num_units * stripe_unit_bytes;
+  extent.first_unit = first_unit;
+  return extent;
+}
+
 }  // namespace
 
 Result<std::vector<StaleStore>> SwapStore::ReclaimStale(const SwapStoreOptions& options) {
@@ -1071,26 +1128,9 @@ Result<std::vector<StaleStore>> SwapStore::ReclaimStale(const SwapStoreOptions& 
 
 Status SwapStore::Reserve(std::vector<TensorSpec> specs) {
   if (closed_) return FailedPreconditionError("swap store: Reserve after Close");
-  std::set<std::string> names;
-  for (const TensorSpec& spec : specs) {
-    ZINF_RETURN_IF_ERROR(ValidateTensorName(spec.name));
-    if (index_.contains(spec.name) || !names.insert(spec.name).second) {
-      return AlreadyExistsError(
-          fmt::format("swap store: tensor '{}' is reserved twice", spec.name));
-    }
-  }
-  // A resumed store must be reserved in the order its manifest recorded.
-  for (std::size_t k = 0; k < specs.size(); ++k) {
-    const std::size_t i = tensors_.size() + k;
-    if (i >= manifest_tensors_.size()) break;
-    const TensorSpec& old = manifest_tensors_[i];
-    if (old.name != specs[k].name || old.size_bytes != specs[k].size_bytes) {
-      return FailedPreconditionError(fmt::format(
-          "swap store: cannot resume {}: tensor {} is '{}' of {} bytes there, but '{}' of {} "
-          "bytes now (the layout changed)",
-          paths_[0].rank_dir, i, old.name, old.size_bytes, specs[k].name, specs[k].size_bytes));
-    }
-  }
+  ZINF_RETURN_IF_ERROR(CheckNewNames(specs, index_));
+  ZINF_RETURN_IF_ERROR(
+      CheckResumeOrder(specs, tensors_.size(), manifest_tensors_, paths_[0].rank_dir));
   const std::uint64_t su = options_.stripe_unit_bytes;
   ZINF_ASSIGN_OR_RETURN(std::uint64_t new_total, SumUnits(specs, su, total_units_));
 
@@ -1104,14 +1144,9 @@ Status SwapStore::Reserve(std::vector<TensorSpec> specs) {
   std::vector<std::uint64_t> target;
   bool grow = false;
   for (std::size_t i = 0; i < paths_.size(); ++i) {
-    ZINF_ASSIGN_OR_RETURN(std::uint64_t current, Annotate(paths_[i].file.Size(), "swap store: "));
-    const std::uint64_t resumed_bytes = FileBytes(stripe_map_, i, resumed_units, su);
-    if (current < resumed_bytes) {
-      return DataLossError(fmt::format(
-          "swap store: cannot resume: {} holds {} bytes, the manifest's tensors need {} "
-          "(truncated file)",
-          paths_[i].file.path(), current, resumed_bytes));
-    }
+    ZINF_ASSIGN_OR_RETURN(
+        std::uint64_t current,
+        SizeHolding(paths_[i].file, FileBytes(stripe_map_, i, resumed_units, su)));
     target.push_back(FileBytes(stripe_map_, i, new_total, su));
     needed.push_back(target.back() > current ? target.back() - current : 0);
     grow = grow || needed.back() > 0;
@@ -1133,12 +1168,7 @@ Status SwapStore::Reserve(std::vector<TensorSpec> specs) {
   const std::uint64_t old_total = total_units_;
   for (TensorSpec& spec : specs) {
     Tensor t;
-    t.extent.name = std::move(spec.name);
-    t.extent.size_bytes = spec.size_bytes;
-    t.extent.io_size_bytes = AlignUp(spec.size_bytes, alignment_);
-    t.extent.num_units = UnitsFor(spec.size_bytes, su);
-    t.extent.padded_size_bytes = t.extent.num_units * su;
-    t.extent.first_unit = total_units_;
+    t.extent = ExtentAt(std::move(spec), total_units_, alignment_, su);
     total_units_ += t.extent.num_units;
     if (options_.verify_swap) {
       t.checksums.assign(t.extent.num_units, 0);
