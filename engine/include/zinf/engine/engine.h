@@ -463,7 +463,7 @@ class ZeroEngine {
 
  private:
   friend class Gathered;
-  class Impl;  // engine.cc: the state and the parts of each call
+  class Impl;  // engine_impl.h: the state and the parts of each call
   ZeroEngine(const comm::Communicator& world, const config::Config& config,
              const EngineOptions& options);
 
