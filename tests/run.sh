@@ -37,7 +37,10 @@ export ZINF_REQUIRE=${ZINF_REQUIRE-$require}
 echo "ZINF_REQUIRE=$ZINF_REQUIRE"
 
 step "ctest: whole suite (default preset)"
-ctest --preset default -j "$ctest_jobs" --no-tests=error
+# The time-boxed fuzzers (label fuzz) run once, under ASan below, unless that is skipped.
+skip_fuzz=()
+if [ "${ZINF_TEST_QUICK:-0}" != "1" ]; then skip_fuzz=(-LE fuzz); fi
+ctest --preset default -j "$ctest_jobs" --no-tests=error "${skip_fuzz[@]}"
 
 if [ "${ZINF_TEST_QUICK:-0}" != "1" ]; then
   step "configure + build: asan preset (ASan+UBSan), the unit tests' programs only"

@@ -55,7 +55,8 @@ if(TARGET zinf-train AND TARGET zinf-ckpt)
     if(ranks GREATER 1)
       set(labels "e2e;mpi")
     endif()
+    # COST: the long ones first in a fresh clone (no CTest history), not last.
     set_tests_properties(${test_name} PROPERTIES TIMEOUT ${timeout} LABELS "${labels}"
-                         PROCESSORS ${ranks} SKIP_RETURN_CODE 77)
+                         PROCESSORS ${ranks} SKIP_RETURN_CODE 77 COST ${timeout})
   endforeach()
 endif()
