@@ -617,10 +617,9 @@ const std::vector<KeySpec>& Schema() {
        .description = "Device nvme: elements of shards kept in host memory (the first shards, "
                       "in registration order, that fit together), gathered without NVMe reads",
        .range = AtLeast(0)},
-      {.path = "zero_optimization.offload_param.pin_memory",
-       .field = Leaf<&T::zero_optimization, &Z::offload_param, &OP::pin_memory>(),
-       .description = "Accepted, no effect: the shards are read through the optimizer's buffer "
-                      "pool (offload_optimizer.pin_memory pins it)"},
+      Ignored("zero_optimization.offload_param.pin_memory", "Pin the parameter buffers",
+              "the shards are read through the optimizer's buffer pool, which "
+              "offload_optimizer.pin_memory pins"),
       {.path = "zero_optimization.cpu_offload",
        .field = {},
        .description = "Old switch for optimizer offload to CPU",

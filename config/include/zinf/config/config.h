@@ -14,7 +14,7 @@
 //     LRRangeTest), zero_optimization {stage, sub_group_size, reduce_bucket_size,
 //     allgather_bucket_size, offload_optimizer {device, nvme_path, buffer_count, pin_memory,
 //     pipeline_read, pipeline_write}, offload_param {device, nvme_path, buffer_count,
-//     buffer_size, max_in_cpu, pin_memory}, stage3_prefetch_bucket_size,
+//     buffer_size, max_in_cpu}, stage3_prefetch_bucket_size,
 //     stage3_max_live_parameters, stage3_max_reuse_distance, stage3_param_persistence_threshold,
 //     stage3_model_persistence_threshold}, aio;
 //   - accepted with no effect in zinf (GPU performance hints such as overlap_comm, monitors,
@@ -197,9 +197,8 @@ struct OffloadParamConfig {
   // Elements, >= 0. With device nvme: shards (in registration order) whose elements fit in this
   // many in all stay in host memory and are gathered without reading NVMe.
   std::uint64_t max_in_cpu = 1'000'000'000;
-  // Accepted; no effect: zinf reads the shards through the optimizer's buffer pool, which
-  // offload_optimizer.pin_memory pins.
-  bool pin_memory = false;
+  // (pin_memory is an ignored key: zinf reads the shards through the optimizer's buffer pool,
+  // which offload_optimizer.pin_memory pins.)
 };
 
 // zero_optimization.
