@@ -67,8 +67,8 @@ The default shape: 32 x Linear(1024, 1024) = 33.6M parameters, 200 MB of fp32 Ad
 store is twice that: a second slot per sub-group). The step is bound by the I/O, not by Adam:
 CpuAdam steps a rank's 16.8M elements in about 10 ms on one core (zinf-bench adam), the swap
 moves 200 MB each way per rank. A batch of 256 per rank makes the plain backward pass about as
-long as the plain step() (0.38 and 0.44 s on the 2-core VM with one virtio disk the README's
-numbers come from, both up to 2x that with other jobs beside it), where the overlap matters
+long as the plain step() (0.38 and 0.44 s on the 2-core VM with one virtio disk of
+docs/benchmarks.md, both up to 2x that with other jobs beside it), where the overlap matters
 most: with one much longer than the other, max() is the longer one whatever the overlap does.
 Another machine balances at another --batch (--layers scales both): make plain backward_seconds
 ~ plain step_seconds. --sub-group 1M elements gives 17 sub-groups per rank and --bucket 4M

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# README: a model larger than the memory of the job, trained. Makes a memory cgroup whose limit
+# A model larger than the memory of the job, trained (docs/tools.md, "Demo: a PyTorch
+# transformer larger than the job's memory"). Makes a memory cgroup whose limit
 # is at most 2/3 of the model's fp32 weights, starts 2 ranks inside it (mpirun and every rank),
 # trains examples/torch/transformer_lm.py (nn.TransformerEncoderLayer LM with a tied head, each
 # layer under torch.utils.checkpoint, ZeRO stage 3, weight shards and Adam state on NVMe,

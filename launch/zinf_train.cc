@@ -1,6 +1,6 @@
 // zinf-train: data-parallel training with the Adam state swapped to node-local NVMe, run under
 // mpirun (or launch/zinf-run); one rank runs without mpirun. See launch/train/trainer.h for the
-// step and README.md ("zinf-train") for the flags and exit codes.
+// step and docs/tools.md ("zinf-train") for the flags and exit codes.
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -18,7 +18,7 @@
 
 namespace {
 
-// Exit codes (README.md, "zinf-train").
+// Exit codes (docs/tools.md, "zinf-train", "Exit codes").
 constexpr int kExitFailure = 1;  // any failure but the two below
 // A bad command line or config: InvalidArgument, and every failure to load the config (its file
 // missing or unreadable included), so that --check-config exits 0 or 2 as its help says.

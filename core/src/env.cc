@@ -15,7 +15,7 @@ constexpr EnvVarInfo kKnown[] = {
     {"ZINF_LOG_LEVEL", "trace|debug|info|warn|error|off: the lowest level printed (default info)"},
     {"ZINF_LOG_ALL_RANKS", "1: every rank prints INFO/DEBUG lines, not only rank 0"},
     {"ZINF_FAULT_INJECT",
-     "fault injection rules for the I/O engines and file-system calls (README.md, Fault "
+     "fault injection rules for the I/O backends and file-system calls (docs/reliability.md, Fault "
      "injection)"},
     {"ZINF_IO_ENGINE", "uring|posix|auto: overrides zinf.io_engine"},
     {"ZINF_SIMD",
@@ -25,6 +25,7 @@ constexpr EnvVarInfo kKnown[] = {
      "tests: capabilities (uring, odirect, tmpfs, h5dump) whose absence fails a test, not skips "
      "it"},
     {"ZINF_MPIRUN", "launch/zinf-run: the mpirun to run (default: mpirun on PATH)"},
+    {"ZINF_TEST_QUICK", "tests/run.sh: 1 runs the default preset only (no sanitizer builds)"},
 };
 
 }  // namespace

@@ -1,5 +1,6 @@
-// zinf-bench io: O_DIRECT write then read throughput of an I/O backend, and a DeepSpeed-style
-// sweep (ds_nvme_tune) over block size x queue depth x intra-op parallelism.
+// zinf-bench io: O_DIRECT write then read throughput of an I/O backend, and a sweep over block
+// size x queue depth x intra-op parallelism on zinf's own grid (the three knobs DeepSpeed's
+// ds_nvme_tune also sweeps).
 #include <sys/stat.h>
 #include <unistd.h>
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# An injected I/O fault (ZINF_FAULT_INJECT, README "Fault injection") on one rank makes all ranks
+# An injected I/O fault (ZINF_FAULT_INJECT, docs/reliability.md "Fault injection") on one rank makes all ranks
 # exit non-zero with the same message within 60 s. The built-in charlm trains on 2 or 3 ranks with
 # a checkpoint every step or two until the fault on rank 1 hits: an EIO on a swap write and on a
 # swap read (2 and 3 ranks each), an ENOSPC on a swap write, an EIO on a read of a checkpoint

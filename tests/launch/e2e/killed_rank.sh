@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A killed run's swap store is reclaimed by the next run on the same path, whatever its flags
-# (README "Swap store"). The built-in charlm on 2 ranks, swap under $work/swap:
+# (docs/tools.md "Swap store"). The built-in charlm on 2 ranks, swap under $work/swap:
 #   run 1: --steps 200 --checkpoint-every 5; once the first checkpoint exists, rank 1 is killed
 #          with SIGKILL. mpirun must exit non-zero within 60 s and leave a stale zinf-<id> store.
 #   run 2: --resume latest with other flags (--steps, --checkpoint-every 3): the same job id (it
