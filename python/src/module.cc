@@ -1,4 +1,5 @@
-// zinf._zinf: the Python extension over the engine (zinf/torch.py is its user; docs/python.md).
+// zinf._zinf: the Python extension over the engine (the package zinf.torch, python/zinf/torch/, is
+// its user; docs/python.md).
 //
 // It links no Python framework: parameters cross as buffers (the buffer protocol: NumPy arrays,
 // which torch CPU tensors share memory with), so the same build works with any torch. Every
@@ -9,6 +10,11 @@
 // MPI: init() adopts MPI when the process already initialized it (mpi4py, another extension)
 // and otherwise initializes it; finalize() (registered with atexit by zinf/__init__.py) closes
 // the engines still open and finalizes MPI only if init() initialized it.
+//
+// The boundary is typed: a parameter crosses as a Param (engine::Param with its memory as Python
+// buffers), the options as EngineOptions, ParamGroup and HostMemoryUse (the engine's own structs,
+// engine.h); each is constructed by keyword from its read-write fields, so a field's name is
+// stated once here (its def_readwrite) and once in zinf.torch.
 //
 // Thread safety: the GIL is released during the engine's calls; one Python thread at a time
 // may use an Engine (the engine's contract), which the GIL-holding entry points check.
@@ -33,6 +39,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "zinf/comm/mpi_session.h"
@@ -116,6 +123,35 @@ const comm::Communicator& World() {
   return rt.session->world();
 }
 
+// Collective (every rank holds the store in the orphan `serial`): closes it, as at exit, for a new
+// optimizer to take its swap store over (EngineHandle::TakeOverOwnStore).
+Status CloseOrphanForTakeOver(std::int64_t serial) {
+  Runtime& rt = GetRuntime();
+  auto it = std::find_if(rt.orphans.begin(), rt.orphans.end(), [serial](const Orphan& o) {
+    return static_cast<std::int64_t>(o.serial) == serial;
+  });
+  Orphan dropped = std::move(*it);
+  rt.orphans.erase(it);
+  Status closed = [&] {
+    py::gil_scoped_release release;
+    Status c = dropped.engine->Close();
+    dropped.engine.reset();
+    return c;
+  }();
+  if (!closed) {
+    return Error(closed.error().code(),
+                 fmt::format("closing the optimizer dropped without close() that held this "
+                             "swap store, for the new one to take it over: {}",
+                             closed.error().message()),
+                 closed.error().sys_errno());
+  }
+  LogLine(LogLevel::kWarn,
+          "zinf: an optimizer dropped without close() held the swap store on this "
+          "nvme_path; it was closed, and the new optimizer takes its store over (close() an "
+          "optimizer before dropping it)");
+  return OkStatus();
+}
+
 // A float32, C-contiguous buffer of exactly `numel` elements (writable unless `writable` is
 // false); `what` names it. (buffer.request raises a Python error for a read-only buffer asked
 // writable, or a non-buffer object.)
@@ -197,6 +233,118 @@ std::int64_t NumelOf(const std::vector<std::int64_t>& shape) {
   return numel;
 }
 
+// One parameter as zinf.torch registers it (Python's Param): engine::Param with its memory as
+// Python buffers (NumPy views of the tensors' memory), which the engine works in.
+struct ParamBuffers {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  py::object weights = py::none();  // float32; None: partitioned (stage 3), its values in `shard`
+  py::object grads = py::none();    // float32; None: lent, handed with gradient_ready
+  // Stage 3: this rank's float32 shard of its first values, its elements from shard_begin on;
+  // shard_on_disk: the shard maps a file (ShardInit's `on_disk`).
+  py::object shard = py::none();
+  std::int64_t shard_begin = 0;
+  bool shard_on_disk = false;
+  std::size_t group = 0;  // an index into EngineOptions.param_groups
+};
+
+// `p` as the engine's Param, its buffers checked (float32, contiguous, as many elements as its
+// shape) and its weights and grads kept in `buffers` (alive as long as the engine). Its shard is
+// read only by Create (`live` turns a later call into an error); the caller keeps it alive.
+Result<engine::Param> EngineParam(const ParamBuffers& p, const std::shared_ptr<const bool>& live,
+                                  std::vector<py::object>* buffers) {
+  engine::Param param{.name = p.name, .shape = p.shape, .group = p.group};
+  const std::int64_t numel = NumelOf(p.shape);
+  if (numel < 0) {
+    return InvalidArgumentError(fmt::format(
+        "parameter {}: a dimension is negative or the element count overflows", p.name));
+  }
+  if (!p.weights.is_none()) {
+    ZINF_ASSIGN_OR_RETURN(param.weights, FloatSpan(p.weights.cast<py::buffer>(), numel,
+                                                   "parameter " + p.name + " weights"));
+    buffers->push_back(p.weights);
+  }
+  if (!p.grads.is_none()) {
+    ZINF_ASSIGN_OR_RETURN(param.grads, FloatSpan(p.grads.cast<py::buffer>(), numel,
+                                                 "parameter " + p.name + " grads"));
+    buffers->push_back(p.grads);
+  }
+  if (!p.shard.is_none()) {
+    ZINF_ASSIGN_OR_RETURN(param.init, ShardInit(p.shard.cast<py::buffer>(), p.shard_begin, numel,
+                                                p.name, live, p.shard_on_disk));
+  }
+  return param;
+}
+
+// Every parameter as EngineParam makes it; a Python error (a field that is not a buffer) is an
+// InvalidArgument too.
+Result<std::vector<engine::Param>> EngineParams(const std::vector<ParamBuffers>& params,
+                                                const std::shared_ptr<const bool>& live,
+                                                std::vector<py::object>* buffers) {
+  std::vector<engine::Param> list;
+  try {
+    for (const ParamBuffers& p : params) {
+      ZINF_ASSIGN_OR_RETURN(engine::Param param, EngineParam(p, live, buffers));
+      list.push_back(std::move(param));
+    }
+  } catch (py::error_already_set& e) {
+    return InvalidArgumentError(fmt::format("parameters: {}", e.what()));
+  } catch (const std::exception& e) {  // pybind11's cast_error, ...
+    return InvalidArgumentError(fmt::format("parameters: {}", e.what()));
+  }
+  return list;
+}
+
+// The fields of the bound struct T: the properties its def_readwrite calls made, in order.
+template <typename T>
+std::vector<std::string> FieldNames() {
+  const py::object property = py::module_::import("builtins").attr("property");
+  std::vector<std::string> names;
+  for (const py::handle item : py::type::of<T>().attr("__dict__").attr("items")()) {
+    const auto pair = item.cast<py::tuple>();
+    if (py::isinstance(pair[1], property)) names.push_back(pair[0].cast<std::string>());
+  }
+  return names;
+}
+
+// A plain struct T as the Python class `name`, constructed by keyword from its fields
+// (T(**fields), the others left at T's defaults; an unknown key is a TypeError naming them) and
+// printed with them: each field is named only in its def_readwrite.
+template <typename T>
+py::class_<T> Record(py::module_& m, const char* name, const char* doc) {
+  py::class_<T> cls(m, name, doc);
+  cls.def(py::init([](const py::kwargs& fields) {
+    T value{};
+    const py::object self = py::cast(&value, py::return_value_policy::reference);
+    const std::vector<std::string> names = FieldNames<T>();
+    const std::string type = py::str(py::type::of<T>().attr("__name__"));
+    for (const auto& [key, field] : fields) {
+      const std::string text = py::str(key);
+      if (std::ranges::find(names, text) == names.end()) {
+        throw py::type_error(fmt::format("{}() has no field '{}'; its fields: {}", type, text,
+                                         fmt::join(names, ", ")));
+      }
+      try {
+        py::setattr(self, key, field);
+      } catch (py::error_already_set& e) {
+        if (!e.matches(PyExc_TypeError)) throw;
+        throw py::type_error(fmt::format("{}(): field '{}' cannot hold {} (its type or range)",
+                                         type, text, std::string(py::repr(field))));
+      }
+    }
+    return value;
+  }));
+  cls.def("__repr__", [](const py::object& self) -> std::string {
+    std::vector<std::string> fields;
+    for (const std::string& field : FieldNames<T>()) {
+      fields.push_back(field + "=" + std::string(py::repr(self.attr(field.c_str()))));
+    }
+    return fmt::format("{}({})", std::string(py::str(py::type::of<T>().attr("__name__"))),
+                       fmt::join(fields, ", "));
+  });
+  return cls;
+}
+
 // Every StepInfo field (engine/step_info.h: the one list the metrics file uses too).
 py::dict StepInfoDict(const engine::StepInfo& info) {
   py::dict d;
@@ -209,115 +357,27 @@ py::dict StepInfoDict(const engine::StepInfo& info) {
 // One ZeroEngine and the Python buffers it works in (kept alive as long as it is).
 class EngineHandle {
  public:
-  // `params`: (name, shape, weights, grads[, shard, shard_begin[, group[, shard_on_disk]]]) per
-  // parameter (shard_on_disk: the shard maps a file, ShardInit's `on_disk`): weights
-  // and grads are float32 buffers or None (None weights: partitioned at stage 3, its first values
-  // from `shard`, this rank's elements from shard_begin on; None grads: lent, handed with
-  // gradient_ready; group: an index into options["param_groups"], a list of dicts with lr,
-  // betas, eps, weight_decay, each optional). `config` is a path or, with `config_is_text`,
-  // JSON text. Collective.
-  EngineHandle(const std::string& config, bool config_is_text, const py::list& params,
-               const py::dict& options) {
+  // `params`: every parameter's buffers (the Param class: weights and grads in place, or a
+  // stage-3 shard); `options`: the engine's, whose param_groups the params' `group` index.
+  // `config` is a path or, with `config_is_text`, JSON text. Collective.
+  EngineHandle(const std::string& config, bool config_is_text,
+               const std::vector<ParamBuffers>& params, const engine::EngineOptions& options) {
     const comm::Communicator& world = World();
     const config::Config cfg =
         Value(config_is_text ? config::LoadConfigText(world, config, "(dict)")
                              : config::LoadConfig(world, config));
-    // Bad parameters are agreed on before Create, so that every rank raises.
-    std::vector<engine::Param> list;
-    // The shards Param::init copies from, alive only through Create (it is the one caller);
+    // Bad parameters are agreed on before Create, so that every rank raises. The shards
+    // Param::init copies from are `params`', alive through Create (it is the one caller);
     // `init_live` turns a later call into an error instead of a read of freed memory.
-    std::vector<py::object> shards;
     auto init_live = std::make_shared<bool>(true);
-    const Status local = [&]() -> Status {
-      try {
-        for (const py::handle& item : params) {
-          auto t = item.cast<py::tuple>();
-          engine::Param p;
-          p.name = t[0].cast<std::string>();
-          p.shape = t[1].cast<std::vector<std::int64_t>>();
-          const std::int64_t numel = NumelOf(p.shape);
-          if (numel < 0) {
-            return InvalidArgumentError(fmt::format(
-                "parameter {}: a dimension is negative or the element count overflows", p.name));
-          }
-          // None: no weights (stage 3: partitioned) or no grads (lent: gradient_ready).
-          if (!t[2].is_none()) {
-            ZINF_ASSIGN_OR_RETURN(p.weights, FloatSpan(t[2].cast<py::buffer>(), numel,
-                                                       "parameter " + p.name + " weights"));
-            buffers_.push_back(py::reinterpret_borrow<py::object>(t[2]));
-          }
-          if (!t[3].is_none()) {
-            ZINF_ASSIGN_OR_RETURN(p.grads, FloatSpan(t[3].cast<py::buffer>(), numel,
-                                                     "parameter " + p.name + " grads"));
-            buffers_.push_back(py::reinterpret_borrow<py::object>(t[3]));
-          }
-          if (t.size() >= 6 && !t[4].is_none()) {
-            ZINF_ASSIGN_OR_RETURN(
-                p.init, ShardInit(t[4].cast<py::buffer>(), t[5].cast<std::int64_t>(), numel, p.name,
-                                  init_live, t.size() >= 8 && t[7].cast<bool>()));
-            shards.push_back(py::reinterpret_borrow<py::object>(t[4]));
-          }
-          if (t.size() >= 7) p.group = t[6].cast<std::size_t>();
-          list.push_back(std::move(p));
-        }
-      } catch (py::error_already_set& e) {
-        return InvalidArgumentError(fmt::format("parameters: {}", e.what()));
-      } catch (const std::exception& e) {  // pybind11's cast_error, type_error, ...
-        return InvalidArgumentError(
-            fmt::format("parameters: expected (name, shape, weights, grads) tuples: {}", e.what()));
-      }
-      return OkStatus();
-    }();
-    Check(world.AgreeOnStatus(local));
-
-    engine::EngineOptions opts;
-    if (options.contains("metrics_path")) {
-      opts.metrics_path = options["metrics_path"].cast<std::string>();
-    }
-    if (options.contains("total_steps")) {
-      opts.total_steps = options["total_steps"].cast<std::int64_t>();
-    }
-    if (options.contains("progress")) opts.progress = options["progress"].cast<bool>();
-    if (options.contains("stop_signals")) opts.stop_signals = options["stop_signals"].cast<bool>();
-    if (options.contains("create_nvme_paths")) {
-      opts.create_nvme_paths = options["create_nvme_paths"].cast<bool>();
-    }
-    if (options.contains("gradient_memory_limit_bytes")) {
-      opts.gradient_memory_limit_bytes =
-          options["gradient_memory_limit_bytes"].cast<std::uint64_t>();
-    }
-    if (options.contains("load") && !options["load"].is_none()) {
-      opts.load = options["load"].cast<std::string>();
-    }
-    if (options.contains("param_groups")) {
-      for (const py::handle& item : options["param_groups"].cast<py::list>()) {
-        const auto group = item.cast<py::dict>();
-        auto get = [&](const char* key) -> std::optional<double> {
-          if (!group.contains(key) || group[key].is_none()) return std::nullopt;
-          return group[key].cast<double>();
-        };
-        engine::ParamGroup g{
-            .lr = get("lr"), .eps = get("eps"), .weight_decay = get("weight_decay")};
-        if (group.contains("betas") && !group["betas"].is_none()) {
-          g.betas = group["betas"].cast<std::array<double, 2>>();
-        }
-        opts.param_groups.push_back(g);
-      }
-    }
-    if (options.contains("host_memory")) {  // [(name, bytes per rank, what shrinks it)]
-      for (const py::handle& item : options["host_memory"].cast<py::list>()) {
-        const auto use = item.cast<py::tuple>();
-        opts.host_memory_uses.push_back({.name = use[0].cast<std::string>(),
-                                         .bytes = use[1].cast<std::uint64_t>(),
-                                         .shrink = use[2].cast<std::string>()});
-      }
-    }
-    const std::vector<engine::Param> again = list;  // for a second Create after a take-over
+    Result<std::vector<engine::Param>> list = EngineParams(params, init_live, &buffers_);
+    Check(world.AgreeOnStatus(list ? OkStatus() : Status(list.error())));
+    const std::vector<engine::Param> again = *list;  // for a second Create after a take-over
     auto create = [&](std::vector<engine::Param> registered) {
       py::gil_scoped_release release;
-      return engine::ZeroEngine::Create(world, cfg, std::move(registered), opts);
+      return engine::ZeroEngine::Create(world, cfg, std::move(registered), options);
     };
-    Result<std::unique_ptr<engine::ZeroEngine>> created = create(std::move(list));
+    Result<std::unique_ptr<engine::ZeroEngine>> created = create(std::move(*list));
     if (!created && created.error().code() == ErrorCode::kAlreadyExists) {
       const Status taken = TakeOverOwnStore(world, cfg, created.error());
       created = taken ? create(again) : Result<std::unique_ptr<engine::ZeroEngine>>(taken.error());
@@ -400,31 +460,7 @@ class EngineHandle {
     const bool open_somewhere = facts[0] > 0;
     const std::int64_t newest = facts[1];
     const std::int64_t oldest = -facts[2];
-    if (!open_somewhere && newest >= 0 && newest == oldest) {
-      auto it = std::find_if(rt.orphans.begin(), rt.orphans.end(), [newest](const Orphan& o) {
-        return static_cast<std::int64_t>(o.serial) == newest;
-      });
-      Orphan dropped = std::move(*it);
-      rt.orphans.erase(it);
-      Status closed = [&] {
-        py::gil_scoped_release release;
-        Status c = dropped.engine->Close();
-        dropped.engine.reset();
-        return c;
-      }();
-      if (!closed) {
-        return Error(closed.error().code(),
-                     fmt::format("closing the optimizer dropped without close() that held this "
-                                 "swap store, for the new one to take it over: {}",
-                                 closed.error().message()),
-                     closed.error().sys_errno());
-      }
-      LogLine(LogLevel::kWarn,
-              "zinf: an optimizer dropped without close() held the swap store on this "
-              "nvme_path; it was closed, and the new optimizer takes its store over (close() an "
-              "optimizer before dropping it)");
-      return OkStatus();
-    }
+    if (!open_somewhere && newest >= 0 && newest == oldest) return CloseOrphanForTakeOver(newest);
     std::string why;
     if (open_somewhere) {
       why =
@@ -830,51 +866,87 @@ void Log(const std::string& level, const std::string& message) {
   if (LogEnabled(l)) LogLine(l, message);
 }
 
-}  // namespace
-}  // namespace zinf::python
-
-PYBIND11_MODULE(_zinf, m) {
-  using zinf::python::EngineHandle;
-  m.doc() = "zinf's engine (use zinf.torch.ZeroOptimizer; docs/python.md)";
-  m.def("init", &zinf::python::Init, "Initializes or adopts MPI; returns the rank facts.");
+// The module's constants and the world's functions (MPI, its collectives, the log).
+void BindWorld(py::module_& m) {
+  m.def("init", &Init, "Initializes or adopts MPI; returns the rank facts.");
   // Stage 3's shard rule (engine.h): zinf.torch.init partitions before any engine exists.
-  m.attr("PARTITION_ALIGNMENT") = zinf::engine::kPartitionAlignmentElems;
+  m.attr("PARTITION_ALIGNMENT") = engine::kPartitionAlignmentElems;
   // The keys of Engine.step()'s dict, in order (zinf.torch.StepInfo's attributes).
-  py::tuple step_fields(zinf::engine::StepInfoFieldNames().size());
+  py::tuple step_fields(engine::StepInfoFieldNames().size());
   for (std::size_t i = 0; i < step_fields.size(); ++i) {
-    const std::string_view name = zinf::engine::StepInfoFieldNames()[i];
+    const std::string_view name = engine::StepInfoFieldNames()[i];
     step_fields[i] = py::str(name.data(), name.size());
   }
   m.attr("STEP_INFO_FIELDS") = step_fields;
   // The names of the error codes (core/status.h), each one a class of zinf.errors.
-  py::tuple codes(zinf::kErrorCodes.size());
+  py::tuple codes(kErrorCodes.size());
   for (std::size_t i = 0; i < codes.size(); ++i) {
-    const std::string_view name = zinf::ErrorCodeName(zinf::kErrorCodes[i]);
+    const std::string_view name = ErrorCodeName(kErrorCodes[i]);
     codes[i] = py::str(name.data(), name.size());
   }
   m.attr("ERROR_CODES") = codes;
-  m.def("finalize", &zinf::python::Finalize,
+  m.def("finalize", &Finalize,
         "Closes the open engines and finalizes MPI if init() initialized it.");
   // The world's collectives, each tagged with the API call (`call`) it belongs to.
-  m.def("agree", &zinf::python::Agree, py::arg("code"), py::arg("message"), py::kw_only(),
-        py::arg("call"),
+  m.def("agree", &Agree, py::arg("code"), py::arg("message"), py::kw_only(), py::arg("call"),
         "Collective in `call`: raises on every rank when some rank passes a message.");
-  m.def("agree_same", &zinf::python::AgreeSame, py::arg("code"), py::arg("message"),
-        py::arg("text"), py::kw_only(), py::arg("call"),
+  m.def("agree_same", &AgreeSame, py::arg("code"), py::arg("message"), py::arg("text"),
+        py::kw_only(), py::arg("call"),
         "Collective in `call`: raises `message` on every rank, naming the lowest rank whose text "
         "differs from rank 0's, when some rank's does.");
-  m.def("allgatherv", &zinf::python::Allgatherv, py::arg("send"), py::arg("recv"),
-        py::arg("counts"), py::kw_only(), py::arg("call"),
+  m.def("allgatherv", &Allgatherv, py::arg("send"), py::arg("recv"), py::arg("counts"),
+        py::kw_only(), py::arg("call"),
         "Collective in `call`: every rank's float32 `send` into `recv`, in rank order.");
-  m.def("broadcast", &zinf::python::Broadcast, py::arg("data"), py::arg("root"), py::kw_only(),
-        py::arg("call"), "Collective in `call`: rank root's float32 `data` into every rank's.");
-  m.def("set_wait_timeout", &zinf::python::SetWaitTimeout, py::arg("seconds"),
+  m.def("broadcast", &Broadcast, py::arg("data"), py::arg("root"), py::kw_only(), py::arg("call"),
+        "Collective in `call`: rank root's float32 `data` into every rank's.");
+  m.def("set_wait_timeout", &SetWaitTimeout, py::arg("seconds"),
         "Local: the world's collectives wait this long for the other ranks, then end the job.");
-  m.def("log", &zinf::python::Log, py::arg("level"), py::arg("message"));
-  m.def("abort_job", &zinf::python::AbortJob, py::arg("message"),
+  m.def("log", &Log, py::arg("level"), py::arg("message"));
+  m.def("abort_job", &AbortJob, py::arg("message"),
         "Logs an ERROR line and ends every process of the job (MPI_Abort).");
+}
+
+// What Engine() takes: the parameters and the engine's options (engine.h's structs, whose
+// comments say what each field does), each constructed by keyword.
+void BindRecords(py::module_& m) {
+  Record<ParamBuffers>(m, "Param", "One parameter for Engine(): its name, shape and buffers.")
+      .def_readwrite("name", &ParamBuffers::name)
+      .def_readwrite("shape", &ParamBuffers::shape)
+      .def_readwrite("weights", &ParamBuffers::weights)
+      .def_readwrite("grads", &ParamBuffers::grads)
+      .def_readwrite("shard", &ParamBuffers::shard)
+      .def_readwrite("shard_begin", &ParamBuffers::shard_begin)
+      .def_readwrite("shard_on_disk", &ParamBuffers::shard_on_disk)
+      .def_readwrite("group", &ParamBuffers::group);
+  Record<engine::ParamGroup>(m, "ParamGroup",
+                             "A param group's own lr, betas, eps and weight_decay (None: the "
+                             "config optimizer's).")
+      .def_readwrite("lr", &engine::ParamGroup::lr)
+      .def_readwrite("betas", &engine::ParamGroup::betas)
+      .def_readwrite("eps", &engine::ParamGroup::eps)
+      .def_readwrite("weight_decay", &engine::ParamGroup::weight_decay);
+  Record<engine::HostMemoryUse>(m, "HostMemoryUse",
+                                "The caller's own host memory per rank, in the engine's plan.")
+      .def_readwrite("name", &engine::HostMemoryUse::name)
+      .def_readwrite("bytes", &engine::HostMemoryUse::bytes)
+      .def_readwrite("shrink", &engine::HostMemoryUse::shrink);
+  using engine::EngineOptions;
+  Record<EngineOptions>(m, "EngineOptions", "The engine's options (engine::EngineOptions).")
+      .def_readwrite("metrics_path", &EngineOptions::metrics_path)
+      .def_readwrite("total_steps", &EngineOptions::total_steps)
+      .def_readwrite("progress", &EngineOptions::progress)
+      .def_readwrite("stop_signals", &EngineOptions::stop_signals)
+      .def_readwrite("create_nvme_paths", &EngineOptions::create_nvme_paths)
+      .def_readwrite("gradient_memory_limit_bytes", &EngineOptions::gradient_memory_limit_bytes)
+      .def_readwrite("load", &EngineOptions::load)
+      .def_readwrite("param_groups", &EngineOptions::param_groups)
+      .def_readwrite("host_memory_uses", &EngineOptions::host_memory_uses);
+}
+
+void BindEngine(py::module_& m) {
   py::class_<EngineHandle>(m, "Engine")
-      .def(py::init<const std::string&, bool, const py::list&, const py::dict&>(),
+      .def(py::init<const std::string&, bool, const std::vector<ParamBuffers>&,
+                    const engine::EngineOptions&>(),
            py::arg("config"), py::arg("config_is_text"), py::arg("params"), py::arg("options"))
       .def("agree", &EngineHandle::Agree, py::arg("call"), py::arg("code"), py::arg("message"))
       .def("step", &EngineHandle::Step, py::arg("loss") = py::none())
@@ -900,4 +972,14 @@ PYBIND11_MODULE(_zinf, m) {
       .def_property_readonly("user_state", &EngineHandle::user_state)
       .def_property_readonly("effective_config", &EngineHandle::effective_config)
       .def_property_readonly("closed", &EngineHandle::closed);
+}
+
+}  // namespace
+}  // namespace zinf::python
+
+PYBIND11_MODULE(_zinf, m) {
+  m.doc() = "zinf's engine (use zinf.torch.ZeroOptimizer; docs/python.md)";
+  zinf::python::BindWorld(m);
+  zinf::python::BindRecords(m);
+  zinf::python::BindEngine(m);
 }

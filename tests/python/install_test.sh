@@ -16,8 +16,11 @@ DESTDIR=$work/stage cmake --install "$build" --component python > "$work/install
 site=$(find "$work/stage" -type d -name zinf -path '*-packages/zinf' | head -n 1)
 [[ -n $site ]] || fail "no zinf package under $work/stage: $(cat "$work/install.log")"
 site=$(dirname "$site")
-for f in __init__.py errors.py torch.py libzinf_engine.so; do
-  [[ -e $site/zinf/$f ]] || fail "zinf/$f was not installed"
+# Every file of the package's source (zinf.torch is a subpackage: its folder too).
+sources=$(cd "$src/python" && find zinf -name '*.py' | sort)
+[[ $sources == *zinf/torch/__init__.py* ]] || fail "no zinf/torch/__init__.py under $src/python"
+for f in $sources zinf/libzinf_engine.so; do
+  [[ -e $site/$f ]] || fail "$f was not installed"
 done
 ext=$(find "$site/zinf" -name '_zinf*.so' | head -n 1)
 [[ -n $ext ]] || fail "the extension _zinf was not installed"
