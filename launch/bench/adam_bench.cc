@@ -152,9 +152,6 @@ int RunAdam(const AdamFlags& flags) {
   if (flags.steps < 1 || flags.triad_reps < 1 || flags.triad_mib < 0) {
     return fail("--steps and --triad-reps must be >= 1, --triad-mib >= 0", 2);
   }
-  if (flags.state_format != "fp32" && flags.state_format != "q8") {
-    return fail("--state-format: expected fp32 or q8, got '" + flags.state_format + "'", 2);
-  }
   const bool q8 = flags.state_format == "q8";
   const double bytes_per_element = q8 ? 16.0 : 28.0;
   const std::size_t n = static_cast<std::size_t>(*numel_or);
@@ -272,7 +269,8 @@ const bool kRegistered = RegisterBenchCommand(
       app.add_option("--simd", flags->simd, "auto, scalar, avx2 or avx512")->capture_default_str();
       app.add_option("--state-format", flags->state_format,
                      "fp32 or q8 (8-bit block-quantized moments, CpuAdam::StepQ8)")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(OneOf(swapper::kStateFormatNames));
       app.add_flag("--json", flags->json, "print one JSON object");
       app.add_option("--triad-mib", flags->triad_mib, "MiB per triad array, 0 = max(128, 4 x L3)")
           ->capture_default_str()
