@@ -832,7 +832,7 @@ const std::vector<KeySpec>& Schema() {
       Ignored("compression_training", "DeepSpeed's model compression",
               "the training loop runs the model"),
       Ignored("autotuning", "DeepSpeed's autotuner (run by its launcher)",
-              "zinf's benchmarks are zinf-bench and launch/bench-*.sh"),
+              "zinf's benchmarks are zinf-bench and bench/run.py"),
       Ignored("nebula", "Azure Nebula checkpoint service",
               "zinf writes its own collective HDF5 checkpoints"),
       Ignored("compile", "torch.compile of the model", "the training loop runs the model"),

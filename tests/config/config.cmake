@@ -1,4 +1,4 @@
-# The config as zinf-train uses it (config/config.h, launch/train/train_config.{h,cc}): parsing, defaults, batch arithmetic, schedules,
+# The config as zinf-train uses it (config/config.h, tools/train/train_config.{h,cc}): parsing, defaults, batch arithmetic, schedules,
 # the corpus of bad configs (bad_configs/NN-name.json + NN-name.expect, also used end to end), and
 # the collective same-config check.
 zinf_add_unit_test(config_test SOURCES config_test.cc LIBS zinf_train TIMEOUT 60)

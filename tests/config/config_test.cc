@@ -1,5 +1,5 @@
 // Tests of the strict DeepSpeed-style config (config/config.h) as zinf-train uses it
-// (launch/train/train_config.{h,cc}: the engine's keys plus zinf-train's own).
+// (tools/train/train_config.{h,cc}: the engine's keys plus zinf-train's own).
 #include "train/train_config.h"
 
 #include <algorithm>

@@ -7,7 +7,7 @@ Checks, each failure one line naming the file and line:
   - counts: every "N bad configs" says the number of tests/config/bad_configs/*.json, and every
     "N DeepSpeed keys" / "N keys" the number of keys in docs/deepspeed-keys.md's table;
   - paths: every repository path cited in backticks outside code blocks (`launch/demo.sh`,
-    `tests/config/bad_configs/`, the words of `mpirun ... launch/bench-overlap.py ...`, and
+    `tests/config/bad_configs/`, the words of `python3 bench/run.py overlap ...`, and
     include paths: `zinf/comm/communicator.h` is comm/include/zinf/comm/communicator.h) exists;
     a path counts as one when its first component is a top-level folder of the repository or
     one the docs have named before (so a folder that is moved away is still checked);

@@ -2,6 +2,7 @@
 # zinf-bench's numeric flags: zero, negative, malformed and huge values are usage errors (exit 2,
 # a message naming the flag) before the subcommand does any work: no crash (step's
 # --sub-group-size 0 used to end in SIGFPE), no run on a silently adjusted value, nothing written.
+# So is io --plot: zinf-bench draws no pictures (bench/run.py io-sweep does).
 #
 #   bench_args_test.sh ZINF_BENCH
 set -u
@@ -65,6 +66,9 @@ usage_error --size io "${p[@]}" --size 0
 usage_error --block-size io "${p[@]}" --block-size 0
 usage_error --chunk io "${p[@]}" --chunk 0
 usage_error --queue-depth io "${p[@]}" --queue-depth 0
+# zinf-bench writes CSV and JSON only (the harness draws: bench/run.py io-sweep): --plot is gone,
+# an unknown flag, refused before the sweep writes its file.
+usage_error --plot io "${p[@]}" --size 1M --sweep --plot "$work/path/sweep.png"
 usage_error --sub-group-size offload-param "${p[@]}" --sub-group-size 3
 usage_error --layers offload-param "${p[@]}" --layers 0
 
@@ -72,4 +76,4 @@ if ((failures > 0)); then
   echo "FAIL: $failures of $cases cases" >&2
   exit 1
 fi
-echo "PASS: $cases bad numeric flags, each a usage error"
+echo "PASS: $cases bad flags, each a usage error"

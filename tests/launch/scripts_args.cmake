@@ -1,4 +1,4 @@
-# The launch/*.sh scripts' command-line checks (launch/lib/args.sh, issue 41): a flag without its
+# The launch/*.sh scripts' (the demos') command-line checks (launch/lib/args.sh, issue 41): a flag without its
 # value, a zero, negative or non-numeric count and sizes beyond bash's arithmetic exit 2 naming
 # the flag, before anything is made or run.
 add_test(NAME launch_scripts_args_test

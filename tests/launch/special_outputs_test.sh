@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # No zinf tool writes over a file it did not create, nor touches a non-regular file as an output
 # (issue 23). The outputs of zinf-ckpt export (--out, with and without --force), zinf-train
-# (--metrics), zinf-bench io (--file, --csv, --plot) and ckpt (--dir), launch/plot_loss.py (--out)
-# and the output directories of the launch/ scripts (launch/lib/outdir.sh) are pointed at device
-# nodes like /dev/null and /dev/full (made with mknod in the scratch directory, never the real
-# /dev; left out with a note where mknod is not allowed), a FIFO, a socket, a directory, a link to
-# a device, a dangling link and an existing regular file. Every case must end with its documented
-# exit status and a message naming the path's type, every entry still what it was (type, size,
-# modification time, the regular file's bytes) and nothing else in the directory changed. Then
-# the writes that are allowed: export --force over a regular file, a claimed script directory.
+# (--metrics), zinf-bench io (--file, --csv) and ckpt (--dir), the plotter (bench/run.py plot
+# --out) and the output directories of the bench harness (bench/harness/common.py claim_dir) are
+# pointed at device nodes like /dev/null and /dev/full (made with mknod in the scratch directory,
+# never the real /dev; left out with a note where mknod is not allowed), a FIFO, a socket, a
+# directory, a link to a device, a dangling link and an existing regular file. Every case must end
+# with its documented exit status and a message naming the path's type, every entry still what it
+# was (type, size, modification time, the regular file's bytes) and nothing else in the directory
+# changed. Then the writes that are allowed: export --force over a regular file, a claimed
+# benchmark directory.
 # About 10-15 s on the 2-core CI machine.
 #
 #   special_outputs_test.sh ZINF_TRAIN ZINF_CKPT MPIEXEC ZINF_BENCH
 # shellcheck source-path=SCRIPTDIR source=e2e/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/e2e/lib.sh"
 zinf_bench=$(readlink -f "$4")
-launch=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../launch" && pwd)
-outdir_lib=$launch/lib/outdir.sh
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+python=/usr/bin/python3
 [[ -x $zinf_bench ]] || { echo "FAIL: zinf-bench not executable: $4" >&2; exit 1; }
 e2e_init special-outputs
 
@@ -42,7 +43,7 @@ else
   echo "note: mknod not allowed here: device nodes not tested"
 fi
 mkfifo "$t/fifo"
-python3 -c 'import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])' "$t/sock" ||
+"$python" -c 'import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])' "$t/sock" ||
   fail "cannot make a socket"
 mkdir "$t/subdir"
 ln -s missing "$t/dangling"
@@ -124,7 +125,7 @@ expect "export --out an existing file" 1 "$t/precious: exists; not replaced" \
   "$zinf_ckpt" export "$work/ckpt" --out "$t/precious"
 grep -qF -- "--force replaces" "$work/out.txt" || bad "export: the refusal does not mention --force"
 
-check "zinf-bench: --file, --csv, --plot and ckpt --dir refused before anything runs (exit 1)"
+check "zinf-bench: --file, --csv and ckpt --dir refused before anything runs (exit 1)"
 mkdir "$work/bench"
 bench_io=("$zinf_bench" io --path "$work/bench" --size 1M --engine posix)
 for name in "${specials[@]}" precious; do
@@ -136,37 +137,43 @@ for name in "${specials[@]}" precious; do
   expect "bench io --csv $name" 1 "$t/$name: ${type[$name]}, not a regular file" \
     "${bench_io[@]}" --sweep --csv "$t/$name"
 done
-# --plot is written as --csv is (one storage::AtomicFile each): a device and a link suffice.
-for name in null link-to-null; do
-  [[ -n ${type[$name]:-} ]] || continue
-  expect "bench io --plot $name" 1 "$t/$name: ${type[$name]}, not a regular file" \
-    "${bench_io[@]}" --sweep --plot "$t/$name"
-done
 [[ -z $(ls -A "$work/bench") ]] || bad "zinf-bench io left files in --path: $(ls -A "$work/bench")"
 expect "bench ckpt --dir (not empty)" 1 "--dir $t is not empty" \
   "$zinf_bench" ckpt --path "$work/swap" --dir "$t" --state-bytes 12M
 
-check "launch/plot_loss.py --out: every special file refused (exit 2)"
+check "bench/run.py plot --out: every special file refused (exit 2)"
 printf '1 2.5\n2 2.0\n' > "$work/series.tsv"
 for name in "${specials[@]}"; do
-  expect "plot_loss --out $name" 2 "$t/$name: ${type[$name]}, not a regular file" \
-    python3 "$launch/plot_loss.py" --out "$t/$name" "loss=$work/series.tsv"
+  expect "plot --out $name" 2 "$t/$name: ${type[$name]}, not a regular file" \
+    "$python" "$repo/bench/run.py" plot --out "$t/$name" "loss=$work/series.tsv"
 done
 
-check "launch/lib/outdir.sh: a script writes only in a directory it made"
-# shellcheck source-path=SCRIPTDIR source=../../launch/lib/outdir.sh
-source "$outdir_lib"
-# shellcheck disable=SC2016  # the script's own $1 and $2
-expect "claim_dir of a directory with files" 1 "already holds files" \
-  bash -c 'source "$1" && claim_dir "$2" test.sh' claim "$outdir_lib" "$t"
+check "bench/harness/common.py claim_dir: a benchmark writes only in a directory it made"
+# claim DIR [fresh]: common.claim_dir(DIR, "test"), or common.fresh_dir with "fresh"; a refusal
+# (common.UsageError) is one line and exit 2, as bench/run.py reports it.
+claim=("$python" -c '
+import sys
+sys.path.insert(0, sys.argv[1])
+from harness import common
+try:
+    (common.fresh_dir if sys.argv[3:] == ["fresh"] else common.claim_dir)(sys.argv[2], "test")
+except common.UsageError as e:
+    print(f"claim: {e}")
+    sys.exit(2)' "$repo/bench")
+expect "claim_dir of a directory with files" 2 "already holds files" "${claim[@]}" "$t"
+expect "fresh_dir of a directory with files" 2 "already holds files" "${claim[@]}" "$t" fresh
+for name in "${specials[@]}" precious; do
+  [[ $name == subdir ]] && continue  # an empty directory is claimed: below
+  expect "claim_dir of $name" 2 "$t/$name exists and is not a directory" "${claim[@]}" "$t/$name"
+done
 cases=$((cases + 1))
-if claim_dir "$work/new" test.sh && [[ -f $work/new/.made-by-test.sh ]] &&
-   echo old > "$work/new/old" && empty_claimed_dir "$work/new" test.sh &&
-   [[ $(ls -A "$work/new") == .made-by-test.sh ]] && mkdir "$work/empty" &&
-   claim_dir "$work/empty" test.sh; then
-  echo "  ok claim_dir: new, made earlier and empty directories are claimed, then emptied"
+if "${claim[@]}" "$work/new" && [[ -f $work/new/.made-by-test ]] &&
+   echo old > "$work/new/old" && mkdir "$work/new/sub" && "${claim[@]}" "$work/new" fresh &&
+   [[ $(ls -A "$work/new") == .made-by-test ]] && mkdir "$work/empty" &&
+   "${claim[@]}" "$work/empty" && [[ -f $work/empty/.made-by-test ]]; then
+  echo "  ok claim_dir: new, made earlier and empty directories are claimed; fresh_dir empties"
 else
-  bad "claim_dir / empty_claimed_dir on a new, a marked or an empty directory: $(ls -A "$work/new")"
+  bad "claim_dir / fresh_dir on a new, a marked or an empty directory: $(ls -A "$work/new")"
 fi
 
 check "what is allowed: export --force replaces a regular file, atomically"

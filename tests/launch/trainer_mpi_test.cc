@@ -1,4 +1,4 @@
-// The trainer (launch/train/trainer.h) in process: command-line overrides of the config, and short
+// The trainer (tools/train/trainer.h) in process: command-line overrides of the config, and short
 // runs of the synthetic and charlm models (loss falls, checkpoint + resume reproduces the
 // uninterrupted run bitwise, errors are the same on every rank). Runs under mpirun with 1-3 ranks.
 #include <malloc.h>

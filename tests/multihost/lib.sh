@@ -357,6 +357,6 @@ mh_set_tmpfs() {
   echo "$2" > "$MH_DIR/hostcfg/$1.tmpfs"
 }
 
-# metric, metric_after, metrics_problem, median, parse_size (launch/lib/metrics.sh).
-# shellcheck source=../../launch/lib/metrics.sh
-source "$(dirname "${BASH_SOURCE[0]}")/../../launch/lib/metrics.sh"
+# metric, metric_after, metrics_problem, median, parse_size (tests/testing/metrics.sh).
+# shellcheck source=../testing/metrics.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../testing/metrics.sh"

@@ -12,8 +12,9 @@
 #
 # The state is 12 bytes per parameter (fp32 weights, exp_avg, exp_avg_sq); sizes take K/M/G
 # suffixes (powers of 1024). The first W steps (default 2 of 5 or more, else 1) are warm-up and
-# left out of the medians. Writes DIR/scaling_hosts.csv, DIR/scaling_hosts.png (gnuplot, when
-# installed), per run a config, a log and the --metrics lines (default DIR:
+# left out of the medians. Writes DIR/scaling_hosts.csv, DIR/scaling_hosts.png (step time) and
+# DIR/scaling_hosts_bandwidth.png (aggregate swap bandwidth; both drawn by bench/run.py plot when
+# gnuplot is installed), per run a config, a log and the --metrics lines (default DIR:
 # ./zinf-scaling-hosts-<date>), and prints the CSV.
 #
 # CSV columns: hosts, ranks (hosts x ranks per host), total_state_bytes, step_seconds (median),
@@ -23,7 +24,7 @@
 #
 # Exit status: 0 when every run succeeded, 1 when one failed, 2 for a bad command line, 77 when
 # simulated hosts cannot be made here (not root, no namespaces; the reason is printed), like the
-# tests of this folder. Meant to be called by launch/scaling.sh --hosts as well.
+# tests of this folder. Meant to be called by `bench/run.py scaling --hosts` as well.
 set -u
 here=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -66,7 +67,7 @@ while (($# > 0)); do
   esac
 done
 
-# The harness (mh_*), and parse_size, median, metric, metric_after (launch/lib/metrics.sh).
+# The harness (mh_*), and parse_size, median, metric, metric_after (tests/testing/metrics.sh).
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$here/lib.sh"
 per_rank_bytes=$(parse_size "$state_per_rank") || die "--state-per-rank '$state_per_rank': expected a size such as 256M"
@@ -138,32 +139,27 @@ EOF
   echo "scaling_hosts: $h host(s): step $step_s s, optimizer $opt_s s, aggregate swap $gbps GB/s, efficiency $eff ($((SECONDS - start)) s)" >&2
 done
 
+# The pictures, by the one plotter (bench/harness/plot.py): median step time and aggregate swap
+# bandwidth against the hosts.
 png=$out/scaling_hosts.png
+bw_png=$out/scaling_hosts_bandwidth.png
 if command -v gnuplot > /dev/null; then
-  awk -F, 'NR > 1 { print $1, $4, $6 }' "$csv" > "$out/scaling_hosts.dat"
-  if ! gnuplot > "$out/gnuplot.log" 2>&1 << EOF; then
-set terminal pngcairo size 1200,500 font ",11"
-set output "$png"
-set multiplot layout 1,2 title "zinf-train weak scaling over simulated hosts ($ranks_per_host rank(s) per host, $(numfmt --to=iec "$per_rank_bytes") state per rank; one machine: $(nproc) cores, one disk)"
-set xtics 1
-set xrange [0.5 : $max_hosts + 0.5]
-set xlabel "hosts"
-set grid
-set key off
-set yrange [0:*]
-set ylabel "step time, median (s)"
-set title "step time"
-plot "$out/scaling_hosts.dat" using 1:2 with linespoints lw 2 pt 7
-set ylabel "aggregate swap bandwidth (GB/s)"
-set title "(swap read + write bytes, all ranks) / optimizer time"
-plot "$out/scaling_hosts.dat" using 1:3 with linespoints lw 2 pt 7
-unset multiplot
-EOF
-    echo "FAIL: gnuplot failed, see $out/gnuplot.log" >&2
+  awk -F, 'NR > 1 { print $1, $4 }' "$csv" > "$out/scaling_hosts_step.dat"
+  awk -F, 'NR > 1 { print $1, $6 }' "$csv" > "$out/scaling_hosts_bandwidth.dat"
+  what="$ranks_per_host rank(s) per host, $(numfmt --to=iec "$per_rank_bytes") per rank"
+  what+="; one machine, $(nproc) cores"
+  if ! { /usr/bin/python3 "$repo/bench/run.py" plot --out "$png" --xlabel hosts \
+           --ylabel "step time, median (s)" --title "median step time, simulated hosts: $what" \
+           --width 1000 "weak=$out/scaling_hosts_step.dat" &&
+         /usr/bin/python3 "$repo/bench/run.py" plot --out "$bw_png" --xlabel hosts \
+           --ylabel "aggregate swap bandwidth (GB/s)" \
+           --title "swap (read + write) / optimizer time: $what" \
+           --width 1000 "weak=$out/scaling_hosts_bandwidth.dat"; } > "$out/plot.log" 2>&1; then
+    echo "FAIL: the plotter failed, see $out/plot.log" >&2
     exit 1
   fi
 else
   echo "scaling_hosts: gnuplot not found (apt-get install gnuplot-nox): no plot" >&2
 fi
 cat "$csv"
-echo "scaling_hosts: wrote $csv$([[ -f $png ]] && echo ", $png")" >&2
+echo "scaling_hosts: wrote $csv$([[ -f $png ]] && echo ", $png, $bw_png")" >&2

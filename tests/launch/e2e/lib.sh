@@ -54,9 +54,9 @@ train() {
     "${state[@]}" "$@"
 }
 
-# metric, metric_after, metrics_problem, median, parse_size (launch/lib/metrics.sh).
-# shellcheck source=../../../launch/lib/metrics.sh
-source "$(dirname "${BASH_SOURCE[0]}")/../../../launch/lib/metrics.sh"
+# metric, metric_after, metrics_problem, median, parse_size (tests/testing/metrics.sh).
+# shellcheck source=../../testing/metrics.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../testing/metrics.sh"
 
 # mean_over FILE KEY FIRST LAST: mean of KEY over steps FIRST..LAST (exactly one line per step).
 mean_over() {

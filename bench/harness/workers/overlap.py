@@ -1,85 +1,17 @@
-"""backward+step of zinf.torch at stage 1: plain, reduce-only overlap and the speculative step.
+"""The ranks of `bench/run.py overlap` (bench/harness/overlap.py; its --help says what each mode
+and figure means), run by it under mpirun:
 
-  mpirun -np 2 python3 launch/bench-overlap.py --swap /local_nvme/zinf [--layers 32]
-      [--width 1024] [--batch 256] [--steps 5] [--rounds 2] [--clip-every-step]
-      [--modes plain,overlap,speculative[,stage2]] [--breakdown]
+  mpirun -np 2 python3 bench/harness/workers/overlap.py --swap DIR [--layers 32] [--width 1024]
+      [--batch 256] [--steps 5] [--rounds 2] [--bucket 4194304] [--sub-group 1048576]
+      [--threads 0] [--torch-threads 0] [--clip-every-step] [--breakdown]
+      [--modes plain,overlap,speculative[,stage2]]
 
-A stack of --layers Linear(width, width) + Tanh layers (many parameters, each complete at its
-own point of the backward pass) trains --steps timed steps per mode and round after two warm-up
-steps, its optimizer state swapped to --swap (offload_optimizer nvme). Every mode builds the
-same model (seed 0) and feeds it the same data (seed = rank), with the same config but for the
-keys that make the mode; the modes' order is rotated each round. The modes:
-
-  plain        stage 1, overlap_backward=False, zinf.speculative_step false: step() reduces the
-               gradient, then steps the swapped optimizer state.
-  overlap      stage 1, overlap_backward=True, zinf.speculative_step false: the reduction runs
-               during the backward pass (reduce-only overlap); step() steps the swapped state.
-  speculative  stage 1, overlap_backward=True, zinf.speculative_step true: also each sub-group
-               whose reduced gradient is final is stepped during the backward pass, into a
-               spare slot on disk, and step() commits it (or, clipping applied, steps it again).
-  stage2       (only with --modes) stage 2, speculative_step left unset (on: the gradients are
-               lent). Stage 2 changes more than the speculation (no .grad buffers, the
-               gradients partitioned as they arrive), so it is not the speculative mode's
-               reference comparison; it is there to show that stage 2 gets the same benefit.
-
-The speculative mode is stage 1 with overlap_backward=True and speculative_step true, not stage
-2, so that it differs from `overlap` in that one key: what it gains or loses against `overlap`
-is the speculation's. (Speculating, the engine partitions per parameter, not flat: each rank
-owns a part of every parameter so that its partition fills from its end as the backward pass
-goes. That is part of the speculative step and is measured with it.)
-
-Prints one JSON object per mode and round: the medians over the timed steps (slowest rank) of
-forward, backward (loss.backward()), step (the step() call after it and zero_grad()),
-backward_step (their sum), zero_grad (its part of step) and optimizer (info.optimizer_seconds:
-the swapped optimizer step inside step(); in the speculative mode only what was left of it for
-step(), the speculated part ran during the backward pass), the speculation counters summed
-over the timed steps (speculated, speculation_committed, speculation_redone,
-speculation_discarded; sub-groups of all ranks), the steps clipped, the median grad_norm, the
-swap MB per step and rank (all of the step's since the previous one, and those inside the
-optimizer step) and the last loss (the modes train the same model on the same data: the losses
-agree to rounding). Then a summary line with the medians over the rounds, the speculation
-counters summed over them, and the ratios of the medians (and, `_per_round`, of each round's):
-
-  speculative_over_max_plain  speculative backward_step / max(plain backward, plain step)
-                              (goal without --clip-every-step: <= 1.15)
-  speculative_step_over_plain speculative step / plain step
-  speculative_over_overlap    speculative backward_step / overlap backward_step
-                              (goal with --clip-every-step: <= 1.10)
-
-"Backward alone" is the plain mode's backward: autograd's compute with nothing beside it (no
-hooks, no reduction, no swap I/O). "Step alone" is the plain mode's step(): the reduction, the
-swapped optimizer step and the weights' gather, with no compute beside it: all that the overlap
-modes try to move behind the backward pass. max(the two) is what backward+step would take if
-it all hid perfectly, which is the speculative step's promise; the 15% are what it may cost
-over that. The reference is strict: plain step() contains work that no overlap hides (the
-gradient norm waits for the last bucket; the weights' gather, the commit and the sub-groups
-completed last run after the backward pass), and in the other modes the backward pass shares
-the CPU with the reduction and the speculated Adam (2 ranks on 2 cores leave no idle core),
-which plain backward does not, so max() itself is out of reach. The plain mode's
-optimizer_seconds (the swap I/O alone) would be a stricter "step alone" still, and a wrong one:
-the reduction and the gather are work the step must do too. speculative_step_over_plain shows
-how much of step() moved into the backward pass; speculative_over_overlap what the speculation
-adds to reduce-only overlap (with --clip-every-step every speculated sub-group is stepped again
-in step(): the speculation's cost when it is always wasted).
-
-The default shape: 32 x Linear(1024, 1024) = 33.6M parameters, 200 MB of fp32 Adam state
-(weights, m, v) per rank on 2 ranks, read and written at every step (the speculative mode's swap
-store is twice that: a second slot per sub-group). The step is bound by the I/O, not by Adam:
-CpuAdam steps a rank's 16.8M elements in about 10 ms on one core (zinf-bench adam), the swap
-moves 200 MB each way per rank. A batch of 256 per rank makes the plain backward pass about as
-long as the plain step() (0.38 and 0.44 s on the 2-core VM with one virtio disk of
-docs/benchmarks.md, both up to 2x that with other jobs beside it), where the overlap matters
-most: with one much longer than the other, max() is the longer one whatever the overlap does.
-Another machine balances at another --batch (--layers scales both): make plain backward_seconds
-~ plain step_seconds. --sub-group 1M elements gives 17 sub-groups per rank and --bucket 4M
-elements 9 reduce buckets (4 parameters each), so that the first sub-groups' gradients are final
-early in the backward pass and the speculation has work to overlap; the same sizes are given in
-every mode (given keys are kept as given: the engine shapes them for the speculation only where
-they are unset). --breakdown adds the engine's step line and cumulative timers (reduce_scatter,
-allgather, optimizer_step) after every step, as log lines between the JSON ones.
-
---clip-every-step sets gradient_clipping to 1e-6, so that every step clips (the default 1.0 is
-DeepSpeed's and this model's gradient norm stays below it: clipped_steps says so per mode).
+A stack of --layers Linear(width, width) + Tanh layers trains --steps timed steps per mode and
+round after two warm-up steps, its optimizer state swapped to --swap (offload_optimizer nvme);
+every mode builds the same model (seed 0) and feeds it the same data (seed = rank), the modes'
+order rotated each round. Rank 0 prints one JSON line per mode and round (the medians over the
+timed steps, slowest rank), then the summary line (medians over the rounds and their ratios).
+The flags are checked by bench/run.py; here they are only parsed.
 """
 
 import argparse

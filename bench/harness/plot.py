@@ -1,8 +1,15 @@
-#!/usr/bin/env python3
-"""Line charts of (step, value) series into a PNG, drawn by gnuplot (gnuplot-nox, pngcairo).
+"""The one plotter: every picture of zinf (the loss curves, the I/O sweep, the scaling curves,
+the benchmarks' comparisons) is a PNG drawn by gnuplot (gnuplot-nox, pngcairo) from this module.
+gnuplot rather than matplotlib: it is one small Debian package install-deps.sh already installs,
+starts in milliseconds, and reads the data this module hands it and nothing else.
 
-    python3 launch/plot_loss.py --out FILE.png [--title T] [--xlabel X] [--ylabel Y]
-                                [--width 900] [--height 560] SERIES...
+    lines(out, series, ...)   line charts of (x, y) series: loss curves, sweeps, scaling
+    bars(out, groups, series, ...)  clustered bars: one group per measurement, one bar per tool
+
+and, as `python3 bench/run.py plot`, line charts of files:
+
+    python3 bench/run.py plot --out FILE.png [--title T] [--xlabel X] [--ylabel Y]
+                              [--logx] [--points] [--width 900] [--height 560] SERIES...
 
 Each SERIES is LABEL=FILE, where FILE holds one "step value" pair per line (whitespace
 separated; blank lines and lines starting with # are ignored), or LABEL=FILE.jsonl:KEY, where
@@ -17,7 +24,7 @@ file in the same directory, then renamed); a link, directory, device, FIFO or so
 refused and left as it is.
 
 Exit status: 0 on success, 2 on any bad argument or input (one line on stderr, no traceback),
-1 when gnuplot is missing or fails.
+1 when gnuplot is missing or fails. The functions raise InputError and ToolError for those.
 """
 import argparse
 import json
@@ -128,28 +135,41 @@ def read_series(spec):
 def gnuplot_text(text):
     """`text` as a gnuplot single-quoted string ('' stands for a quote inside one; a control
     character, which would end the command, as '?')."""
-    text = ''.join(c if c.isprintable() else '?' for c in text)
+    text = ''.join(c if c.isprintable() else '?' for c in str(text))
     return "'" + text.replace("'", "''") + "'"
 
 
-def plot(series, width, height, title, xlabel, ylabel):
-    """The PNG bytes of the chart, from gnuplot."""
+def _number_text(value):
+    return repr(float(value)) if value is not None and math.isfinite(value) else 'NaN'
+
+
+def data_file(name):
+    """The placeholder of data file `name` in _draw's commands: control characters, which no
+    quoted text holds (gnuplot_text turns them into '?')."""
+    return f'\x01{name}\x01'
+
+
+def _draw(commands, data, width, height):
+    """The PNG bytes gnuplot draws from `commands`, with `data` ({name: rows of numbers})
+    written as data files in a private temporary directory and named by data_file(name) in
+    commands."""
+    if not (200 <= width <= 10000 and 150 <= height <= 10000):
+        raise InputError('width must be 200..10000 and height 150..10000')
     with tempfile.TemporaryDirectory(prefix='zinf-plot-') as tmp:
-        commands = [f'set terminal pngcairo size {width},{height} noenhanced',
-                    f'set output {gnuplot_text(os.path.join(tmp, "chart.png"))}',
-                    f'set title {gnuplot_text(title)}', f'set xlabel {gnuplot_text(xlabel)}',
-                    f'set ylabel {gnuplot_text(ylabel)}', 'set grid', 'set key outside right top',
-                    'set datafile separator " "']
-        plots = []
-        for i, (label, points) in enumerate(series):
-            data = os.path.join(tmp, f'series-{i}.dat')
-            with open(data, 'w', encoding='utf-8') as f:
-                f.writelines(f'{x!r} {y!r}\n' for x, y in points)
-            plots.append(f'{gnuplot_text(data)} using 1:2 with lines linewidth 2 '
-                         f'title {gnuplot_text(label)}')
-        commands.append('plot ' + ', '.join(plots))
+        files = {}
+        for name, rows in data.items():
+            files[name] = gnuplot_text(os.path.join(tmp, f'{name}.dat'))
+            with open(os.path.join(tmp, f'{name}.dat'), 'w', encoding='utf-8') as f:
+                f.writelines(' '.join(_number_text(v) for v in row) + '\n' for row in rows)
+        script = [f'set terminal pngcairo size {width},{height} noenhanced',
+                  f'set output {gnuplot_text(os.path.join(tmp, "chart.png"))}',
+                  'set grid', 'set key outside right top', 'set datafile missing "NaN"']
+        for c in commands:
+            for name, quoted in files.items():
+                c = c.replace(data_file(name), quoted)
+            script.append(c)
         try:
-            run = subprocess.run(['gnuplot'], input='\n'.join(commands) + '\n', text=True,
+            run = subprocess.run(['gnuplot'], input='\n'.join(script) + '\n', text=True,
                                  capture_output=True, timeout=120, check=False)
         except FileNotFoundError:
             raise ToolError('gnuplot is not installed (apt-get install gnuplot-nox)') from None
@@ -162,35 +182,82 @@ def plot(series, width, height, title, xlabel, ylabel):
             return f.read()
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description='Line charts of "step value" series into a PNG.')
+def lines(out, series, title='', xlabel='', ylabel='', logx=False, logy=False, points=False,
+          width=900, height=560):
+    """Draws `series` ([(label, [(x, y), ...]), ...], at most MAX_SERIES) as line charts into the
+    PNG `out` (see --out above)."""
+    series = [(label, pts) for label, pts in series if pts]
+    if not series:
+        raise InputError('nothing to draw: every series is empty')
+    if len(series) > MAX_SERIES:
+        raise InputError(f'{len(series)} series: at most {MAX_SERIES}')
+    if sum(len(pts) for _, pts in series) > MAX_POINTS:
+        raise InputError(f'more than {MAX_POINTS} points in all')
+    # A series of one point has no line: points then, for all.
+    points = points or any(len(pts) == 1 for _, pts in series)
+    style = 'linespoints pointtype 7' if points else 'lines'
+    xs = sorted({x for _, pts in series for x, _ in pts})
+    commands = [f'set title {gnuplot_text(title)}', f'set xlabel {gnuplot_text(xlabel)}',
+                f'set ylabel {gnuplot_text(ylabel)}', 'set offsets 0, 0, graph 0.05, graph 0.05']
+    commands += ['set logscale x 2'] if logx else []
+    if len(xs) <= 20 and all(float(x).is_integer() for x in xs):  # ranks, hosts: their tics
+        commands.append('set xtics (' + ', '.join(str(int(x)) for x in xs) + ')')
+        if len(xs) == 1:
+            commands.append(f'set xrange [{xs[0] - 1}:{xs[0] + 1}]')
+    commands += ['set logscale y'] if logy else []
+    commands.append('plot ' + ', '.join(
+        f'{data_file(f"s{i}")} using 1:2 with {style} linewidth 2 dashtype {i // 8 + 1} '
+        f'title {gnuplot_text(label)}' for i, (label, _) in enumerate(series)))
+    data = {f's{i}': pts for i, (_, pts) in enumerate(series)}
+    write_output(out, _draw(commands, data, width, height))
+
+
+def bars(out, groups, series, title='', ylabel='', width=900, height=560):
+    """Draws clustered bars into the PNG `out`: one cluster per name in `groups` (such as
+    "read", "write"), one bar per (label, values) in `series` (such as ("zinf", [2.1, 1.9])),
+    values[i] the bar of groups[i] (None: no bar)."""
+    if not groups or not series:
+        raise InputError('nothing to draw: no groups or no series')
+    if len(series) > MAX_SERIES or len(groups) > 1000:
+        raise InputError(f'at most {MAX_SERIES} series and 1000 groups')
+    for label, values in series:
+        if len(values) != len(groups):
+            raise InputError(f"series '{label}': {len(values)} values for {len(groups)} groups")
+    rows = [[i] + [values[i] for _, values in series] for i in range(len(groups))]
+    tics = ', '.join(f'{gnuplot_text(g)} {i}' for i, g in enumerate(groups))
+    commands = [f'set title {gnuplot_text(title)}', f'set ylabel {gnuplot_text(ylabel)}',
+                'set style data histogram', 'set style histogram clustered gap 1',
+                'set style fill solid 0.8 border -1', 'set yrange [0:*]',
+                f'set xrange [-0.5:{len(groups) - 0.5}]',
+                f'set xtics ({tics})',
+                'plot ' + ', '.join(f'{data_file("bars")} using {j + 2} title {gnuplot_text(label)}'
+                                    for j, (label, _) in enumerate(series))]
+    write_output(out, _draw(commands, {'bars': rows}, width, height))
+
+
+def main(argv=None, prog='plot'):
+    ap = argparse.ArgumentParser(prog=prog, description='Line charts of "x y" series (or of '
+                                 'a key of JSON lines against their step) into a PNG.')
     ap.add_argument('--out', required=True, help='PNG file to write')
     ap.add_argument('--title', default='')
     ap.add_argument('--xlabel', default='step')
     ap.add_argument('--ylabel', default='')
+    ap.add_argument('--logx', action='store_true', help='x axis in powers of 2')
+    ap.add_argument('--points', action='store_true', help='a mark at every point')
     ap.add_argument('--width', type=int, default=900)
     ap.add_argument('--height', type=int, default=560)
     ap.add_argument('series', nargs='+', metavar='LABEL=FILE[.jsonl:KEY]')
     args = ap.parse_args(argv)  # exits 2 with a usage message on a bad command line
     try:
-        if not (200 <= args.width <= 10000 and 150 <= args.height <= 10000):
-            raise InputError('--width must be 200..10000 and --height 150..10000')
         if len(args.series) > MAX_SERIES:
             raise InputError(f'{len(args.series)} series: at most {MAX_SERIES}')
         series = [read_series(spec) for spec in args.series]
-        total = sum(len(pts) for _, pts in series)
-        if total > MAX_POINTS:
-            raise InputError(f'{total} points in all: at most {MAX_POINTS}')
-        data = plot(series, args.width, args.height, args.title, args.xlabel, args.ylabel)
-        write_output(args.out, data)
+        lines(args.out, series, args.title, args.xlabel, args.ylabel, logx=args.logx,
+              points=args.points, width=args.width, height=args.height)
     except InputError as e:
-        print(f'plot_loss: {e}', file=sys.stderr)
+        print(f'{prog}: {e}', file=sys.stderr)
         return 2
     except ToolError as e:
-        print(f'plot_loss: {e}', file=sys.stderr)
+        print(f'{prog}: {e}', file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == '__main__':
-    sys.exit(main())

@@ -1,6 +1,7 @@
 // zinf-bench io: O_DIRECT write then read throughput of an I/O backend, and a sweep over block
 // size x queue depth x intra-op parallelism on zinf's own grid (the three knobs DeepSpeed's
-// ds_nvme_tune also sweeps).
+// ds_nvme_tune also sweeps). It writes text, JSON lines and CSV only: the pictures of the sweep
+// are drawn by the bench harness (python3 bench/run.py io-sweep, bench/harness/plot.py).
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,7 +10,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -68,7 +68,6 @@ struct IoFlags {
   bool keep = false;
   bool sweep = false;
   std::string csv;
-  std::string plot;
 };
 
 struct Measurement {
@@ -262,91 +261,23 @@ void Print(const Measurement& m, const IoFlags& flags) {
   std::fflush(stdout);
 }
 
-bool HaveGnuplot() {
-  const char* path = std::getenv("PATH");
-  if (path == nullptr) return false;
-  std::string_view rest = path;
-  while (!rest.empty()) {
-    const auto colon = rest.find(':');
-    const std::string dir(rest.substr(0, colon));
-    if (!dir.empty() && ::access((dir + "/gnuplot").c_str(), X_OK) == 0) return true;
-    if (colon == std::string_view::npos) break;
-    rest.remove_prefix(colon + 1);
-  }
-  return false;
-}
-
-// `text` as a gnuplot single-quoted string ('' stands for a quote inside one).
-std::string GnuplotQuoted(std::string_view text) {
-  std::string quoted = "'";
-  for (char c : text) quoted += c == '\'' ? std::string("''") : std::string(1, c);
-  return quoted + "'";
-}
-
-// Draws the sweep (`csv`, CSV text with a header line) into `png`, whose temporary gnuplot
-// writes; the caller commits it.
-Status Plot(const std::string& csv, storage::AtomicFile& png,
-            const std::vector<std::uint64_t>& blocks, const std::vector<int>& parallelisms) {
-  // The data travels inline (a datablock, without the header line), so no other file is made.
-  const std::string rows = csv.substr(csv.find('\n') + 1);
-  std::string script = fmt::format(
-      "$sweep << EOD\n{}EOD\nset terminal pngcairo size 1400,600\nset output {}\n"
-      "set datafile separator ','\nset logscale x 2\nset key outside right\nset grid\n"
-      "set multiplot layout 1,2\n",
-      rows, GnuplotQuoted(png.temp_path()));
-  for (const char* op : {"write", "read"}) {
-    script += fmt::format(
-        "set title 'zinf-bench io sweep: {}'\nset xlabel 'queue depth'\nset ylabel 'MiB/s'\n"
-        "plot ",
-        op);
-    bool first = true;
-    for (int p : parallelisms) {
-      for (std::uint64_t b : blocks) {
-        if (!first) script += ", ";
-        first = false;
-        script += fmt::format(
-            "$sweep using ((strcol(1) eq '{}' && $2 == {} && $4 == {}) ? $3 : 1/0):7 "
-            "with linespoints dashtype {} title '{} par {}'",
-            op, b, p, p, FormatBytes(b), p);
-      }
-    }
-    script += "\n";
-  }
-  script += "unset multiplot\n";
-  ZINF_RETURN_IF_ERROR(png.CloseDescriptor());
-  FILE* pipe = ::popen("gnuplot", "w");
-  if (pipe == nullptr) return ErrnoError(errno, "run gnuplot");
-  std::fwrite(script.data(), 1, script.size(), pipe);
-  const int rc = ::pclose(pipe);
-  if (rc != 0) return InternalError(fmt::format("gnuplot failed (status {})", rc));
-  return png.Commit();
-}
-
 int Sweep(const IoFlags& flags, const Plan& plan) {
   const std::vector<std::uint64_t> blocks = {128 * kKiB, 256 * kKiB, 512 * kKiB, 1 * kMiB,
                                              2 * kMiB,   4 * kMiB,   8 * kMiB};
   const std::vector<int> depths = {1, 2, 4, 8, 16, 32};
   const std::vector<int> parallelisms = {1, 2};
-  // The outputs exist as temporaries from the start, so that one that may not be written (see
-  // storage::AtomicFile: a new name or a regular file, replaced) is refused before the sweep runs.
-  auto output = [](const std::string& path) -> std::optional<storage::AtomicFile> {
-    if (path.empty()) return std::nullopt;
+  // The CSV exists as a temporary from the start, so that an output that may not be written
+  // (see storage::AtomicFile: a new name or a regular file, replaced) is refused before the
+  // sweep runs.
+  std::optional<storage::AtomicFile> csv_out;
+  if (!flags.csv.empty()) {
     Result<storage::AtomicFile> file =
-        storage::AtomicFile::Create(path, storage::Overwrite::kRegularFile);
+        storage::AtomicFile::Create(flags.csv, storage::Overwrite::kRegularFile);
     if (!file) {
       std::fprintf(stderr, "zinf-bench io: %s\n", file.error().ToString().c_str());
-      return std::nullopt;
+      return 1;
     }
-    return std::move(*file);
-  };
-  std::optional<storage::AtomicFile> csv_out = output(flags.csv);
-  if (!flags.csv.empty() && !csv_out) return 1;
-  std::optional<storage::AtomicFile> png_out = output(flags.plot);
-  if (!flags.plot.empty() && !png_out) return 1;
-  if (png_out && !HaveGnuplot()) {
-    std::fprintf(stderr, "zinf-bench io: gnuplot is not installed; no plot %s\n",
-                 flags.plot.c_str());
-    png_out.reset();
+    csv_out = std::move(*file);
   }
   std::fprintf(stderr, "zinf-bench io: sweeping %zu configurations x %s each way\n",
                blocks.size() * depths.size() * parallelisms.size(),
@@ -382,7 +313,7 @@ int Sweep(const IoFlags& flags, const Plan& plan) {
       }
     }
   }
-  // Grouped by op so that each plotted series is a contiguous run of rows (gnuplot joins them).
+  // Grouped by op: the write rows, then the read rows, each in the sweep's order.
   std::string csv = "op,block_size,queue_depth,intra_op_parallelism,size_bytes,seconds,mib_per_s\n";
   for (IoOp op : {IoOp::kWrite, IoOp::kRead}) {
     for (const Measurement& m : measurements) {
@@ -423,22 +354,16 @@ int Sweep(const IoFlags& flags, const Plan& plan) {
                  best->write, best_write, best->read, best_read);
     std::printf("\"aio\": %s\n", aio.dump(2).c_str());
   }
-  int rc = 0;
-  auto report = [&](const Status& written, const std::string& path) {
-    if (written) {
-      std::fprintf(stderr, "zinf-bench io: wrote %s\n", path.c_str());
-    } else {
-      std::fprintf(stderr, "zinf-bench io: %s\n", written.error().ToString().c_str());
-      rc = 1;
-    }
-  };
   if (csv_out) {
     Status written = csv_out->Write(std::as_bytes(std::span(csv.data(), csv.size())));
     if (written) written = csv_out->Commit();
-    report(written, flags.csv);
+    if (!written) {
+      std::fprintf(stderr, "zinf-bench io: %s\n", written.error().ToString().c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "zinf-bench io: wrote %s\n", flags.csv.c_str());
   }
-  if (png_out) report(Plot(csv, *png_out, blocks, parallelisms), flags.plot);
-  return rc;
+  return 0;
 }
 
 // Makes or checks the test file and sets plan->mode, dev and ino; true when it was created. A
@@ -491,12 +416,6 @@ int RunIo(const IoFlags& flags) {
   if (!chunk || *chunk == 0) return fail(fmt::format("bad --chunk '{}'", flags.chunk), 2);
   Result<IoBackendKind> kind = storage::ParseIoBackendKind(flags.backend);
   if (!kind) return fail(kind.error().message(), 2);
-  if (!flags.plot.empty() && !flags.sweep) return fail("--plot needs --sweep", 2);
-  // A line break would end gnuplot's string, and the rest of the path would run as a command.
-  if (flags.plot.find_first_of("\r\n") != std::string::npos) {
-    return fail(fmt::format("--plot {}: a line break in the path", EscapeForTerminal(flags.plot)),
-                2);
-  }
 
   Plan plan;
   plan.file_path = flags.file.empty() ? fmt::format("{}/zinf-bench-io-{}.dat", flags.path, getpid())
@@ -579,11 +498,10 @@ const bool kRegistered = RegisterBenchCommand(
       app.add_flag("--keep", flags->keep, "keep the test file");
       app.add_flag("--sweep", flags->sweep,
                    "block size 128K..8M x queue depth 1..32 x parallelism 1,2; prints the best "
-                   "\"aio\" block");
+                   "\"aio\" block (python3 bench/run.py io-sweep runs it and draws it)");
       app.add_option("--csv", flags->csv,
                      "sweep results as CSV: a new file, or a regular file replaced whole when "
                      "the sweep is done (a link, directory, device or FIFO is refused first)");
-      app.add_option("--plot", flags->plot, "sweep plot (PNG, needs gnuplot); written as --csv is");
       return [flags] { return RunIo(*flags); };
     });
 

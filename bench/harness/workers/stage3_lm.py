@@ -1,16 +1,18 @@
-"""The driver of launch/bench-stage3-lm.sh (read its header for what each figure means).
+"""The ranks of `bench/run.py stage3-lm` (bench/harness/stage3_lm.py; its --help says what each
+figure means), run by it under mpirun:
 
-  mpirun -np 2 python3 launch/bench/stage3_lm.py side-by-side --path DIR --bin build/bin/zinf-bench
-      [--d-model 256] [--layers 4] [--seq 64] [--batch 8] [--steps 3] [--rounds 2]
-  mpirun -np 2 python3 launch/bench/stage3_lm.py bytes --path DIR --stage 3
+  mpirun -np 2 python3 bench/harness/workers/stage3_lm.py side-by-side --path DIR
+      --bin build/bin/zinf-bench [--d-model 256] [--layers 4] [--seq 64] [--batch 8] [--steps 3]
+      [--rounds 2] [--speculative-step auto|true|false]
+  mpirun -np 2 python3 bench/harness/workers/stage3_lm.py bytes --path DIR --stage 3
       --offload-optimizer nvme --offload-param nvme [--d-model ...] [--layers ...] ...
-  python3 launch/bench/stage3_lm.py fit [--ram BYTES] < bytes-lines.jsonl
 
 The model is examples/torch/transformer_lm.py's TransformerLM (nn.Embedding, nn.TransformerEncoder
 of pre-norm nn.TransformerEncoderLayer, nn.LayerNorm, a head tied to the byte embedding), built
 inside zinf.torch.init at stage 3 (as it is at stages 1 and 2) with d_model / 64 heads (at least 1,
 lowered until it divides d_model). The batches are random bytes from one generator seeded alike on
 every rank; rank r trains on its rows of each. JSON lines on stdout (rank 0), logs on stderr.
+The flags are checked by bench/run.py; here they are only parsed.
 """
 
 import argparse
@@ -32,7 +34,8 @@ import torch.nn.functional as F
 import zinf
 import zinf.torch
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))  # bench/harness/workers/ -> the repository
 sys.path.insert(0, os.path.join(_REPO, "examples", "torch"))
 from transformer_lm import TransformerLM, parameter_count  # noqa: E402  (the example's model)
 
@@ -308,41 +311,6 @@ def bytes_per_parameter(args, facts):
     }), flush=True)
 
 
-def fit(args):
-    """Per setting, from its runs at two sizes: the node's RAM (all ranks' peak RSS, the
-    interpreter and torch included) = fixed + per_parameter x parameters, through the two points;
-    the same for the plan (plan_bytes x ranks); the largest model = (R - fixed) / per_parameter."""
-    runs = {}
-    for line in sys.stdin:
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        record = json.loads(line)
-        if record.get("bench") != "stage3-lm-bytes":
-            continue
-        key = (record["stage"], record["offload_optimizer"], record["offload_param"])
-        runs.setdefault(key, []).append(record)
-    for (stage, optimizer, param), records in runs.items():
-        records.sort(key=lambda r: r["parameters"])
-        small, large = records[0], records[-1]
-        out = {"bench": "stage3-lm-fits", "stage": stage, "offload_optimizer": optimizer,
-               "offload_param": param, "ram_bytes": args.ram,
-               "parameters": [small["parameters"], large["parameters"]]}
-        for name, total in (("ram", lambda r: sum(r["peak_rss_bytes"])),
-                            ("plan", lambda r: r["plan_bytes_per_rank"] * r["ranks"])):
-            dp = large["parameters"] - small["parameters"]
-            slope = (total(large) - total(small)) / dp if dp > 0 else None
-            if slope is None or slope <= 0:
-                out.update({f"{name}_fixed_bytes": None, f"{name}_bytes_per_parameter": None,
-                            f"{name}_largest_parameters": None})
-                continue
-            fixed = total(large) - slope * large["parameters"]
-            out.update({f"{name}_fixed_bytes": int(fixed),
-                        f"{name}_bytes_per_parameter": round(slope, 3),
-                        f"{name}_largest_parameters": max(0, int((args.ram - fixed) / slope))})
-        print(json.dumps(out), flush=True)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -364,11 +332,7 @@ def main():
             p.add_argument("--stage", type=int, choices=(1, 2, 3), required=True)
             p.add_argument("--offload-optimizer", choices=("cpu", "nvme"), required=True)
             p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="none")
-    p = sub.add_parser("fit")
-    p.add_argument("--ram", type=int, required=True, help="bytes of RAM for the largest model")
     args = parser.parse_args()
-    if args.command == "fit":
-        return fit(args)
     facts = zinf.init()
     if args.batch % facts["world_size"]:
         raise SystemExit(f"bench-stage3-lm: --batch {args.batch} is not a multiple of the "

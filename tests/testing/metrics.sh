@@ -1,11 +1,11 @@
 # shellcheck shell=bash
-# Reading zinf-train's --metrics files from bash (sourced by launch/scaling.sh and the tests):
+# Reading zinf-train's --metrics files from bash (sourced by the bash tests):
 # one flat JSON object per line, e.g. {"step":3,"loss":4.12,...}, read with Python's json module.
 # Also the two small helpers every script that turns them into figures needs: sizes (parse_size,
 # from args.sh) and medians.
 
-# shellcheck source=args.sh
-source "$(dirname "${BASH_SOURCE[0]}")/args.sh"
+# shellcheck source=../../launch/lib/args.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../launch/lib/args.sh"
 
 # metric FILE KEY: "STEP VALUE" per line, VALUE as written in the JSON (the raw number text, so
 # that exact comparisons are string comparisons; true/false/null for those; empty when the line

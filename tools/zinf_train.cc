@@ -1,5 +1,5 @@
 // zinf-train: data-parallel training with the Adam state swapped to node-local NVMe, run under
-// mpirun (or launch/zinf-run); one rank runs without mpirun. See launch/train/trainer.h for the
+// mpirun (or launch/zinf-run); one rank runs without mpirun. See tools/train/trainer.h for the
 // step and docs/tools.md ("zinf-train") for the flags and exit codes.
 #include <cstdio>
 #include <optional>
