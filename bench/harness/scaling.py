@@ -101,7 +101,8 @@ def add_arguments(p):
     p.add_argument("--repeat", type=common.count(1, 1000),
                    help="rounds of the whole series; medians over all of them (default 1)")
     p.add_argument("--modes", type=modes, help="weak, strong or weak,strong (default both)")
-    p.add_argument("--sub-group-size", type=common.size(hi=MAX_SIZE, unit="elements"), default=16 << 20,
+    p.add_argument("--sub-group-size", type=common.size(hi=MAX_SIZE, unit="elements"),
+                   default=16 << 20,
                    help="elements per sub-group (default 16M)")
     p.add_argument("--path",
                    help="parent of the swap directory (default $TMPDIR or /tmp)")

@@ -60,8 +60,8 @@ elements, and nothing would be partitioned), heads d_model / 64 (at least 1, low
 divides d_model); --layers 1-4096; --seq 1-65536; --batch (sequences per step over all ranks, a
 multiple of --np) 1-1000000; --steps 1-1000; --rounds 1-100; --np 1-1024; --ram a size such as
 64G. Needs the build (zinf's Python package: --target zinf_python; zinf-bench for the side by
-side), torch and numpy for /usr/bin/python3 (python3-torch), mpirun, about 48 bytes per parameter free under --path,
-where it works in a directory of its own, removed at the end, and for the memory mode and the
+side), torch and numpy for /usr/bin/python3 (python3-torch), mpirun, about 48 bytes per
+parameter free under --path, where it works in a directory of its own, removed at the end, and for the memory mode and the
 in-memory settings about 20 bytes per parameter of RAM over the ranks (fp32 weights, gradient
 and Adam state) besides torch's own.
 """

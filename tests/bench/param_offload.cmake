@@ -13,7 +13,8 @@ if(TARGET zinf-bench)
   set_tests_properties(bench_param_offload_smoke PROPERTIES TIMEOUT 120 SKIP_RETURN_CODE 77)
   add_test(NAME bench_param_offload_memory_run_fails
            COMMAND bash -c [=[
-             work=$(mktemp -d "${ZINF_TEST_TMPDIR:-${TMPDIR:-/tmp}}/zinf-bench-memrun-XXXXXX") || exit 1
+             work=$(mktemp -d "${ZINF_TEST_TMPDIR:-${TMPDIR:-/tmp}}/zinf-bench-memrun-XXXXXX") ||
+               exit 1
              trap 'rm -rf "$work"' EXIT
              cgroups_now() { ls -d /sys/fs/cgroup/memory/zinf-bench-param-* \
                           /sys/fs/cgroup/zinf-bench-param-* 2> /dev/null; }
@@ -26,7 +27,8 @@ if(TARGET zinf-bench)
                echo "SKIP: $(tail -1 "$work/stderr")"; exit 77
              fi
              ((rc == 1)) || { echo "FAIL: exit $rc, expected 1"; cat "$work/stderr"; exit 1; }
-             grep -q "memory run failed" "$work/stderr" || { echo "FAIL: stderr:"; cat "$work/stderr"; exit 1; }
+             grep -q "memory run failed" "$work/stderr" ||
+               { echo "FAIL: stderr:"; cat "$work/stderr"; exit 1; }
              /usr/bin/python3 - "$work/out" << 'EOF_CHECK' || exit 1
 import json, sys
 from pathlib import Path
