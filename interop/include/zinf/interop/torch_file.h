@@ -1,0 +1,94 @@
+// Files torch.save writes (the zip format; torch's older "legacy" format is refused with an
+// error saying so), read into a PyValue tree and tensors, and written for torch.load (any torch
+// from 1.6 on) and DeepSpeed's tools. Reading never runs code (see pickle.h) and checks every
+// tensor against its storage (dtype size x extent within the storage entry) before its data is
+// read.
+#ifndef ZINF_INTEROP_TORCH_FILE_H_
+#define ZINF_INTEROP_TORCH_FILE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "zinf/core/status.h"
+#include "zinf/interop/pickle.h"
+#include "zinf/interop/zip.h"
+#include "zinf/storage/fs.h"
+
+namespace zinf::interop {
+
+// The bytes of one element of torch dtype `dtype` ("float32" -> 4), or 0 when unknown.
+std::size_t DtypeBytes(std::string_view dtype);
+
+class TorchFile {
+ public:
+  // Reads `path`: its zip directory, "<archive>/data.pkl" (through ReadPickle with `limits`) and
+  // "<archive>/version"; checks every PyTensor in the tree against its storage entry. Errors:
+  // those of ZipReader::Open and ReadPickle; DataLoss naming the file and what is wrong;
+  // InvalidArgument "torch's legacy (non-zip) format" for a file that starts with a pickle.
+  static Result<TorchFile> Read(const std::string& path, const PickleLimits& limits = {});
+
+  const PyValue& root() const { return root_; }
+  const std::string& path() const { return zip_.path(); }
+
+  // The elements of `tensor` (which must be in this file, contiguous, of at most `max_numel`
+  // elements) as fp32: float32 copied, float16 and bfloat16 widened exactly. Errors:
+  // InvalidArgument (another dtype, not contiguous, too large), DataLoss (read errors, the
+  // storage entry's CRC-32: checked on the way when the tensor spans its whole storage, else by
+  // reading the entry through first).
+  Result<std::vector<float>> ReadFloat32(const PyTensor& tensor, std::uint64_t max_numel) const;
+  // The same for an int64 tensor of at most `max_numel` elements (a 0-dim step, ...).
+  Result<std::vector<std::int64_t>> ReadInt64(const PyTensor& tensor,
+                                              std::uint64_t max_numel) const;
+
+ private:
+  TorchFile(ZipReader zip, std::string archive, PyValue root)
+      : zip_(std::move(zip)), archive_(std::move(archive)), root_(std::move(root)) {}
+
+  ZipReader zip_;
+  std::string archive_;  // the entries' common first component, such as "archive"
+  PyValue root_;
+};
+
+// Writes a torch file: tensors are added first (each its own storage), then the tree that
+// references them is written by Finish. Nothing is at `path` until Finish succeeds.
+class TorchWriter {
+ public:
+  // `archive` is the entries' first component (torch uses the file's stem; "archive" is fine).
+  static Result<TorchWriter> Create(const std::string& path, storage::Overwrite overwrite,
+                                    std::string archive = "archive");
+
+  // A contiguous fp32 tensor of `shape` holding `data` (its own storage).
+  Result<PyTensor> AddFloat32(std::span<const float> data, std::vector<std::int64_t> shape);
+  // A 0-dim or 1-dim int64 tensor.
+  Result<PyTensor> AddInt64(std::span<const std::int64_t> data, std::vector<std::int64_t> shape);
+  // Writes data.pkl for `root`, version, and commits. Errors: InvalidArgument for a tensor in
+  // `root` that is not one this writer added (storage key, dtype, element count) or whose view
+  // passes its storage (nothing is written then, and Finish may be called again); those of
+  // WritePickle and ZipWriter.
+  Status Finish(const PyValue& root);
+
+ private:
+  TorchWriter(ZipWriter zip, std::string archive)
+      : zip_(std::move(zip)), archive_(std::move(archive)) {}
+
+  // A contiguous tensor of `shape` over a new storage entry holding `bytes` (`numel` elements).
+  Result<PyTensor> AddStorage(std::string dtype, std::span<const std::byte> bytes,
+                              std::uint64_t numel, std::vector<std::int64_t> shape,
+                              std::string_view what);
+
+  ZipWriter zip_;
+  std::string archive_;
+  std::uint64_t next_key_ = 0;
+  // The dtype and element count of storage n ("<archive>/data/<n>"), which Finish checks the
+  // tree's tensors against.
+  std::vector<std::pair<std::string, std::uint64_t>> storages_;
+};
+
+}  // namespace zinf::interop
+
+#endif  // ZINF_INTEROP_TORCH_FILE_H_
