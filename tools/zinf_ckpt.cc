@@ -3,6 +3,9 @@
 //   zinf-ckpt ls PATH                       PATH: a step-<N>.h5 file or a checkpoint directory
 //   zinf-ckpt verify PATH                   checks what a resume checks (engine/trainer_state.h)
 //   zinf-ckpt export PATH --out FILE [--format h5|safetensors] [--moments] [--force]
+//   zinf-ckpt export PATH --format deepspeed --out DIR [--world-size W] [--stage 1|2] [--tag T]
+//                                           DeepSpeed's ZeRO 1/2 checkpoint layout for W ranks
+//                                           (interop/deepspeed_export.h): DIR/latest, DIR/<tag>/
 //
 // Exit status: 0 on success; 1 when the checkpoint is bad (verify: the first problem is
 // printed) or cannot be read, or export's --out is refused (an existing file without --force;
@@ -31,6 +34,7 @@
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
 #include "zinf/engine/trainer_state.h"
+#include "zinf/interop/deepspeed_export.h"
 #include "zinf/partition/layout.h"
 #include "zinf/storage/env.h"
 #include "zinf/storage/fs.h"
@@ -185,13 +189,34 @@ int Export(const std::string& path, const std::string& out, const std::string& f
   return 0;
 }
 
+// The DeepSpeed layout: the trainer state is checked as a resume checks it before anything is
+// written (engine::ReadTrainerState); every chunk is verified as it is streamed.
+int ExportDeepSpeed(const std::string& path, const std::string& out, int world_size, int stage,
+                    const std::string& tag) {
+  zinf::interop::DeepSpeedExportOptions options;
+  options.world_size = world_size;
+  options.stage = stage;
+  options.tag = tag;
+  options.progress = Progress("export");
+  options.check_info = [](const CheckpointInfo& info) -> zinf::Status {
+    ZINF_RETURN_IF_ERROR(zinf::engine::ReadTrainerState(info));
+    return zinf::OkStatus();
+  };
+  zinf::Status s = zinf::interop::ExportDeepSpeed(path, out, options);
+  if (!s) return Fail(s.error());
+  std::printf("wrote %s (deepspeed: ZeRO stage %d layout for %d rank(s))\n", Shown(out).c_str(),
+              stage, world_size);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"zinf-ckpt: list, verify and export zinf checkpoints (serial, no MPI needed)"};
   app.require_subcommand(1);
-  std::string path, out, format = "h5";
+  std::string path, out, format = "h5", tag;
   bool moments = false, force = false;
+  int world_size = 1, stage = 2;
   CLI::App* ls = app.add_subcommand("ls", "step, world size, parameters, sizes, checksums");
   ls->add_option("PATH", path, "a step-<N>.h5 file or a checkpoint directory")->required();
   CLI::App* verify = app.add_subcommand(
@@ -206,16 +231,29 @@ int main(int argc, char** argv) {
       "consolidated fp32 weights per parameter (zero_to_fp32); written to a temporary file "
       "renamed to --out when complete, so a failure leaves a previous output as it was; an "
       "output that is the checkpoint, its `latest` or a step-<N>.h5 name of its directory is "
-      "refused");
+      "refused. --format deepspeed writes DeepSpeed's ZeRO stage 1/2 checkpoint directory "
+      "instead (--out DIR/latest and DIR/<tag>/*.pt for --world-size ranks; fp32 moments, a q8 "
+      "checkpoint's decoded), which DeepSpeed's zero_to_fp32 and ds_to_universal read");
   exp->add_option("PATH", path, "a step-<N>.h5 file or a checkpoint directory")->required();
   exp->add_option("--out", out,
                   "output file: a new name, or with --force an existing regular file (replaced "
                   "whole); a symbolic link, directory, device (/dev/null too), FIFO or socket "
-                  "is refused before anything is written (exit 1)")
+                  "is refused before anything is written (exit 1). --format deepspeed: a new or "
+                  "empty directory, filled through a temporary directory beside it renamed when "
+                  "complete (nothing is left on failure)")
       ->required();
   exp->add_flag("--force", force, "replace an existing regular file at --out");
-  exp->add_option("--format", format, "h5 or safetensors")
-      ->check(CLI::IsMember({"h5", "safetensors"}));
+  exp->add_option("--format", format, "h5, safetensors or deepspeed")
+      ->check(CLI::IsMember({"h5", "safetensors", "deepspeed"}));
+  CLI::Option* world_opt =
+      exp->add_option("--world-size", world_size,
+                      "deepspeed: data-parallel ranks of the layout, 1..4096 (default 1)")
+          ->check(CLI::Range(1, zinf::interop::kMaxDeepSpeedExportWorldSize));
+  CLI::Option* stage_opt =
+      exp->add_option("--stage", stage, "deepspeed: ZeRO stage recorded, 1 or 2 (default 2)")
+          ->check(CLI::IsMember({1, 2}));
+  CLI::Option* tag_opt = exp->add_option(
+      "--tag", tag, "deepspeed: the checkpoint folder under --out (default global_step<step>)");
   exp->add_flag("--moments", moments,
                 "also Adam's moments as fp32 tensors exp_avg/<name> and exp_avg_sq/<name> (a q8 "
                 "checkpoint's decoded)");
@@ -224,10 +262,26 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
+  if (*exp) {
+    const bool deepspeed = format == "deepspeed";
+    auto usage = [](const char* message) {
+      std::fprintf(stderr, "zinf-ckpt export: %s\n", message);
+      return 2;
+    };
+    if (deepspeed && (moments || force)) {
+      return usage(
+          "--moments and --force do not apply to --format deepspeed (it always writes "
+          "the moments, into a new or empty --out directory)");
+    }
+    if (!deepspeed && (world_opt->count() + stage_opt->count() + tag_opt->count()) > 0) {
+      return usage("--world-size, --stage and --tag apply only to --format deepspeed");
+    }
+  }
   // Every failure is an Error; should an exception escape anyway, it is a message, not a crash.
   try {
     if (*ls) return List(path);
     if (*verify) return Verify(path);
+    if (format == "deepspeed") return ExportDeepSpeed(path, out, world_size, stage, tag);
     return Export(path, out, format, moments, force);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinf-ckpt: internal error: %s\n", Shown(e.what()).c_str());

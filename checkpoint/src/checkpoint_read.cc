@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cerrno>
 #include <charconv>
@@ -15,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -945,6 +947,71 @@ Status ExportCheckpoint(const std::string& path, const std::string& out_path, Ex
                                                      : WriteSafetensorsExport(plan, out));
   ZINF_RETURN_IF_ERROR(file.Close());
   return out.Commit();
+}
+
+// ---- CheckpointStateReader: the public face of the verified StateReaders ----
+
+struct CheckpointStateReader::Impl {
+  // Heap-held so that the readers' pointers to them stay valid when the reader moves.
+  std::unique_ptr<h5::H5File> file;
+  CheckpointInfo info;
+  std::unique_ptr<internal::Q8Tables> tables;                        // q8 files
+  std::array<std::optional<StateReader>, kNumStateTensors> readers;  // opened on first use
+  bool closed = false;
+};
+
+CheckpointStateReader::CheckpointStateReader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CheckpointStateReader::CheckpointStateReader(CheckpointStateReader&&) noexcept = default;
+CheckpointStateReader& CheckpointStateReader::operator=(CheckpointStateReader&&) noexcept = default;
+CheckpointStateReader::~CheckpointStateReader() {
+  if (impl_) (void)Close();
+}
+
+Result<CheckpointStateReader> CheckpointStateReader::Open(const std::string& path) {
+  ZINF_ASSIGN_OR_RETURN(std::string file_path, ResolveCheckpointPath(path));
+  auto impl = std::make_unique<Impl>();
+  ZINF_ASSIGN_OR_RETURN(h5::H5File file, h5::H5File::OpenSerial(file_path, /*read_only=*/true));
+  impl->file = std::make_unique<h5::H5File>(std::move(file));
+  ZINF_ASSIGN_OR_RETURN(impl->info, internal::ReadInfo(*impl->file, file_path));
+  if (impl->info.state_format == StateFormat::kQ8) {
+    ZINF_ASSIGN_OR_RETURN(internal::Q8Tables tables,
+                          internal::ReadQ8Tables(*impl->file, impl->info));
+    impl->tables = std::make_unique<internal::Q8Tables>(std::move(tables));
+  }
+  return CheckpointStateReader(std::move(impl));
+}
+
+const CheckpointInfo& CheckpointStateReader::info() const { return impl_->info; }
+
+Status CheckpointStateReader::Read(swapper::StateTensor state, std::uint64_t flat_offset,
+                                   std::span<float> out) {
+  ZINF_CHECK(impl_ != nullptr && !impl_->closed, "CheckpointStateReader::Read after Close");
+  const auto it = std::find(kStates.begin(), kStates.end(), state);
+  if (it == kStates.end()) {
+    return InvalidArgumentError(
+        fmt::format("CheckpointStateReader::Read: no state {}", static_cast<int>(state)));
+  }
+  const std::uint64_t total = impl_->info.total_numel;
+  if (flat_offset > total || out.size() > total - flat_offset) {
+    return InvalidArgumentError(fmt::format(
+        "{}: elements [{}, {} + {}) of {} are past the state's {} elements", impl_->info.path,
+        flat_offset, flat_offset, out.size(), StateTensorName(state), total));
+  }
+  if (out.empty()) return OkStatus();
+  const std::size_t index = static_cast<std::size_t>(it - kStates.begin());
+  std::optional<StateReader>& reader = impl_->readers[index];
+  if (!reader) {
+    ZINF_ASSIGN_OR_RETURN(
+        reader, StateReader::Open(impl_->file.get(), impl_->info, index, impl_->tables.get()));
+  }
+  return reader->Read(flat_offset, out);
+}
+
+Status CheckpointStateReader::Close() {
+  if (!impl_ || impl_->closed) return OkStatus();
+  impl_->closed = true;
+  for (auto& r : impl_->readers) r.reset();
+  return impl_->file->Close();
 }
 
 }  // namespace zinf::checkpoint

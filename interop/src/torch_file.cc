@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <initializer_list>
+#include <limits>
 #include <map>
 #include <string_view>
 #include <utility>
@@ -477,6 +478,50 @@ Result<std::vector<std::int64_t>> TorchFile::ReadInt64(const PyTensor& tensor,
   return out;
 }
 
+Status TorchFile::ReadFloat32Range(const PyTensor& tensor, std::uint64_t begin,
+                                   std::span<float> out) const {
+  ZINF_ASSIGN_OR_RETURN(ReadPlan plan,
+                        PlanRead(zip_, archive_, tensor, {"float32", "float16", "bfloat16"},
+                                 std::numeric_limits<std::uint64_t>::max()));
+  const std::uint64_t count = out.size();
+  if (begin > plan.numel || count > plan.numel - begin) {
+    return InvalidArgumentError(
+        fmt::format("{}: tensor of storage '{}': elements [{}, +{}) of its {}", zip_.path(),
+                    Printable(tensor.storage_key), begin, count, plan.numel));
+  }
+  if (count == 0) return OkStatus();
+  // Element offsets within the storage: tensor.offset + plan.numel <= storage_numel (checked),
+  // so neither sum nor product below overflows (storage_numel * elem == the entry's size).
+  const std::uint64_t first_byte = (tensor.offset + begin) * plan.elem;
+  if (plan.elem == 4) {
+    return zip_.ReadRange(*plan.entry, first_byte, std::as_writable_bytes(out));
+  }
+  const bool half = tensor.dtype == "float16";
+  std::vector<std::byte> buffer(
+      static_cast<std::size_t>(std::min<std::uint64_t>(count * 2, kChunkBytes)));
+  for (std::uint64_t done = 0; done < count;) {
+    const auto n =
+        static_cast<std::size_t>(std::min<std::uint64_t>(buffer.size() / 2, count - done));
+    std::span<std::byte> chunk(buffer.data(), n * 2);
+    ZINF_RETURN_IF_ERROR(zip_.ReadRange(*plan.entry, first_byte + done * 2, chunk));
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto lo = static_cast<std::uint16_t>(chunk[2 * i]);
+      const auto hi = static_cast<std::uint16_t>(chunk[2 * i + 1]);
+      const auto v = static_cast<std::uint16_t>(lo | (hi << 8));
+      out[done + i] = half ? HalfToFloat(v) : BFloat16ToFloat(v);
+    }
+    done += n;
+  }
+  return OkStatus();
+}
+
+Status TorchFile::VerifyStorage(const PyTensor& tensor) const {
+  const std::string where =
+      fmt::format("{}: tensor of storage '{}'", zip_.path(), Printable(tensor.storage_key));
+  ZINF_ASSIGN_OR_RETURN(CheckedTensor checked, CheckTensorInFile(zip_, archive_, tensor, where));
+  return zip_.VerifyCrc(*checked.entry);
+}
+
 Result<TorchWriter> TorchWriter::Create(const std::string& path, storage::Overwrite overwrite,
                                         std::string archive) {
   if (archive.empty() || archive == "." || archive == ".." ||
@@ -590,6 +635,45 @@ Status TorchWriter::Finish(const PyValue& root) {
   ZINF_RETURN_IF_ERROR(zip_.Add(archive_ + "/data.pkl", std::string_view(pkl)));
   ZINF_RETURN_IF_ERROR(zip_.Add(archive_ + "/version", std::string_view("3\n")));
   return zip_.Finish();
+}
+
+Result<PyTensor> TorchWriter::AddFloat32Streaming(
+    std::vector<std::int64_t> shape,
+    const std::function<Status(std::uint64_t offset, std::span<float> out)>& fill,
+    std::uint64_t piece_numel) {
+  constexpr std::string_view kWhat = "TorchWriter::AddFloat32Streaming";
+  if (piece_numel == 0) return InvalidArgumentError(fmt::format("{}: piece_numel 0", kWhat));
+  std::uint64_t numel = 1;
+  for (std::int64_t s : shape) {
+    if (s < 0 || __builtin_mul_overflow(numel, static_cast<std::uint64_t>(s), &numel) ||
+        numel > (std::uint64_t{1} << 61)) {
+      return InvalidArgumentError(
+          fmt::format("{}: shape [{}] is negative or too large", kWhat, fmt::join(shape, ", ")));
+    }
+  }
+  ZINF_ASSIGN_OR_RETURN(std::vector<std::int64_t> stride, ContiguousStrides(shape, numel, kWhat));
+  PyTensor t{.dtype = "float32",
+             .storage_key = std::to_string(next_key_),
+             .location = "cpu",
+             .storage_numel = numel,
+             .offset = 0,
+             .shape = std::move(shape),
+             .stride = std::move(stride),
+             .requires_grad = false};
+  ZINF_RETURN_IF_ERROR(
+      zip_.Begin(StorageEntryName(archive_, t.storage_key), numel * sizeof(float)));
+  std::vector<float> piece(std::min(numel, piece_numel));
+  for (std::uint64_t offset = 0; offset < numel;) {
+    const std::uint64_t n = std::min<std::uint64_t>(piece.size(), numel - offset);
+    std::span<float> out(piece.data(), n);
+    ZINF_RETURN_IF_ERROR(fill(offset, out));
+    ZINF_RETURN_IF_ERROR(zip_.Append(std::as_bytes(out)));
+    offset += n;
+  }
+  ZINF_RETURN_IF_ERROR(zip_.End());
+  ++next_key_;
+  storages_.emplace_back(t.dtype, t.storage_numel);
+  return t;
 }
 
 }  // namespace zinf::interop

@@ -3,11 +3,14 @@
 // value, CRC checks of storages, and the archive checks (one folder, data.pkl, version, legacy).
 #include "zinf/interop/torch_file.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <limits>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -638,6 +641,94 @@ TEST(TorchFileRead, WidensEveryHalfAndBFloat16Exactly) {
   }
 }
 
+TEST(TorchFileRange, ReadsAnyRangeOfAViewAsFp32) {
+  ScratchDir dir("torch_file");
+  const std::string path = dir.Join("range.pt");
+  std::string f32;
+  for (int i = 0; i < 10; ++i) {
+    float f = static_cast<float>(i);
+    f32.append(reinterpret_cast<const char*>(&f), 4);
+  }
+  // 600000 16-bit elements: more than one 1 MiB chunk of the 16-bit path. Element i is the fp16
+  // and bf16 pattern i % 65536.
+  constexpr std::uint64_t kHalfNumel = 600000;
+  std::string halves;
+  for (std::uint64_t i = 0; i < kHalfNumel; ++i) {
+    halves += static_cast<char>(i & 0xff);
+    halves += static_cast<char>((i >> 8) & 0xff);
+  }
+  PyValue root = Dict({{"whole", Tensor("float32", "s", 10, 0, {10}, {1})},
+                       {"block", Tensor("float32", "s", 10, 3, {2, 2}, {2, 1})},
+                       {"transposed", Tensor("float32", "s", 10, 0, {2, 5}, {1, 2})},
+                       {"h", Tensor("float16", "h", kHalfNumel, 0, {kHalfNumel}, {1})},
+                       {"b", Tensor("bfloat16", "h2", kHalfNumel, 7, {kHalfNumel - 7}, {1})},
+                       {"i", Tensor("int64", "i", 1, 0, {}, {})}});
+  ZINF_ASSERT_OK(WriteRaw(
+      path, WithStorages({{"s", f32}, {"h", halves}, {"h2", halves}, {"i", Bytes(8)}}), root));
+  ZINF_ASSERT_OK_AND_ASSIGN(TorchFile file, TorchFile::Read(path));
+  std::vector<float> out(3);
+  ZINF_ASSERT_OK(file.ReadFloat32Range(*TensorAt(file.root(), "whole"), 7, out));
+  EXPECT_EQ(out, (std::vector<float>{7, 8, 9}));
+  ZINF_ASSERT_OK(file.ReadFloat32Range(*TensorAt(file.root(), "block"), 1, out));
+  EXPECT_EQ(out, (std::vector<float>{4, 5, 6}));  // the view's elements 1..3, from offset 3
+  // Empty ranges, also at the end.
+  ZINF_ASSERT_OK(file.ReadFloat32Range(*TensorAt(file.root(), "block"), 4, std::span<float>()));
+  EXPECT_THAT(file.ReadFloat32Range(*TensorAt(file.root(), "block"), 2, out),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("elements [2, +3) of its 4")));
+  EXPECT_THAT(file.ReadFloat32Range(*TensorAt(file.root(), "whole"),
+                                    std::numeric_limits<std::uint64_t>::max(), out),
+              StatusIs(ErrorCode::kInvalidArgument));
+  EXPECT_THAT(file.ReadFloat32Range(*TensorAt(file.root(), "transposed"), 0, out),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("not contiguous")));
+  EXPECT_THAT(file.ReadFloat32Range(*TensorAt(file.root(), "i"), 0, std::span(out).first(1)),
+              StatusIs(ErrorCode::kInvalidArgument, HasSubstr("int64, not float32")));
+  // 16-bit ranges across the chunk boundary (element 524288), widened exactly.
+  for (const char* key : {"h", "b"}) {
+    const PyTensor& t = *TensorAt(file.root(), key);
+    const std::uint64_t skip = key[0] == 'b' ? 7 : 0;
+    const std::uint64_t begin = 1000;
+    std::vector<float> part(kHalfNumel - skip - begin);
+    ZINF_ASSERT_OK(file.ReadFloat32Range(t, begin, part));
+    ZINF_ASSERT_OK_AND_ASSIGN(auto whole, file.ReadFloat32(t, kHalfNumel));
+    int bad = 0;
+    for (std::size_t i = 0; i < part.size() && bad < 5; ++i) {
+      const auto pattern = static_cast<std::uint16_t>((skip + begin + i) & 0xffff);
+      const std::uint32_t want =
+          key[0] == 'h' ? HalfReference(pattern) : std::uint32_t{pattern} << 16;
+      if (std::bit_cast<std::uint32_t>(part[i]) != want ||
+          std::bit_cast<std::uint32_t>(whole[begin + i]) != want) {
+        ADD_FAILURE() << key << " element " << begin + i;
+        ++bad;
+      }
+    }
+  }
+}
+
+TEST(TorchFileRange, VerifyStorageChecksWhatRangesDoNot) {
+  ScratchDir dir("torch_file");
+  const std::string path = dir.Join("range_crc.pt");
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(TorchWriter writer,
+                              TorchWriter::Create(path, storage::Overwrite::kNo));
+    std::vector<float> v(1000);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i);
+    ZINF_ASSERT_OK_AND_ASSIGN(PyTensor a, writer.AddFloat32(v, {1000}));
+    ZINF_ASSERT_OK_AND_ASSIGN(PyTensor b, writer.AddFloat32(v, {10, 100}));
+    ZINF_ASSERT_OK(writer.Finish(Dict({{"a", a}, {"b", b}})));
+  }
+  FlipEntryByte(path, "archive/data/0", 3000);  // element 750 of "a"
+  ZINF_ASSERT_OK_AND_ASSIGN(TorchFile file, TorchFile::Read(path));
+  const PyTensor& a = *TensorAt(file.root(), "a");
+  std::vector<float> out(5);
+  ZINF_ASSERT_OK(file.ReadFloat32Range(a, 10, out));  // the range is not checked ...
+  EXPECT_EQ(out, (std::vector<float>{10, 11, 12, 13, 14}));
+  EXPECT_THAT(file.VerifyStorage(a),  // ... its storage is
+              StatusIs(ErrorCode::kDataLoss, HasSubstr("CRC-32")));
+  EXPECT_THAT(file.VerifyStorage(*TensorAt(file.root(), "b")), IsOk());
+  EXPECT_THAT(file.VerifyStorage(Tensor("float32", "9", 1, 0, {1}, {1})),
+              StatusIs(ErrorCode::kDataLoss, HasSubstr("archive/data/9 is missing")));
+}
+
 TEST(TorchFileRead, PickleErrorsNameTheFile) {
   ScratchDir dir("torch_file");
   const std::string path = dir.Join("pickle.pt");
@@ -658,6 +749,65 @@ TEST(TorchFileRead, PickleErrorsNameTheFile) {
   EXPECT_THAT(
       TorchFile::Read(path, tiny),
       StatusIs(ErrorCode::kDataLoss, HasSubstr("a/data.pkl holds 25 bytes, more than the 8")));
+}
+
+// AddFloat32Streaming: the pieces land in order in one storage (read back bitwise with its CRC),
+// beside an ordinary tensor; a fill error is returned and the abandoned writer leaves nothing.
+TEST(TorchWriterStreaming, PiecesLandInOrderAndErrorsLeaveNothing) {
+  ScratchDir dir("torch_stream");
+  const std::string path = dir.Join("stream.pt");
+  auto value = [](std::uint64_t i) { return static_cast<float>(i) * 0.25f - 3.0f; };
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(TorchWriter w, TorchWriter::Create(path, storage::Overwrite::kNo));
+    const std::vector<float> small = {1.5f, -2.0f};
+    ZINF_ASSERT_OK_AND_ASSIGN(PyTensor a, w.AddFloat32(small, {2}));
+    std::vector<std::uint64_t> calls;
+    ZINF_ASSERT_OK_AND_ASSIGN(PyTensor b,
+                              w.AddFloat32Streaming(
+                                  {5, 7},
+                                  [&](std::uint64_t offset, std::span<float> out) -> Status {
+                                    calls.push_back(offset);
+                                    EXPECT_LE(out.size(), 16u);
+                                    for (std::size_t k = 0; k < out.size(); ++k)
+                                      out[k] = value(offset + k);
+                                    return OkStatus();
+                                  },
+                                  16));
+    EXPECT_EQ(calls, (std::vector<std::uint64_t>{0, 16, 32}));
+    EXPECT_EQ(b.shape, (std::vector<std::int64_t>{5, 7}));
+    EXPECT_EQ(b.stride, (std::vector<std::int64_t>{7, 1}));
+    ZINF_ASSERT_OK_AND_ASSIGN(PyTensor empty,
+                              w.AddFloat32Streaming({0}, [](std::uint64_t, std::span<float>) {
+                                return InternalError("never called for no elements");
+                              }));
+    EXPECT_THAT(w.AddFloat32Streaming({-1}, {}), StatusIs(ErrorCode::kInvalidArgument));
+    EXPECT_THAT(w.AddFloat32Streaming({2}, {}, 0), StatusIs(ErrorCode::kInvalidArgument));
+    ZINF_ASSERT_OK(w.Finish(Dict({{"a", a}, {"b", b}, {"e", empty}})));
+  }
+  ZINF_ASSERT_OK_AND_ASSIGN(TorchFile file, TorchFile::Read(path));
+  ZINF_ASSERT_OK_AND_ASSIGN(std::vector<float> got,
+                            file.ReadFloat32(*TensorAt(file.root(), "b"), 1000));
+  ASSERT_EQ(got.size(), 35u);
+  for (std::uint64_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(std::bit_cast<std::uint32_t>(got[i]), std::bit_cast<std::uint32_t>(value(i))) << i;
+  }
+  ZINF_ASSERT_OK_AND_ASSIGN(std::vector<float> a, file.ReadFloat32(*TensorAt(file.root(), "a"), 2));
+  EXPECT_EQ(a, (std::vector<float>{1.5f, -2.0f}));
+
+  const std::string failed = dir.Join("failed.pt");
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(TorchWriter w, TorchWriter::Create(failed, storage::Overwrite::kNo));
+    EXPECT_THAT(w.AddFloat32Streaming(
+                    {100},
+                    [](std::uint64_t offset, std::span<float> out) -> Status {
+                      if (offset >= 50) return DataLossError("piece at 50");
+                      std::fill(out.begin(), out.end(), 1.0f);
+                      return OkStatus();
+                    },
+                    25),
+                StatusIs(ErrorCode::kDataLoss, HasSubstr("piece at 50")));
+  }
+  EXPECT_FALSE(std::filesystem::exists(failed));
 }
 
 }  // namespace

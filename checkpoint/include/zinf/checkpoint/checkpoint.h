@@ -95,7 +95,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -288,5 +290,43 @@ enum class ExportFormat { kHdf5, kSafetensors };
 Status ExportCheckpoint(const std::string& path, const std::string& out_path, ExportFormat format,
                         const CheckpointProgressFn& progress = {}, bool moments = false,
                         storage::Overwrite overwrite = storage::Overwrite::kNo);
+
+// Reads any range of a checkpoint's state serially (no MPI): the fp32 master weights and Adam's
+// moments as fp32, a q8 file's moments decoded (map[code] * scale of the element's block, as
+// ExportCheckpoint does). Every chunk a read touches is verified against its checksum before
+// any element of it is handed out (whole chunks are read; the last chunk of each state is kept,
+// so consecutive small reads inside one chunk read it once). A q8 file's tables are read and
+// checked by Open. Memory: about one chunk (chunk_numel floats) per state read, plus a q8
+// file's tables.
+//
+//   ZINF_ASSIGN_OR_RETURN(CheckpointStateReader reader, CheckpointStateReader::Open(path));
+//   std::vector<float> w(p.numel);
+//   ZINF_RETURN_IF_ERROR(reader.Read(swapper::StateTensor::kFp32, p.flat_offset, w));
+//
+// Thread safety: one thread at a time (HDF5 is used from the calling thread). Move-only.
+class CheckpointStateReader {
+ public:
+  // Opens `path` (as ResolveCheckpointPath takes it) read-only. Errors: those of
+  // ReadCheckpointInfo, and DataLoss for a q8 file's bad tables (as VerifyCheckpoint).
+  static Result<CheckpointStateReader> Open(const std::string& path);
+
+  CheckpointStateReader(CheckpointStateReader&&) noexcept;
+  CheckpointStateReader& operator=(CheckpointStateReader&&) noexcept;
+  ~CheckpointStateReader();
+
+  const CheckpointInfo& info() const;
+  // Flat elements [flat_offset, flat_offset + out.size()) of `state` into `out`. Errors:
+  // InvalidArgument for a range past info().total_numel (nothing read); DataLoss for a checksum
+  // mismatch (naming the dataset, chunk and element range) or a read error (`out` is then
+  // partly written).
+  Status Read(swapper::StateTensor state, std::uint64_t flat_offset, std::span<float> out);
+  // Closes the file (also done by the destructor, which cannot report an error).
+  Status Close();
+
+ private:
+  struct Impl;
+  explicit CheckpointStateReader(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace zinf::checkpoint

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -44,6 +45,17 @@ class TorchFile {
   // The same for an int64 tensor of at most `max_numel` elements (a 0-dim step, ...).
   Result<std::vector<std::int64_t>> ReadInt64(const PyTensor& tensor,
                                               std::uint64_t max_numel) const;
+  // Elements [begin, begin + out.size()) of `tensor` (of this file, contiguous, float32,
+  // float16 or bfloat16; the elements counted in its row-major order) as fp32 into `out`,
+  // widened as ReadFloat32 does: for reading a part of a large tensor without holding all of it
+  // (memory: `out` plus a buffer of at most 1 MiB for 16-bit dtypes). The storage entry's
+  // CRC-32 is NOT checked (the range is only a part of the entry): call VerifyStorage once per
+  // storage first. Errors: InvalidArgument (another dtype, not contiguous, the range past the
+  // tensor's elements), DataLoss (read errors).
+  Status ReadFloat32Range(const PyTensor& tensor, std::uint64_t begin, std::span<float> out) const;
+  // Reads the storage entry `tensor` views (of this file) through in bounded chunks and checks
+  // its CRC-32. Errors: DataLoss (a CRC mismatch, read errors, a tensor not of this file).
+  Status VerifyStorage(const PyTensor& tensor) const;
 
  private:
   TorchFile(ZipReader zip, std::string archive, PyValue root)
@@ -66,6 +78,16 @@ class TorchWriter {
   Result<PyTensor> AddFloat32(std::span<const float> data, std::vector<std::int64_t> shape);
   // A 0-dim or 1-dim int64 tensor.
   Result<PyTensor> AddInt64(std::span<const std::int64_t> data, std::vector<std::int64_t> shape);
+  // A contiguous fp32 tensor of `shape` (its own storage) whose elements are not in memory at
+  // once: `fill(offset, out)` is called for consecutive pieces of at most `piece_numel`
+  // elements, in order, to write elements [offset, offset + out.size()); they are written as
+  // they come (memory: one piece). Errors: InvalidArgument (a bad shape, piece_numel 0, nothing
+  // written); `fill`'s error or a write error part-way, after which the writer is unusable
+  // (abandon it: nothing is left at its path).
+  Result<PyTensor> AddFloat32Streaming(
+      std::vector<std::int64_t> shape,
+      const std::function<Status(std::uint64_t offset, std::span<float> out)>& fill,
+      std::uint64_t piece_numel = std::uint64_t{1} << 20);
   // Writes data.pkl for `root`, version, and commits. Errors: InvalidArgument for a tensor in
   // `root` that is not one this writer added (storage key, dtype, element count) or whose view
   // passes its storage (nothing is written then, and Finish may be called again); those of
