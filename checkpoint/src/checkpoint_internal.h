@@ -94,8 +94,11 @@ class VerifiedChunkReader {
   Status Read(std::uint64_t flat_offset, std::span<T> out);
   // Verifies every chunk that overlaps [flat_offset, flat_offset + numel).
   Status Verify(std::uint64_t flat_offset, std::uint64_t numel);
+  // Read and Verify refuse a range outside the dataset (InvalidArgument) before any chunk.
 
  private:
+  Status CheckRange(std::uint64_t flat_offset, std::uint64_t numel) const;
+
   h5::H5File* file_;
   std::string dataset_;
   std::uint64_t total_numel_;

@@ -333,6 +333,15 @@ VerifiedChunkReader<T>::VerifiedChunkReader(H5File* file, std::string dataset,
       buffer_(std::min(chunk_numel, total_numel)) {}
 
 template <typename T>
+Status VerifiedChunkReader<T>::CheckRange(std::uint64_t flat_offset, std::uint64_t numel) const {
+  if (flat_offset > total_numel_ || numel > total_numel_ - flat_offset) {
+    return InvalidArgumentError(fmt::format("{}: elements [{}, +{}) lie outside its {}", dataset_,
+                                            flat_offset, numel, total_numel_));
+  }
+  return OkStatus();
+}
+
+template <typename T>
 Result<std::span<const T>> VerifiedChunkReader<T>::Chunk(std::uint64_t k) {
   const std::uint64_t begin = k * chunk_numel_;
   const std::uint64_t end = std::min(begin + chunk_numel_, total_numel_);
@@ -351,6 +360,7 @@ Result<std::span<const T>> VerifiedChunkReader<T>::Chunk(std::uint64_t k) {
 
 template <typename T>
 Status VerifiedChunkReader<T>::Read(std::uint64_t flat_offset, std::span<T> out) {
+  ZINF_RETURN_IF_ERROR(CheckRange(flat_offset, out.size()));
   while (!out.empty()) {
     const std::uint64_t k = flat_offset / chunk_numel_;
     const std::uint64_t begin = k * chunk_numel_;
@@ -381,6 +391,7 @@ Status VerifiedChunkReader<T>::Read(std::uint64_t flat_offset, std::span<T> out)
 
 template <typename T>
 Status VerifiedChunkReader<T>::Verify(std::uint64_t flat_offset, std::uint64_t numel) {
+  ZINF_RETURN_IF_ERROR(CheckRange(flat_offset, numel));
   if (numel == 0) return OkStatus();
   const std::uint64_t first = flat_offset / chunk_numel_;
   const std::uint64_t last = (flat_offset + numel - 1) / chunk_numel_;
