@@ -19,7 +19,7 @@ fi
 /usr/bin/python3 "$repo/bench/run.py" "$sub" --out "$out" "${extra[@]}" "$@" > "$work/stdout" \
   2> "$work/stderr"
 rc=$?
-if ((rc == 2)) && grep -q "not installed\|not built" "$work/stderr"; then
+if ((rc == 2)) && grep -q "not installed\|not built\|not found" "$work/stderr"; then
   echo "SKIP: $(tail -1 "$work/stderr")"
   exit 77
 fi
