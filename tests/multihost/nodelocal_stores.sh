@@ -30,8 +30,11 @@ cat > "$MH_DIR/shared/config.json" << EOF
 EOF
 
 check "Open MPI places ranks 0,1 on $host1 and 2,3 on $host2"
-mh_mpirun 30 -np 4 sh -c 'echo "$OMPI_COMM_WORLD_RANK $(hostname)"' > "$MH_DIR/placement.txt" 2>&1 ||
-  fail "mpirun of sh across the hosts exited with $?: $(cat "$MH_DIR/placement.txt")"
+mh_mpirun 30 -np 4 sh -c 'echo "$OMPI_COMM_WORLD_RANK $(hostname)"' > "$MH_DIR/placement.txt" \
+  2> "$MH_DIR/placement.err" ||
+  fail "mpirun of sh across the hosts exited with $?: $(cat "$MH_DIR/placement.txt" \
+    "$MH_DIR/placement.err")"
+# stdout only: Open MPI may warn on stderr (such as "plm:rsh: Warning: setpgid ... failed").
 placement=$(sort -n "$MH_DIR/placement.txt" | tr '\n' ' ')
 [[ $placement == "0 $host1 1 $host1 2 $host2 3 $host2 " ]] || fail "placement: $placement"
 
