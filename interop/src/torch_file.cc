@@ -570,21 +570,31 @@ Result<std::vector<std::int64_t>> ContiguousStrides(const std::vector<std::int64
 
 }  // namespace
 
+Result<PyTensor> TorchWriter::NewTensor(std::string dtype, std::uint64_t numel,
+                                        std::vector<std::int64_t> shape,
+                                        std::string_view what) const {
+  ZINF_ASSIGN_OR_RETURN(std::vector<std::int64_t> stride, ContiguousStrides(shape, numel, what));
+  return PyTensor{.dtype = std::move(dtype),
+                  .storage_key = std::to_string(next_key_),
+                  .location = "cpu",
+                  .storage_numel = numel,
+                  .offset = 0,
+                  .shape = std::move(shape),
+                  .stride = std::move(stride),
+                  .requires_grad = false};
+}
+
+void TorchWriter::Added(const PyTensor& tensor) {
+  ++next_key_;
+  storages_.emplace_back(tensor.dtype, tensor.storage_numel);
+}
+
 Result<PyTensor> TorchWriter::AddStorage(std::string dtype, std::span<const std::byte> bytes,
                                          std::uint64_t numel, std::vector<std::int64_t> shape,
                                          std::string_view what) {
-  ZINF_ASSIGN_OR_RETURN(std::vector<std::int64_t> stride, ContiguousStrides(shape, numel, what));
-  PyTensor t{.dtype = std::move(dtype),
-             .storage_key = std::to_string(next_key_),
-             .location = "cpu",
-             .storage_numel = numel,
-             .offset = 0,
-             .shape = std::move(shape),
-             .stride = std::move(stride),
-             .requires_grad = false};
+  ZINF_ASSIGN_OR_RETURN(PyTensor t, NewTensor(std::move(dtype), numel, std::move(shape), what));
   ZINF_RETURN_IF_ERROR(zip_.Add(StorageEntryName(archive_, t.storage_key), bytes));
-  ++next_key_;
-  storages_.emplace_back(t.dtype, t.storage_numel);
+  Added(t);
   return t;
 }
 
@@ -651,15 +661,7 @@ Result<PyTensor> TorchWriter::AddFloat32Streaming(
           fmt::format("{}: shape [{}] is negative or too large", kWhat, fmt::join(shape, ", ")));
     }
   }
-  ZINF_ASSIGN_OR_RETURN(std::vector<std::int64_t> stride, ContiguousStrides(shape, numel, kWhat));
-  PyTensor t{.dtype = "float32",
-             .storage_key = std::to_string(next_key_),
-             .location = "cpu",
-             .storage_numel = numel,
-             .offset = 0,
-             .shape = std::move(shape),
-             .stride = std::move(stride),
-             .requires_grad = false};
+  ZINF_ASSIGN_OR_RETURN(PyTensor t, NewTensor("float32", numel, std::move(shape), kWhat));
   ZINF_RETURN_IF_ERROR(
       zip_.Begin(StorageEntryName(archive_, t.storage_key), numel * sizeof(float)));
   std::vector<float> piece(std::min(numel, piece_numel));
@@ -671,8 +673,7 @@ Result<PyTensor> TorchWriter::AddFloat32Streaming(
     offset += n;
   }
   ZINF_RETURN_IF_ERROR(zip_.End());
-  ++next_key_;
-  storages_.emplace_back(t.dtype, t.storage_numel);
+  Added(t);
   return t;
 }
 

@@ -98,6 +98,11 @@ class TorchWriter {
   TorchWriter(ZipWriter zip, std::string archive)
       : zip_(std::move(zip)), archive_(std::move(archive)) {}
 
+  // The contiguous tensor of `shape` the next storage entry will hold (not yet written).
+  Result<PyTensor> NewTensor(std::string dtype, std::uint64_t numel,
+                             std::vector<std::int64_t> shape, std::string_view what) const;
+  // Records `tensor`'s storage entry as written (Finish checks trees against these).
+  void Added(const PyTensor& tensor);
   // A contiguous tensor of `shape` over a new storage entry holding `bytes` (`numel` elements).
   Result<PyTensor> AddStorage(std::string dtype, std::span<const std::byte> bytes,
                               std::uint64_t numel, std::vector<std::int64_t> shape,
