@@ -18,7 +18,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
 #include <future>
 #include <optional>
 #include <string>
@@ -45,6 +44,9 @@ namespace {
 
 using h5::H5DataType;
 using h5::H5File;
+using internal::DumpJson;
+using internal::EstimateFileBytes;
+using internal::FileHeader;
 using internal::kQ8Checksums;
 using internal::kQ8Datasets;
 using internal::kStates;
@@ -53,6 +55,7 @@ using internal::ProgressReporter;
 using internal::StateDatasets;
 using internal::StateDatasetSpec;
 using internal::StateReader;
+using internal::UtcNow;
 
 using comm::ScopedTimer;  // the "ckpt_*" phases go into the swapper's timers
 
@@ -260,131 +263,16 @@ nlohmann::json DerivedOptimizerJson(const AdamOptions& adam) {
             {"adam_w_mode", adam.adamw}}}};
 }
 
-// Compact JSON; invalid UTF-8 replaced rather than thrown on.
-std::string DumpJson(const nlohmann::json& j) {
-  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-}
-
-std::string UtcNow() {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char text[32];
-  std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return text;
-}
-
-// The JSON and text attributes rank 0 writes into the file's structure.
-struct Header {
-  std::string optimizer, config, trainer, created;
-};
-
-// The root attributes: format and version, step, sizes, and the JSON and text of `header`.
-Status WriteRootAttributes(H5File& file, const OptimizerSwapper& swapper, std::int64_t step,
-                           int world_size, std::uint64_t total, std::uint64_t chunk,
-                           const Header& header) {
-  const StateFormat format = swapper.state_format();
-  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "format", kCheckpointFormat));
-  ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute(
-      "/", "format_version",
-      format == StateFormat::kQ8 ? kCheckpointFormatVersionQ8 : kCheckpointFormatVersion));
-  if (format == StateFormat::kQ8) {
-    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "optimizer_state", "q8"));
-  }
-  ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "step", step));
-  ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute("/", "world_size", world_size));
-  ZINF_RETURN_IF_ERROR(
-      file.WriteInt64Attribute("/", "total_numel", static_cast<std::int64_t>(total)));
-  ZINF_RETURN_IF_ERROR(file.WriteInt64Attribute(
-      "/", "sub_group_size", static_cast<std::int64_t>(swapper.options().sub_group_size)));
-  ZINF_RETURN_IF_ERROR(
-      file.WriteInt64Attribute("/", "chunk_numel", static_cast<std::int64_t>(chunk)));
-  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "optimizer", header.optimizer));
-  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/", "config", header.config));
-  return file.WriteStringAttribute("/", "created", header.created);
-}
-
-// /layout: the layout's JSON, and each parameter's flat offset and numel as datasets.
-Status WriteLayout(H5File& file, const partition::ParamLayout& layout) {
-  ZINF_RETURN_IF_ERROR(file.CreateGroup("/layout"));
-  ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/layout", "json", layout.ToJsonString()));
-  const std::uint64_t num_params = layout.num_params();
-  std::vector<std::uint64_t> offsets, numels;
-  for (const partition::ParamInfo& p : layout.params()) {
-    offsets.push_back(p.flat_offset);
-    numels.push_back(p.numel);
-  }
-  const std::uint64_t param_chunk = std::min<std::uint64_t>(num_params, 1 << 16);
-  ZINF_RETURN_IF_ERROR(
-      file.CreateDataset1D("/layout/flat_offset", num_params, param_chunk, H5DataType::kUInt64));
-  ZINF_RETURN_IF_ERROR(
-      file.CreateDataset1D("/layout/numel", num_params, param_chunk, H5DataType::kUInt64));
-  ZINF_RETURN_IF_ERROR(
-      file.WriteSlab("/layout/flat_offset", 0, std::span<const std::uint64_t>(offsets)));
-  return file.WriteSlab("/layout/numel", 0, std::span<const std::uint64_t>(numels));
-}
-
-// The q8 group. The block table and scales are written by the ranks; the maps (and their
-// checksums, entries 0 and 1 of /checksum/q8) here.
-Status WriteQ8Structure(H5File& file, std::uint64_t num_segments, std::uint64_t num_blocks) {
-  ZINF_RETURN_IF_ERROR(file.CreateGroup(internal::kQ8Group));
-  ZINF_RETURN_IF_ERROR(
-      file.WriteInt64Attribute(internal::kQ8Group, "block_numel", q8::kBlockNumel));
-  const std::uint64_t sizes[] = {256,          256,        num_segments, num_segments,
-                                 num_segments, num_blocks, num_blocks};
-  const H5DataType types[] = {H5DataType::kFloat32, H5DataType::kFloat32, H5DataType::kUInt64,
-                              H5DataType::kUInt64,  H5DataType::kUInt64,  H5DataType::kFloat32,
-                              H5DataType::kFloat32};
-  for (std::size_t d = 0; d < kQ8Datasets.size(); ++d) {
-    ZINF_RETURN_IF_ERROR(file.CreateDataset1D(
-        kQ8Datasets[d], sizes[d], std::min<std::uint64_t>(sizes[d], 1 << 20), types[d]));
-  }
-  ZINF_RETURN_IF_ERROR(file.CreateDataset1D(kQ8Checksums, kQ8Datasets.size(), kQ8Datasets.size(),
-                                            H5DataType::kUInt64));
-  std::array<std::uint64_t, 2> map_sums{};
-  for (std::size_t m = 0; m < 2; ++m) {
-    const std::array<float, 256>& map =
-        q8::MapValues(m == 0 ? q8::MapKind::kSigned : q8::MapKind::kUnsigned);
-    ZINF_RETURN_IF_ERROR(file.WriteSlab(kQ8Datasets[m], 0, std::span<const float>(map)));
-    map_sums[m] = storage::Checksum64(std::as_bytes(std::span(map)));
-  }
-  return file.WriteSlab(kQ8Checksums, 0, std::span<const std::uint64_t>(map_sums));
-}
-
 // Rank 0, before the ranks open the file collectively: the whole structure of the checkpoint
 // (attributes, the layout, every dataset with its space allocated), written serially and closed.
 // The collective phase then writes raw elements only and never flushes HDF5 metadata: in a
 // collective flush or close, a rank whose metadata write failed (ENOSPC) leaves HDF5 before its
 // barrier and the other ranks wait in it forever.
-Status WriteStructure(const std::string& path, const OptimizerSwapper& swapper, std::int64_t step,
-                      int world_size, std::uint64_t chunk, std::uint64_t num_segments,
-                      std::uint64_t num_blocks, const Header& header) {
-  const StateFormat format = swapper.state_format();
-  const partition::ParamLayout& layout = swapper.plan().layout();
-  const std::uint64_t total = layout.total_numel();
-  const std::uint64_t num_chunks = NumChunks(total, chunk);
+Status WriteStructure(const std::string& path, const OptimizerSwapper& swapper,
+                      const FileHeader& header) {
   // O_EXCL: the name was cleared just before; a link planted there since is never followed.
   ZINF_ASSIGN_OR_RETURN(H5File file, H5File::CreateSerial(path, h5::H5CreateMode::kFailIfExists));
-  const Status written = [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(
-        WriteRootAttributes(file, swapper, step, world_size, total, chunk, header));
-    ZINF_RETURN_IF_ERROR(WriteLayout(file, layout));
-    ZINF_RETURN_IF_ERROR(file.CreateGroup("/trainer"));
-    ZINF_RETURN_IF_ERROR(file.WriteStringAttribute("/trainer", "state", header.trainer));
-    for (const StateDatasetSpec& spec : StateDatasets(format)) {
-      ZINF_RETURN_IF_ERROR(
-          file.CreateDataset1D(spec.name, total, std::min(chunk, total), spec.type));
-      ZINF_RETURN_IF_ERROR(file.CreateDataset1D(spec.checksum, num_chunks,
-                                                std::min<std::uint64_t>(num_chunks, 1 << 16),
-                                                H5DataType::kUInt64));
-    }
-    if (format == StateFormat::kQ8) {
-      ZINF_RETURN_IF_ERROR(WriteQ8Structure(file, num_segments, num_blocks));
-    }
-    ZINF_RETURN_IF_ERROR(
-        file.WriteStringAttribute("/checksum", "algorithm", storage::kChecksumAlgorithm));
-    return file.WriteInt64Attribute("/checksum", "chunk_numel", static_cast<std::int64_t>(chunk));
-  }();
+  const Status written = internal::WriteStructure(file, swapper.plan().layout(), header);
   Status closed = file.Close();
   ZINF_RETURN_IF_ERROR(written);
   ZINF_RETURN_IF_ERROR(closed);
@@ -762,8 +650,15 @@ Status WriteContents(OptimizerSwapper& swapper, H5File& file, const CheckpointSa
   return OkStatus();
 }
 
-Header MakeHeader(const OptimizerSwapper& swapper, const CheckpointSaveOptions& options) {
-  Header header;
+// The header of a checkpoint of `swapper` saved with `options` (q8 table sizes: 0, set later).
+FileHeader MakeHeader(const OptimizerSwapper& swapper, std::int64_t step,
+                      const CheckpointSaveOptions& options) {
+  FileHeader header;
+  header.format = swapper.state_format();
+  header.step = step;
+  header.world_size = swapper.comm().size();
+  header.sub_group_size = static_cast<std::int64_t>(swapper.options().sub_group_size);
+  header.chunk_numel = std::max<std::uint64_t>(options.chunk_numel, 1);
   header.optimizer =
       DumpJson(options.optimizer.is_null() ? DerivedOptimizerJson(swapper.options().adam)
                                            : options.optimizer);
@@ -771,22 +666,6 @@ Header MakeHeader(const OptimizerSwapper& swapper, const CheckpointSaveOptions& 
   header.trainer = options.trainer.is_null() ? "{}" : DumpJson(options.trainer);
   header.created = UtcNow();
   return header;
-}
-
-// An upper estimate of a checkpoint file's size: the state, the checksum tables, the layout,
-// the JSON attributes, and generous room for HDF5's object headers and chunk indexes.
-std::uint64_t EstimateFileBytes(const partition::ParamLayout& layout, StateFormat format,
-                                std::uint64_t chunk_numel, std::uint64_t num_segments,
-                                std::uint64_t num_blocks, const Header& header) {
-  const std::uint64_t total = layout.total_numel();
-  const std::uint64_t chunks = NumChunks(total, chunk_numel);
-  const std::uint64_t json = header.optimizer.size() + header.config.size() +
-                             header.trainer.size() + layout.ToJsonString().size();
-  std::uint64_t state = 0;
-  for (const StateDatasetSpec& spec : StateDatasets(format)) state += spec.element_bytes * total;
-  const std::uint64_t q8_tables = 24 * num_segments + 8 * num_blocks + (64ull << 10);
-  return state + kNumStateTensors * chunks * (8 + 512) + 16 * layout.num_params() + 2 * json +
-         (format == StateFormat::kQ8 ? q8_tables : 0) + (1ull << 20);
 }
 
 // The bytes of state a checkpoint of `swapper` holds.
@@ -1007,14 +886,12 @@ Status PreparePartialFile(const OptimizerSwapper& swapper, std::int64_t step,
                           const CheckpointSaveOptions& options, const std::string& partial_name,
                           const std::string& partial_path, const Q8Placement& placement,
                           std::optional<PartialFile>& partial) {
-  const Header header = MakeHeader(swapper, options);
-  const std::uint64_t estimate =
-      EstimateFileBytes(swapper.plan().layout(), swapper.state_format(), options.chunk_numel,
-                        placement.num_segments, placement.num_blocks, header);
+  FileHeader header = MakeHeader(swapper, step, options);
+  header.num_segments = placement.num_segments;
+  header.num_blocks = placement.num_blocks;
+  const std::uint64_t estimate = EstimateFileBytes(swapper.plan().layout(), header);
   ZINF_ASSIGN_OR_RETURN(partial, PartialFile::Prepare(options.dir, partial_name, estimate, step));
-  ZINF_RETURN_IF_ERROR(WriteStructure(partial_path, swapper, step, swapper.comm().size(),
-                                      options.chunk_numel, placement.num_segments,
-                                      placement.num_blocks, header));
+  ZINF_RETURN_IF_ERROR(WriteStructure(partial_path, swapper, header));
   return partial->Reserve(estimate);
 }
 
@@ -1064,9 +941,10 @@ std::uint64_t EstimateCheckpointBytes(const OptimizerSwapper& swapper,
       segments += ranks * (q8::NumBlocks(sg.numel) + sg.fragments.size());
     }
   }
-  return EstimateFileBytes(swapper.plan().layout(), swapper.state_format(),
-                           std::max<std::uint64_t>(options.chunk_numel, 1), segments, blocks,
-                           MakeHeader(swapper, options));
+  FileHeader header = MakeHeader(swapper, /*step=*/0, options);
+  header.num_segments = segments;
+  header.num_blocks = blocks;
+  return EstimateFileBytes(swapper.plan().layout(), header);
 }
 
 Result<SavedCheckpoint> SaveCheckpoint(OptimizerSwapper& swapper, std::int64_t step,

@@ -10,9 +10,12 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "zinf/checkpoint/checkpoint.h"
 #include "zinf/core/status.h"
 #include "zinf/h5/h5_file.h"
+#include "zinf/partition/layout.h"
 #include "zinf/swapper/optimizer_swapper.h"
 #include "zinf/swapper/q8.h"
 
@@ -68,6 +71,34 @@ inline constexpr std::string_view kQ8Checksums = "/checksum/q8";
 inline std::uint64_t NumChunks(std::uint64_t total_numel, std::uint64_t chunk_numel) {
   return (total_numel + chunk_numel - 1) / chunk_numel;
 }
+
+// What a checkpoint file's structure records (checkpoint.h): its format, root attributes and
+// JSON attributes (as text), and the sizes of a q8 file's tables.
+struct FileHeader {
+  StateFormat format = StateFormat::kFp32;
+  std::int64_t step = 0;
+  std::int64_t world_size = 0;
+  std::int64_t sub_group_size = 0;
+  std::uint64_t chunk_numel = 0;
+  std::uint64_t num_segments = 0;  // q8
+  std::uint64_t num_blocks = 0;    // q8
+  std::string optimizer, config, trainer, created;
+};
+
+// Compact JSON; invalid UTF-8 replaced rather than thrown on.
+std::string DumpJson(const nlohmann::json& j);
+// The current time as ISO-8601 UTC ("2026-12-06T19:30:00Z").
+std::string UtcNow();
+
+// Writes the whole structure of a checkpoint of `layout` into the new, empty `file`: root
+// attributes, /layout, /trainer, every state and checksum dataset with its space allocated, the
+// q8 maps (the other q8 tables and every element are written later). Serial.
+Status WriteStructure(h5::H5File& file, const partition::ParamLayout& layout,
+                      const FileHeader& header);
+
+// An upper estimate of the size of that file once written: the state, the checksum tables, the
+// layout, the JSON attributes, and generous room for HDF5's object headers and chunk indexes.
+std::uint64_t EstimateFileBytes(const partition::ParamLayout& layout, const FileHeader& header);
 
 // Validates the structure of an open checkpoint (see checkpoint.h for the errors) and reads its
 // metadata. Local: `file` may be serial or collective (then every rank must call it).

@@ -329,4 +329,62 @@ class CheckpointStateReader {
   std::unique_ptr<Impl> impl_;
 };
 
+// Writes a checkpoint file serially (no MPI, no swapper) in the format above, fp32 state
+// (format_version 1): what an importer (zinf-ckpt import-deepspeed) makes from another
+// framework's state. The file restores and verifies like one SaveCheckpoint wrote.
+//
+//   CheckpointWriterOptions o{.step = 7, .world_size = 2, .sub_group_size = 1 << 24, ...};
+//   ZINF_ASSIGN_OR_RETURN(CheckpointWriter w, CheckpointWriter::Create(out, layout, o));
+//   for (each state, in flat order) ZINF_RETURN_IF_ERROR(w.Append(state, values));
+//   ZINF_RETURN_IF_ERROR(w.Commit());
+//
+// The output is a storage::AtomicFile (written under a temporary name beside `out_path`, renamed
+// to it by Commit): until Commit succeeds nothing is at `out_path` (an existing file there, with
+// Overwrite::kRegularFile, stays as it was), and a writer destroyed without Commit removes its
+// temporary. Memory: one chunk (chunk_numel floats) per state.
+//
+// Thread safety: one thread at a time (HDF5 is used from the calling thread). Move-only.
+struct CheckpointWriterOptions {
+  std::int64_t step = 0;        // in [0, kMaxCheckpointStep]
+  std::int64_t world_size = 1;  // the ranks it was saved on, in [1, kMaxCheckpointWorldSize]
+  std::int64_t sub_group_size = 1 << 24;  // the saving run's, >= 1 (recorded; see Restore)
+  std::uint64_t chunk_numel = kDefaultCheckpointChunkNumel;
+  nlohmann::json optimizer;  // {"type": "Adam" | "AdamW", "params": {...}} (required)
+  nlohmann::json config;     // the effective config (an object; null: {})
+  nlohmann::json trainer;    // the trainer state (engine/trainer_state.h; null: {})
+};
+
+class CheckpointWriter {
+ public:
+  // Creates the temporary and writes the file's structure (attributes, layout, datasets).
+  // Errors: InvalidArgument (an option out of range, optimizer without a "type" of Adam or
+  // AdamW, a JSON value that is not an object, a layout with no elements); those of
+  // storage::AtomicFile::Create (AlreadyExists, FailedPrecondition for what is at out_path);
+  // ResourceExhausted (too little space for the file, before anything is written); HDF5's.
+  static Result<CheckpointWriter> Create(const std::string& out_path,
+                                         const partition::ParamLayout& layout,
+                                         const CheckpointWriterOptions& options,
+                                         storage::Overwrite overwrite = storage::Overwrite::kNo);
+
+  CheckpointWriter(CheckpointWriter&&) noexcept;
+  CheckpointWriter& operator=(CheckpointWriter&&) noexcept;
+  ~CheckpointWriter();
+
+  const std::string& temp_path() const;
+  // The next values.size() elements of `state`: each state is written from flat element 0 to
+  // the layout's total_numel, in order, in pieces of any size; the values are taken as they are
+  // (the caller checks them). Errors: InvalidArgument (past total_numel: nothing taken), HDF5's.
+  Status Append(swapper::StateTensor state, std::span<const float> values);
+  // Every state complete: writes the checksums, closes, syncs the file, runs `check` on the
+  // complete temporary (its path; e.g. engine::VerifyResumable) and renames it to out_path.
+  // Errors: FailedPrecondition (a state not complete, Commit called twice), check's, HDF5's and
+  // the file system's; on any error nothing is at out_path.
+  Status Commit(const std::function<Status(const std::string& temp_path)>& check = {});
+
+ private:
+  struct Impl;
+  explicit CheckpointWriter(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace zinf::checkpoint
