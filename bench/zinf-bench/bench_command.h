@@ -46,6 +46,17 @@ CLI::IsMember OneOf(const std::array<std::string_view, N>& names) {
   return CLI::IsMember(std::vector<std::string>(names.begin(), names.end()));
 }
 
+// The I/O flags of the benches that move state through a backend, named after the config keys
+// they stand for (aio.*): --engine, --block-size, --queue-depth, --intra-op-parallelism. Each
+// bench keeps its own defaults in the struct.
+struct AioFlags {
+  std::string backend;     // --engine: uring, posix or auto
+  std::string block_size;  // --block-size: a byte size, 1 .. 1 GiB
+  int queue_depth = 0;     // --queue-depth: 1 .. 4096
+  int intra_op_parallelism = 0;  // --intra-op-parallelism: 1 .. 64
+};
+void AddAioFlags(CLI::App& app, AioFlags& flags);
+
 // Returns true (for a static initializer). A duplicate name aborts at startup.
 bool RegisterBenchCommand(std::string name, std::string description, SetupFn setup);
 

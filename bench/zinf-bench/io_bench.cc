@@ -47,12 +47,10 @@ struct IoFlags {
   std::string path;
   std::string file;
   std::string size = "1G";
-  std::string block_size = "1M";
-  int queue_depth = 8;
-  int intra_op_parallelism = 1;
+  AioFlags aio{.backend = "uring", .block_size = "1M", .queue_depth = 8,
+               .intra_op_parallelism = 1};
   bool single_submit = false;
   bool no_overlap_events = false;
-  std::string backend = "uring";
   std::string op = "both";
   // 2 GiB of buffers in flight at most (capped by --size), as a swapper's pool of large
   // sub-groups: on virtual disks the buffer memory DMA cycles through changes the speed (reads
@@ -410,11 +408,11 @@ int RunIo(const IoFlags& flags) {
   }
   Result<std::uint64_t> size = ParseBytes(flags.size);
   if (!size || *size == 0) return fail(fmt::format("bad --size '{}'", flags.size), 2);
-  Result<std::uint64_t> block = ParseBytes(flags.block_size);
-  if (!block || *block == 0) return fail(fmt::format("bad --block-size '{}'", flags.block_size), 2);
+  Result<std::uint64_t> block = ParseBytes(flags.aio.block_size);
+  if (!block || *block == 0) return fail(fmt::format("bad --block-size '{}'", flags.aio.block_size), 2);
   Result<std::uint64_t> chunk = ParseBytes(flags.chunk);
   if (!chunk || *chunk == 0) return fail(fmt::format("bad --chunk '{}'", flags.chunk), 2);
-  Result<IoBackendKind> kind = storage::ParseIoBackendKind(flags.backend);
+  Result<IoBackendKind> kind = storage::ParseIoBackendKind(flags.aio.backend);
   if (!kind) return fail(kind.error().message(), 2);
 
   Plan plan;
@@ -435,8 +433,8 @@ int RunIo(const IoFlags& flags) {
   } else {
     AioOptions options;
     options.block_size = *block;
-    options.queue_depth = flags.queue_depth;
-    options.intra_op_parallelism = flags.intra_op_parallelism;
+    options.queue_depth = flags.aio.queue_depth;
+    options.intra_op_parallelism = flags.aio.intra_op_parallelism;
     options.single_submit = flags.single_submit;
     options.overlap_events = !flags.no_overlap_events;
     // A read-only run needs the file's contents: write them first, untimed (unless --file names
@@ -466,20 +464,9 @@ const bool kRegistered = RegisterBenchCommand(
                      "file, read as it is (never written)");
       app.add_option("--size", flags->size, "bytes to write and read, e.g. 1G")
           ->capture_default_str();
-      app.add_option("--block-size", flags->block_size, "aio.block_size, e.g. 1M")
-          ->capture_default_str();
-      app.add_option("--queue-depth", flags->queue_depth, "aio.queue_depth")
-          ->capture_default_str()
-          ->check(CLI::Range(1, 4096));
-      app.add_option("--intra-op-parallelism", flags->intra_op_parallelism,
-                     "aio.intra_op_parallelism")
-          ->capture_default_str()
-          ->check(CLI::Range(1, 64));
+      AddAioFlags(app, flags->aio);
       app.add_flag("--single-submit", flags->single_submit, "aio.single_submit = true");
       app.add_flag("--no-overlap-events", flags->no_overlap_events, "aio.overlap_events = false");
-      app.add_option("--engine", flags->backend, "uring, posix or auto")
-          ->capture_default_str()
-          ->check(OneOf(storage::kIoBackendNames));
       app.add_option("--op", flags->op, "write, read or both (write, then read)")
           ->capture_default_str()
           ->check(CLI::IsMember({"read", "write", "both"}));

@@ -12,6 +12,7 @@
 #include "zinf/core/check.h"
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
+#include "zinf/storage/io_backend.h"
 
 namespace zinf::bench {
 namespace {
@@ -49,6 +50,22 @@ CLI::Validator SizeIn(std::uint64_t min, std::uint64_t max) {
         return {};
       },
       fmt::format("SIZE in [{}, {}]", min, max));
+}
+
+void AddAioFlags(CLI::App& app, AioFlags& flags) {
+  app.add_option("--engine", flags.backend, "uring, posix or auto")
+      ->capture_default_str()
+      ->check(OneOf(storage::kIoBackendNames));
+  app.add_option("--block-size", flags.block_size, "aio.block_size, e.g. 1M")
+      ->capture_default_str()
+      ->check(SizeIn(1, std::uint64_t{1} << 30));
+  app.add_option("--queue-depth", flags.queue_depth, "aio.queue_depth")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--intra-op-parallelism", flags.intra_op_parallelism,
+                 "aio.intra_op_parallelism")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
 }
 
 }  // namespace zinf::bench

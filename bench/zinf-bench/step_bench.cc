@@ -56,10 +56,8 @@ struct StepFlags {
   int steps = 3;
   int warmup = 1;
   int threads = 0;
-  std::string backend = "auto";
-  std::string block_size = "1M";
-  int queue_depth = 16;
-  int intra_op_parallelism = 1;
+  AioFlags aio{.backend = "auto", .block_size = "1M", .queue_depth = 16,
+               .intra_op_parallelism = 1};
   std::string stripe_unit = "1M";
   std::vector<std::string> state_formats = {"fp32"};
   // Host memory tier: fractions of the sub-groups kept resident (zinf.host_cache_bytes), each
@@ -172,7 +170,7 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
                                bool pipelined, StateFormat format, const std::string& tier) {
   ZINF_ASSIGN_OR_RETURN(std::uint64_t state_bytes, ParseBytes(flags.state_bytes));
   ZINF_ASSIGN_OR_RETURN(std::uint64_t sub_group_numel, ParseBytes(flags.sub_group_size));
-  ZINF_ASSIGN_OR_RETURN(storage::IoBackendKind kind, storage::ParseIoBackendKind(flags.backend));
+  ZINF_ASSIGN_OR_RETURN(storage::IoBackendKind kind, storage::ParseIoBackendKind(flags.aio.backend));
   ZINF_ASSIGN_OR_RETURN(partition::PartitionPlan plan, FlatStatePlan(state_bytes, 1));
   const std::uint64_t numel = plan.layout().total_numel();
   swapper::SwapperOptions options;
@@ -182,9 +180,9 @@ Result<nlohmann::json> RunMode(const comm::Communicator& world, const StepFlags&
                                      swapper::StateFormatName(format));
   options.state_format = format;
   ZINF_ASSIGN_OR_RETURN(options.store.stripe_unit_bytes, ParseBytes(flags.stripe_unit));
-  ZINF_ASSIGN_OR_RETURN(options.aio.block_size, ParseBytes(flags.block_size));
-  options.aio.queue_depth = flags.queue_depth;
-  options.aio.intra_op_parallelism = flags.intra_op_parallelism;
+  ZINF_ASSIGN_OR_RETURN(options.aio.block_size, ParseBytes(flags.aio.block_size));
+  options.aio.queue_depth = flags.aio.queue_depth;
+  options.aio.intra_op_parallelism = flags.aio.intra_op_parallelism;
   options.backend = kind;
   options.sub_group_size = sub_group_numel;
   options.pipeline_read = pipelined;
@@ -408,19 +406,7 @@ const bool kRegistered = RegisterBenchCommand(
       app.add_option("--threads", flags->threads, "CPU Adam threads (0: all cores)")
           ->capture_default_str()
           ->check(CLI::Range(0, 1024));
-      app.add_option("--engine", flags->backend, "uring, posix or auto")
-          ->capture_default_str()
-          ->check(OneOf(storage::kIoBackendNames));
-      app.add_option("--block-size", flags->block_size, "aio.block_size")
-          ->capture_default_str()
-          ->check(SizeIn(1, std::uint64_t{1} << 30));
-      app.add_option("--queue-depth", flags->queue_depth, "aio.queue_depth")
-          ->capture_default_str()
-          ->check(CLI::Range(1, 4096));
-      app.add_option("--intra-op-parallelism", flags->intra_op_parallelism,
-                     "aio.intra_op_parallelism")
-          ->capture_default_str()
-          ->check(CLI::Range(1, 64));
+      AddAioFlags(app, flags->aio);
       app.add_option("--stripe-unit", flags->stripe_unit, "swap store stripe unit")
           ->capture_default_str()
           ->check(SizeIn(1));
