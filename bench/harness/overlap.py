@@ -143,7 +143,7 @@ def run(args):
     out = common.fresh_dir(args.out, NAME)
     (out / "logs").mkdir()
     results = common.Results(out)
-    cmd = mpirun + [python, WORKER, "--swap", path, "--layers", args.layers,
+    cmd = mpirun + [python, WORKER, "--path", path, "--layers", args.layers,
                     "--width", args.width, "--batch", args.batch, "--steps", args.steps,
                     "--rounds", args.rounds, "--bucket", args.bucket,
                     "--sub-group", args.sub_group, "--threads", args.threads,

@@ -1,30 +1,33 @@
 """The ranks of `bench/run.py overlap` (bench/harness/overlap.py; its --help says what each mode
 and figure means), run by it under mpirun:
 
-  mpirun -np 2 python3 bench/harness/workers/overlap.py --swap DIR [--layers 32] [--width 1024]
-      [--batch 256] [--steps 5] [--rounds 2] [--bucket 4194304] [--sub-group 1048576]
-      [--threads 0] [--torch-threads 0] [--clip-every-step] [--breakdown]
-      [--modes plain,overlap,speculative[,stage2]]
+  mpirun -np 2 python3 bench/harness/workers/overlap.py --path DIR [the other flags of
+      bench/run.py overlap, which it parses with the harness's own add_arguments]
 
 A stack of --layers Linear(width, width) + Tanh layers trains --steps timed steps per mode and
-round after two warm-up steps, its optimizer state swapped to --swap (offload_optimizer nvme);
+round after two warm-up steps, its optimizer state swapped to --path (offload_optimizer nvme);
 every mode builds the same model (seed 0) and feeds it the same data (seed = rank), the modes'
 order rotated each round. Rank 0 prints one JSON line per mode and round (the medians over the
 timed steps, slowest rank), then the summary line (medians over the rounds and their ratios).
-The flags are checked by bench/run.py; here they are only parsed.
 """
 
 import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy
 import torch
 
 import zinf
 import zinf.torch
+
+# The flags are bench/run.py overlap's own (bench/harness/overlap.py), parsed and checked alike.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from harness import overlap as harness_overlap  # noqa: E402
 
 # name: (zero_optimization.stage, overlap_backward, zinf.speculative_step or None for unset)
 MODES = {
@@ -56,7 +59,7 @@ def run(args, mode, rank, world):
         # Stage 1: overlap_backward is its option (stages 2 and 3 always hand the gradients).
         "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket,
                               "sub_group_size": args.sub_group,
-                              "offload_optimizer": {"device": "nvme", "nvme_path": args.swap}},
+                              "offload_optimizer": {"device": "nvme", "nvme_path": args.path}},
         "zinf": zinf_keys,
     }
     opt = zinf.torch.ZeroOptimizer(model.named_parameters(), config=config, progress=args.breakdown,
@@ -111,38 +114,15 @@ def ratio(a, b):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--swap", required=True, help="nvme_path (created if missing)")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=256, help="samples per rank and step")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per mode and round")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--bucket", type=int, default=4 << 20,
-                        help="zero_optimization.reduce_bucket_size (elements)")
-    parser.add_argument("--sub-group", type=int, default=1 << 20,
-                        help="zero_optimization.sub_group_size (elements)")
-    parser.add_argument("--threads", type=int, default=0, help="zinf.adam_threads")
-    parser.add_argument("--torch-threads", type=int, default=0,
-                        help="torch.set_num_threads per rank; 0: the cores / ranks on the node")
-    parser.add_argument("--clip-every-step", action="store_true",
-                        help="gradient_clipping 1e-6: every step clips (the speculation is "
-                             "stepped again in step())")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="wall_clock_breakdown: the engine logs a step line and its "
-                             "timers at every step (not JSON)")
-    parser.add_argument("--modes", default="plain,overlap,speculative",
-                        help=f"comma-separated, of {','.join(MODES)}")
+    harness_overlap.add_arguments(parser)
     args = parser.parse_args()
-    modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes or len(set(modes)) != len(modes):
-        parser.error(f"--modes: {args.modes!r}: a list without repeats of {','.join(MODES)}")
+    modes = args.modes
     facts = zinf.init()
     rank, world = facts["rank"], facts["world_size"]
     # The ranks of a node share its cores: one torch pool each of cores / ranks threads.
     torch.set_num_threads(args.torch_threads or
                           max(1, (os.cpu_count() or 1) // facts["local_size"]))
-    os.makedirs(args.swap, exist_ok=True)
+    os.makedirs(args.path, exist_ok=True)
     parameters = args.layers * (args.width + 1) * args.width
     per_rank = -(-parameters // world)
     results = {mode: [] for mode in modes}
