@@ -74,7 +74,9 @@ per_rank_bytes=$(parse_size "$state_per_rank") || die "--state-per-rank '$state_
 ((per_rank_bytes >= 12)) || die "--state-per-rank: at least 12 bytes (one parameter)"
 [[ $steps =~ ^[1-9][0-9]*$ ]] || die "--steps '$steps': expected an integer >= 1"
 [[ -n $warmup ]] || warmup=$((steps >= 5 ? 2 : 1))
-[[ $warmup =~ ^[0-9]+$ ]] && ((steps > warmup)) || die "--warmup '$warmup' leaves no step of $steps"
+if [[ ! $warmup =~ ^[0-9]+$ ]] || ((steps <= warmup)); then
+  die "--warmup '$warmup' leaves no step of $steps"
+fi
 [[ $ranks_per_host =~ ^[1-9]$ ]] || die "--ranks-per-host '$ranks_per_host': 1..9"
 [[ $sub_group =~ ^[1-9][0-9]*$ ]] || die "--sub-group-size '$sub_group': elements >= 1"
 read -r -a hosts_arr <<< "$hosts_list"
