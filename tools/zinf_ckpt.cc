@@ -6,6 +6,10 @@
 //   zinf-ckpt export PATH --format deepspeed --out DIR [--world-size W] [--stage 1|2] [--tag T]
 //                                           DeepSpeed's ZeRO 1/2 checkpoint layout for W ranks
 //                                           (interop/deepspeed_export.h): DIR/latest, DIR/<tag>/
+//   zinf-ckpt export PATH --format deepspeed-universal --out DIR [--world-size W] [--stage 1|2]
+//                    [--tag T]              DeepSpeed's universal checkpoint layout (what its
+//                                           ds_to_universal makes of the above):
+//                                           DIR/latest_universal, DIR/<tag>/zero/<name>/*.pt
 //
 // Exit status: 0 on success; 1 when the checkpoint is bad (verify: the first problem is
 // printed) or cannot be read, or export's --out is refused (an existing file without --force;
@@ -192,11 +196,12 @@ int Export(const std::string& path, const std::string& out, const std::string& f
 // The DeepSpeed layout: the trainer state is checked as a resume checks it before anything is
 // written (engine::ReadTrainerState); every chunk is verified as it is streamed.
 int ExportDeepSpeed(const std::string& path, const std::string& out, int world_size, int stage,
-                    const std::string& tag) {
+                    const std::string& tag, bool universal) {
   zinf::interop::DeepSpeedExportOptions options;
   options.world_size = world_size;
   options.stage = stage;
   options.tag = tag;
+  options.universal = universal;
   options.progress = Progress("export");
   options.check_info = [](const CheckpointInfo& info) -> zinf::Status {
     ZINF_RETURN_IF_ERROR(zinf::engine::ReadTrainerState(info));
@@ -204,10 +209,16 @@ int ExportDeepSpeed(const std::string& path, const std::string& out, int world_s
   };
   zinf::Status s = zinf::interop::ExportDeepSpeed(path, out, options);
   if (!s) return Fail(s.error());
-  std::printf("wrote %s (deepspeed: ZeRO stage %d layout for %d rank(s))\n", Shown(out).c_str(),
-              stage, world_size);
+  if (universal) {
+    std::printf("wrote %s (deepspeed-universal: ZeRO stage %d, recorded for %d rank(s))\n",
+                Shown(out).c_str(), stage, world_size);
+  } else {
+    std::printf("wrote %s (deepspeed: ZeRO stage %d layout for %d rank(s))\n", Shown(out).c_str(),
+                stage, world_size);
+  }
   return 0;
 }
+
 
 }  // namespace
 
@@ -233,27 +244,34 @@ int main(int argc, char** argv) {
       "output that is the checkpoint, its `latest` or a step-<N>.h5 name of its directory is "
       "refused. --format deepspeed writes DeepSpeed's ZeRO stage 1/2 checkpoint directory "
       "instead (--out DIR/latest and DIR/<tag>/*.pt for --world-size ranks; fp32 moments, a q8 "
-      "checkpoint's decoded), which DeepSpeed's zero_to_fp32 and ds_to_universal read");
+      "checkpoint's decoded), which DeepSpeed's zero_to_fp32 and ds_to_universal read; "
+      "--format deepspeed-universal writes DeepSpeed's universal checkpoint (--out "
+      "DIR/latest_universal and DIR/<tag>/zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt), "
+      "what ds_to_universal makes of the former. Both keep the trainer state's user keys as "
+      "top-level keys of <tag>/mp_rank_00_model_states.pt (DeepSpeed's client_state)");
   exp->add_option("PATH", path, "a step-<N>.h5 file or a checkpoint directory")->required();
   exp->add_option("--out", out,
                   "output file: a new name, or with --force an existing regular file (replaced "
                   "whole); a symbolic link, directory, device (/dev/null too), FIFO or socket "
-                  "is refused before anything is written (exit 1). --format deepspeed: a new or "
-                  "empty directory, filled through a temporary directory beside it renamed when "
-                  "complete (nothing is left on failure)")
+                  "is refused before anything is written (exit 1). --format "
+                  "deepspeed[-universal]: a new or empty directory, filled through a temporary "
+                  "directory beside it renamed when complete (nothing is left on failure)")
       ->required();
   exp->add_flag("--force", force, "replace an existing regular file at --out");
-  exp->add_option("--format", format, "h5, safetensors or deepspeed")
-      ->check(CLI::IsMember({"h5", "safetensors", "deepspeed"}));
+  exp->add_option("--format", format, "h5, safetensors, deepspeed or deepspeed-universal")
+      ->check(CLI::IsMember({"h5", "safetensors", "deepspeed", "deepspeed-universal"}));
   CLI::Option* world_opt =
       exp->add_option("--world-size", world_size,
-                      "deepspeed: data-parallel ranks of the layout, 1..4096 (default 1)")
+                      "deepspeed: data-parallel ranks of the layout, 1..4096 (default 1); "
+                      "deepspeed-universal: recorded only (partition_count, dp_world_size)")
           ->check(CLI::Range(1, zinf::interop::kMaxDeepSpeedExportWorldSize));
   CLI::Option* stage_opt =
-      exp->add_option("--stage", stage, "deepspeed: ZeRO stage recorded, 1 or 2 (default 2)")
+      exp->add_option("--stage", stage,
+                      "deepspeed[-universal]: ZeRO stage recorded, 1 or 2 (default 2)")
           ->check(CLI::IsMember({1, 2}));
   CLI::Option* tag_opt = exp->add_option(
-      "--tag", tag, "deepspeed: the checkpoint folder under --out (default global_step<step>)");
+      "--tag", tag,
+      "deepspeed[-universal]: the checkpoint folder under --out (default global_step<step>)");
   exp->add_flag("--moments", moments,
                 "also Adam's moments as fp32 tensors exp_avg/<name> and exp_avg_sq/<name> (a q8 "
                 "checkpoint's decoded)");
@@ -263,25 +281,29 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   if (*exp) {
-    const bool deepspeed = format == "deepspeed";
+    const bool deepspeed = format == "deepspeed" || format == "deepspeed-universal";
     auto usage = [](const char* message) {
       std::fprintf(stderr, "zinf-ckpt export: %s\n", message);
       return 2;
     };
     if (deepspeed && (moments || force)) {
       return usage(
-          "--moments and --force do not apply to --format deepspeed (it always writes "
-          "the moments, into a new or empty --out directory)");
+          "--moments and --force do not apply to --format deepspeed[-universal] (it always "
+          "writes the moments, into a new or empty --out directory)");
     }
     if (!deepspeed && (world_opt->count() + stage_opt->count() + tag_opt->count()) > 0) {
-      return usage("--world-size, --stage and --tag apply only to --format deepspeed");
+      return usage(
+          "--world-size, --stage and --tag apply only to --format deepspeed and "
+          "deepspeed-universal");
     }
   }
   // Every failure is an Error; should an exception escape anyway, it is a message, not a crash.
   try {
     if (*ls) return List(path);
     if (*verify) return Verify(path);
-    if (format == "deepspeed") return ExportDeepSpeed(path, out, world_size, stage, tag);
+    if (format == "deepspeed" || format == "deepspeed-universal") {
+      return ExportDeepSpeed(path, out, world_size, stage, tag, format == "deepspeed-universal");
+    }
     return Export(path, out, format, moments, force);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zinf-ckpt: internal error: %s\n", Shown(e.what()).c_str());

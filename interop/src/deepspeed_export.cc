@@ -59,8 +59,21 @@ DictBuilder Dict(bool ordered = false) {
   return b;
 }
 
-// The stored config (a JSON object) as Python values; depth is bounded by ParseJson's.
-PyValue FromJson(const nlohmann::json& j) {
+// `j` as plain pickle values: null -> None, bool, int, float, str, list, dict (the header's
+// mapping of the user state). An integer outside int64 is refused when `exact_integers` (the
+// user's state: a float would silently change a seed or a position), else written as the nearest
+// float (the stored config). `path` names the value for errors ("the trainer state's
+// user.data.files[2]"); `depth` counts the lists and dicts around it.
+Result<PyValue> ToPy(const nlohmann::json& j, bool exact_integers, int depth,
+                     const std::string& path) {
+  auto refuse = [&](std::string_view why) {
+    return InvalidArgumentError(
+        fmt::format("deepspeed export: {} {}", EscapeForTerminal(path), why));
+  };
+  const bool container = j.is_array() || j.is_object();
+  if (container && depth >= kMaxDeepSpeedUserDepth) {
+    return refuse(fmt::format("is nested deeper than {} lists and dicts", kMaxDeepSpeedUserDepth));
+  }
   switch (j.type()) {
     case nlohmann::json::value_t::null:
       return PyValue(PyNone{});
@@ -73,7 +86,9 @@ PyValue FromJson(const nlohmann::json& j) {
       if (u <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
         return Int(static_cast<std::int64_t>(u));
       }
-      return Float(static_cast<double>(u));
+      if (!exact_integers) return Float(static_cast<double>(u));
+      return refuse(fmt::format(
+          "is {}, outside int64 (a float would change its value; store it as a string)", u));
     }
     case nlohmann::json::value_t::number_float:
       return Float(j.get<double>());
@@ -81,17 +96,52 @@ PyValue FromJson(const nlohmann::json& j) {
       return Str(j.get<std::string>());
     case nlohmann::json::value_t::array: {
       PyList list;
-      for (const auto& item : j) list.items.push_back(FromJson(item));
+      for (std::size_t i = 0; i < j.size(); ++i) {
+        ZINF_ASSIGN_OR_RETURN(
+            PyValue v, ToPy(j[i], exact_integers, depth + 1, fmt::format("{}[{}]", path, i)));
+        list.items.push_back(std::move(v));
+      }
       return PyValue(std::move(list));
     }
     case nlohmann::json::value_t::object: {
       DictBuilder d = Dict();
-      for (const auto& [k, v] : j.items()) d.Add(k, FromJson(v));
+      for (const auto& [k, v] : j.items()) {
+        ZINF_ASSIGN_OR_RETURN(PyValue value,
+                              ToPy(v, exact_integers, depth + 1, fmt::format("{}.{}", path, k)));
+        d.Add(k, std::move(value));
+      }
       return d.Done();
     }
     default:
-      return PyValue(PyNone{});
+      return refuse("is not a JSON value");
   }
+}
+
+// The model file's client state: the keys of the trainer state's "user" object.
+Result<std::vector<std::pair<std::string, PyValue>>> UserEntries(const CheckpointInfo& info) {
+  std::vector<std::pair<std::string, PyValue>> entries;
+  const nlohmann::json& trainer = info.trainer;
+  if (!trainer.is_object() || !trainer.contains("user") || trainer.at("user").is_null()) {
+    return entries;
+  }
+  const nlohmann::json& user = trainer.at("user");
+  if (!user.is_object()) {
+    return DataLossError(fmt::format("{}: trainer state 'user' is {}, not a JSON object or null",
+                                     info.path, DumpJsonForDisplay(user).substr(0, 80)));
+  }
+  for (const auto& [key, value] : user.items()) {
+    if (std::find(kDeepSpeedModelKeys.begin(), kDeepSpeedModelKeys.end(), key) !=
+        kDeepSpeedModelKeys.end()) {
+      return InvalidArgumentError(fmt::format(
+          "deepspeed export: the trainer state's user key '{}' is one DeepSpeed keeps for itself "
+          "in mp_rank_00_model_states.pt, where the user's keys go (client_state); rename it",
+          EscapeForTerminal(key)));
+    }
+    ZINF_ASSIGN_OR_RETURN(
+        PyValue v, ToPy(value, /*exact_integers=*/true, 0, "the trainer state's user." + key));
+    entries.emplace_back(key, std::move(v));
+  }
+  return entries;
 }
 
 // A number of a JSON object, `fallback` when absent; DataLoss when present but not a number.
@@ -169,6 +219,7 @@ struct Plan {
   bool dynamic_loss_scale = false;
   PyValue loss_scaler;
   PyValue ds_config;
+  std::vector<std::pair<std::string, PyValue>> user;  // the model file's client state
 };
 
 Result<Plan> MakePlan(const CheckpointInfo& info, int world_size) {
@@ -272,7 +323,9 @@ Result<Plan> MakePlan(const CheckpointInfo& info, int world_size) {
   ZINF_ASSIGN_OR_RETURN(const double static_scale, Number(fp16, "loss_scale", 0.0, fwhere));
   ZINF_ASSIGN_OR_RETURN(plan.clip_grad, Number(config, "gradient_clipping", 0.0,
                                                fmt::format("{}: config", info.path)));
-  plan.ds_config = FromJson(config.is_object() ? config : nlohmann::json::object());
+  ZINF_ASSIGN_OR_RETURN(plan.ds_config, ToPy(config.is_object() ? config : nlohmann::json::object(),
+                                             /*exact_integers=*/false, 0, "the stored config"));
+  ZINF_ASSIGN_OR_RETURN(plan.user, UserEntries(info));
   const bool fp16_on = Boolean(fp16, "enabled", false);
   if (fp16_on && static_scale == 0.0) {
     ZINF_ASSIGN_OR_RETURN(const std::int64_t power,
@@ -411,6 +464,257 @@ Status CheckOutDir(const std::string& out_dir, const storage::DirAndName& parts)
   return OkStatus();
 }
 
+// A parameter name as a directory of the universal layout (zero/<name>/): one path component,
+// not optimizer_state.pt (the file beside the directories), printable.
+Status CheckUniversalName(std::string_view name) {
+  const bool ok = !name.empty() && name.size() <= 255 && name != "." && name != ".." &&
+                  name != "optimizer_state.pt" && std::all_of(name.begin(), name.end(), [](char c) {
+                    const auto u = static_cast<unsigned char>(c);
+                    return c != '/' && u >= 0x20 && u != 0x7f;
+                  });
+  if (!ok) {
+    return InvalidArgumentError(fmt::format(
+        "deepspeed-universal export: parameter name '{}' cannot be a directory name of the "
+        "universal layout (zero/<name>/): it must be one path component of 1 to 255 bytes, not "
+        "'.', '..' or 'optimizer_state.pt', without '/' or control characters",
+        EscapeForTerminal(name.substr(0, 300))));
+  }
+  return OkStatus();
+}
+
+// What the files' writers share: the checkpoint, the plan, the temporary tag directory and the
+// progress count.
+struct Output {
+  CheckpointStateReader& reader;
+  const partition::ParamLayout& layout;
+  const Plan& plan;
+  const DeepSpeedExportOptions& options;
+  std::string tag_dir;
+  std::uint64_t total_bytes = 0;
+  std::uint64_t done_bytes = 0;
+
+  void Count(std::uint64_t numel) {
+    done_bytes += numel * sizeof(float);
+    if (options.progress) options.progress(done_bytes, total_bytes);
+  }
+  // Parameter `p`'s elements of `state` as a tensor of its shape, streamed into `w`.
+  Result<PyTensor> StreamParam(TorchWriter& w, StateTensor state, const partition::ParamInfo& p) {
+    return w.AddFloat32Streaming(
+        p.shape, [&](std::uint64_t offset, std::span<float> out) -> Status {
+          ZINF_RETURN_IF_ERROR(reader.Read(state, p.flat_offset + offset, out));
+          Count(out.size());
+          return OkStatus();
+        });
+  }
+};
+
+// base_optimizer_state's param_groups: group g's hyper-parameters, holding index g.
+PyValue ParamGroups(const Plan& plan) {
+  PyList groups;
+  for (std::size_t gi = 0; gi < plan.groups.size(); ++gi) {
+    const Hyper& h = plan.groups[gi].hyper;
+    groups.items.push_back(
+        Dict()
+            .Add("lr", Float(h.lr))
+            .Add("betas", PyValue(PyTuple{.items = {Float(h.beta1), Float(h.beta2)}}))
+            .Add("eps", Float(h.eps))
+            .Add("weight_decay", Float(h.weight_decay))
+            .Add("bias_correction", Bool(true))
+            .Add("adam_w_mode", Bool(plan.adam_w_mode))
+            .Add("params", PyValue(PyList{.items = {Int(static_cast<std::int64_t>(gi))}}))
+            .Done());
+  }
+  return PyValue(std::move(groups));
+}
+
+// The W optimizer files of the ZeRO 1/2 layout.
+Status WriteZeroFiles(Output& o) {
+  const Plan& plan = o.plan;
+  const int world = o.options.world_size;
+  const PyValue version = Str(std::string(kDeepSpeedExportVersion));
+  for (int r = 0; r < world; ++r) {
+    const std::string name = fmt::format("zero_pp_rank_{}_mp_rank_00_optim_states.pt", r);
+    ZINF_ASSIGN_OR_RETURN(
+        TorchWriter w,
+        TorchWriter::Create(o.tag_dir + "/" + name, storage::Overwrite::kNo, FileStem(name)));
+    PyList fp32_groups, paddings, partition_count, mappings;
+    PyDict opt_state;
+    for (std::size_t gi = 0; gi < plan.groups.size(); ++gi) {
+      const Group& g = plan.groups[gi];
+      const std::uint64_t lo = static_cast<std::uint64_t>(r) * g.partition;
+      const std::uint64_t hi = lo + g.partition;
+      const std::uint64_t kept = g.numel > lo ? std::min(g.numel, hi) - lo : 0;
+      auto stream = [&](StateTensor state, std::uint64_t numel) -> Result<PyTensor> {
+        return w.AddFloat32Streaming(
+            {static_cast<std::int64_t>(numel)},
+            [&](std::uint64_t offset, std::span<float> out) -> Status {
+              ZINF_RETURN_IF_ERROR(ReadGroup(o.reader, o.layout, g, state, lo + offset, out));
+              o.Count(out.size());
+              return OkStatus();
+            });
+      };
+      ZINF_ASSIGN_OR_RETURN(PyTensor fp32, stream(StateTensor::kFp32, kept));
+      ZINF_ASSIGN_OR_RETURN(PyTensor exp_avg, stream(StateTensor::kExpAvg, g.partition));
+      ZINF_ASSIGN_OR_RETURN(PyTensor exp_avg_sq, stream(StateTensor::kExpAvgSq, g.partition));
+      fp32_groups.items.push_back(PyValue(std::move(fp32)));
+      paddings.items.push_back(Int(static_cast<std::int64_t>(g.partition - kept)));
+      partition_count.items.push_back(Int(world));
+      DictBuilder mapping = Dict(/*ordered=*/true);
+      for (std::size_t j = 0; j < g.params.size(); ++j) {
+        const partition::ParamInfo& p = o.layout.params()[g.params[j]];
+        const std::uint64_t begin = std::max(g.starts[j], lo);
+        const std::uint64_t end = std::min(g.starts[j] + p.numel, std::min(hi, g.numel));
+        if (begin >= end) continue;
+        mapping.Add(p.name,
+                    PyObject{.module = "deepspeed.utils.tensor_fragment",
+                             .name = "fragment_address",
+                             .state = std::make_shared<PyValue>(
+                                 Dict()
+                                     .Add("numel", Int(static_cast<std::int64_t>(end - begin)))
+                                     .Add("start", Int(static_cast<std::int64_t>(begin - lo)))
+                                     .Done())});
+      }
+      mappings.items.push_back(mapping.Done());
+      opt_state.items.emplace_back(Int(static_cast<std::int64_t>(gi)),
+                                   Dict()
+                                       .Add("step", Int(plan.step - plan.skipped_steps))
+                                       .Add("exp_avg", PyValue(std::move(exp_avg)))
+                                       .Add("exp_avg_sq", PyValue(std::move(exp_avg_sq)))
+                                       .Done());
+    }
+    PyValue sd = Dict()
+                     .Add("loss_scaler", plan.loss_scaler)
+                     .Add("dynamic_loss_scale", Bool(plan.dynamic_loss_scale))
+                     .Add("overflow", Bool(false))
+                     .Add("clip_grad", Float(plan.clip_grad))
+                     .Add("base_optimizer_state", Dict()
+                                                      .Add("state", PyValue(std::move(opt_state)))
+                                                      .Add("param_groups", ParamGroups(plan))
+                                                      .Done())
+                     .Add("single_partition_of_fp32_groups", PyValue(std::move(fp32_groups)))
+                     .Add("zero_stage", Int(o.options.stage))
+                     .Add("group_paddings", PyValue(std::move(paddings)))
+                     .Add("partition_count", PyValue(std::move(partition_count)))
+                     .Add("ds_version", version)
+                     .Add("param_slice_mappings", PyValue(std::move(mappings)))
+                     .Done();
+    ZINF_RETURN_IF_ERROR(w.Finish(Dict()
+                                      .Add("optimizer_state_dict", std::move(sd))
+                                      .Add("ds_config", plan.ds_config)
+                                      .Add("ds_version", version)
+                                      .Done()));
+  }
+  return OkStatus();
+}
+
+// The universal layout's zero/ directory: what ds_to_universal writes from the ZeRO 1/2 files
+// (its _save_optimizer_state: rank 0's state dict less the sharded keys, after its ZeRO
+// checkpoint reader cleared the paddings and set partition_count to [W] * G; its merge: each
+// parameter's states whole, in its shape, cat_dim 0, and the step).
+Status WriteUniversalFiles(Output& o) {
+  const Plan& plan = o.plan;
+  const std::string zero_dir = o.tag_dir + "/zero";
+  if (::mkdir(zero_dir.c_str(), 0755) != 0) {
+    return ErrnoError(errno, fmt::format("deepspeed export: mkdir {}", zero_dir));
+  }
+  {
+    PyList paddings, partition_count;
+    for (std::size_t gi = 0; gi < plan.groups.size(); ++gi) {
+      paddings.items.push_back(Int(0));
+      partition_count.items.push_back(Int(o.options.world_size));
+    }
+    ZINF_ASSIGN_OR_RETURN(TorchWriter w,
+                          TorchWriter::Create(zero_dir + "/optimizer_state.pt",
+                                              storage::Overwrite::kNo, "optimizer_state"));
+    ZINF_RETURN_IF_ERROR(w.Finish(Dict()
+                                      .Add("loss_scaler", plan.loss_scaler)
+                                      .Add("dynamic_loss_scale", Bool(plan.dynamic_loss_scale))
+                                      .Add("overflow", Bool(false))
+                                      .Add("clip_grad", Float(plan.clip_grad))
+                                      .Add("zero_stage", Int(o.options.stage))
+                                      .Add("group_paddings", PyValue(std::move(paddings)))
+                                      .Add("partition_count", PyValue(std::move(partition_count)))
+                                      .Add("ds_version", Str(std::string(kDeepSpeedExportVersion)))
+                                      .Add("param_groups", ParamGroups(plan))
+                                      .Done()));
+  }
+  constexpr std::pair<StateTensor, std::string_view> kStates[] = {
+      {StateTensor::kFp32, "fp32"},
+      {StateTensor::kExpAvg, "exp_avg"},
+      {StateTensor::kExpAvgSq, "exp_avg_sq"}};
+  const PyValue step = Int(plan.step - plan.skipped_steps);
+  for (const partition::ParamInfo& p : o.layout.params()) {
+    const std::string dir = zero_dir + "/" + p.name;
+    if (::mkdir(dir.c_str(), 0755) != 0) {
+      return ErrnoError(errno, fmt::format("deepspeed export: mkdir {}", EscapeForTerminal(dir)));
+    }
+    for (const auto& [state, stem] : kStates) {
+      ZINF_ASSIGN_OR_RETURN(TorchWriter w,
+                            TorchWriter::Create(fmt::format("{}/{}.pt", dir, stem),
+                                                storage::Overwrite::kNo, std::string(stem)));
+      ZINF_ASSIGN_OR_RETURN(PyTensor t, o.StreamParam(w, state, p));
+      ZINF_RETURN_IF_ERROR(
+          w.Finish(Dict().Add("cat_dim", Int(0)).Add("param", PyValue(std::move(t))).Done()));
+    }
+    ZINF_ASSIGN_OR_RETURN(TorchWriter w,
+                          TorchWriter::Create(dir + "/step.pt", storage::Overwrite::kNo, "step"));
+    ZINF_RETURN_IF_ERROR(w.Finish(step));
+  }
+  return storage::SyncDirectory(zero_dir);
+}
+
+// mp_rank_00_model_states.pt: the fp32 weights per parameter, the shapes per group, the
+// counters, then the user's keys (client state).
+Status WriteModelFile(Output& o) {
+  const Plan& plan = o.plan;
+  const std::string name = "mp_rank_00_model_states.pt";
+  ZINF_ASSIGN_OR_RETURN(
+      TorchWriter w,
+      TorchWriter::Create(o.tag_dir + "/" + name, storage::Overwrite::kNo, FileStem(name)));
+  DictBuilder module = Dict(/*ordered=*/true);
+  for (const partition::ParamInfo& p : o.layout.params()) {
+    ZINF_ASSIGN_OR_RETURN(PyTensor t, o.StreamParam(w, StateTensor::kFp32, p));
+    module.Add(p.name, PyValue(std::move(t)));
+  }
+  PyList shapes;
+  for (const Group& g : plan.groups) {
+    DictBuilder d = Dict(/*ordered=*/true);
+    for (std::size_t i : g.params) {
+      const partition::ParamInfo& p = o.layout.params()[i];
+      PyTuple size{.items = {}, .torch_size = true};
+      for (std::int64_t s : p.shape) size.items.push_back(Int(s));
+      d.Add(p.name, PyValue(std::move(size)));
+    }
+    shapes.items.push_back(d.Done());
+  }
+  const std::int64_t applied = plan.step - plan.skipped_steps;
+  DictBuilder root =
+      Dict()
+          .Add("module", module.Done())
+          .Add("buffer_names", PyValue(PyList{}))
+          .Add("optimizer", PyValue(PyNone{}))
+          .Add("param_shapes", PyValue(std::move(shapes)))
+          .Add("frozen_param_shapes", PyValue(PyNone{}))
+          .Add("frozen_param_fragments", PyValue(PyNone{}))
+          .Add("shared_params", Dict().Done())
+          .Add("lr_scheduler", Dict().Add("last_batch_iteration", Int(applied - 1)).Done())
+          .Add("data_sampler", PyValue(PyNone{}))
+          .Add("random_ltd", PyValue(PyNone{}))
+          .Add("skipped_steps", Int(plan.skipped_steps))
+          .Add("global_steps", Int(plan.step))
+          .Add("global_samples", Int(plan.global_samples))
+          .Add("dp_world_size", Int(o.options.world_size))
+          .Add("mp_world_size", Int(1))
+          .Add("checkpoint_parallel_dimensions",
+               Dict().Add("pp_degree", Int(1)).Add("tp_degree", Int(1)).Done())
+          .Add("ds_config", plan.ds_config)
+          .Add("ds_version", Str(std::string(kDeepSpeedExportVersion)))
+          .Add("universal_checkpoint_info",
+               Dict().Add("universal_checkpoint_version", Float(0.4)).Done());
+  for (const auto& [key, value] : plan.user) root.Add(key, value);
+  return w.Finish(root.Done());
+}
+
 }  // namespace
 
 Status ExportDeepSpeed(const std::string& checkpoint_path, const std::string& out_dir,
@@ -434,17 +738,31 @@ Status ExportDeepSpeed(const std::string& checkpoint_path, const std::string& ou
       options.tag.empty() ? fmt::format("global_step{}", info.step) : options.tag;
   ZINF_RETURN_IF_ERROR(CheckTag(tag));
   const int world = options.world_size;
-  ZINF_ASSIGN_OR_RETURN(Plan plan, MakePlan(info, world));
+  ZINF_ASSIGN_OR_RETURN(const Plan plan, MakePlan(info, world));
   const partition::ParamLayout& layout = *info.layout;
-
-  // Bytes: the model file's weights, the W fp32 partitions (the weights again) and the padded
-  // moments; the pickles are small beside them (a mapping per parameter and rank).
-  std::uint64_t state_bytes = 2 * info.total_numel * sizeof(float);
-  for (const Group& g : plan.groups) {
-    state_bytes += 2 * g.partition * static_cast<std::uint64_t>(world) * sizeof(float);
+  if (options.universal) {
+    for (const partition::ParamInfo& p : layout.params()) {
+      ZINF_RETURN_IF_ERROR(CheckUniversalName(p.name));
+    }
   }
-  const std::uint64_t estimate = state_bytes + static_cast<std::uint64_t>(world + 1) * (64u << 10) +
-                                 layout.num_params() * static_cast<std::uint64_t>(world) * 256;
+
+  // Bytes: the model file's weights and, ZeRO 1/2: the W fp32 partitions (the weights again)
+  // and the padded moments; universal: the three states once. The pickles are small beside them
+  // (a mapping per parameter and rank; universal: four small files per parameter).
+  std::uint64_t state_bytes = info.total_numel * sizeof(float);
+  std::uint64_t overhead_bytes = 64u << 10;
+  if (options.universal) {
+    state_bytes += 3 * info.total_numel * sizeof(float);
+    overhead_bytes += layout.num_params() * std::uint64_t{40 << 10};
+  } else {
+    state_bytes += info.total_numel * sizeof(float);
+    for (const Group& g : plan.groups) {
+      state_bytes += 2 * g.partition * static_cast<std::uint64_t>(world) * sizeof(float);
+    }
+    overhead_bytes += static_cast<std::uint64_t>(world) * (64u << 10) +
+                      layout.num_params() * static_cast<std::uint64_t>(world) * 256;
+  }
+  const std::uint64_t estimate = state_bytes + overhead_bytes;
   ZINF_ASSIGN_OR_RETURN(const std::uint64_t available, storage::AvailableBytes(parts.dir));
   if (available < estimate) {
     return ResourceExhaustedError(fmt::format("deepspeed export needs about {} in {}, which has {}",
@@ -465,161 +783,23 @@ Status ExportDeepSpeed(const std::string& checkpoint_path, const std::string& ou
   if (::chmod(temp.path.c_str(), 0755) != 0) {
     return ErrnoError(errno, fmt::format("deepspeed export: chmod {}", temp.path));
   }
-  const std::string tag_dir = temp.path + "/" + tag;
-  if (::mkdir(tag_dir.c_str(), 0755) != 0) {
-    return ErrnoError(errno, fmt::format("deepspeed export: mkdir {}", tag_dir));
+  Output output{.reader = reader,
+                .layout = layout,
+                .plan = plan,
+                .options = options,
+                .tag_dir = temp.path + "/" + tag,
+                .total_bytes = state_bytes};
+  if (::mkdir(output.tag_dir.c_str(), 0755) != 0) {
+    return ErrnoError(errno, fmt::format("deepspeed export: mkdir {}", output.tag_dir));
   }
-
-  std::uint64_t done = 0;
-  auto count = [&](std::uint64_t numel) {
-    done += numel * sizeof(float);
-    if (options.progress) options.progress(done, state_bytes);
-  };
-  const PyValue version = Str(std::string(kDeepSpeedExportVersion));
-  const auto num_groups = static_cast<std::int64_t>(plan.groups.size());
-
-  // The optimizer files, one per rank.
-  for (int r = 0; r < world; ++r) {
-    const std::string name = fmt::format("zero_pp_rank_{}_mp_rank_00_optim_states.pt", r);
-    ZINF_ASSIGN_OR_RETURN(
-        TorchWriter w,
-        TorchWriter::Create(tag_dir + "/" + name, storage::Overwrite::kNo, FileStem(name)));
-    PyList fp32_groups, paddings, partition_count, mappings, opt_groups;
-    PyDict opt_state;
-    for (std::int64_t gi = 0; gi < num_groups; ++gi) {
-      const Group& g = plan.groups[static_cast<std::size_t>(gi)];
-      const std::uint64_t lo = static_cast<std::uint64_t>(r) * g.partition;
-      const std::uint64_t hi = lo + g.partition;
-      const std::uint64_t kept = g.numel > lo ? std::min(g.numel, hi) - lo : 0;
-      auto stream = [&](StateTensor state, std::uint64_t numel) -> Result<PyTensor> {
-        return w.AddFloat32Streaming(
-            {static_cast<std::int64_t>(numel)},
-            [&](std::uint64_t offset, std::span<float> out) -> Status {
-              ZINF_RETURN_IF_ERROR(ReadGroup(reader, layout, g, state, lo + offset, out));
-              count(out.size());
-              return OkStatus();
-            });
-      };
-      ZINF_ASSIGN_OR_RETURN(PyTensor fp32, stream(StateTensor::kFp32, kept));
-      ZINF_ASSIGN_OR_RETURN(PyTensor exp_avg, stream(StateTensor::kExpAvg, g.partition));
-      ZINF_ASSIGN_OR_RETURN(PyTensor exp_avg_sq, stream(StateTensor::kExpAvgSq, g.partition));
-      fp32_groups.items.push_back(PyValue(std::move(fp32)));
-      paddings.items.push_back(Int(static_cast<std::int64_t>(g.partition - kept)));
-      partition_count.items.push_back(Int(world));
-      DictBuilder mapping = Dict(/*ordered=*/true);
-      for (std::size_t j = 0; j < g.params.size(); ++j) {
-        const partition::ParamInfo& p = layout.params()[g.params[j]];
-        const std::uint64_t begin = std::max(g.starts[j], lo);
-        const std::uint64_t end = std::min(g.starts[j] + p.numel, std::min(hi, g.numel));
-        if (begin >= end) continue;
-        mapping.Add(p.name,
-                    PyObject{.module = "deepspeed.utils.tensor_fragment",
-                             .name = "fragment_address",
-                             .state = std::make_shared<PyValue>(
-                                 Dict()
-                                     .Add("numel", Int(static_cast<std::int64_t>(end - begin)))
-                                     .Add("start", Int(static_cast<std::int64_t>(begin - lo)))
-                                     .Done())});
-      }
-      mappings.items.push_back(mapping.Done());
-      opt_state.items.emplace_back(Int(gi), Dict()
-                                                .Add("step", Int(plan.step - plan.skipped_steps))
-                                                .Add("exp_avg", PyValue(std::move(exp_avg)))
-                                                .Add("exp_avg_sq", PyValue(std::move(exp_avg_sq)))
-                                                .Done());
-      opt_groups.items.push_back(
-          Dict()
-              .Add("lr", Float(g.hyper.lr))
-              .Add("betas", PyValue(PyTuple{.items = {Float(g.hyper.beta1), Float(g.hyper.beta2)}}))
-              .Add("eps", Float(g.hyper.eps))
-              .Add("weight_decay", Float(g.hyper.weight_decay))
-              .Add("bias_correction", Bool(true))
-              .Add("adam_w_mode", Bool(plan.adam_w_mode))
-              .Add("params", PyValue(PyList{.items = {Int(gi)}}))
-              .Done());
-    }
-    PyValue sd =
-        Dict()
-            .Add("loss_scaler", plan.loss_scaler)
-            .Add("dynamic_loss_scale", Bool(plan.dynamic_loss_scale))
-            .Add("overflow", Bool(false))
-            .Add("clip_grad", Float(plan.clip_grad))
-            .Add("base_optimizer_state", Dict()
-                                             .Add("state", PyValue(std::move(opt_state)))
-                                             .Add("param_groups", PyValue(std::move(opt_groups)))
-                                             .Done())
-            .Add("single_partition_of_fp32_groups", PyValue(std::move(fp32_groups)))
-            .Add("zero_stage", Int(options.stage))
-            .Add("group_paddings", PyValue(std::move(paddings)))
-            .Add("partition_count", PyValue(std::move(partition_count)))
-            .Add("ds_version", version)
-            .Add("param_slice_mappings", PyValue(std::move(mappings)))
-            .Done();
-    ZINF_RETURN_IF_ERROR(w.Finish(Dict()
-                                      .Add("optimizer_state_dict", std::move(sd))
-                                      .Add("ds_config", plan.ds_config)
-                                      .Add("ds_version", version)
-                                      .Done()));
-  }
-
-  // The model file: the fp32 weights per parameter, the shapes per group, the counters.
-  {
-    const std::string name = "mp_rank_00_model_states.pt";
-    ZINF_ASSIGN_OR_RETURN(
-        TorchWriter w,
-        TorchWriter::Create(tag_dir + "/" + name, storage::Overwrite::kNo, FileStem(name)));
-    DictBuilder module = Dict(/*ordered=*/true);
-    for (const partition::ParamInfo& p : layout.params()) {
-      ZINF_ASSIGN_OR_RETURN(
-          PyTensor t,
-          w.AddFloat32Streaming(p.shape, [&](std::uint64_t offset, std::span<float> out) -> Status {
-            ZINF_RETURN_IF_ERROR(reader.Read(StateTensor::kFp32, p.flat_offset + offset, out));
-            count(out.size());
-            return OkStatus();
-          }));
-      module.Add(p.name, PyValue(std::move(t)));
-    }
-    PyList shapes;
-    for (const Group& g : plan.groups) {
-      DictBuilder d = Dict(/*ordered=*/true);
-      for (std::size_t i : g.params) {
-        const partition::ParamInfo& p = layout.params()[i];
-        PyTuple size{.items = {}, .torch_size = true};
-        for (std::int64_t s : p.shape) size.items.push_back(Int(s));
-        d.Add(p.name, PyValue(std::move(size)));
-      }
-      shapes.items.push_back(d.Done());
-    }
-    const std::int64_t applied = plan.step - plan.skipped_steps;
-    ZINF_RETURN_IF_ERROR(w.Finish(
-        Dict()
-            .Add("module", module.Done())
-            .Add("buffer_names", PyValue(PyList{}))
-            .Add("optimizer", PyValue(PyNone{}))
-            .Add("param_shapes", PyValue(std::move(shapes)))
-            .Add("frozen_param_shapes", PyValue(PyNone{}))
-            .Add("frozen_param_fragments", PyValue(PyNone{}))
-            .Add("shared_params", Dict().Done())
-            .Add("lr_scheduler", Dict().Add("last_batch_iteration", Int(applied - 1)).Done())
-            .Add("data_sampler", PyValue(PyNone{}))
-            .Add("random_ltd", PyValue(PyNone{}))
-            .Add("skipped_steps", Int(plan.skipped_steps))
-            .Add("global_steps", Int(plan.step))
-            .Add("global_samples", Int(plan.global_samples))
-            .Add("dp_world_size", Int(world))
-            .Add("mp_world_size", Int(1))
-            .Add("checkpoint_parallel_dimensions",
-                 Dict().Add("pp_degree", Int(1)).Add("tp_degree", Int(1)).Done())
-            .Add("ds_config", plan.ds_config)
-            .Add("ds_version", version)
-            .Add("universal_checkpoint_info",
-                 Dict().Add("universal_checkpoint_version", Float(0.4)).Done())
-            .Done()));
-  }
+  ZINF_RETURN_IF_ERROR(options.universal ? WriteUniversalFiles(output) : WriteZeroFiles(output));
+  ZINF_RETURN_IF_ERROR(WriteModelFile(output));
   ZINF_RETURN_IF_ERROR(reader.Close());
 
-  ZINF_RETURN_IF_ERROR(storage::WriteFileAtomic(temp.path + "/latest", tag));
-  ZINF_RETURN_IF_ERROR(storage::SyncDirectory(tag_dir));
+  // DeepSpeed's loader reads `latest`, or `latest_universal` with "load_universal".
+  ZINF_RETURN_IF_ERROR(storage::WriteFileAtomic(
+      temp.path + (options.universal ? "/latest_universal" : "/latest"), tag));
+  ZINF_RETURN_IF_ERROR(storage::SyncDirectory(output.tag_dir));
   ZINF_RETURN_IF_ERROR(storage::SyncDirectory(temp.path));
   // rename(2) replaces an empty directory atomically, and fails (ENOTEMPTY, EEXIST) when
   // something appeared in out_dir meanwhile.

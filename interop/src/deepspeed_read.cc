@@ -226,6 +226,7 @@ struct TagFiles {
   std::map<std::uint64_t, std::string> optim;   // dp -> name
   std::map<std::uint64_t, std::string> model3;  // dp -> name (stage 3)
   std::optional<std::string> model12;           // mp_rank_00_model_states.pt
+  bool universal = false;                       // zero/optimizer_state.pt is there
 };
 
 Status CheckRegularFile(int dir_fd, const std::string& name, const std::string& display) {
@@ -259,12 +260,13 @@ Result<TagFiles> FindFiles(int dir_fd, const std::string& tag_dir, const DeepSpe
   for (const std::string& name : listing.names) {
     const std::string display = fmt::format("{}/{}", tag_dir, Printable(name));
     if (name == "zero") {
+      // A universal folder's mark (the loader's test too). `zero` itself may be a link here: the
+      // universal reader opens it without following links, and says so.
       struct stat st {};
       if (::fstatat(dir_fd, "zero/optimizer_state.pt", &st, AT_SYMLINK_NOFOLLOW) == 0) {
-        return InvalidArgumentError(fmt::format(
-            "{}: a DeepSpeed universal checkpoint (zero/optimizer_state.pt), which this reader "
-            "does not read; give the ZeRO checkpoint it was converted from",
-            tag_dir));
+        files.universal = true;
+      } else if (errno != ENOENT && errno != ENOTDIR) {
+        return ErrnoError(errno, fmt::format("stat {}/zero/optimizer_state.pt", tag_dir));
       }
       continue;
     }
@@ -345,9 +347,16 @@ Result<TagFiles> FindFiles(int dir_fd, const std::string& tag_dir, const DeepSpe
         "ZeRO checkpoints (no tensor or pipeline parallelism)",
         tag_dir, ListNames(refused_parallel)));
   }
-  if (files.optim.empty()) {
+  if (files.universal && !files.optim.empty()) {
+    return DataLossError(fmt::format(
+        "{}: ZeRO optimizer files ({}) beside a universal checkpoint's zero/optimizer_state.pt; "
+        "a folder holds one or the other",
+        tag_dir, Printable(files.optim.begin()->second)));
+  }
+  if (!files.universal && files.optim.empty()) {
     return NotFoundError(fmt::format(
-        "{}: no ZeRO optimizer files ([bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt)",
+        "{}: no ZeRO optimizer files ([bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt) and no "
+        "universal checkpoint (zero/optimizer_state.pt)",
         tag_dir));
   }
   return files;
@@ -378,19 +387,37 @@ Status CheckRanks(const std::map<std::uint64_t, std::string>& files, const std::
   return OkStatus();
 }
 
-// The tag directory `dir` names: `dir`/<latest> when `dir` holds `latest`, else `dir`.
-Result<std::pair<std::string, storage::UniqueFd>> OpenTagDir(const std::string& dir,
-                                                             const DeepSpeedLimits& limits) {
+// The folder `dir` names: `dir`/<tag> when `dir` holds `latest` or `latest_universal` (naming
+// the tag, or the universal folder, beside it), else `dir`.
+struct TagDir {
+  std::string path;
+  storage::UniqueFd fd;
+  std::string pointer;  // the file that named it ("<dir>/latest_universal"), or "" for `dir`
+};
+Result<TagDir> OpenTagDir(const std::string& dir, const DeepSpeedLimits& limits) {
   ZINF_ASSIGN_OR_RETURN(storage::UniqueFd dir_fd, storage::OpenDirectory(dir));
-  struct stat st {};
-  if (::fstatat(dir_fd.get(), "latest", &st, AT_SYMLINK_NOFOLLOW) != 0) {
-    if (errno != ENOENT) return ErrnoError(errno, fmt::format("stat {}/latest", dir));
-    return std::pair{dir, std::move(dir_fd)};
+  std::vector<std::string> pointers;
+  for (const char* name : {"latest", "latest_universal"}) {
+    struct stat st {};
+    if (::fstatat(dir_fd.get(), name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+      pointers.emplace_back(name);
+    } else if (errno != ENOENT) {
+      return ErrnoError(errno, fmt::format("stat {}/{}", dir, name));
+    }
   }
-  const std::string latest_path = dir + "/latest";
-  ZINF_RETURN_IF_ERROR(CheckRegularFile(dir_fd.get(), "latest", latest_path));
+  if (pointers.empty()) return TagDir{dir, std::move(dir_fd), ""};
+  if (pointers.size() > 1) {
+    // DeepSpeed's loader picks one by its config (load_universal); zinf has no such setting.
+    return InvalidArgumentError(fmt::format(
+        "{}: holds both latest and latest_universal; give the tag folder or the universal "
+        "folder itself",
+        dir));
+  }
+  const std::string& pointer = pointers[0];
+  const std::string latest_path = fmt::format("{}/{}", dir, pointer);
+  ZINF_RETURN_IF_ERROR(CheckRegularFile(dir_fd.get(), pointer, latest_path));
   ZINF_ASSIGN_OR_RETURN(std::string text,
-                        storage::ReadSmallFileAt(dir_fd.get(), "latest", latest_path,
+                        storage::ReadSmallFileAt(dir_fd.get(), pointer, latest_path,
                                                  limits.max_latest_bytes, storage::Follow::kNo));
   std::string_view tag = text;
   auto space = [](char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; };
@@ -412,7 +439,7 @@ Result<std::pair<std::string, storage::UniqueFd>> OpenTagDir(const std::string& 
     return std::move(tag_fd).error().WithContext(
         fmt::format("the tag {} names (a real directory beside it): ", latest_path));
   }
-  return std::pair{tag_dir, std::move(*tag_fd)};
+  return TagDir{tag_dir, std::move(*tag_fd), latest_path};
 }
 
 // ---- steps and scalers ----
@@ -548,11 +575,111 @@ Status CheckFlat(const PyTensor& t, std::uint64_t numel, const std::string& wher
   return OkStatus();
 }
 
+// What ReadParam returns must be finite, and a second moment >= 0.
+Status CheckValues(const std::string& tag_dir, const DeepSpeedParam& p,
+                   DeepSpeedCheckpoint::Field field, std::span<const float> values) {
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const float v = values[i];
+    if (!std::isfinite(v) || (field == DeepSpeedCheckpoint::Field::kExpAvgSq && v < 0)) {
+      return DataLossError(fmt::format(
+          "{}: param '{}' {}: element {} is {}{}", tag_dir, Printable(p.name, kMaxName),
+          kFieldNames[static_cast<std::size_t>(field)], i, v,
+          std::isfinite(v) ? " (a negative second moment)" : " (not finite); not imported"));
+    }
+  }
+  return OkStatus();
+}
+
+// ---- universal checkpoints: one folder per param ----
+
+// The keys a universal param file's dict may hold that zinf does not import: DeepSpeed writes
+// them for tensor-parallel (vocabulary padding, fused sub-params) and expert-parallel params.
+constexpr std::array<std::string_view, 5> kUniversalRefusedKeys = {
+    "vocab_tensor", "param_n_sub_params", "sub_param_shape", "is_expert_param", "ep_num_experts"};
+
+// A float32 tensor of `numel` elements, contiguous in row-major order (any shape).
+Status CheckContiguous(const PyTensor& t, std::uint64_t numel, const std::string& where) {
+  if (t.dtype != "float32") {
+    return DataLossError(fmt::format("{}: a {} tensor, not float32", where, Printable(t.dtype)));
+  }
+  std::uint64_t n = 1;
+  bool contiguous = t.stride.size() == t.shape.size();
+  for (std::size_t d = t.shape.size(); d-- > 0 && contiguous;) {
+    if (t.shape[d] != 1 && static_cast<std::uint64_t>(t.stride[d]) != n) contiguous = false;
+    n *= static_cast<std::uint64_t>(t.shape[d]);
+  }
+  if (!contiguous) {
+    return DataLossError(fmt::format("{}: a tensor of shape [{}] stride [{}], not contiguous",
+                                     where, fmt::join(t.shape, ", "), fmt::join(t.stride, ", ")));
+  }
+  if (n != numel) {
+    return DataLossError(
+        fmt::format("{}: a tensor of shape [{}] ({} elements), param_shapes gives {} elements",
+                    where, fmt::join(t.shape, ", "), n, numel));
+  }
+  return OkStatus();
+}
+
+// The tensor of a universal param file: `{'param': tensor of the param's elements, 'cat_dim':
+// int}` (from a stage 1/2 checkpoint), or a bare 1-dim tensor (`bare`: from stage 3).
+Result<PyTensor> UniversalTensor(const TorchFile& file, bool bare, std::uint64_t numel) {
+  const std::string& where = file.path();
+  if (bare) {
+    ZINF_ASSIGN_OR_RETURN(const PyTensor* t, AsTensor(file.root(), where));
+    ZINF_RETURN_IF_ERROR(CheckFlat(*t, numel, where));
+    return *t;
+  }
+  ZINF_ASSIGN_OR_RETURN(const PyDict* d, AsDict(file.root(), where));
+  for (const auto& [k, v] : d->items) {
+    const auto* key = k.as<std::string>();
+    if (key != nullptr && (*key == "param" || *key == "cat_dim")) continue;
+    const bool known =
+        key != nullptr && std::find(kUniversalRefusedKeys.begin(), kUniversalRefusedKeys.end(),
+                                    *key) != kUniversalRefusedKeys.end();
+    return InvalidArgumentError(fmt::format(
+        "{}: key '{}'{}; zinf imports universal params of data-parallel runs only ('param' and "
+        "'cat_dim')",
+        where, key != nullptr ? Printable(*key, 64) : k.TypeName(),
+        known ? " (a tensor- or expert-parallel param)" : ""));
+  }
+  // cat_dim says how tensor-parallel slices were joined (none for replicated params): with one
+  // slice, the param is whole either way.
+  if (const PyValue* cat = d->Find("cat_dim"); cat != nullptr) {
+    ZINF_ASSIGN_OR_RETURN(std::int64_t cat_dim, AsInt(*cat, where + "['cat_dim']"));
+    if (cat_dim < 0) return DataLossError(fmt::format("{}['cat_dim']: {} < 0", where, cat_dim));
+  }
+  ZINF_ASSIGN_OR_RETURN(const PyValue* param, Need(*d, "param", where));
+  ZINF_ASSIGN_OR_RETURN(const PyTensor* t, AsTensor(*param, where + "['param']"));
+  ZINF_RETURN_IF_ERROR(CheckContiguous(*t, numel, where + "['param']"));
+  return *t;
+}
+
+bool SameTensor(const PyTensor& a, const PyTensor& b) {
+  return a.dtype == b.dtype && a.storage_key == b.storage_key &&
+         a.storage_numel == b.storage_numel && a.offset == b.offset && a.shape == b.shape &&
+         a.stride == b.stride;
+}
+
+// Reads the universal param file `path` again and `out.size()` elements of the tensor Open
+// found there (`expected`).
+Status ReadUniversalField(const std::string& path, const PyTensor& expected, bool bare,
+                          std::uint64_t numel, const PickleLimits& limits, std::span<float> out) {
+  ZINF_ASSIGN_OR_RETURN(TorchFile file, TorchFile::Read(path, limits));
+  ZINF_ASSIGN_OR_RETURN(PyTensor t, UniversalTensor(file, bare, numel));
+  if (!SameTensor(t, expected)) {
+    return DataLossError(fmt::format("{}: changed since the checkpoint was opened", path));
+  }
+  return file.ReadFloat32Range(t, 0, out);
+}
+
 }  // namespace
 
 // ---- the checkpoint ----
 
-struct DeepSpeedCheckpoint::Impl {
+namespace {
+
+// What DeepSpeedCheckpoint holds (its Impl), for the functions that fill it.
+struct CheckpointState {
   int stage = 0;
   bool bf16 = false;
   bool elastic = false;
@@ -566,6 +693,8 @@ struct DeepSpeedCheckpoint::Impl {
   std::vector<DeepSpeedOptimizerGroup> groups;
   std::vector<DeepSpeedParam> params;
   std::vector<std::pair<std::string, std::string>> shared;
+  nlohmann::json client_state = nlohmann::json::object();
+  std::vector<std::string> client_state_skipped;
 
   // Where each param (same index as params) lies: flat group, offset (stage 1/2: in the group's
   // unpadded flat vector; stage 3: in each rank's flat of the sub-group).
@@ -580,7 +709,22 @@ struct DeepSpeedCheckpoint::Impl {
   // The optimizer files, by rank, and their tensors: tensors[flat][rank][field].
   std::vector<TorchFile> files;
   std::vector<std::vector<std::array<PyTensor, 3>>> tensors;
+
+  // A universal folder: each param's field files (same index as params), read again by
+  // ReadParam (a descriptor held per file could pass the process's limit), and the tensor Open
+  // checked there, which ReadParam must find again.
+  bool universal = false;
+  PickleLimits pickle;
+  struct UniversalField {
+    std::string path;
+    PyTensor tensor;
+  };
+  std::vector<std::array<UniversalField, 3>> universal_fields;
 };
+
+}  // namespace
+
+struct DeepSpeedCheckpoint::Impl : CheckpointState {};
 
 DeepSpeedCheckpoint::DeepSpeedCheckpoint(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DeepSpeedCheckpoint::DeepSpeedCheckpoint(DeepSpeedCheckpoint&&) noexcept = default;
@@ -590,6 +734,7 @@ DeepSpeedCheckpoint::~DeepSpeedCheckpoint() = default;
 int DeepSpeedCheckpoint::stage() const { return impl_->stage; }
 bool DeepSpeedCheckpoint::bf16_optimizer() const { return impl_->bf16; }
 bool DeepSpeedCheckpoint::elastic() const { return impl_->elastic; }
+bool DeepSpeedCheckpoint::universal() const { return impl_->universal; }
 std::uint64_t DeepSpeedCheckpoint::world_size() const { return impl_->world; }
 const std::string& DeepSpeedCheckpoint::tag_dir() const { return impl_->tag_dir; }
 std::int64_t DeepSpeedCheckpoint::global_steps() const { return impl_->global_steps; }
@@ -605,6 +750,11 @@ const std::vector<DeepSpeedOptimizerGroup>& DeepSpeedCheckpoint::optimizer_group
 const std::vector<DeepSpeedParam>& DeepSpeedCheckpoint::params() const { return impl_->params; }
 const std::vector<std::pair<std::string, std::string>>& DeepSpeedCheckpoint::shared_params() const {
   return impl_->shared;
+}
+
+const nlohmann::json& DeepSpeedCheckpoint::client_state() const { return impl_->client_state; }
+const std::vector<std::string>& DeepSpeedCheckpoint::client_state_skipped() const {
+  return impl_->client_state_skipped;
 }
 
 const char* DeepSpeedFieldName(DeepSpeedCheckpoint::Field field) {
@@ -624,6 +774,15 @@ Status DeepSpeedCheckpoint::ReadParam(std::size_t param, Field field, std::span<
                                             Printable(p.name, kMaxName), p.numel, out.size()));
   }
   if (p.numel == 0) return OkStatus();
+  if (m.universal) {
+    const Impl::UniversalField& u = m.universal_fields[param][f];
+    auto st = ReadUniversalField(u.path, u.tensor, m.stage == 3, p.numel, m.pickle, out);
+    if (!st) {
+      return std::move(st).error().WithContext(
+          fmt::format("param '{}' {}: ", Printable(p.name, kMaxName), kFieldNames[f]));
+    }
+    return CheckValues(m.tag_dir, p, field, out);
+  }
   const Impl::Where& at = m.where[param];
   const std::uint64_t w = m.world;
   auto read = [&](std::uint64_t rank, std::uint64_t begin, std::span<float> dst) -> Status {
@@ -655,16 +814,7 @@ Status DeepSpeedCheckpoint::ReadParam(std::size_t param, Field field, std::span<
       ZINF_RETURN_IF_ERROR(read(r, lo - r * part, out.subspan(lo - begin, hi - lo)));
     }
   }
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    const float v = out[i];
-    if (!std::isfinite(v) || (field == Field::kExpAvgSq && v < 0)) {
-      return DataLossError(fmt::format(
-          "{}: param '{}' {}: element {} is {}{}", m.tag_dir, Printable(p.name, kMaxName),
-          kFieldNames[f], i, v,
-          std::isfinite(v) ? " (a negative second moment)" : " (not finite); not imported"));
-    }
-  }
-  return OkStatus();
+  return CheckValues(m.tag_dir, p, field, out);
 }
 
 namespace {
@@ -784,15 +934,512 @@ Status VerifyOnce(const TorchFile& file, const PyTensor& t, std::set<std::string
   return file.VerifyStorage(t);
 }
 
+// The model-states file(s) of a checkpoint of ZeRO stage `stage` and `w` ranks, read and checked
+// against each other: mp_rank_00_model_states.pt (stage 1/2) or one per rank (stage 3).
+// `beside` names what else the folder holds, for errors.
+struct Models {
+  std::vector<ModelFile> files;
+  ModelInfo info;
+};
+Result<Models> ReadModels(const TagFiles& found, const std::string& tag_dir, int stage,
+                          std::uint64_t w, std::string_view beside, const DeepSpeedLimits& limits) {
+  Models out;
+  std::vector<ModelFile>& models = out.files;
+  if (stage == 3) {
+    if (found.model12) {
+      return DataLossError(fmt::format("{}/{}: a stage 1/2 model file beside stage 3 {}", tag_dir,
+                                       Printable(*found.model12), beside));
+    }
+    if (found.model3.empty()) {
+      return NotFoundError(fmt::format(
+          "{}: no zero_pp_rank_<r>_mp_rank_00_model_states.pt (a stage 3 checkpoint has one per "
+          "rank)",
+          tag_dir));
+    }
+    ZINF_RETURN_IF_ERROR(CheckRanks(found.model3, tag_dir, "model", limits.max_world_size, w));
+    for (const auto& [rank, name] : found.model3) {
+      ZINF_ASSIGN_OR_RETURN(TorchFile file,
+                            TorchFile::Read(fmt::format("{}/{}", tag_dir, name), limits.pickle));
+      models.push_back({name, std::move(file)});
+    }
+  } else {
+    if (!found.model3.empty()) {
+      return DataLossError(fmt::format("{}/{}: a stage 3 model file beside stage {} {}", tag_dir,
+                                       Printable(found.model3.begin()->second), stage, beside));
+    }
+    if (!found.model12) {
+      return NotFoundError(fmt::format("{}: no mp_rank_00_model_states.pt", tag_dir));
+    }
+    ZINF_ASSIGN_OR_RETURN(
+        TorchFile file,
+        TorchFile::Read(fmt::format("{}/{}", tag_dir, *found.model12), limits.pickle));
+    models.push_back({*found.model12, std::move(file)});
+  }
+  ZINF_ASSIGN_OR_RETURN(out.info, ReadModelInfo(models[0].file, limits));
+  for (std::size_t r = 1; r < models.size(); ++r) {
+    ZINF_ASSIGN_OR_RETURN(ModelInfo other, ReadModelInfo(models[r].file, limits));
+    if (!SameModelInfo(out.info, other)) {
+      return DataLossError(fmt::format(
+          "{}: param_shapes, global_steps or skipped_steps differ from rank 0's model file",
+          models[r].file.path()));
+    }
+  }
+  return out;
+}
+
+// What the model file holds besides the shapes: the steps, frozen and shared params, the
+// scheduler's position.
+Status ReadModelState(CheckpointState& m, const ModelInfo& info, const TorchFile& model,
+                      const PyDict& mroot) {
+  m.global_steps = info.global_steps;
+  m.skipped_steps = info.skipped_steps;
+  if (info.flat_groups.empty()) {
+    return DataLossError(fmt::format("{}: param_shapes is empty", model.path()));
+  }
+  // Frozen parameters are not imported; shared ones are reported.
+  if (const PyValue* frozen = mroot.Find("frozen_param_shapes"); !IsNone(frozen)) {
+    ZINF_ASSIGN_OR_RETURN(const PyDict* d,
+                          AsDict(*frozen, model.path() + "['frozen_param_shapes']"));
+    if (!d->items.empty()) {
+      std::vector<std::string> names;
+      for (const auto& [k, v] : d->items) {
+        names.push_back(k.as<std::string>() != nullptr ? *k.as<std::string>() : k.TypeName());
+      }
+      return InvalidArgumentError(fmt::format(
+          "{}: {} frozen parameters ({}); zinf imports only checkpoints whose parameters all "
+          "train",
+          model.path(), d->items.size(), ListNames(names)));
+    }
+  }
+  if (const PyValue* shared = mroot.Find("shared_params"); !IsNone(shared)) {
+    const std::string sw = model.path() + "['shared_params']";
+    ZINF_ASSIGN_OR_RETURN(const PyDict* d, AsDict(*shared, sw));
+    for (const auto& [k, v] : d->items) {
+      const auto* alias = k.as<std::string>();
+      const auto* owner = v.as<std::string>();
+      if (alias == nullptr || owner == nullptr) {
+        return DataLossError(fmt::format("{}: an entry that is not str -> str", sw));
+      }
+      m.shared.emplace_back(*alias, *owner);
+    }
+  }
+  if (const PyValue* sched = mroot.Find("lr_scheduler"); !IsNone(sched)) {
+    if (const auto* d = sched->as<PyDict>(); d != nullptr) {
+      if (const PyValue* lbi = d->Find("last_batch_iteration"); lbi != nullptr) {
+        ZINF_ASSIGN_OR_RETURN(
+            m.last_batch_iteration,
+            AsInt(*lbi, model.path() + "['lr_scheduler']['last_batch_iteration']"));
+        const std::int64_t want = m.global_steps - m.skipped_steps - 1;
+        if (*m.last_batch_iteration != want) {
+          return DataLossError(fmt::format(
+              "{}: lr_scheduler last_batch_iteration {}, but global_steps {} - skipped_steps {} "
+              "- 1 = {}",
+              model.path(), *m.last_batch_iteration, m.global_steps, m.skipped_steps, want));
+        }
+      }
+    }
+  }
+
+  return OkStatus();
+}
+
+// The param groups of a torch optimizer's state_dict (`where` holds 'param_groups'), each
+// naming the flat groups (stage 3: sub-groups) it holds: every one of the `flats` exactly once.
+struct ParamGroups {
+  std::vector<DeepSpeedOptimizerGroup> groups;
+  std::vector<std::size_t> group_of_flat;
+};
+Result<ParamGroups> ReadParamGroups(const std::vector<PyValue>& param_groups, std::size_t flats,
+                                    const std::string& state_where) {
+  std::vector<std::size_t> owner(flats, SIZE_MAX);
+  std::vector<DeepSpeedOptimizerGroup> groups;
+  for (std::size_t i = 0; i < param_groups.size(); ++i) {
+    const std::string gw = fmt::format("{}['param_groups'][{}]", state_where, i);
+    ZINF_ASSIGN_OR_RETURN(DeepSpeedOptimizerGroup g, ReadOptimizerGroup(param_groups[i], gw));
+    groups.push_back(std::move(g));
+    ZINF_ASSIGN_OR_RETURN(const std::vector<PyValue>* ids,
+                          NeedSequence(*param_groups[i].as<PyDict>(), "params", gw));
+    for (const PyValue& id : *ids) {
+      ZINF_ASSIGN_OR_RETURN(std::int64_t flat, AsInt(id, gw + "['params']"));
+      if (flat < 0 || static_cast<std::uint64_t>(flat) >= flats ||
+          owner[static_cast<std::size_t>(flat)] != SIZE_MAX) {
+        return DataLossError(fmt::format(
+            "{}['params']: {} is not one of the {} flat groups, or is in two param groups", gw,
+            flat, flats));
+      }
+      owner[static_cast<std::size_t>(flat)] = i;
+    }
+  }
+  for (std::size_t s = 0; s < flats; ++s) {
+    if (owner[s] == SIZE_MAX) {
+      return DataLossError(
+          fmt::format("{}['param_groups']: no group holds flat group {}", state_where, s));
+    }
+  }
+  return ParamGroups{std::move(groups), std::move(owner)};
+}
+
+// ds_config: `config` (the optimizer files'), else the model file's; null when neither has one.
+Status ReadDsConfig(CheckpointState& m, const PyValue* config, std::string cw,
+                    const TorchFile& model, const PyDict& mroot) {
+  if (IsNone(config)) {
+    config = mroot.Find("ds_config");
+    cw = model.path() + "['ds_config']";
+  }
+  if (!IsNone(config)) {
+    if (!config->is<PyDict>()) {
+      return InvalidArgumentError(fmt::format("{}: a {}, not a dict", cw, config->TypeName()));
+    }
+    ZINF_ASSIGN_OR_RETURN(m.ds_config, ToJson(*config, cw, false));
+  }
+  return OkStatus();
+}
+
+// The client state: the model file's keys DeepSpeed does not own.
+void ReadClientState(CheckpointState& m, const TorchFile& model, const PyDict& mroot) {
+  for (const auto& [key, value] : mroot.items) {
+    const auto* k = key.as<std::string>();
+    if (k == nullptr || std::find(kDeepSpeedModelKeys.begin(), kDeepSpeedModelKeys.end(),
+                                  *k) != kDeepSpeedModelKeys.end()) {
+      continue;
+    }
+    Result<nlohmann::json> j =
+        ToJson(value, fmt::format("{}['{}']", model.path(), Printable(*k, 64)), false);
+    nlohmann::json kj = *k;
+    bool utf8 = true;
+    try {
+      (void)kj.dump();
+    } catch (const nlohmann::json::exception&) {
+      utf8 = false;
+    }
+    if (j && utf8 && !m.client_state.contains(*k)) {
+      m.client_state[*k] = *std::move(j);
+    } else {
+      m.client_state_skipped.push_back(Printable(*k, 64));
+    }
+  }
+}
+
+// The params (m.params, m.where) from param_shapes, in module order when module holds them all,
+// else in param_shapes order; their dtype from module.
+Status BuildParams(CheckpointState& m, const ModelInfo& info, const TorchFile& model,
+                   const PyDict& mroot, const std::vector<std::size_t>& group_of_flat) {
+  const std::size_t flats = info.flat_groups.size();
+  const std::uint64_t w = m.world;
+  std::map<std::string_view, std::pair<std::size_t, const PyTensor*>> module_pos;
+  if (const PyValue* module = mroot.Find("module"); !IsNone(module)) {
+    ZINF_ASSIGN_OR_RETURN(const PyDict* d, AsDict(*module, model.path() + "['module']"));
+    for (std::size_t i = 0; i < d->items.size(); ++i) {
+      const auto* k = d->items[i].first.as<std::string>();
+      if (k != nullptr) module_pos.emplace(*k, std::pair{i, d->items[i].second.as<PyTensor>()});
+    }
+  }
+  std::set<std::string_view> names;
+  bool all_in_module = true;
+  std::string dtype;
+  std::string dtype_from;
+  for (std::size_t s = 0; s < flats; ++s) {
+    std::uint64_t offset = 0;
+    for (const ModelInfo::Shape& shape : info.flat_groups[s]) {
+      if (!names.insert(shape.name).second) {
+        return DataLossError(fmt::format("{}: param_shapes names '{}' twice", model.path(),
+                                         Printable(shape.name, kMaxName)));
+      }
+      DeepSpeedParam p{.name = shape.name,
+                       .shape = shape.shape,
+                       .dtype = "",
+                       .numel = shape.numel,
+                       .group = group_of_flat[s]};
+      auto it = module_pos.find(shape.name);
+      if (it == module_pos.end() || it->second.second == nullptr) {
+        all_in_module = false;
+      } else {
+        const PyTensor& t = *it->second.second;
+        p.dtype = t.dtype;
+        if (dtype.empty()) {
+          dtype = t.dtype;
+          dtype_from = shape.name;
+        } else if (t.dtype != dtype) {
+          return InvalidArgumentError(
+              fmt::format("{}: module holds '{}' as {} but '{}' as {}; zinf imports one dtype",
+                          model.path(), Printable(shape.name, kMaxName), Printable(t.dtype),
+                          Printable(dtype_from, kMaxName), Printable(dtype)));
+        }
+        std::uint64_t tnumel = 1;
+        for (auto d : t.shape) tnumel *= static_cast<std::uint64_t>(d);
+        if (t.shape != shape.shape && !(m.stage == 3 && tnumel == 0)) {
+          return DataLossError(fmt::format("{}: module['{}'] has shape [{}], param_shapes [{}]",
+                                           model.path(), Printable(shape.name, kMaxName),
+                                           fmt::join(t.shape, ", "), fmt::join(shape.shape, ", ")));
+        }
+      }
+      m.params.push_back(std::move(p));
+      m.where.push_back({s, offset});
+      offset += m.stage == 3 ? CeilDiv(shape.numel, w) : shape.numel;
+    }
+  }
+  for (DeepSpeedParam& p : m.params) {
+    if (p.dtype.empty()) p.dtype = dtype;
+  }
+  if (all_in_module && !module_pos.empty()) {
+    std::vector<std::size_t> order(m.params.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return module_pos.at(m.params[a].name).first < module_pos.at(m.params[b].name).first;
+    });
+    std::vector<DeepSpeedParam> params;
+    std::vector<CheckpointState::Where> where;
+    for (std::size_t i : order) {
+      params.push_back(std::move(m.params[i]));
+      where.push_back(m.where[i]);
+    }
+    m.params = std::move(params);
+    m.where = std::move(where);
+  }
+
+  return OkStatus();
+}
+
+// A path component DeepSpeed's universal format can use as a param's folder name.
+bool IsFolderName(std::string_view name) {
+  return !name.empty() && name != "." && name != ".." && name.size() <= 255 &&
+         std::none_of(name.begin(), name.end(), [](char c) {
+           return c == '/' || static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
+         });
+}
+
+// The stage of `osd['zero_stage']` (1..3), or nullopt without the key (BF16_Optimizer).
+Result<std::optional<std::int64_t>> ReadZeroStage(const PyDict& osd, const std::string& where) {
+  std::optional<std::int64_t> stage;
+  if (const PyValue* s = osd.Find("zero_stage"); s != nullptr) {
+    ZINF_ASSIGN_OR_RETURN(stage, AsInt(*s, where + "['zero_stage']"));
+    if (*stage < 1 || *stage > 3) {
+      return InvalidArgumentError(
+          fmt::format("{}['zero_stage']: {}, not a ZeRO stage 1..3", where, *stage));
+    }
+  }
+  return stage;
+}
+
+// A universal folder (what DeepSpeed's ds_to_universal writes; issue 46's spec, sections 1.5
+// and 3): the model file(s) copied from the source, zero/optimizer_state.pt (the source's rank 0
+// optimizer state without its tensors' partitions, plus param_groups) and zero/<param>/ holding
+// the param's whole fp32, exp_avg and exp_avg_sq (and its step, from a stage 1/2 source).
+Status ReadUniversal(CheckpointState& m, int tag_fd, const TagFiles& found,
+                     const DeepSpeedLimits& limits) {
+  m.universal = true;
+  m.pickle = limits.pickle;
+  const std::string zero_dir = m.tag_dir + "/zero";
+  ZINF_ASSIGN_OR_RETURN(storage::UniqueFd zero_fd,
+                        storage::OpenDirectoryAt(tag_fd, "zero", zero_dir, storage::Follow::kNo));
+  const std::string state_path = zero_dir + "/optimizer_state.pt";
+  ZINF_RETURN_IF_ERROR(CheckRegularFile(zero_fd.get(), "optimizer_state.pt", state_path));
+  ZINF_ASSIGN_OR_RETURN(TorchFile state_file, TorchFile::Read(state_path, limits.pickle));
+  const std::string& where = state_file.path();
+  ZINF_ASSIGN_OR_RETURN(const PyDict* osd, AsDict(state_file.root(), where));
+  ZINF_ASSIGN_OR_RETURN(std::optional<std::int64_t> zero_stage, ReadZeroStage(*osd, where));
+  m.bf16 = !zero_stage.has_value();
+  m.stage = static_cast<int>(zero_stage.value_or(1));
+  const bool stage3 = m.stage == 3;
+
+  // partition_count: W (stage 1/2: one per group, each W).
+  const std::string pcw = where + "['partition_count']";
+  ZINF_ASSIGN_OR_RETURN(const PyValue* pc, Need(*osd, "partition_count", where));
+  std::vector<std::int64_t> counts;
+  if (stage3) {
+    ZINF_ASSIGN_OR_RETURN(std::int64_t count, AsInt(*pc, pcw));
+    counts.push_back(count);
+  } else {
+    ZINF_ASSIGN_OR_RETURN(const std::vector<PyValue>* list, AsSequence(*pc, pcw));
+    for (const PyValue& c : *list) {
+      ZINF_ASSIGN_OR_RETURN(std::int64_t count, AsInt(c, pcw));
+      counts.push_back(count);
+    }
+    if (counts.empty()) return DataLossError(fmt::format("{}: empty", pcw));
+  }
+  for (std::int64_t c : counts) {
+    if (c < 1 || c != counts[0]) {
+      return DataLossError(fmt::format("{}: {}, not a world size equal for every group ({})", pcw,
+                                       c, fmt::join(counts, ", ")));
+    }
+  }
+  if (static_cast<std::uint64_t>(counts[0]) > limits.max_world_size) {
+    return InvalidArgumentError(
+        fmt::format("{}: {} ranks, more than the {} read", pcw, counts[0], limits.max_world_size));
+  }
+  m.world = static_cast<std::uint64_t>(counts[0]);
+
+  ZINF_ASSIGN_OR_RETURN(Models models, ReadModels(found, m.tag_dir, m.stage, m.world,
+                                                  "universal state (zero/)", limits));
+  const ModelInfo& info = models.info;
+  const TorchFile& model = models.files[0].file;
+  ZINF_ASSIGN_OR_RETURN(const PyDict* mroot, AsDict(model.root(), model.path()));
+  const std::size_t flats = info.flat_groups.size();
+  ZINF_RETURN_IF_ERROR(ReadModelState(m, info, model, *mroot));
+  if (!stage3 && counts.size() != flats) {
+    return DataLossError(
+        fmt::format("{}: {} groups, param_shapes has {}", pcw, counts.size(), flats));
+  }
+  ZINF_ASSIGN_OR_RETURN(m.scaler, ReadLossScaler(*osd, where));
+  ZINF_ASSIGN_OR_RETURN(const std::vector<PyValue>* pgs, NeedSequence(*osd, "param_groups", where));
+  ZINF_ASSIGN_OR_RETURN(ParamGroups groups, ReadParamGroups(*pgs, flats, where));
+  m.groups = std::move(groups.groups);
+
+  // The step: stage 3, every sub-group's state in optimizer_state.pt; stage 1/2, every param's
+  // step.pt (below).
+  std::optional<std::int64_t> adam_step;
+  std::string step_from;
+  auto same_step = [&](std::int64_t s, const std::string& from) -> Status {
+    if (!adam_step) {
+      adam_step = s;
+      step_from = from;
+    } else if (s != *adam_step) {
+      return DataLossError(
+          fmt::format("{}: step {}, but {} has {}", from, s, step_from, *adam_step));
+    }
+    return OkStatus();
+  };
+  if (stage3) {
+    const std::string iw = where + "['optimizer_state_dict']";
+    ZINF_ASSIGN_OR_RETURN(const PyDict* inner, NeedDict(*osd, "optimizer_state_dict", where));
+    ZINF_ASSIGN_OR_RETURN(const PyDict* state, NeedDict(*inner, "state", iw));
+    if (state->items.size() != flats) {
+      return DataLossError(fmt::format("{}['state']: {} entries, not {} (one per sub-group)", iw,
+                                       state->items.size(), flats));
+    }
+    for (std::size_t g = 0; g < flats; ++g) {
+      const PyValue* entry = nullptr;
+      for (const auto& [k, v] : state->items) {
+        if (const auto* i = k.as<std::int64_t>();
+            i != nullptr && *i == static_cast<std::int64_t>(g)) {
+          entry = &v;
+        }
+      }
+      const std::string gsw = fmt::format("{}['state'][{}]", iw, g);
+      if (entry == nullptr) return DataLossError(fmt::format("{}: missing", gsw));
+      ZINF_ASSIGN_OR_RETURN(const PyDict* gs, AsDict(*entry, gsw));
+      for (const auto& [k, v] : gs->items) {
+        const auto* key = k.as<std::string>();
+        if (key == nullptr || (*key != "step" && *key != "exp_avg" && *key != "exp_avg_sq")) {
+          return InvalidArgumentError(fmt::format(
+              "{}: optimizer state '{}', which zinf does not import (it imports Adam's step, "
+              "exp_avg and exp_avg_sq)",
+              gsw, key != nullptr ? Printable(*key, 64) : k.TypeName()));
+        }
+      }
+      ZINF_ASSIGN_OR_RETURN(const PyValue* step, Need(*gs, "step", gsw));
+      ZINF_ASSIGN_OR_RETURN(std::int64_t s, ReadStep(state_file, *step, gsw + "['step']"));
+      ZINF_RETURN_IF_ERROR(same_step(s, gsw + "['step']"));
+    }
+  }
+  ZINF_RETURN_IF_ERROR(
+      ReadDsConfig(m, osd->Find("ds_config"), where + "['ds_config']", model, *mroot));
+  ReadClientState(m, model, *mroot);
+  ZINF_RETURN_IF_ERROR(BuildParams(m, info, model, *mroot, groups.group_of_flat));
+
+  // zero/ holds optimizer_state.pt and a folder for each param of param_shapes, nothing else
+  // (DeepSpeed's loader reads the folders of its own model's params: one more is a model zinf
+  // would not see).
+  std::set<std::string_view> names;
+  for (const DeepSpeedParam& p : m.params) {
+    if (!IsFolderName(p.name)) {
+      return InvalidArgumentError(fmt::format(
+          "{}: param '{}' is not a folder name (one path component, not . or .., no '/' or "
+          "control characters), which a universal checkpoint needs",
+          model.path(), Printable(p.name, kMaxName)));
+    }
+    names.insert(p.name);
+  }
+  const std::uint64_t max_entries =
+      std::max<std::uint64_t>(limits.max_dir_entries, m.params.size() + 1);
+  ZINF_ASSIGN_OR_RETURN(storage::DirectoryListing listing,
+                        storage::ListDirectory(zero_fd.get(), zero_dir, max_entries));
+  if (listing.truncated) {
+    return InvalidArgumentError(fmt::format("{}: more than {} entries", zero_dir, max_entries));
+  }
+  std::vector<std::string> extra;
+  for (const std::string& name : listing.names) {
+    if (name != "optimizer_state.pt" && !names.contains(name)) extra.push_back(name);
+  }
+  if (!extra.empty()) {
+    std::sort(extra.begin(), extra.end());
+    return DataLossError(
+        fmt::format("{}: {} not among the params of {}'s param_shapes ({} of them)", zero_dir,
+                    ListNames(extra), model.path(), extra.size()));
+  }
+
+  // Each param's folder: its files, checked (and their storages' CRCs), never following links.
+  std::vector<std::string> files = {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"};
+  if (!stage3) files.emplace_back("step.pt");
+  m.universal_fields.resize(m.params.size());
+  for (std::size_t i = 0; i < m.params.size(); ++i) {
+    const DeepSpeedParam& p = m.params[i];
+    const std::string display = fmt::format("{}/{}", zero_dir, Printable(p.name, kMaxName));
+    const std::string path = fmt::format("{}/{}", zero_dir, p.name);
+    auto dir_fd = storage::OpenDirectoryAt(zero_fd.get(), p.name, display, storage::Follow::kNo);
+    if (!dir_fd) {
+      return std::move(dir_fd).error().WithContext(fmt::format(
+          "the folder of param '{}' (a real directory): ", Printable(p.name, kMaxName)));
+    }
+    ZINF_ASSIGN_OR_RETURN(storage::DirectoryListing in_dir,
+                          storage::ListDirectory(dir_fd->get(), display, 16));
+    std::vector<std::string> unknown;
+    for (const std::string& name : in_dir.names) {
+      if (std::find(files.begin(), files.end(), name) == files.end()) unknown.push_back(name);
+    }
+    if (!unknown.empty() || in_dir.truncated) {
+      std::sort(unknown.begin(), unknown.end());
+      return InvalidArgumentError(fmt::format(
+          "{}: {}{}, which zinf does not import (a universal param folder holds {})", display,
+          ListNames(unknown), in_dir.truncated ? ", ..." : "", fmt::join(files, ", ")));
+    }
+    for (const std::string& file_name : files) {
+      ZINF_RETURN_IF_ERROR(
+          CheckRegularFile(dir_fd->get(), file_name, fmt::format("{}/{}", display, file_name)));
+      ZINF_ASSIGN_OR_RETURN(TorchFile file,
+                            TorchFile::Read(fmt::format("{}/{}", path, file_name), limits.pickle));
+      if (file_name == "step.pt") {
+        const std::string sw = fmt::format("{}/step.pt", display);
+        ZINF_ASSIGN_OR_RETURN(std::int64_t s, ReadStep(file, file.root(), sw));
+        ZINF_RETURN_IF_ERROR(same_step(s, sw));
+        continue;
+      }
+      const std::size_t f = static_cast<std::size_t>(&file_name - files.data());
+      ZINF_ASSIGN_OR_RETURN(PyTensor t, UniversalTensor(file, stage3, p.numel));
+      if (limits.verify_crc) ZINF_RETURN_IF_ERROR(file.VerifyStorage(t));
+      m.universal_fields[i][f] = {file.path(), std::move(t)};
+    }
+  }
+  if (!adam_step) {
+    return DataLossError(fmt::format("{}: no step (param_shapes holds no params)", m.tag_dir));
+  }
+  if (*adam_step != m.global_steps - m.skipped_steps) {
+    return DataLossError(fmt::format(
+        "{}: the optimizer's step is {} ({}), but {} says global_steps {} - skipped_steps {} = {}",
+        m.tag_dir, *adam_step, step_from, model.path(), m.global_steps, m.skipped_steps,
+        m.global_steps - m.skipped_steps));
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Result<DeepSpeedCheckpoint> OpenDeepSpeedCheckpoint(const std::string& dir,
                                                     const DeepSpeedLimits& limits) {
   auto impl = std::make_unique<DeepSpeedCheckpoint::Impl>();
   DeepSpeedCheckpoint::Impl& m = *impl;
-  ZINF_ASSIGN_OR_RETURN(auto tag, OpenTagDir(dir, limits));
-  m.tag_dir = tag.first;
-  ZINF_ASSIGN_OR_RETURN(TagFiles found, FindFiles(tag.second.get(), m.tag_dir, limits));
+  ZINF_ASSIGN_OR_RETURN(TagDir tag, OpenTagDir(dir, limits));
+  m.tag_dir = tag.path;
+  ZINF_ASSIGN_OR_RETURN(TagFiles found, FindFiles(tag.fd.get(), m.tag_dir, limits));
+  if (tag.pointer.ends_with("latest_universal") && !found.universal) {
+    return NotFoundError(fmt::format(
+        "{}: names {}, which holds no zero/optimizer_state.pt (not a universal checkpoint)",
+        tag.pointer, m.tag_dir));
+  }
+  if (found.universal) {
+    ZINF_RETURN_IF_ERROR(ReadUniversal(m, tag.fd.get(), found, limits));
+    return DeepSpeedCheckpoint(std::move(impl));
+  }
   ZINF_RETURN_IF_ERROR(CheckRanks(found.optim, m.tag_dir, "optimizer", limits.max_world_size));
   m.world = found.optim.size();
   const std::uint64_t w = m.world;
@@ -809,14 +1456,7 @@ Result<DeepSpeedCheckpoint> OpenDeepSpeedCheckpoint(const std::string& dir,
     ZINF_ASSIGN_OR_RETURN(const PyDict* osd, NeedDict(*root, "optimizer_state_dict", f.path()));
     osds.push_back(osd);
     const std::string where = f.path() + ": optimizer_state_dict";
-    std::optional<std::int64_t> stage;
-    if (const PyValue* s = osd->Find("zero_stage"); s != nullptr) {
-      ZINF_ASSIGN_OR_RETURN(stage, AsInt(*s, where + "['zero_stage']"));
-      if (*stage < 1 || *stage > 3) {
-        return InvalidArgumentError(
-            fmt::format("{}['zero_stage']: {}, not a ZeRO stage 1..3", where, *stage));
-      }
-    }
+    ZINF_ASSIGN_OR_RETURN(std::optional<std::int64_t> stage, ReadZeroStage(*osd, where));
     if (rank == 0) {
       zero_stage = stage;
     } else if (stage != zero_stage) {
@@ -828,99 +1468,13 @@ Result<DeepSpeedCheckpoint> OpenDeepSpeedCheckpoint(const std::string& dir,
   m.bf16 = !zero_stage.has_value();
   m.stage = zero_stage.value_or(1);
 
-  // The model file(s).
-  std::vector<ModelFile> models;
-  if (m.stage == 3) {
-    if (found.model12) {
-      return DataLossError(
-          fmt::format("{}/{}: a stage 1/2 model file beside stage 3 optimizer files", m.tag_dir,
-                      Printable(*found.model12)));
-    }
-    if (found.model3.empty()) {
-      return NotFoundError(fmt::format(
-          "{}: no zero_pp_rank_<r>_mp_rank_00_model_states.pt (a stage 3 checkpoint has one per "
-          "rank)",
-          m.tag_dir));
-    }
-    ZINF_RETURN_IF_ERROR(CheckRanks(found.model3, m.tag_dir, "model", limits.max_world_size, w));
-    for (const auto& [rank, name] : found.model3) {
-      ZINF_ASSIGN_OR_RETURN(TorchFile file,
-                            TorchFile::Read(fmt::format("{}/{}", m.tag_dir, name), limits.pickle));
-      models.push_back({name, std::move(file)});
-    }
-  } else {
-    if (!found.model3.empty()) {
-      return DataLossError(
-          fmt::format("{}/{}: a stage 3 model file beside stage {} optimizer files", m.tag_dir,
-                      Printable(found.model3.begin()->second), m.stage));
-    }
-    if (!found.model12) {
-      return NotFoundError(fmt::format("{}: no mp_rank_00_model_states.pt", m.tag_dir));
-    }
-    ZINF_ASSIGN_OR_RETURN(
-        TorchFile file,
-        TorchFile::Read(fmt::format("{}/{}", m.tag_dir, *found.model12), limits.pickle));
-    models.push_back({*found.model12, std::move(file)});
-  }
-  ZINF_ASSIGN_OR_RETURN(ModelInfo info, ReadModelInfo(models[0].file, limits));
-  for (std::size_t r = 1; r < models.size(); ++r) {
-    ZINF_ASSIGN_OR_RETURN(ModelInfo other, ReadModelInfo(models[r].file, limits));
-    if (!SameModelInfo(info, other)) {
-      return DataLossError(fmt::format(
-          "{}: param_shapes, global_steps or skipped_steps differ from rank 0's model file",
-          models[r].file.path()));
-    }
-  }
-  const TorchFile& model = models[0].file;
+  ZINF_ASSIGN_OR_RETURN(Models models,
+                        ReadModels(found, m.tag_dir, m.stage, w, "optimizer files", limits));
+  const ModelInfo& info = models.info;
+  const TorchFile& model = models.files[0].file;
   ZINF_ASSIGN_OR_RETURN(const PyDict* mroot, AsDict(model.root(), model.path()));
-  m.global_steps = info.global_steps;
-  m.skipped_steps = info.skipped_steps;
   const std::size_t flats = info.flat_groups.size();
-  if (flats == 0) return DataLossError(fmt::format("{}: param_shapes is empty", model.path()));
-
-  // Frozen parameters are not imported; shared ones are reported.
-  if (const PyValue* frozen = mroot->Find("frozen_param_shapes"); !IsNone(frozen)) {
-    ZINF_ASSIGN_OR_RETURN(const PyDict* d,
-                          AsDict(*frozen, model.path() + "['frozen_param_shapes']"));
-    if (!d->items.empty()) {
-      std::vector<std::string> names;
-      for (const auto& [k, v] : d->items) {
-        names.push_back(k.as<std::string>() != nullptr ? *k.as<std::string>() : k.TypeName());
-      }
-      return InvalidArgumentError(fmt::format(
-          "{}: {} frozen parameters ({}); zinf imports only checkpoints whose parameters all "
-          "train",
-          model.path(), d->items.size(), ListNames(names)));
-    }
-  }
-  if (const PyValue* shared = mroot->Find("shared_params"); !IsNone(shared)) {
-    const std::string sw = model.path() + "['shared_params']";
-    ZINF_ASSIGN_OR_RETURN(const PyDict* d, AsDict(*shared, sw));
-    for (const auto& [k, v] : d->items) {
-      const auto* alias = k.as<std::string>();
-      const auto* owner = v.as<std::string>();
-      if (alias == nullptr || owner == nullptr) {
-        return DataLossError(fmt::format("{}: an entry that is not str -> str", sw));
-      }
-      m.shared.emplace_back(*alias, *owner);
-    }
-  }
-  if (const PyValue* sched = mroot->Find("lr_scheduler"); !IsNone(sched)) {
-    if (const auto* d = sched->as<PyDict>(); d != nullptr) {
-      if (const PyValue* lbi = d->Find("last_batch_iteration"); lbi != nullptr) {
-        ZINF_ASSIGN_OR_RETURN(
-            m.last_batch_iteration,
-            AsInt(*lbi, model.path() + "['lr_scheduler']['last_batch_iteration']"));
-        const std::int64_t want = m.global_steps - m.skipped_steps - 1;
-        if (*m.last_batch_iteration != want) {
-          return DataLossError(fmt::format(
-              "{}: lr_scheduler last_batch_iteration {}, but global_steps {} - skipped_steps {} "
-              "- 1 = {}",
-              model.path(), *m.last_batch_iteration, m.global_steps, m.skipped_steps, want));
-        }
-      }
-    }
-  }
+  ZINF_RETURN_IF_ERROR(ReadModelState(m, info, model, *mroot));
 
   // The per-file checks of the optimizer state, and the tensors.
   m.tensors.assign(flats, std::vector<std::array<PyTensor, 3>>(w));
@@ -1022,32 +1576,8 @@ Result<DeepSpeedCheckpoint> OpenDeepSpeedCheckpoint(const std::string& dir,
 
     // Param groups (rigid): which flat group each holds, and the hyper-parameters.
     if (param_groups != nullptr) {
-      std::vector<std::size_t> owner(flats, SIZE_MAX);
-      std::vector<DeepSpeedOptimizerGroup> groups;
-      for (std::size_t i = 0; i < param_groups->size(); ++i) {
-        const std::string gw = fmt::format("{}['param_groups'][{}]", state_where, i);
-        ZINF_ASSIGN_OR_RETURN(DeepSpeedOptimizerGroup g,
-                              ReadOptimizerGroup((*param_groups)[i], gw));
-        groups.push_back(std::move(g));
-        ZINF_ASSIGN_OR_RETURN(const std::vector<PyValue>* ids,
-                              NeedSequence(*(*param_groups)[i].as<PyDict>(), "params", gw));
-        for (const PyValue& id : *ids) {
-          ZINF_ASSIGN_OR_RETURN(std::int64_t flat, AsInt(id, gw + "['params']"));
-          if (flat < 0 || static_cast<std::uint64_t>(flat) >= flats ||
-              owner[static_cast<std::size_t>(flat)] != SIZE_MAX) {
-            return DataLossError(fmt::format(
-                "{}['params']: {} is not one of the {} flat groups, or is in two param groups", gw,
-                flat, flats));
-          }
-          owner[static_cast<std::size_t>(flat)] = i;
-        }
-      }
-      for (std::size_t s = 0; s < flats; ++s) {
-        if (owner[s] == SIZE_MAX) {
-          return DataLossError(
-              fmt::format("{}['param_groups']: no group holds flat group {}", state_where, s));
-        }
-      }
+      ZINF_ASSIGN_OR_RETURN(ParamGroups read, ReadParamGroups(*param_groups, flats, state_where));
+      auto& [groups, owner] = read;
       if (r == 0) {
         m.groups = std::move(groups);
         group_of_flat = std::move(owner);
@@ -1185,92 +1715,10 @@ Result<DeepSpeedCheckpoint> OpenDeepSpeedCheckpoint(const std::string& dir,
   }
 
   // ds_config: the optimizer files' (rank 0), else the model file's.
-  {
-    const PyValue* config = m.files[0].root().as<PyDict>()->Find("ds_config");
-    std::string cw = m.files[0].path() + "['ds_config']";
-    if (IsNone(config)) {
-      config = mroot->Find("ds_config");
-      cw = model.path() + "['ds_config']";
-    }
-    if (!IsNone(config)) {
-      if (!config->is<PyDict>()) {
-        return InvalidArgumentError(fmt::format("{}: a {}, not a dict", cw, config->TypeName()));
-      }
-      ZINF_ASSIGN_OR_RETURN(m.ds_config, ToJson(*config, cw, false));
-    }
-  }
-
-  // The params: in module order when module holds them all, else in param_shapes order.
-  std::map<std::string_view, std::pair<std::size_t, const PyTensor*>> module_pos;
-  if (const PyValue* module = mroot->Find("module"); !IsNone(module)) {
-    ZINF_ASSIGN_OR_RETURN(const PyDict* d, AsDict(*module, model.path() + "['module']"));
-    for (std::size_t i = 0; i < d->items.size(); ++i) {
-      const auto* k = d->items[i].first.as<std::string>();
-      if (k != nullptr) module_pos.emplace(*k, std::pair{i, d->items[i].second.as<PyTensor>()});
-    }
-  }
-  std::set<std::string_view> names;
-  bool all_in_module = true;
-  std::string dtype;
-  std::string dtype_from;
-  for (std::size_t s = 0; s < flats; ++s) {
-    std::uint64_t offset = 0;
-    for (const ModelInfo::Shape& shape : info.flat_groups[s]) {
-      if (!names.insert(shape.name).second) {
-        return DataLossError(fmt::format("{}: param_shapes names '{}' twice", model.path(),
-                                         Printable(shape.name, kMaxName)));
-      }
-      DeepSpeedParam p{.name = shape.name,
-                       .shape = shape.shape,
-                       .dtype = "",
-                       .numel = shape.numel,
-                       .group = group_of_flat[s]};
-      auto it = module_pos.find(shape.name);
-      if (it == module_pos.end() || it->second.second == nullptr) {
-        all_in_module = false;
-      } else {
-        const PyTensor& t = *it->second.second;
-        p.dtype = t.dtype;
-        if (dtype.empty()) {
-          dtype = t.dtype;
-          dtype_from = shape.name;
-        } else if (t.dtype != dtype) {
-          return InvalidArgumentError(
-              fmt::format("{}: module holds '{}' as {} but '{}' as {}; zinf imports one dtype",
-                          model.path(), Printable(shape.name, kMaxName), Printable(t.dtype),
-                          Printable(dtype_from, kMaxName), Printable(dtype)));
-        }
-        std::uint64_t tnumel = 1;
-        for (auto d : t.shape) tnumel *= static_cast<std::uint64_t>(d);
-        if (t.shape != shape.shape && !(m.stage == 3 && tnumel == 0)) {
-          return DataLossError(fmt::format("{}: module['{}'] has shape [{}], param_shapes [{}]",
-                                           model.path(), Printable(shape.name, kMaxName),
-                                           fmt::join(t.shape, ", "), fmt::join(shape.shape, ", ")));
-        }
-      }
-      m.params.push_back(std::move(p));
-      m.where.push_back({s, offset});
-      offset += m.stage == 3 ? CeilDiv(shape.numel, w) : shape.numel;
-    }
-  }
-  for (DeepSpeedParam& p : m.params) {
-    if (p.dtype.empty()) p.dtype = dtype;
-  }
-  if (all_in_module && !module_pos.empty()) {
-    std::vector<std::size_t> order(m.params.size());
-    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-      return module_pos.at(m.params[a].name).first < module_pos.at(m.params[b].name).first;
-    });
-    std::vector<DeepSpeedParam> params;
-    std::vector<DeepSpeedCheckpoint::Impl::Where> where;
-    for (std::size_t i : order) {
-      params.push_back(std::move(m.params[i]));
-      where.push_back(m.where[i]);
-    }
-    m.params = std::move(params);
-    m.where = std::move(where);
-  }
+  ZINF_RETURN_IF_ERROR(ReadDsConfig(m, m.files[0].root().as<PyDict>()->Find("ds_config"),
+                                    m.files[0].path() + "['ds_config']", model, *mroot));
+  ReadClientState(m, model, *mroot);
+  ZINF_RETURN_IF_ERROR(BuildParams(m, info, model, *mroot, group_of_flat));
 
   if (limits.verify_crc) {
     for (std::uint64_t r = 0; r < w; ++r) {

@@ -1,6 +1,8 @@
-# zinf checkpoints exported to DeepSpeed's ZeRO 1/2 layout (interop/deepspeed_export.h).
+# zinf checkpoints exported to DeepSpeed's ZeRO 1/2 and universal layouts
+# (interop/deepspeed_export.h).
 if(TARGET zinf_checkpoint)
-  # ExportDeepSpeed on checkpoints saved on 1-3 ranks, read back with TorchFile; every error
+  # ExportDeepSpeed on checkpoints saved on 1-3 ranks, both layouts, read back with TorchFile;
+  # the user state's keys in the model file; every error (refused names and user keys too)
   # leaves nothing.
   zinf_add_mpi_test(deepspeed_export_test
                     SOURCES ${CMAKE_CURRENT_LIST_DIR}/deepspeed_export_test.cc
@@ -18,11 +20,14 @@ if(TARGET zinf_checkpoint)
 endif()
 
 # zinf-ckpt export --format deepspeed on checkpoints of real zinf-train runs and of the
-# generator (fp32 and q8), W = 1..4, stages 1 and 2 (deepspeed_export_test.sh):
+# generator (fp32 and q8), W = 1..4, stages 1 and 2, and --format deepspeed-universal for W = 1
+# and 3 (deepspeed_export_test.sh):
 #   interop_deepspeed_export_torch   torch.load + the documented structure + weights and moments
-#                                    bitwise against --format safetensors --moments; CLI errors.
+#                                    bitwise against --format safetensors --moments; the user
+#                                    keys; CLI errors.
 #                                    Skipped (77) without torch in /usr/bin/python3.
-#   interop_deepspeed_export_tools   DeepSpeed's own zero_to_fp32 and ds_to_universal, from
+#   interop_deepspeed_export_tools   DeepSpeed's own zero_to_fp32 and ds_to_universal (whose
+#                                    output must equal zinf's universal export file by file), from
 #                                    $ZINF_DEEPSPEED_SRC or ../shared/bench/deepspeed's tarball;
 #                                    skipped (77) without either.
 if(TARGET zinf-train AND TARGET zinf-ckpt AND TARGET deepspeed_export_make_ckpt)

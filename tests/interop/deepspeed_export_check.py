@@ -2,20 +2,28 @@
 # Checks `zinf-ckpt export --format deepspeed` output against the same checkpoint's
 # `zinf-ckpt export --format safetensors --moments` (the reference), with torch.
 #
-#   deepspeed_export_check.py structure REF EXPECT DIR:W:STAGE ...
+#   deepspeed_export_check.py structure REF EXPECT DIR:W:STAGE[:universal] ...
 #       torch.load reads every file (DeepSpeed's two classes replaced by inert stand-ins); the
 #       keys, types and values are those of interop/deepspeed_export.h; the fp32 weights
 #       reassembled by zero_to_fp32's rule (each group's W partitions concatenated, walked in
 #       param_shapes order) and the moments (the rigid partitions, padding zeros) equal the
-#       reference bitwise.
-#   deepspeed_export_check.py tools TREE REF EXPECT DIR WORK
+#       reference bitwise. ":universal" (--format deepspeed-universal): zero/<name>/{fp32,
+#       exp_avg,exp_avg_sq}.pt each {'cat_dim': 0, 'param'} bitwise the reference, step.pt,
+#       zero/optimizer_state.pt's keys and values. Both: the model file's top-level keys are the
+#       export's own, then the user's (sorted), with EXPECT's values and Python types.
+#   deepspeed_export_check.py tools TREE REF EXPECT DIR WORK [UNIVERSAL]
 #       DeepSpeed's own zero_to_fp32 (get_fp32_state_dict_from_zero_checkpoint and
 #       convert_zero_checkpoint_to_fp32_state_dict) and ds_to_universal, run from the DeepSpeed
 #       source tree TREE (deepspeed_shim.py), on DIR: their weights, and the universal files'
-#       fp32 / exp_avg / exp_avg_sq / step, equal the reference bitwise.
+#       fp32 / exp_avg / exp_avg_sq / step, equal the reference bitwise. UNIVERSAL (zinf's
+#       --format deepspeed-universal export of the same checkpoint, W and stage as DIR): the same
+#       files as ds_to_universal's output folder, each loading to the same value (torch.equal on
+#       every tensor, the same keys in the same order, types and values), and the same
+#       latest_universal.
 # EXPECT is JSON: {"step", "skipped", "groups": [[names in layout order], ...] or null (one group
-# of every parameter), "dynamic": bool, "adam_w_mode": bool}. Exit 0 when all holds, 1 with the
-# first difference.
+# of every parameter), "dynamic": bool, "adam_w_mode": bool, "user_keys": [the trainer state's
+# user keys], "user": {key: value} for those whose values are known}. Exit 0 when all holds, 1
+# with the first difference.
 import json
 import os
 import runpy
@@ -76,6 +84,41 @@ def install_stand_ins():
         setattr(sys.modules[module], cls, c)
 
 
+# The model file's own top-level keys, in the export's order (interop/deepspeed_export.h).
+MODEL_KEYS = ["module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+              "frozen_param_fragments", "shared_params", "lr_scheduler", "data_sampler",
+              "random_ltd", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
+              "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
+              "universal_checkpoint_info"]
+
+
+def same_value(a, b, ordered=True):
+    """Equal values of the same Python types (an int is not a float), tensors bitwise; dict keys
+    in the same order unless not `ordered` (a JSON object's keys have none)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return (torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and
+                a.shape == b.shape and torch.equal(a, b))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y, ordered) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        keys_match = list(a.keys()) == list(b.keys()) if ordered else a.keys() == b.keys()
+        return keys_match and all(same_value(a[k], b[k], ordered) for k in a)
+    if type(a).__module__.startswith("deepspeed."):
+        return same_value(vars(a), vars(b))
+    return a == b
+
+
+def check_user(model, expect, where):
+    user_keys = sorted(expect["user_keys"])
+    check(list(model.keys()) == MODEL_KEYS + user_keys,
+          f"{where}: model file keys {list(model.keys())}, expected {MODEL_KEYS} + {user_keys}")
+    for key, value in expect["user"].items():
+        check(same_value(model[key], value, ordered=False),
+              f"{where}: user key {key} is {model[key]!r}, expected {value!r}")
+
+
 def groups_of(expect, names):
     return expect["groups"] if expect.get("groups") else [list(names)]
 
@@ -105,6 +148,7 @@ def check_structure(ref_path, expect, out_dir, world, stage):
         check(key in model and model[key] == value and type(model[key]) is type(value),
               f"{where}: model file {key} is {model.get(key)!r}, expected {value!r}")
     check(isinstance(model["ds_config"], dict), f"{where}: ds_config is not a dict")
+    check_user(model, expect, where)
     check(list(model["module"].keys()) == names, f"{where}: module keys {list(model['module'])}")
     for name in names:
         check(same(model["module"][name], ref[name]), f"{where}: module[{name}] differs")
@@ -189,7 +233,79 @@ def check_structure(ref_path, expect, out_dir, world, stage):
             check(order == [x for x in group if x in order], f"{where}: mapping order {order}")
 
 
-def check_tools(tree, ref_path, expect, out_dir, work):
+def check_universal(ref_path, expect, out_dir, world, stage):
+    names, ref = load_safetensors(ref_path)
+    where = f"{out_dir} (universal, W={world}, stage {stage})"
+    step, skipped = expect["step"], expect["skipped"]
+    tag = f"global_step{step}"
+    with open(os.path.join(out_dir, "latest_universal"), "rb") as f:
+        check(f.read() == tag.encode(), f"{where}: latest_universal")
+    check(sorted(os.listdir(out_dir)) == sorted(["latest_universal", tag]),
+          f"{where}: {os.listdir(out_dir)}")
+    tag_dir = os.path.join(out_dir, tag)
+    check(sorted(os.listdir(tag_dir)) == ["mp_rank_00_model_states.pt", "zero"],
+          f"{where}: {os.listdir(tag_dir)}")
+    zero = os.path.join(tag_dir, "zero")
+    check(sorted(os.listdir(zero)) == sorted(names + ["optimizer_state.pt"]),
+          f"{where}: zero/ holds {sorted(os.listdir(zero))}")
+    for name in names:
+        d = os.path.join(zero, name)
+        check(sorted(os.listdir(d)) == ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"],
+              f"{where}: zero/{name} holds {os.listdir(d)}")
+        for key, ref_name in (("fp32", name), ("exp_avg", f"exp_avg/{name}"),
+                              ("exp_avg_sq", f"exp_avg_sq/{name}")):
+            v = torch.load(os.path.join(d, f"{key}.pt"))
+            check(type(v) is dict and list(v.keys()) == ["cat_dim", "param"] and
+                  type(v["cat_dim"]) is int and v["cat_dim"] == 0,
+                  f"{where}: zero/{name}/{key}.pt is {v!r}")
+            check(same(v["param"], ref[ref_name]), f"{where}: zero/{name}/{key}.pt differs")
+        s = torch.load(os.path.join(d, "step.pt"))
+        check(type(s) is int and s == step - skipped, f"{where}: zero/{name}/step.pt is {s!r}")
+    opt = torch.load(os.path.join(zero, "optimizer_state.pt"))
+    keys = ["loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "zero_stage",
+            "group_paddings", "partition_count", "ds_version", "param_groups"]
+    check(list(opt.keys()) == keys, f"{where}: optimizer_state.pt keys {list(opt.keys())}")
+    groups = groups_of(expect, names)
+    check(type(opt["zero_stage"]) is int and opt["zero_stage"] == stage, f"{where}: zero_stage")
+    check(opt["group_paddings"] == [0] * len(groups) and
+          opt["partition_count"] == [world] * len(groups) and opt["ds_version"] == "0.19.6" and
+          opt["overflow"] is False and opt["dynamic_loss_scale"] is expect["dynamic"],
+          f"{where}: optimizer_state.pt {opt}")
+    check(type(opt["loss_scaler"]).__name__ ==
+          ("DynamicLossScaler" if expect["dynamic"] else "LossScaler"), f"{where}: loss_scaler")
+    check(len(opt["param_groups"]) == len(groups), f"{where}: param_groups")
+    for g, pg in enumerate(opt["param_groups"]):
+        check(pg["params"] == [g] and type(pg["betas"]) is tuple and
+              pg["adam_w_mode"] is expect["adam_w_mode"], f"{where}: param_groups[{g}] {pg}")
+    model = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    check(model["dp_world_size"] == world and model["global_steps"] == step,
+          f"{where}: model file counters")
+    for name in names:
+        check(same(model["module"][name], ref[name]), f"{where}: module[{name}] differs")
+    check([list(d.keys()) for d in model["param_shapes"]] == groups, f"{where}: param_shapes")
+    check_user(model, expect, where)
+
+
+def compare_universal(theirs, ours):
+    """ds_to_universal's output folder `theirs` against zinf's universal export `ours` (its tag
+    folder): the same files, each loading to the same value."""
+    def files(root):
+        return sorted(os.path.relpath(os.path.join(d, f), root)
+                      for d, _, fs in os.walk(root) for f in fs)
+
+    check(files(theirs) == files(ours),
+          f"universal: ds_to_universal wrote {files(theirs)}, zinf {files(ours)}")
+    for rel in files(theirs):
+        a = torch.load(os.path.join(theirs, rel))
+        b = torch.load(os.path.join(ours, rel))
+        check(same_value(a, b), f"universal: {rel} differs: ds_to_universal {a!r}, zinf {b!r}")
+    for folder in (theirs, ours):
+        with open(os.path.join(os.path.dirname(folder), "latest_universal"), "rb") as f:
+            check(f.read() == os.path.basename(ours).encode(), f"{folder}: latest_universal")
+    print(f"universal: {len(files(ours))} files equal to ds_to_universal's output")
+
+
+def check_tools(tree, ref_path, expect, out_dir, work, universal_dir=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import deepspeed_shim
 
@@ -226,6 +342,8 @@ def check_tools(tree, ref_path, expect, out_dir, work):
         s = torch.load(os.path.join(universal, "zero", name, "step.pt"))
         check(int(s) == expect["step"] - expect["skipped"], f"ds_to_universal: step.pt is {s}")
     print(f"ds_to_universal: fp32, exp_avg, exp_avg_sq of {len(names)} parameters bitwise equal")
+    if universal_dir:
+        compare_universal(universal, os.path.join(universal_dir, tag))
 
 
 def main():
@@ -236,11 +354,16 @@ def main():
         install_stand_ins()
         expect = json.loads(sys.argv[3])
         for spec in sys.argv[4:]:
-            out_dir, world, stage = spec.rsplit(":", 2)
-            check_structure(sys.argv[2], expect, out_dir, int(world), int(stage))
-            print(f"ok {out_dir}: W={world} stage {stage}")
-    elif mode == "tools" and len(sys.argv) == 7:
-        check_tools(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[5], sys.argv[6])
+            universal = spec.endswith(":universal")
+            out_dir, world, stage = spec.removesuffix(":universal").rsplit(":", 2)
+            if universal:
+                check_universal(sys.argv[2], expect, out_dir, int(world), int(stage))
+            else:
+                check_structure(sys.argv[2], expect, out_dir, int(world), int(stage))
+            print(f"ok {out_dir}: W={world} stage {stage}{' universal' if universal else ''}")
+    elif mode == "tools" and len(sys.argv) in (7, 8):
+        check_tools(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[5], sys.argv[6],
+                    sys.argv[7] if len(sys.argv) == 8 else None)
     else:
         fail(f"bad arguments {sys.argv[1:]}")
 

@@ -1,7 +1,8 @@
 // The checkpoint the DeepSpeed export tests need and zinf-train cannot make: two parameter
 // groups whose parameters interleave in layout order (the odd sizes of checkpoint_test_util.h),
 // Adam with L2 decay (adam_w_mode false), fp16 with a dynamic loss scaler after an overflow (one
-// step skipped), step 5, state StateValue(tensor, 5, flat element). Used by
+// step skipped), step 5, state StateValue(tensor, 5, flat element), a user state of every JSON
+// type, nested (the model file's client state). Used by
 // deepspeed_export_test.cc and deepspeed_export_make_ckpt.cc.
 #pragma once
 
@@ -9,6 +10,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -26,6 +28,15 @@
 namespace zinf::interop::deepspeed_testing {
 
 inline constexpr std::int64_t kGroupsStep = 5;
+
+// The trainer state's "user" object: every JSON type, nested (deepspeed_export_test.sh's
+// `two` expectation holds the same object).
+inline nlohmann::json GroupsUser() {
+  return nlohmann::json::parse(R"({"epoch": 3, "seed": -42, "loss": 0.125, "name": "run-\u00e9",
+    "done": false, "none": null, "big": 9223372036854775807,
+    "data": {"position": 1234567890123, "files": ["a.bin", "b.bin"],
+             "nested": [[1, 2.5], {"k": [], "d": {}}]}})");
+}
 
 // The trainer state's groups: {b1, scale, head} and {embed, w1, w2} in layout order.
 inline nlohmann::json GroupsTrainer(int world_size) {
@@ -51,17 +62,24 @@ inline nlohmann::json GroupsTrainer(int world_size) {
              {"eps", 1e-8},
              {"weight_decay", 0.01},
              {"params", {"embed", "w1", "w2"}}}}},
-          {"user", nlohmann::json::object()}};
+          {"user", GroupsUser()}};
 }
+
+// Parameter names replaced: {old name, new name}.
+using Renames = std::vector<std::pair<std::string, std::string>>;
 
 // The layout of checkpoint_test_util.h's TestLayout; with `scalar` false its 0-dim parameter
 // "scale" has shape [1] instead (DeepSpeed's ds_to_universal cannot merge a 0-dim parameter:
 // torch.cat of 0-dim tensors, in DeepSpeed's own checkpoints too).
-inline partition::ParamLayout GroupsLayout(bool scalar) {
+inline partition::ParamLayout GroupsLayout(bool scalar, const Renames& renames = {}) {
   std::vector<partition::ParamSpec> specs;
   const partition::ParamLayout test_layout = checkpoint::checkpoint_testing::TestLayout();
   for (const partition::ParamInfo& p : test_layout.params()) {
-    specs.push_back({p.name, p.shape.empty() && !scalar ? std::vector<std::int64_t>{1} : p.shape});
+    std::string name = p.name;
+    for (const auto& [from, to] : renames) {
+      if (name == from) name = to;
+    }
+    specs.push_back({name, p.shape.empty() && !scalar ? std::vector<std::int64_t>{1} : p.shape});
   }
   auto layout = partition::ParamLayout::Create(std::move(specs));
   ZINF_CHECK(layout.has_value());
@@ -69,15 +87,16 @@ inline partition::ParamLayout GroupsLayout(bool scalar) {
 }
 
 // Collective over `comm`: fills a swapper's state and saves it to `ckpt_dir` with the metadata
-// above (`trainer` replaces the trainer state when not null). Returns the checkpoint file.
+// above (`trainer` replaces the trainer state when not null; `renames` renames parameters, which
+// the trainer's param_groups must then follow). Returns the checkpoint file.
 inline Result<std::string> SaveGroupsCheckpoint(const comm::Communicator& comm,
                                                 const std::string& store_dir,
                                                 const std::string& ckpt_dir, bool q8,
                                                 nlohmann::json trainer = nullptr,
-                                                bool scalar = true) {
+                                                bool scalar = true, const Renames& renames = {}) {
   using checkpoint::checkpoint_testing::TestSwapper;
   TestSwapper t;
-  const partition::ParamLayout layout = GroupsLayout(scalar);
+  const partition::ParamLayout layout = GroupsLayout(scalar, renames);
   ZINF_ASSIGN_OR_RETURN(partition::PartitionPlan plan,
                         partition::PartitionPlan::CreateFlat(layout, comm.size(), 8));
   t.plan = std::make_unique<partition::PartitionPlan>(std::move(plan));

@@ -12,8 +12,12 @@ fragment_address, LossScaler, DynamicLossScaler and ZeroStageEnum pickle under D
     partition, garbage (NaN) in the moments' padding; fp16 DynamicLossScaler with skipped steps;
     elastic files; BF16_Optimizer files (no zero_stage, padded fp32, bf16_ prefix);
   - ZeRO 3, W = 1..4: two sub-groups, per-param pieces of ceil(numel/W);
+  - universal folders (what DeepSpeed's ds_to_universal writes; spec sections 1.5 and 3): from
+    stage 1/2 (W = 1..3, two groups, {'param', 'cat_dim'} dicts and step.pt) and from stage 3
+    (bare flat tensors, the step in zero/optimizer_state.pt), read directly and through
+    `latest_universal`;
   and `deepspeed_read_tool dump` must give every param's fp32, exp_avg and exp_avg_sq bitwise, in
-  the model file's module order, with the steps, scaler, config and groups;
+  the model file's module order, with the steps, scaler, config, groups and client state;
   - hostile directories: each exits 1 with a message naming the defect.
 """
 
@@ -264,6 +268,103 @@ def write_stage3(out, world, seed=3, global_steps=5, skipped=0):
     return vals
 
 
+def param_values(k, v):
+    return {"fp32": v[0], "exp_avg": v[1], "exp_avg_sq": v[2]}
+
+
+def write_universal12(out, world, stage=2, seed=40, global_steps=7, skipped=0, scaler=None,
+                      step_kind="int", groups=GROUPS, folder="global_step7_universal", **extra):
+    """A universal folder as ds_to_universal writes it from a ZeRO 1/2 checkpoint of `world`
+    ranks, under `out` (with out/latest_universal naming it); returns the values."""
+    vals = make_values(groups, seed)
+    step = global_steps - skipped
+    uc = os.path.join(out, folder)
+    zero = os.path.join(uc, "zero")
+    os.makedirs(zero)
+    torch.save(model_states(groups, vals, global_steps, skipped, **extra),
+               os.path.join(uc, "mp_rank_00_model_states.pt"))
+    torch.save({"loss_scaler": scaler if scaler is not None else LossScaler(1.0),
+                "dynamic_loss_scale": isinstance(scaler, DynamicLossScaler), "overflow": False,
+                "clip_grad": 1.0,
+                "zero_stage": (ZeroStageEnum.gradients if stage == 2
+                               else ZeroStageEnum.optimizer_states),
+                "group_paddings": [0] * len(groups), "partition_count": [world] * len(groups),
+                "ds_version": "0.19.6",
+                "param_groups": [adam_group(1e-3 * (gi + 1), [gi]) for gi in range(len(groups))]},
+               os.path.join(zero, "optimizer_state.pt"))
+    for grp in groups:
+        for name in grp:
+            d = os.path.join(zero, name)
+            os.makedirs(d)
+            for field, t in param_values(name, vals[name]).items():
+                torch.save({"param": t.clone(), "cat_dim": 0}, os.path.join(d, f"{field}.pt"))
+            if step_kind == "int":
+                st = step
+            elif step_kind == "int64":
+                st = torch.tensor(step, dtype=torch.int64)
+            else:
+                st = torch.tensor(float(step))
+            torch.save(st, os.path.join(d, "step.pt"))
+    with open(os.path.join(out, "latest_universal"), "w") as f:
+        f.write(folder)
+    return vals
+
+
+def write_universal3(out, world, seed=50, global_steps=5, skipped=0,
+                     folder="global_step5_universal"):
+    """A universal folder as ds_to_universal writes it from a ZeRO 3 checkpoint."""
+    vals = make_values(SUBGROUPS, seed)
+    step = global_steps - skipped
+    uc = os.path.join(out, folder)
+    zero = os.path.join(uc, "zero")
+    os.makedirs(zero)
+    for r in range(world):
+        ms = model_states(SUBGROUPS, vals, global_steps, skipped)
+        ms["module"] = collections.OrderedDict(
+            (k, torch.empty(0, dtype=torch.float16) if k in vals else v)
+            for k, v in ms["module"].items())
+        torch.save(ms, os.path.join(uc, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+    groups = [adam_group(2e-3, list(range(len(SUBGROUPS))))]
+    # Rank 0's optimizer state as the source held it (its partitions too, which are not read).
+    inner = {"state": {s: {"step": step, "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+                       for s in range(len(SUBGROUPS))},
+             "param_groups": groups}
+    torch.save({"zero_stage": ZeroStageEnum.weights, "loss_scaler": LossScaler(1.0),
+                "dynamic_loss_scale": False, "overflow": False, "partition_count": world,
+                "optimizer_state_dict": inner,
+                "fp32_flat_groups": [torch.zeros(3) for _ in SUBGROUPS], "param_groups": groups},
+               os.path.join(zero, "optimizer_state.pt"))
+    for g in SUBGROUPS:
+        for name in g:
+            d = os.path.join(zero, name)
+            os.makedirs(d)
+            for field, t in param_values(name, vals[name]).items():
+                torch.save(t.reshape(-1).clone(), os.path.join(d, f"{field}.pt"))
+    with open(os.path.join(out, "latest_universal"), "w") as f:
+        f.write(folder + "\n")
+    return vals
+
+
+def flip_storage_byte(path):
+    """Flips a bit in the first storage of the torch file `path` bigger than 8 bytes."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 8)
+    with open(path, "r+b") as f:
+        # The local header: 30 bytes, then name and extra (the reader's layout of torch's
+        # files: stored, 64-byte aligned through the extra field).
+        f.seek(info.header_offset + 26)
+        n, e = struct.unpack("<HH", f.read(4))
+        at = info.header_offset + 30 + n + e + 4
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+CLIENT = {"my_dict": {"a": [1, 2.5, "x"], "b": None}, "my_list": [1, (2, 3)], "my_int": 3,
+          "my_str": "hello"}
+
+
 def run_tool(path):
     return subprocess.run([TOOL, "dump", path], capture_output=True, text=True, timeout=60)
 
@@ -317,6 +418,9 @@ class DeepSpeedRead(unittest.TestCase):
                         self.assertEqual(js["loss_scaler"]["kind"], "static")
                         self.assertEqual(js["ds_config"], CONFIG)
                         self.assertEqual(js["shared_params"], [["lm_head.weight", "a.weight"]])
+                        self.assertFalse(js["universal"])
+                        self.assertEqual(js["client_state"], {})
+                        self.assertEqual(js["client_state_skipped"], [])
                         groups = js["optimizer_groups"]
                         self.assertEqual(len(groups), 2)
                         self.assertEqual([g["lr"] for g in groups], [1e-3, 2e-3])
@@ -513,19 +617,7 @@ class DeepSpeedRead(unittest.TestCase):
 
     def test_broken_storage_crc(self):
         out, tag = self.stage2(world=2)
-        path = self.optim(tag, 0)
-        with zipfile.ZipFile(path) as z:
-            info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 8)
-        with open(path, "r+b") as f:
-            # The local header: 30 bytes, then name and extra (the reader's layout of torch's
-            # files: stored, 64-byte aligned through the extra field).
-            f.seek(info.header_offset + 26)
-            n, e = struct.unpack("<HH", f.read(4))
-            at = info.header_offset + 30 + n + e + 4
-            f.seek(at)
-            b = f.read(1)
-            f.seek(at)
-            f.write(bytes([b[0] ^ 0x10]))
+        flip_storage_byte(self.optim(tag, 0))
         self.expect_error(out, "DataLoss", "zero_pp_rank_0", "CRC-32")
 
     def test_tensor_lengths_and_mappings_checked(self):
@@ -588,7 +680,232 @@ class DeepSpeedRead(unittest.TestCase):
         os.makedirs(os.path.join(tag, "zero"))
         with open(os.path.join(tag, "zero", "optimizer_state.pt"), "w"):
             pass
-        self.expect_error(out, "InvalidArgument", "universal checkpoint")
+        self.expect_error(out, "DataLoss", "optim_states.pt) beside a universal checkpoint")
+
+    def test_client_state(self):
+        out = self.new_dir()
+        write_stage12(out, 2)
+        path = os.path.join(out, "global_step7", "mp_rank_00_model_states.pt")
+        ms = torch.load(path)
+        ms.update(CLIENT, my_tensor=torch.zeros(2))
+        torch.save(ms, path)
+        js = self.dump(out)
+        want = json.loads(json.dumps(CLIENT))  # tuples as lists
+        self.assertEqual(js["client_state"], want)
+        self.assertEqual(js["client_state_skipped"], ["my_tensor"])
+        # A universal folder's copied model file gives the same.
+        out = self.new_dir()
+        write_universal12(out, 2, my_tensor=torch.zeros(2), **CLIENT)
+        js = self.dump(out)
+        self.assertEqual(js["client_state"], want)
+        self.assertEqual(js["client_state_skipped"], ["my_tensor"])
+
+    # ---- universal folders ----
+    def test_universal_from_stage1_and_2(self):
+        order = [n for n in MODULE_ORDER if n in make_values(GROUPS, 0)]
+        for stage, world, step_kind in ((2, 1, "int"), (1, 2, "tensor"), (2, 3, "int64")):
+            with self.subTest(stage=stage, world=world, step=step_kind):
+                out = self.new_dir()
+                vals = write_universal12(out, world, stage=stage, seed=40 + world,
+                                         step_kind=step_kind)
+                js = self.dump(out)
+                self.assertTrue(js["universal"])
+                self.assertEqual((js["stage"], js["world_size"]), (stage, world))
+                self.assertFalse(js["bf16_optimizer"])
+                self.assertFalse(js["elastic"])
+                self.assertEqual((js["global_steps"], js["skipped_steps"]), (7, 0))
+                self.assertEqual(js["scheduler_last_batch_iteration"], 6)
+                self.assertEqual(js["loss_scaler"]["kind"], "static")
+                self.assertEqual(js["ds_config"], CONFIG)
+                self.assertEqual(js["shared_params"], [["lm_head.weight", "a.weight"]])
+                self.assertEqual([g["lr"] for g in js["optimizer_groups"]], [1e-3, 2e-3])
+                self.assertEqual({p["name"]: p["group"] for p in js["params"]},
+                                 {"a.weight": 0, "a.bias": 0, "b.weight": 0,
+                                  "c.weight": 1, "c.bias": 1})
+                self.check_values(js, vals, order)
+                uc = os.path.join(out, "global_step7_universal")
+                self.assertEqual(self.dump(uc), js)  # the folder itself reads the same
+
+    def test_universal_fp16_scaler_skipped_steps(self):
+        out = self.new_dir()
+        scaler = DynamicLossScaler(2.0 ** 13, 10, 6, 1)
+        vals = write_universal12(out, 2, global_steps=10, skipped=2, scaler=scaler, seed=45,
+                                 step_kind="tensor")
+        js = self.dump(out)
+        self.assertEqual((js["global_steps"], js["skipped_steps"]), (10, 2))
+        self.assertEqual(js["scheduler_last_batch_iteration"], 7)
+        self.assertEqual(js["loss_scaler"]["kind"], "dynamic")
+        self.assertEqual(js["loss_scaler"]["scale"], 8192.0)
+        self.check_values(js, vals, [n for n in MODULE_ORDER if n in vals])
+
+    def test_universal_from_stage3(self):
+        for world in (1, 3):
+            with self.subTest(world=world):
+                out = self.new_dir()
+                vals = write_universal3(out, world, seed=50 + world)
+                js = self.dump(out)
+                self.assertTrue(js["universal"])
+                self.assertEqual((js["stage"], js["world_size"]), (3, world))
+                self.assertEqual(js["global_steps"], 5)
+                self.assertEqual(len(js["optimizer_groups"]), 1)
+                self.assertEqual(js["optimizer_groups"][0]["lr"], 2e-3)
+                self.assertTrue(all(p["group"] == 0 for p in js["params"]))
+                self.check_values(js, vals, [n for n in MODULE_ORDER if n in vals])
+                self.assertEqual(self.dump(os.path.join(out, "global_step5_universal")), js)
+
+    def universal(self, **kw):
+        out = self.new_dir()
+        write_universal12(out, 2, **kw)
+        uc = os.path.join(out, "global_step7_universal")
+        return out, uc, os.path.join(uc, "zero")
+
+    def test_universal_param_folders(self):
+        out, uc, zero = self.universal()
+        shutil.rmtree(os.path.join(zero, "a.bias"))
+        self.expect_error(out, "NotFound", "param 'a.bias'")
+        out, uc, zero = self.universal()
+        os.makedirs(os.path.join(zero, "extra.weight"))
+        self.expect_error(out, "DataLoss", "extra.weight not among the params of")
+        out, uc, zero = self.universal()
+        real = os.path.join(self.tmp.name, "elsewhere")
+        shutil.move(os.path.join(zero, "a.bias"), real)
+        os.symlink(real, os.path.join(zero, "a.bias"))
+        self.expect_error(out, "FailedPrecondition", "a.bias", "symbolic link")
+        out, uc, zero = self.universal()
+        real = os.path.join(self.tmp.name, "elsewhere.pt")
+        shutil.move(os.path.join(zero, "c.bias", "exp_avg.pt"), real)
+        os.symlink(real, os.path.join(zero, "c.bias", "exp_avg.pt"))
+        self.expect_error(out, "FailedPrecondition", "c.bias/exp_avg.pt", "symbolic link")
+        out, uc, zero = self.universal()
+        torch.save({"param": torch.zeros(5), "cat_dim": 0},
+                   os.path.join(zero, "a.bias", "max_exp_avg_sq.pt"))
+        self.expect_error(out, "InvalidArgument", "a.bias: max_exp_avg_sq.pt")
+        os.remove(os.path.join(zero, "a.bias", "step.pt"))
+        os.remove(os.path.join(zero, "a.bias", "max_exp_avg_sq.pt"))
+        self.expect_error(out, "NotFound", "a.bias/step.pt")
+
+    def test_universal_names_that_are_not_folders(self):
+        for bad in ("..", "a/b", "."):
+            with self.subTest(name=bad):
+                groups = [collections.OrderedDict([("a.weight", (3, 5)), (bad, (5,))])]
+                # Such a param cannot have its own folder: the model file names it.
+                vals = make_values(groups, 1)
+                uc = os.path.join(self.new_dir(), "uc")
+                os.makedirs(os.path.join(uc, "zero", "a.weight"))
+                torch.save(model_states(groups, vals, 7, 0),
+                           os.path.join(uc, "mp_rank_00_model_states.pt"))
+                torch.save({"zero_stage": 2, "partition_count": [1], "ds_version": "0.19.6",
+                            "param_groups": [adam_group(1e-3, [0])]},
+                           os.path.join(uc, "zero", "optimizer_state.pt"))
+                self.expect_error(uc, "InvalidArgument", "is not a folder name")
+
+    def test_latest_universal(self):
+        for text in ("..", "../x", "a/b", ""):
+            with self.subTest(latest_universal=text):
+                out, _, _ = self.universal()
+                with open(os.path.join(out, "latest_universal"), "w") as f:
+                    f.write(text)
+                self.expect_error(out, "InvalidArgument", "latest_universal", "is not a tag")
+        out, uc, _ = self.universal()
+        latest = os.path.join(out, "latest_universal")
+        os.rename(latest, os.path.join(self.tmp.name, "lu_elsewhere"))
+        os.symlink(os.path.join(self.tmp.name, "lu_elsewhere"), latest)
+        self.expect_error(out, "FailedPrecondition", "latest_universal", "symbolic link")
+        os.remove(latest)
+        os.rename(uc, os.path.join(self.tmp.name, "uc_elsewhere"))
+        os.symlink(os.path.join(self.tmp.name, "uc_elsewhere"), uc)
+        with open(latest, "w") as f:
+            f.write("global_step7_universal")
+        self.expect_error(out, "FailedPrecondition", "global_step7_universal")
+        # Both pointers: which one is meant is not for zinf to guess.
+        out, uc, _ = self.universal()
+        with open(os.path.join(out, "latest"), "w") as f:
+            f.write("global_step7_universal")
+        self.expect_error(out, "InvalidArgument", "both latest and latest_universal")
+        self.dump(uc)
+        # latest_universal naming a ZeRO tag folder.
+        out = self.new_dir()
+        write_stage12(out, 1)
+        with open(os.path.join(out, "latest_universal"), "w") as f:
+            f.write("global_step7")
+        os.remove(os.path.join(out, "latest"))
+        self.expect_error(out, "NotFound", "latest_universal", "not a universal checkpoint")
+
+    def test_universal_steps(self):
+        out, uc, zero = self.universal(step_kind="tensor")
+        torch.save(torch.tensor(8.0), os.path.join(zero, "c.weight", "step.pt"))
+        self.expect_error(out, "DataLoss", "c.weight/step.pt: step 8, but", "step.pt has 7")
+        for name in ("a.weight", "a.bias", "b.weight", "c.bias"):
+            torch.save(8, os.path.join(zero, name, "step.pt"))
+        self.expect_error(out, "DataLoss", "step is 8",
+                          "global_steps 7 - skipped_steps 0 = 7")
+        out = self.new_dir()
+        write_universal3(out, 2)
+        path = os.path.join(out, "global_step5_universal", "zero", "optimizer_state.pt")
+        sd = torch.load(path)
+        sd["optimizer_state_dict"]["state"][1]["step"] = 4
+        torch.save(sd, path)
+        self.expect_error(out, "DataLoss", "['state'][1]['step']: step 4, but")
+
+    def test_universal_param_files(self):
+        for key in ("vocab_tensor", "param_n_sub_params", "sub_param_shape", "is_expert_param"):
+            with self.subTest(key=key):
+                out, uc, zero = self.universal()
+                path = os.path.join(zero, "a.weight", "fp32.pt")
+                d = torch.load(path)
+                d[key] = True
+                torch.save(d, path)
+                self.expect_error(out, "InvalidArgument", "a.weight/fp32.pt", f"key '{key}'",
+                                  "tensor- or expert-parallel")
+        out, uc, zero = self.universal()
+        torch.save({"param": torch.zeros(4), "cat_dim": 0},
+                   os.path.join(zero, "a.bias", "exp_avg_sq.pt"))
+        self.expect_error(out, "DataLoss", "a.bias/exp_avg_sq.pt['param']", "(4 elements)",
+                          "param_shapes gives 5")
+        out, uc, zero = self.universal()
+        path = os.path.join(zero, "a.weight", "exp_avg.pt")
+        d = torch.load(path)
+        d["param"][0, 3] = math.nan
+        torch.save(d, path)
+        self.expect_error(out, "DataLoss", "param 'a.weight' exp_avg: element 3 is nan")
+        out, uc, zero = self.universal()
+        path = os.path.join(zero, "a.weight", "exp_avg_sq.pt")
+        d = torch.load(path)
+        d["param"][1, 0] = -1.0
+        torch.save(d, path)
+        self.expect_error(out, "DataLoss", "param 'a.weight' exp_avg_sq: element 5 is -1",
+                          "negative")
+        out, uc, zero = self.universal()
+        torch.save({"param": RunsCode(), "cat_dim": 0}, os.path.join(zero, "b.weight", "fp32.pt"))
+        self.expect_error(out, "InvalidArgument", "b.weight/fp32.pt", "system")
+        out, uc, zero = self.universal()
+        flip_storage_byte(os.path.join(zero, "c.weight", "exp_avg_sq.pt"))
+        self.expect_error(out, "DataLoss", "c.weight/exp_avg_sq.pt", "CRC-32")
+        out = self.new_dir()
+        write_universal3(out, 2)
+        zero = os.path.join(out, "global_step5_universal", "zero")
+        torch.save(torch.zeros(6), os.path.join(zero, "b.weight", "fp32.pt"))
+        self.expect_error(out, "DataLoss", "b.weight/fp32.pt", "6 elements, the layout gives 7")
+        torch.save({"param": torch.zeros(7), "cat_dim": 0},
+                   os.path.join(zero, "b.weight", "fp32.pt"))
+        self.expect_error(out, "DataLoss", "b.weight/fp32.pt", "a dict, not a tensor")
+
+    def test_universal_world_and_model_files(self):
+        out, uc, zero = self.universal()
+        path = os.path.join(zero, "optimizer_state.pt")
+        sd = torch.load(path)
+        sd["partition_count"] = [2, 3]
+        torch.save(sd, path)
+        self.expect_error(out, "DataLoss", "partition_count']: 3, not a world size")
+        out = self.new_dir()
+        write_universal3(out, 3)
+        uc = os.path.join(out, "global_step5_universal")
+        os.remove(os.path.join(uc, "zero_pp_rank_1_mp_rank_00_model_states.pt"))
+        self.expect_error(out, "DataLoss", "model files", "(missing: 1)")
+        out, uc, zero = self.universal()
+        shutil.copy(os.path.join(uc, "mp_rank_00_model_states.pt"),
+                    os.path.join(uc, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+        self.expect_error(out, "DataLoss", "beside a universal checkpoint")
 
 
 def main():

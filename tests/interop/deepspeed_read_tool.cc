@@ -1,11 +1,12 @@
 // deepspeed_read_tool: the C++ side of tests/interop/deepspeed_read_test.py.
 //   deepspeed_read_tool dump DIR   OpenDeepSpeedCheckpoint(DIR), printed as one JSON document:
-//     {stage, bf16_optimizer, elastic, world_size, global_steps, skipped_steps,
+//     {stage, bf16_optimizer, elastic, universal, world_size, global_steps, skipped_steps,
 //      scheduler_last_batch_iteration (null if none), loss_scaler {kind, scale, iteration,
 //      last_overflow_iteration, hysteresis, state}, ds_config, optimizer_groups [{saved, lr,
-//      betas, eps, weight_decay, options}], shared_params [[alias, owner]], params [{name,
-//      shape, dtype, numel, group, fp32, exp_avg, exp_avg_sq}]}, the values of each field as
-//      the fp32 bits ("8 hex digits") of every element, row-major (ReadParam).
+//      betas, eps, weight_decay, options}], shared_params [[alias, owner]], client_state,
+//      client_state_skipped [names], params [{name, shape, dtype, numel, group, fp32, exp_avg,
+//      exp_avg_sq}]}, the values of each field as the fp32 bits ("8 hex digits") of every
+//      element, row-major (ReadParam).
 // Exit 0 on success, 1 with the error on stderr, 2 on a usage error.
 #include <bit>
 #include <cstdint>
@@ -29,6 +30,7 @@ Result<nlohmann::json> Dump(const std::string& dir) {
   out["stage"] = ckpt.stage();
   out["bf16_optimizer"] = ckpt.bf16_optimizer();
   out["elastic"] = ckpt.elastic();
+  out["universal"] = ckpt.universal();
   out["world_size"] = ckpt.world_size();
   out["global_steps"] = ckpt.global_steps();
   out["skipped_steps"] = ckpt.skipped_steps();
@@ -57,6 +59,8 @@ Result<nlohmann::json> Dump(const std::string& dir) {
   for (const auto& [alias, owner] : ckpt.shared_params()) {
     out["shared_params"].push_back({alias, owner});
   }
+  out["client_state"] = ckpt.client_state();
+  out["client_state_skipped"] = ckpt.client_state_skipped();
   out["params"] = nlohmann::json::array();
   std::vector<float> values;
   for (std::size_t i = 0; i < ckpt.params().size(); ++i) {

@@ -6,6 +6,27 @@
 //   OUT/<tag>/mp_rank_00_model_states.pt               the model states (below)
 //   OUT/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt    for r = 0 .. W-1
 //
+// or, with DeepSpeedExportOptions::universal, as DeepSpeed's *universal* checkpoint: exactly what
+// DeepSpeed v0.19.6's ds_to_universal makes of the ZeRO 1/2 export above (its output folder
+// being OUT/<tag>), which DeepSpeed's engine loads on any world size ("load_universal": true):
+//
+//   OUT/latest_universal                    the tag (no newline)
+//   OUT/<tag>/mp_rank_00_model_states.pt   the same model states as the ZeRO 1/2 export
+//   OUT/<tag>/zero/optimizer_state.pt      rank 0's S below without base_optimizer_state,
+//                                          single_partition_of_fp32_groups and
+//                                          param_slice_mappings, with group_paddings [0] * G and
+//                                          'param_groups' (base_optimizer_state's param_groups)
+//   OUT/<tag>/zero/<name>/fp32.pt          {'cat_dim': 0, 'param': the fp32 weights of parameter
+//   OUT/<tag>/zero/<name>/exp_avg.pt        <name>, a tensor of its shape}; the same for the two
+//   OUT/<tag>/zero/<name>/exp_avg_sq.pt     moments (a q8 checkpoint's decoded, see below)
+//   OUT/<tag>/zero/<name>/step.pt          a bare int: the checkpoint's step - skipped_steps
+//
+// W is then recorded only (partition_count [W] * G in optimizer_state.pt, dp_world_size W in the
+// model states): the files do not depend on it, and DeepSpeed's universal load repartitions for
+// its own world size. Each parameter name is a directory name there, so a name that cannot be
+// one (empty, ".", "..", "optimizer_state.pt", longer than 255 bytes, holding '/' or an ASCII
+// control character) is refused; zinf's layouts allow '/' in names (a Flax-style "enc/w").
+//
 // Parameter groups: one DeepSpeed group per entry of the checkpoint's trainer `param_groups`
 // (engine/trainer_state.h), holding its parameters in zinf layout order; one group of every
 // parameter when the trainer state has none. Group g's flat vector (its parameters' elements
@@ -43,7 +64,22 @@
 // runs without --inject_missing_state).
 // DeepSpeed v0.19.6's ds_to_universal cannot convert a checkpoint holding a 0-dim parameter
 // (shape []: its merge concatenates 0-dim tensors), DeepSpeed's own checkpoints included;
-// zero_to_fp32 and DeepSpeed's engine read it.
+// zero_to_fp32 and DeepSpeed's engine read it, and the universal export writes it (shape []).
+// Client state: DeepSpeed keeps a user's client_state as extra top-level keys of the model-states
+// file and gives back every key it does not own as client_state on load (runtime/engine.py:
+// _save_checkpoint's state.update(client_state); _load_checkpoint). zinf keeps the training
+// loop's state as the trainer state's "user" object (engine/trainer_state.h; zinf-train's seed
+// and data position, zinf.torch's client_state), so both layouts write each key of "user" as a
+// top-level key of mp_rank_00_model_states.pt, after DeepSpeed's own keys, its value as plain
+// pickle values: null -> None, true/false -> bool, integers -> int, other numbers -> float,
+// strings -> str, arrays -> list, objects -> dict (str keys). Reading it back: every top-level
+// key outside kDeepSpeedModelKeys is a key of "user". Refused (InvalidArgument naming
+// the key, nothing written): a key in kDeepSpeedModelKeys (every key the model file
+// holds, and those DeepSpeed or ds_to_universal read from it), an integer outside int64 (a
+// float would silently change a seed or a position: store such values as strings), nesting
+// deeper than kMaxDeepSpeedUserDepth containers. A trainer state whose "user" is null or absent
+// (an older zinf-train's state, which a resume takes whole as the user's) adds no keys; a
+// "user" that is neither an object nor null is DataLoss.
 // A q8 checkpoint's moments are written decoded, as fp32 (DeepSpeed has no q8 state): a
 // DeepSpeed run resumed from the export continues from the decoded moments.
 //
@@ -55,6 +91,7 @@
 #ifndef ZINF_INTEROP_DEEPSPEED_EXPORT_H_
 #define ZINF_INTEROP_DEEPSPEED_EXPORT_H_
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -62,6 +99,7 @@
 
 #include "zinf/checkpoint/checkpoint.h"
 #include "zinf/core/status.h"
+#include "zinf/interop/deepspeed.h"
 
 namespace zinf::interop {
 
@@ -69,10 +107,14 @@ namespace zinf::interop {
 inline constexpr std::string_view kDeepSpeedExportVersion = "0.19.6";
 inline constexpr int kMaxDeepSpeedExportWorldSize = 4096;
 
+// The deepest nesting of lists and dicts in a "user" value (the user object itself not counted).
+inline constexpr int kMaxDeepSpeedUserDepth = 64;
+
 struct DeepSpeedExportOptions {
-  int world_size = 1;  // W, the data-parallel ranks of the layout, in [1, kMaxDeepSpeed...]
-  int stage = 2;       // ZeRO stage recorded in the files: 1 or 2 (the layout is the same)
-  std::string tag;     // the folder under out_dir; empty: "global_step<step>"
+  int world_size = 1;      // W, the data-parallel ranks of the layout, in [1, kMaxDeepSpeed...]
+  int stage = 2;           // ZeRO stage recorded in the files: 1 or 2 (the layout is the same)
+  std::string tag;         // the folder under out_dir; empty: "global_step<step>"
+  bool universal = false;  // DeepSpeed's universal layout (above) instead of ZeRO 1/2's
   // Called with (bytes written, bytes total) as the files are written. Empty: none.
   checkpoint::CheckpointProgressFn progress;
   // A further check of the checkpoint's metadata before anything is written (zinf-ckpt runs the
@@ -86,7 +128,8 @@ struct DeepSpeedExportOptions {
 // (".<name>.deepspeed-tmp-XXXXXX"), synced, and renamed to `out_dir` when complete: on any error
 // nothing is left (the temporary is removed) and an empty `out_dir` stays as it was.
 // Errors: InvalidArgument (world_size outside [1, kMaxDeepSpeedExportWorldSize], stage not 1 or
-// 2, a tag that is not one path component of letters, digits and . _ - + =);
+// 2, a tag that is not one path component of letters, digits and . _ - + =; a "user" key or
+// value refused above; universal: a parameter name that cannot be a directory name);
 // FailedPrecondition (out_dir exists and is not an empty directory);
 // ResourceExhausted (the parent's file system has too little space for the files);
 // the checkpoint's errors (checkpoint::ReadCheckpointInfo, DataLoss for a bad chunk while
