@@ -1,4 +1,4 @@
-// zinf-ckpt: inspect, verify and export zinf checkpoints, serially (no mpirun needed).
+// zinf-ckpt: inspect, verify, export and import zinf checkpoints, serially (no mpirun needed).
 //
 //   zinf-ckpt ls PATH                       PATH: a step-<N>.h5 file or a checkpoint directory
 //   zinf-ckpt verify PATH                   checks what a resume checks (engine/trainer_state.h)
@@ -10,10 +10,17 @@
 //                    [--tag T]              DeepSpeed's universal checkpoint layout (what its
 //                                           ds_to_universal makes of the above):
 //                                           DIR/latest_universal, DIR/<tag>/zero/<name>/*.pt
+//   zinf-ckpt import-deepspeed DIR --out FILE [--force]
+//                                           a DeepSpeed ZeRO 1/2/3 or universal checkpoint (DIR:
+//                                           its save directory, a tag or universal folder) as
+//                                           one zinf checkpoint file that resumes on any number
+//                                           of ranks
+//                                           (interop/deepspeed_import.h)
 //
 // Exit status: 0 on success; 1 when the checkpoint is bad (verify: the first problem is
 // printed) or cannot be read, or export's --out is refused (an existing file without --force;
-// anything but a regular file, /dev/null included: nothing is written); 2 on a usage error.
+// anything but a regular file, /dev/null included: nothing is written), or import-deepspeed
+// refuses its input or --out (nothing is written); 2 on a usage error.
 // Everything read from a file is treated as hostile: sizes are range-checked before use, strings
 // are escaped before they are printed.
 #include <fcntl.h>
@@ -39,6 +46,7 @@
 #include "zinf/core/units.h"
 #include "zinf/engine/trainer_state.h"
 #include "zinf/interop/deepspeed_export.h"
+#include "zinf/interop/deepspeed_import.h"
 #include "zinf/partition/layout.h"
 #include "zinf/storage/env.h"
 #include "zinf/storage/fs.h"
@@ -219,11 +227,44 @@ int ExportDeepSpeed(const std::string& path, const std::string& out, int world_s
   return 0;
 }
 
+// A DeepSpeed checkpoint as a zinf checkpoint: the complete temporary file must pass what
+// `verify` checks (engine::VerifyResumable) before it is renamed to `out`.
+int ImportDeepSpeed(const std::string& dir, const std::string& out, bool force) {
+  zinf::interop::DeepSpeedImportOptions options;
+  options.overwrite =
+      force ? zinf::storage::Overwrite::kRegularFile : zinf::storage::Overwrite::kNo;
+  options.progress = Progress("import");
+  options.check = [](const std::string& temp_path) {
+    return zinf::engine::VerifyResumable(temp_path);
+  };
+  zinf::Result<zinf::interop::DeepSpeedImportResult> r =
+      zinf::interop::ImportDeepSpeed(dir, out, options);
+  if (!r) {
+    const int rc = Fail(r.error());
+    if (r.error().code() == zinf::ErrorCode::kAlreadyExists) {
+      std::fprintf(stderr,
+                   "zinf-ckpt: import-deepspeed --force replaces an existing regular file\n");
+    }
+    return rc;
+  }
+  for (const std::string& key : r->client_state_skipped) {
+    std::fprintf(stderr,
+                 "zinf-ckpt: warning: client state key '%s' not imported (a value JSON cannot "
+                 "hold, e.g. a tensor)\n",
+                 Shown(key).c_str());
+  }
+  std::printf("wrote %s (deepspeed%s ZeRO stage %d, %llu ranks, step %lld, %llu params)\n",
+              Shown(out).c_str(), r->universal ? " universal," : "", r->stage,
+              static_cast<unsigned long long>(r->world_size), static_cast<long long>(r->step),
+              static_cast<unsigned long long>(r->num_params));
+  return 0;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"zinf-ckpt: list, verify and export zinf checkpoints (serial, no MPI needed)"};
+  CLI::App app{
+      "zinf-ckpt: list, verify, export and import zinf checkpoints (serial, no MPI needed)"};
   app.require_subcommand(1);
   std::string path, out, format = "h5", tag;
   bool moments = false, force = false;
@@ -275,6 +316,26 @@ int main(int argc, char** argv) {
   exp->add_flag("--moments", moments,
                 "also Adam's moments as fp32 tensors exp_avg/<name> and exp_avg_sq/<name> (a q8 "
                 "checkpoint's decoded)");
+  std::string import_dir, import_out;
+  bool import_force = false;
+  CLI::App* import_ds = app.add_subcommand(
+      "import-deepspeed",
+      "a DeepSpeed checkpoint (ZeRO stage 1, 2 or 3, or DeepSpeed's universal layout: its save "
+      "directory holding `latest` or `latest_universal`, a tag directory or a universal folder) "
+      "as one zinf checkpoint file, fp32 weights and Adam moments bitwise, with "
+      "the step, lr scheduler position, fp16 loss scaler, param groups and the client state "
+      "(JSON-representable keys; each other key is named in a warning); it restores on any "
+      "number of ranks. The .pt files are read without running code (a pickle naming anything "
+      "but tensors and DeepSpeed's own classes is refused). Written to a temporary file beside "
+      "--out, checked as `verify` checks it, and renamed when complete: on any error (exit 1) "
+      "nothing is written");
+  import_ds->add_option("DIR", import_dir, "the DeepSpeed checkpoint directory")->required();
+  import_ds
+      ->add_option("--out", import_out,
+                   "the zinf checkpoint file: a new name, or with --force an existing regular "
+                   "file (replaced whole); anything else there is refused (exit 1)")
+      ->required();
+  import_ds->add_flag("--force", import_force, "replace an existing regular file at --out");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -301,6 +362,7 @@ int main(int argc, char** argv) {
   try {
     if (*ls) return List(path);
     if (*verify) return Verify(path);
+    if (*import_ds) return ImportDeepSpeed(import_dir, import_out, import_force);
     if (format == "deepspeed" || format == "deepspeed-universal") {
       return ExportDeepSpeed(path, out, world_size, stage, tag, format == "deepspeed-universal");
     }
