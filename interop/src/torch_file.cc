@@ -1,5 +1,6 @@
 #include "zinf/interop/torch_file.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -297,10 +298,12 @@ Status CheckVersion(const ZipReader& zip, const std::string& archive) {
   return OkStatus();
 }
 
-// Whether `path` starts like torch's legacy format: a pickle (PROTO 0x80) instead of "PK".
-Result<bool> StartsWithPickle(const std::string& path) {
-  ZINF_ASSIGN_OR_RETURN(storage::UniqueFd fd,
-                        storage::OpenFile(path, storage::FileAccess::kRead, storage::Follow::kNo));
+// Whether `name` (in `dir_fd`; `path` in errors) starts like torch's legacy format: a pickle
+// (PROTO 0x80) instead of "PK".
+Result<bool> StartsWithPickle(int dir_fd, const std::string& name, const std::string& path) {
+  ZINF_ASSIGN_OR_RETURN(
+      storage::UniqueFd fd,
+      storage::OpenFileAt(dir_fd, name, path, storage::FileAccess::kRead, storage::Follow::kNo));
   unsigned char first = 0;
   ssize_t n;
   do {
@@ -404,9 +407,15 @@ std::size_t DtypeBytes(std::string_view dtype) {
 }
 
 Result<TorchFile> TorchFile::Read(const std::string& path, const PickleLimits& limits) {
-  ZINF_ASSIGN_OR_RETURN(bool legacy, StartsWithPickle(path));
+  return ReadAt(AT_FDCWD, path, path, limits);
+}
+
+Result<TorchFile> TorchFile::ReadAt(int dir_fd, const std::string& name, std::string display,
+                                    const PickleLimits& limits) {
+  const std::string path = std::move(display);
+  ZINF_ASSIGN_OR_RETURN(bool legacy, StartsWithPickle(dir_fd, name, path));
   if (legacy) return InvalidArgumentError(fmt::format("{}: {}", path, kLegacyMessage));
-  ZINF_ASSIGN_OR_RETURN(ZipReader zip, ZipReader::Open(path));
+  ZINF_ASSIGN_OR_RETURN(ZipReader zip, ZipReader::OpenAt(dir_fd, name, path));
   ZINF_ASSIGN_OR_RETURN(std::string archive, ArchivePrefix(zip));
   const std::string pkl_name = archive + "/data.pkl";
   const ZipEntry* pkl_entry = zip.Find(pkl_name);

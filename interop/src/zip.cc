@@ -1,5 +1,6 @@
 #include "zinf/interop/zip.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -252,10 +253,17 @@ std::uint32_t Crc32(std::span<const std::byte> data, std::uint32_t crc) {
 // ZipReader
 
 Result<ZipReader> ZipReader::Open(const std::string& path, const ZipLimits& limits) {
+  return OpenAt(AT_FDCWD, path, path, limits);
+}
+
+Result<ZipReader> ZipReader::OpenAt(int dir_fd, const std::string& file_name, std::string display,
+                                    const ZipLimits& limits) {
   ZipReader r;
-  r.path_ = path;
+  r.path_ = std::move(display);
+  const std::string& path = r.path_;
   ZINF_ASSIGN_OR_RETURN(r.fd_,
-                        storage::OpenFile(path, storage::FileAccess::kRead, storage::Follow::kNo));
+                        storage::OpenFileAt(dir_fd, file_name, path, storage::FileAccess::kRead,
+                                            storage::Follow::kNo));
   ZINF_RETURN_IF_ERROR(storage::ClearNonBlock(r.fd_.get(), path));
   const int fd = r.fd_.get();
   struct stat st {};

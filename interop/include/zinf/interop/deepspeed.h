@@ -173,11 +173,14 @@ class DeepSpeedCheckpoint {
   const std::vector<std::string>& client_state_skipped() const;
 
   // Parameter `param`'s values of `field` (row-major, numel of them) into `out` (exactly numel
-  // floats), read as ranges of the ranks' tensors (universal: of the param's file of `field`,
-  // opened again, whose tensor must still be the one Open checked): memory `out` plus bounded
-  // buffers. Thread-safe (reads with pread). Errors: InvalidArgument (param out of range, `out`
-  // of another size), DataLoss naming the param and field for a NaN or infinity in any field or
-  // a negative exp_avg_sq, read errors (naming the file), a universal file changed since Open.
+  // floats), read as ranges of the ranks' tensors (held open since Open; universal: of the
+  // param's file of `field`, opened again in the zero/ folder Open opened, whatever its path
+  // now leads to, never following a link, and whose tensor must still be the one Open checked):
+  // memory `out` plus bounded buffers. Thread-safe (reads with pread). Errors: InvalidArgument
+  // (param out of range, `out` of another size), DataLoss naming the param and field for a NaN
+  // or infinity in any field or a negative exp_avg_sq, read errors (naming the file), a
+  // universal file changed since Open, FailedPrecondition for a universal param folder or file
+  // replaced by a link since Open.
   Status ReadParam(std::size_t param, Field field, std::span<float> out) const;
 
  private:
@@ -194,10 +197,12 @@ const char* DeepSpeedFieldName(DeepSpeedCheckpoint::Field field);
 // Opens the checkpoint in `dir`: a save directory holding `latest` or `latest_universal` (a
 // regular file of at most limits.max_latest_bytes naming one path component, the tag or
 // universal folder beside it, not a link; both there is InvalidArgument), a tag directory, or a
-// universal folder (it holds zero/optimizer_state.pt). Reads and checks every file's pickle
-// (see the top of this file); the tensors' data is read only to check CRCs (limits.verify_crc)
-// and by ReadParam. Errors: NotFound (no such directory, no optimizer files, a missing model
-// file or param folder or file, a `latest_universal` naming a folder that is not universal),
+// universal folder (it holds zero/optimizer_state.pt). The folder is opened once, and every file
+// relative to it (never again by path, so a folder replaced by a link meanwhile is not read).
+// Reads and checks every file's pickle (see the top of this file); the tensors' data is read
+// only to check CRCs (limits.verify_crc) and by ReadParam. Errors: NotFound (no such directory,
+// no optimizer files, a missing model file or param folder or file, a `latest_universal` naming
+// a folder that is not universal),
 // FailedPrecondition (a link or non-regular file or folder), InvalidArgument (what zinf does not
 // import: model/pipeline parallel or MoE files, frozen params, non-Adam state, torch's legacy
 // format, a `latest` that is not one component, a ds_config JSON cannot hold, tensor- or

@@ -32,6 +32,11 @@ class TorchFile {
   // those of ZipReader::Open and ReadPickle; DataLoss naming the file and what is wrong;
   // InvalidArgument "torch's legacy (non-zip) format" for a file that starts with a pickle.
   static Result<TorchFile> Read(const std::string& path, const PickleLimits& limits = {});
+  // The same for the file `name` relative to the directory descriptor `dir_fd` (see
+  // ZipReader::OpenAt: a link is refused as the last component only), named `display` in errors
+  // and by path(). For a reader that holds a folder's descriptor and must read that very folder.
+  static Result<TorchFile> ReadAt(int dir_fd, const std::string& name, std::string display,
+                                  const PickleLimits& limits = {});
 
   const PyValue& root() const { return root_; }
   const std::string& path() const { return zip_.path(); }

@@ -41,6 +41,14 @@ class ZipReader {
   // record that is wrong (an entry that is compressed, encrypted, overlaps another or lies past
   // the end; a duplicate or empty name; more entries or longer names than `limits`).
   static Result<ZipReader> Open(const std::string& path, const ZipLimits& limits = {});
+  // The same for the file `name` relative to the directory descriptor `dir_fd` (openat;
+  // AT_FDCWD: relative to the working directory), so that a reader that opened a folder once
+  // reads the files of that very folder even if its path is later replaced (by a link, ...).
+  // `name` may hold several components; a link is refused only as the last one, as in Open, so
+  // a caller that must not follow links passes one component. `display` names the file in
+  // errors and is path().
+  static Result<ZipReader> OpenAt(int dir_fd, const std::string& name, std::string display,
+                                  const ZipLimits& limits = {});
 
   ZipReader(ZipReader&&) noexcept = default;
   ZipReader& operator=(ZipReader&&) noexcept = default;
