@@ -1,5 +1,6 @@
 #include "zinf/interop/deepspeed_import.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <functional>
@@ -301,24 +302,30 @@ Result<DeepSpeedImportResult> ImportDeepSpeed(const std::string& dir, const std:
       checkpoint::CheckpointWriter::Create(out_path, layout, writer_options, options.overwrite));
   const std::uint64_t total_bytes = 3 * layout.total_numel() * sizeof(float);
   std::uint64_t done_bytes = 0;
-  std::vector<float> values;
-  // One parameter at a time, its three fields one after another: every state's values are
-  // appended in layout order, and a parameter's pieces are read from the same files together.
+  // One parameter at a time, its three fields one after another, each in pieces of at most
+  // kPieceNumel floats: every state's values are appended in layout order, a parameter's pieces
+  // are read from the same files together, and memory stays bounded whatever the model.
+  constexpr std::uint64_t kPieceNumel = std::uint64_t{1} << 20;
+  std::vector<float> piece(std::min<std::uint64_t>(kPieceNumel, layout.total_numel()));
   constexpr std::array<std::pair<Field, swapper::StateTensor>, 3> kFields = {{
       {Field::kFp32, swapper::StateTensor::kFp32},
       {Field::kExpAvg, swapper::StateTensor::kExpAvg},
       {Field::kExpAvgSq, swapper::StateTensor::kExpAvgSq},
   }};
   for (std::size_t i = 0; i < ds.params().size(); ++i) {
-    values.resize(layout.param(i).numel);
+    const std::uint64_t numel = layout.param(i).numel;
     for (const auto& [field, state] : kFields) {
-      ZINF_RETURN_IF_ERROR(ds.ReadParam(i, field, values));
-      ZINF_RETURN_IF_ERROR(Annotate(
-          writer.Append(state, values),
-          fmt::format("{}: parameter '{}' {}: ", kWhere, EscapeForTerminal(layout.param(i).name),
-                      DeepSpeedFieldName(field))));
-      done_bytes += values.size() * sizeof(float);
-      if (options.progress) options.progress(done_bytes, total_bytes);
+      for (std::uint64_t at = 0; at < numel; at += kPieceNumel) {
+        const std::span<float> values =
+            std::span(piece).first(std::min<std::uint64_t>(kPieceNumel, numel - at));
+        ZINF_RETURN_IF_ERROR(ds.ReadParam(i, field, at, values));
+        ZINF_RETURN_IF_ERROR(Annotate(writer.Append(state, values),
+                                      fmt::format("{}: parameter '{}' {}: ", kWhere,
+                                                  EscapeForTerminal(layout.param(i).name),
+                                                  DeepSpeedFieldName(field))));
+        done_bytes += values.size() * sizeof(float);
+        if (options.progress) options.progress(done_bytes, total_bytes);
+      }
     }
   }
   std::function<Status(const std::string&)> check;

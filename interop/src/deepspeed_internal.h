@@ -166,9 +166,11 @@ bool SameGroup(const DeepSpeedOptimizerGroup& a, const DeepSpeedOptimizerGroup& 
 Result<std::optional<std::int64_t>> ReadZeroStage(const PyDict& osd, const std::string& where);
 // A 1-dim float32 tensor of `numel` elements with stride 1.
 Status CheckFlat(const PyTensor& t, std::uint64_t numel, const std::string& where);
-// What ReadParam returns must be finite, and a second moment >= 0.
+// What ReadParam returns must be finite, and a second moment >= 0 (`values` are the param's
+// elements from `offset` on).
 Status CheckValues(const std::string& tag_dir, const DeepSpeedParam& p,
-                   DeepSpeedCheckpoint::Field field, std::span<const float> values);
+                   DeepSpeedCheckpoint::Field field, std::uint64_t offset,
+                   std::span<const float> values);
 
 // ---- the model file(s) (deepspeed_state.cc) ----
 
@@ -232,10 +234,11 @@ Status BuildParams(CheckpointState& m, const ModelInfo& info, const TorchFile& m
 // Reads the universal folder `m.tag_dir` (open as `tag_fd`; `found` its files) into `m`.
 Status ReadUniversal(CheckpointState& m, int tag_fd, const TagFiles& found,
                      const DeepSpeedLimits& limits);
-// ReadParam of a universal checkpoint: field `field` of param `param` (in range; `out` of its
-// numel, > 0) read again from its file, which must hold the tensor Open checked.
+// ReadParam of a universal checkpoint: elements [offset, offset + out.size()) of field `field`
+// of param `param` (all in range, out not empty) read again from its file, which must hold the
+// tensor Open checked.
 Status ReadUniversalParam(const CheckpointState& m, std::size_t param, std::size_t field,
-                          std::span<float> out);
+                          std::uint64_t offset, std::span<float> out);
 
 }  // namespace zinf::interop::deepspeed_internal
 

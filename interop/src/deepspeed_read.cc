@@ -373,10 +373,10 @@ Status ReadZero(CheckpointState& m, int tag_fd, const TagFiles& found,
   return OkStatus();
 }
 
-// ReadParam of a ZeRO checkpoint: field `f` of param `param` (in range; `out` of its numel, > 0)
-// assembled from the ranks' partitions.
+// ReadParam of a ZeRO checkpoint: elements [offset, offset + out.size()) of field `f` of param
+// `param` (all in range, out not empty) assembled from the ranks' partitions.
 Status ReadZeroParam(const CheckpointState& m, std::size_t param, std::size_t f,
-                     std::span<float> out) {
+                     std::uint64_t offset, std::span<float> out) {
   const DeepSpeedParam& p = m.params[param];
   const CheckpointState::Where& at = m.where[param];
   const std::uint64_t w = m.world;
@@ -390,18 +390,19 @@ Status ReadZeroParam(const CheckpointState& m, std::size_t param, std::size_t f,
     return OkStatus();
   };
   if (m.stage == 3) {
+    // Rank r holds the param's elements [r * pn, (r + 1) * pn) at at.offset of its flat.
     const std::uint64_t pn = CeilDiv(p.numel, w);
-    for (std::uint64_t r = 0; r < w; ++r) {
-      const std::uint64_t first = r * pn;
-      if (first >= p.numel) break;
-      const std::uint64_t count = std::min(pn, p.numel - first);
-      ZINF_RETURN_IF_ERROR(read(r, at.offset, out.subspan(first, count)));
+    const std::uint64_t end = offset + out.size();
+    for (std::uint64_t r = offset / pn; r < w && r * pn < end; ++r) {
+      const std::uint64_t lo = std::max(offset, r * pn);
+      const std::uint64_t hi = std::min(end, (r + 1) * pn);
+      ZINF_RETURN_IF_ERROR(read(r, at.offset + (lo - r * pn), out.subspan(lo - offset, hi - lo)));
     }
   } else {
     const std::uint64_t n = m.flat_numel[at.flat];
     const std::uint64_t part = m.partition[at.flat];
-    const std::uint64_t begin = at.offset;
-    const std::uint64_t end = at.offset + p.numel;
+    const std::uint64_t begin = at.offset + offset;
+    const std::uint64_t end = begin + out.size();
     for (std::uint64_t r = begin / part; r < w && r * part < end; ++r) {
       const std::uint64_t lo = std::max(begin, r * part);
       const std::uint64_t hi = std::min({end, (r + 1) * part, n});
@@ -409,7 +410,7 @@ Status ReadZeroParam(const CheckpointState& m, std::size_t param, std::size_t f,
       ZINF_RETURN_IF_ERROR(read(r, lo - r * part, out.subspan(lo - begin, hi - lo)));
     }
   }
-  return CheckValues(m.tag_dir, p, static_cast<DeepSpeedCheckpoint::Field>(f), out);
+  return CheckValues(m.tag_dir, p, static_cast<DeepSpeedCheckpoint::Field>(f), offset, out);
 }
 
 }  // namespace
@@ -456,6 +457,16 @@ const char* DeepSpeedFieldName(DeepSpeedCheckpoint::Field field) {
 }
 
 Status DeepSpeedCheckpoint::ReadParam(std::size_t param, Field field, std::span<float> out) const {
+  if (param < impl_->params.size() && out.size() != impl_->params[param].numel) {
+    return InvalidArgumentError(fmt::format("ReadParam: '{}' has {} elements, out holds {}",
+                                            Printable(impl_->params[param].name, kMaxName),
+                                            impl_->params[param].numel, out.size()));
+  }
+  return ReadParam(param, field, 0, out);
+}
+
+Status DeepSpeedCheckpoint::ReadParam(std::size_t param, Field field, std::uint64_t offset,
+                                      std::span<float> out) const {
   const Impl& m = *impl_;
   if (param >= m.params.size()) {
     return InvalidArgumentError(fmt::format("ReadParam: param {} of {}", param, m.params.size()));
@@ -463,13 +474,14 @@ Status DeepSpeedCheckpoint::ReadParam(std::size_t param, Field field, std::span<
   const DeepSpeedParam& p = m.params[param];
   const auto f = static_cast<std::size_t>(field);
   if (f >= kFieldNames.size()) return InvalidArgumentError("ReadParam: unknown field");
-  if (out.size() != p.numel) {
-    return InvalidArgumentError(fmt::format("ReadParam: '{}' has {} elements, out holds {}",
-                                            Printable(p.name, kMaxName), p.numel, out.size()));
+  if (offset > p.numel || out.size() > p.numel - offset) {
+    return InvalidArgumentError(
+        fmt::format("ReadParam: elements [{}, +{}) of '{}', which has {}", offset, out.size(),
+                    Printable(p.name, kMaxName), p.numel));
   }
-  if (p.numel == 0) return OkStatus();
-  if (m.universal) return deepspeed_internal::ReadUniversalParam(m, param, f, out);
-  return deepspeed_internal::ReadZeroParam(m, param, f, out);
+  if (out.empty()) return OkStatus();
+  if (m.universal) return deepspeed_internal::ReadUniversalParam(m, param, f, offset, out);
+  return deepspeed_internal::ReadZeroParam(m, param, f, offset, out);
 }
 
 Result<DeepSpeedCheckpoint> OpenDeepSpeedCheckpoint(const std::string& dir,

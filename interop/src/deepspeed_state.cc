@@ -355,13 +355,14 @@ Status CheckFlat(const PyTensor& t, std::uint64_t numel, const std::string& wher
 
 // What ReadParam returns must be finite, and a second moment >= 0.
 Status CheckValues(const std::string& tag_dir, const DeepSpeedParam& p,
-                   DeepSpeedCheckpoint::Field field, std::span<const float> values) {
+                   DeepSpeedCheckpoint::Field field, std::uint64_t offset,
+                   std::span<const float> values) {
   for (std::size_t i = 0; i < values.size(); ++i) {
     const float v = values[i];
     if (!std::isfinite(v) || (field == DeepSpeedCheckpoint::Field::kExpAvgSq && v < 0)) {
       return DataLossError(fmt::format(
           "{}: param '{}' {}: element {} is {}{}", tag_dir, Printable(p.name, kMaxName),
-          kFieldNames[static_cast<std::size_t>(field)], i, v,
+          kFieldNames[static_cast<std::size_t>(field)], offset + i, v,
           std::isfinite(v) ? " (a negative second moment)" : " (not finite); not imported"));
     }
   }

@@ -99,13 +99,14 @@ bool SameTensor(const PyTensor& a, const PyTensor& b) {
 // and `out.size()` elements of the tensor Open found there (`expected`).
 Status ReadUniversalField(int dir_fd, const std::string& name, const std::string& path,
                           const PyTensor& expected, bool bare, std::uint64_t numel,
-                          const PickleLimits& limits, std::span<float> out) {
+                          const PickleLimits& limits, std::uint64_t offset,
+                          std::span<float> out) {
   ZINF_ASSIGN_OR_RETURN(TorchFile file, TorchFile::ReadAt(dir_fd, name, path, limits));
   ZINF_ASSIGN_OR_RETURN(PyTensor t, UniversalTensor(file, bare, numel));
   if (!SameTensor(t, expected)) {
     return DataLossError(fmt::format("{}: changed since the checkpoint was opened", path));
   }
-  return file.ReadFloat32Range(t, 0, out);
+  return file.ReadFloat32Range(t, offset, out);
 }
 
 // A path component DeepSpeed's universal format can use as a param's folder name.
@@ -323,7 +324,7 @@ Status ReadUniversal(CheckpointState& m, int tag_fd, const TagFiles& found,
 }
 
 Status ReadUniversalParam(const CheckpointState& m, std::size_t param, std::size_t field,
-                          std::span<float> out) {
+                          std::uint64_t offset, std::span<float> out) {
   const DeepSpeedParam& p = m.params[param];
   const CheckpointState::UniversalField& u = m.universal_fields[param][field];
   // The param's folder, opened anew in the zero/ Open opened (a descriptor held per param could
@@ -335,13 +336,13 @@ Status ReadUniversalParam(const CheckpointState& m, std::size_t param, std::size
                                  fmt::format("{}/zero/{}", m.tag_dir, Printable(p.name, kMaxName)),
                                  storage::Follow::kNo));
     return ReadUniversalField(dir_fd.get(), kFieldFiles[field], u.path, u.tensor, m.stage == 3,
-                              p.numel, m.pickle, out);
+                              p.numel, m.pickle, offset, out);
   };
   if (auto st = read(); !st) {
     return std::move(st).error().WithContext(
         fmt::format("param '{}' {}: ", Printable(p.name, kMaxName), kFieldNames[field]));
   }
-  return CheckValues(m.tag_dir, p, static_cast<DeepSpeedCheckpoint::Field>(field), out);
+  return CheckValues(m.tag_dir, p, static_cast<DeepSpeedCheckpoint::Field>(field), offset, out);
 }
 
 }  // namespace zinf::interop::deepspeed_internal

@@ -9,7 +9,8 @@
 #       user state, and `verify` passes. Pairs (N -> W), every N and W in 1..4, fp32 and q8:
 #         zinf-train fp32       1 -> 3, 1 -> 4
 #         zinf-train q8         3 -> 1, 3 -> 2
-#         zinf-train fp32, 1.2M elements (several checkpoint chunks, params across them)  2 -> 3
+#         zinf-train fp32, 2.4M elements in 2 params (several checkpoint chunks, params across
+#         them, each param over the import's 1 Mi-element piece)                          2 -> 3
 #         deepspeed_export_make_ckpt q8 (two interleaved groups, Adam with L2 decay, fp16 with a
 #         dynamic loss scaler after a skipped step, a nested user state)  2 -> 4, 4 -> 1
 #       and as DeepSpeed's universal layout (`--format deepspeed-universal`): zinf-train fp32
@@ -82,11 +83,11 @@ import_ds() {  # import_ds SRC OUT_FILE W [universal]: export SRC for W ranks, i
 
 if [[ $mode == roundtrip ]]; then
   for size in small big; do
-    total=10007
-    [[ $size == big ]] && total=1200007
+    total=10007 params=5
+    [[ $size == big ]] && total=2400007 params=2
     cat > "$size.json" << EOF
 {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
- "zinf": {"model": {"name": "synthetic", "total_params": $total, "num_params": 5}}}
+ "zinf": {"model": {"name": "synthetic", "total_params": $total, "num_params": $params}}}
 EOF
   done
   train train-fp32 1 small.json fp32 3

@@ -6,11 +6,14 @@
 //      betas, eps, weight_decay, options}], shared_params [[alias, owner]], client_state,
 //      client_state_skipped [names], params [{name, shape, dtype, numel, group, fp32, exp_avg,
 //      exp_avg_sq}]}, the values of each field as the fp32 bits ("8 hex digits") of every
-//      element, row-major (ReadParam).
+//      element, row-major (ReadParam; read again in ranges of 3 elements, which must agree).
 // Exit 0 on success, 1 with the error on stderr, 2 on a usage error.
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -74,6 +77,23 @@ Result<nlohmann::json> Dump(const std::string& dir) {
     for (auto field : {DeepSpeedCheckpoint::Field::kFp32, DeepSpeedCheckpoint::Field::kExpAvg,
                        DeepSpeedCheckpoint::Field::kExpAvgSq}) {
       ZINF_RETURN_IF_ERROR(ckpt.ReadParam(i, field, values));
+      // The same values read in ranges of 3 elements (crossing the ranks' partitions), and a
+      // range past the end refused.
+      std::vector<float> piece(3);
+      for (std::uint64_t at = 0; at < p.numel; at += piece.size()) {
+        const std::span<float> part =
+            std::span(piece).first(std::min<std::uint64_t>(piece.size(), p.numel - at));
+        ZINF_RETURN_IF_ERROR(ckpt.ReadParam(i, field, at, part));
+        if (std::memcmp(part.data(), values.data() + at, part.size_bytes()) != 0) {
+          return InternalError(fmt::format("'{}' {}: ReadParam of [{}, +{}) differs from the "
+                                           "whole read",
+                                           p.name, DeepSpeedFieldName(field), at, part.size()));
+        }
+      }
+      if (Status past = ckpt.ReadParam(i, field, p.numel, std::span(piece).first(1));
+          past || past.error().code() != ErrorCode::kInvalidArgument) {
+        return InternalError(fmt::format("'{}': a ReadParam past the end was not refused", p.name));
+      }
       nlohmann::json bits = nlohmann::json::array();
       for (float v : values) bits.push_back(fmt::format("{:08x}", std::bit_cast<std::uint32_t>(v)));
       jp[DeepSpeedFieldName(field)] = std::move(bits);

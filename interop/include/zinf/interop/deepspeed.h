@@ -182,6 +182,10 @@ class DeepSpeedCheckpoint {
   // universal file changed since Open, FailedPrecondition for a universal param folder or file
   // replaced by a link since Open.
   Status ReadParam(std::size_t param, Field field, std::span<float> out) const;
+  // The same for elements [offset, offset + out.size()) of the parameter (row-major; a range
+  // past its numel is InvalidArgument): a large parameter read in bounded pieces.
+  Status ReadParam(std::size_t param, Field field, std::uint64_t offset,
+                   std::span<float> out) const;
 
  private:
   friend Result<DeepSpeedCheckpoint> OpenDeepSpeedCheckpoint(const std::string& dir,

@@ -42,7 +42,8 @@
 // a static or no scaler with one: the scale's state would be lost); a module dtype zinf's
 // layouts do not hold; parameter names or shapes ParamLayout refuses.
 //
-// Memory: one parameter's values (its numel floats) plus the writer's chunk buffers.
+// Memory: pieces of at most 1 Mi floats (parameters are read in ranges, DeepSpeedCheckpoint::
+// ReadParam) plus the writer's chunk buffers, whatever the model size.
 //
 // Thread safety: a plain function.
 #ifndef ZINF_INTEROP_DEEPSPEED_IMPORT_H_
