@@ -5,8 +5,9 @@ Run by CTest: /usr/bin/python3 deepspeed_read_test.py DEEPSPEED_READ_TOOL. Exit 
 torch cannot be imported.
 
 The directories are written here from DeepSpeed's documented layout (issue 46's spec, sections 1
-and 2; no DeepSpeed code), with fake `deepspeed.*` modules registered in sys.modules so that
-fragment_address, LossScaler, DynamicLossScaler and ZeroStageEnum pickle under DeepSpeed's names:
+and 2; no DeepSpeed code), with fake `deepspeed.*` modules registered in sys.modules
+(fake_deepspeed.py) so that fragment_address, LossScaler, DynamicLossScaler and ZeroStageEnum
+pickle under DeepSpeed's names:
   - ZeRO 1/2, W = 1..4: two param groups, padding at the end of each flat group, a rank entirely
     in padding, params split across ranks, fp32 partitions saved as views of the padded
     partition, garbage (NaN) in the moments' padding; fp16 DynamicLossScaler with skipped steps;
@@ -22,8 +23,6 @@ fragment_address, LossScaler, DynamicLossScaler and ZeroStageEnum pickle under D
 """
 
 import collections
-import dataclasses
-import enum
 import json
 import math
 import os
@@ -32,7 +31,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import types
 import unittest
 import zipfile
 
@@ -42,55 +40,13 @@ except Exception as e:  # noqa: BLE001 - any import failure means: no torch here
     print(f"SKIP: {sys.executable} cannot import torch ({e!r}); install python3-torch")
     sys.exit(77)
 
+import fake_deepspeed  # noqa: E402 - after the torch check: it imports torch
+from fake_deepspeed import (  # noqa: E402 - deepspeed_import_test.py uses them too
+    DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address)
+
+fake_deepspeed.register()
+
 TOOL = None  # set from argv in main
-
-
-# ---- fake deepspeed modules, so objects pickle under DeepSpeed's names ----
-@dataclasses.dataclass
-class fragment_address:  # noqa: N801 - DeepSpeed's name
-    numel: int
-    start: int
-
-
-class LossScaler:
-    def __init__(self, scale):
-        self.cur_scale = scale
-        self.dynamic = False
-
-
-class DynamicLossScaler:
-    def __init__(self, scale, cur_iter, last_overflow_iter, hysteresis):
-        self.cur_scale = scale
-        self.cur_iter = cur_iter
-        self.last_overflow_iter = last_overflow_iter
-        self.scale_factor = 2.0
-        self.scale_window = 1000
-        self.min_scale = 1
-        self.delayed_shift = 2
-        self.cur_hysteresis = hysteresis
-        self.consecutive_hysteresis = False
-        self.raise_error_at_min_scale = True
-        self.dynamic = True
-        self.dtype = torch.float16
-
-
-class ZeroStageEnum(int, enum.Enum):
-    disabled = 0
-    optimizer_states = 1
-    gradients = 2
-    weights = 3
-    max_stage = 3
-
-
-for _mod, _classes in {"deepspeed.utils.tensor_fragment": [fragment_address],
-                       "deepspeed.runtime.fp16.loss_scaler": [LossScaler, DynamicLossScaler],
-                       "deepspeed.runtime.zero.config": [ZeroStageEnum]}.items():
-    _parts = _mod.split(".")
-    for _i in range(1, len(_parts) + 1):
-        sys.modules.setdefault(".".join(_parts[:_i]), types.ModuleType(".".join(_parts[:_i])))
-    for _cls in _classes:
-        _cls.__module__ = _mod
-        setattr(sys.modules[_mod], _cls.__qualname__, _cls)
 
 
 class RunsCode:

@@ -13,7 +13,7 @@ Exit 77 when torch cannot be imported (the C++ test then skips). The canonical t
 None True False 12 f:<16 hex digits of the double> 'str' [a, b] (a, b) Size(a, b) {k: v}
 OrderedDict{k: v} dtype(float16) tensor(dtype, 'key', 'location', numel, offset, [shape],
 [stride], requires_grad) module.Class(<state>). DeepSpeed's classes are stand-ins registered
-under DeepSpeed's module names, so neither side needs DeepSpeed.
+under DeepSpeed's module names (fake_deepspeed.py), so neither side needs DeepSpeed.
 """
 import collections
 import enum
@@ -32,40 +32,15 @@ except Exception as e:  # noqa: BLE001
     print(f"SKIP: torch cannot be imported: {e}")
     sys.exit(77)
 
+import fake_deepspeed  # noqa: E402 - after the torch check: it imports torch
+from fake_deepspeed import (  # noqa: E402
+    DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address)
 
-def _module(name):
-    parts = name.split(".")
-    for i in range(1, len(parts) + 1):
-        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
-    return sys.modules[name]
-
-
-def _class(module, name, base=object):
-    cls = type(name, (base,), {})
-    cls.__module__ = module
-    cls.__qualname__ = name
-    setattr(_module(module), name, cls)
-    return cls
-
-
-FragmentAddress = _class("deepspeed.utils.tensor_fragment", "fragment_address")
-LossScaler = _class("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
-DynamicLossScaler = _class("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
-
-
-class ZeroStageEnum(int, enum.Enum):
-    disabled = 0
-    optimizer_states = 1
-    gradients = 2
-    weights = 3
-    max_stage = 3
-
-
-ZeroStageEnum.__module__ = "deepspeed.runtime.zero.config"
-_module("deepspeed.runtime.zero.config").ZeroStageEnum = ZeroStageEnum
+fake_deepspeed.register()
 
 
 def _obj(cls, **state):
+    """An instance holding exactly `state`, made as unpickling makes it (no __init__)."""
     o = cls.__new__(cls)
     o.__dict__.update(state)
     return o
@@ -140,7 +115,7 @@ def canon(v, masked=False):
         return (f"tensor({dtype}, *, *, *, {v.storage_offset()}, "
                 f"[{', '.join(map(str, v.shape))}], [{', '.join(map(str, v.stride()))}], "
                 f"{v.requires_grad})")
-    if type(v) in (FragmentAddress, LossScaler, DynamicLossScaler):
+    if type(v) in (fragment_address, LossScaler, DynamicLossScaler):
         return f"{type(v).__module__}.{type(v).__qualname__}({c(v.__dict__)})"
     raise TypeError(f"no canonical text for {type(v)}")
 
@@ -202,7 +177,7 @@ def plain_cases():
         "fs": frozenset({"x"}), 7: "int key", (1, "a"): "tuple key", "shared": [shared, shared],
     }
     yield "objects", {
-        "frag": _obj(FragmentAddress, numel=10, start=4),
+        "frag": _obj(fragment_address, numel=10, start=4),
         "scaler": _obj(DynamicLossScaler, cur_scale=65536.0, cur_iter=3, dtype=torch.float16,
                        scale_window=1000, dynamic=True),
         "static": _obj(LossScaler, cur_scale=1.0, dynamic=False),
@@ -226,7 +201,7 @@ def torch_cases():
         "param_shapes": [collections.OrderedDict([("w", torch.Size([2, 3])),
                                                   ("b", torch.Size([3]))])],
         "param_slice_mappings": [collections.OrderedDict(
-            [("w", _obj(FragmentAddress, numel=6, start=0))])],
+            [("w", _obj(fragment_address, numel=6, start=0))])],
         "dtype": torch.bfloat16, "ds_version": "0.19.6", "zero_stage": ZeroStageEnum.gradients,
         "sparse_tensor_module_names": set(), "lr": 1e-3, "betas": (0.9, 0.999),
         "loss_scaler": _obj(DynamicLossScaler, cur_scale=2.0**16, dtype=torch.float16),

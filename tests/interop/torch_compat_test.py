@@ -8,13 +8,12 @@ torch cannot be imported.
     tensor values bitwise;
   - `torch_file_tool write` -> torch.load -> the expected tree, bitwise;
   - DeepSpeed-like files (param_shapes, fragment_address, LossScaler objects pickled from fake
-    `deepspeed.*` modules) -> dump shows them as objects with their state;
+    `deepspeed.*` modules, fake_deepspeed.py) -> dump shows them as objects with their state;
   - hostile files (truncated, a broken CRC, a pickle naming os.system, torch's legacy format, a
     storage entry too short or missing) -> exit 1 with a message naming the defect.
 """
 
 import collections
-import dataclasses
 import enum
 import json
 import math
@@ -23,7 +22,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import types
 import unittest
 import zipfile
 
@@ -32,6 +30,10 @@ try:
 except Exception as e:  # noqa: BLE001 - any import failure means: no torch here
     print(f"SKIP: {sys.executable} cannot import torch ({e!r}); install python3-torch")
     sys.exit(77)
+
+import fake_deepspeed  # noqa: E402 - after the torch check: it imports torch
+from fake_deepspeed import (  # noqa: E402
+    DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address)
 
 TOOL = None  # set from argv in main
 
@@ -137,74 +139,6 @@ def storage_keys(js, out):
     return out
 
 
-# ---- the fake deepspeed modules DeepSpeed-like files are pickled from ----
-@dataclasses.dataclass
-class fragment_address:  # noqa: N801 - DeepSpeed's name
-    numel: int
-    start: int
-
-
-class LossScaler:
-    def __init__(self, scale):
-        self.cur_scale = scale
-        self.dynamic = False
-
-
-class DynamicLossScaler:
-    def __init__(self):
-        self.cur_scale = 65536
-        self.cur_iter = 12
-        self.last_overflow_iter = 3
-        self.scale_factor = 2.0
-        self.scale_window = 1000
-        self.min_scale = 1
-        self.delayed_shift = 2
-        self.cur_hysteresis = 2
-        self.consecutive_hysteresis = False
-        self.raise_error_at_min_scale = True
-        self.dynamic = True
-        self.dtype = torch.float16
-
-
-class ZeroStageEnum(int, enum.Enum):
-    disabled = 0
-    optimizer_states = 1
-    gradients = 2
-    weights = 3
-    max_stage = 3
-
-
-FAKE_CLASSES = {
-    "deepspeed.utils.tensor_fragment": [fragment_address],
-    "deepspeed.runtime.fp16.loss_scaler": [LossScaler, DynamicLossScaler],
-    "deepspeed.runtime.zero.config": [ZeroStageEnum],
-}
-
-
-class FakeDeepSpeed:
-    """Registers deepspeed.* modules holding the classes above while a file is saved."""
-
-    def __enter__(self):
-        self.added = []
-        for mod_name, classes in FAKE_CLASSES.items():
-            parts = mod_name.split(".")
-            for i in range(1, len(parts) + 1):
-                name = ".".join(parts[:i])
-                if name not in sys.modules:
-                    sys.modules[name] = types.ModuleType(name)
-                    self.added.append(name)
-            for cls in classes:
-                cls.__module__ = mod_name
-                setattr(sys.modules[mod_name], cls.__qualname__, cls)
-        return self
-
-    def __exit__(self, *exc):
-        # The classes keep their deepspeed module names: the dumps are checked against them.
-        for name in self.added:
-            del sys.modules[name]
-        return False
-
-
 def deepspeed_trees():
     torch.manual_seed(46)
     a = torch.randn(2, 3)
@@ -228,7 +162,7 @@ def deepspeed_trees():
     flat = torch.cat([a.reshape(-1), b, torch.zeros(2)])  # 10 + 2 padding
     optim = {
         "optimizer_state_dict": {
-            "loss_scaler": DynamicLossScaler(),
+            "loss_scaler": DynamicLossScaler(65536, 12, 3, 2),
             "dynamic_loss_scale": True,
             "overflow": False,
             "clip_grad": 1.0,
@@ -343,8 +277,8 @@ class TorchCompat(unittest.TestCase):
     # ---- DeepSpeed-like files ----
     def test_deepspeed_like_files(self):
         trees = deepspeed_trees()
-        with FakeDeepSpeed():
-            paths = {name: self.save(tree, f"{name}.pt") for name, tree in trees.items()}
+        fake_deepspeed.register()  # for torch.save to write the objects' classes by name
+        paths = {name: self.save(tree, f"{name}.pt") for name, tree in trees.items()}
         for name, tree in trees.items():
             with self.subTest(file=name):
                 js = dump(paths[name])
