@@ -253,7 +253,7 @@ int ImportDeepSpeed(const std::string& dir, const std::string& out, bool force) 
                  "hold, e.g. a tensor)\n",
                  Shown(key).c_str());
   }
-  std::printf("wrote %s (deepspeed%s ZeRO stage %d, %llu ranks, step %lld, %llu params)\n",
+  std::printf("wrote %s (deepspeed%s ZeRO stage %d, %llu rank(s), step %lld, %llu params)\n",
               Shown(out).c_str(), r->universal ? " universal," : "", r->stage,
               static_cast<unsigned long long>(r->world_size), static_cast<long long>(r->step),
               static_cast<unsigned long long>(r->num_params));

@@ -133,7 +133,7 @@ class DeepSpeedImport(unittest.TestCase):
                 r = self.import_ok(src, out)
                 self.assertEqual(
                     r.stdout.strip(),
-                    f"wrote {out} (deepspeed ZeRO stage {stage}, {world} ranks, step 10, "
+                    f"wrote {out} (deepspeed ZeRO stage {stage}, {world} rank(s), step 10, "
                     "5 params)")
                 self.assertIn("client state key 'tensor_state' not imported", r.stderr)
                 order = [n for n in dsr.MODULE_ORDER if n in vals]
@@ -172,7 +172,7 @@ class DeepSpeedImport(unittest.TestCase):
                     self.add_client_state(tag, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
                 out = os.path.join(self.tmp.name, f"imported{self.n}.h5")
                 r = self.import_ok(tag, out)  # the tag directory itself
-                self.assertIn(f"(deepspeed ZeRO stage 3, {world} ranks, step 5, 5 params)",
+                self.assertIn(f"(deepspeed ZeRO stage 3, {world} rank(s), step 5, 5 params)",
                               r.stdout)
                 self.check_values(out, vals, [n for n in dsr.MODULE_ORDER if n in vals])
                 meta = self.ls(out)

@@ -75,7 +75,7 @@ import_ds() {  # import_ds SRC OUT_FILE W [universal]: export SRC for W ranks, i
     > "$(basename "$out").export.log" 2>&1 || fail "export of $src ($format, W=$w) exited with $?"
   timeout 120 "$zinf_ckpt" import-deepspeed "$out.ds" --out "$out" \
     > "$(basename "$out").import.log" 2>&1 || fail "import of $out.ds exited with $?"
-  grep -q "^wrote $out ($kind ZeRO stage 2, $w ranks, step " "$(basename "$out").import.log" ||
+  grep -q "^wrote $out ($kind ZeRO stage 2, $w rank(s), step " "$(basename "$out").import.log" ||
     fail "import of $out.ds: no summary line: $(cat "$(basename "$out").import.log")"
   timeout 120 "$zinf_ckpt" verify "$out" > /dev/null 2>&1 || fail "verify $out: $("$zinf_ckpt" \
     verify "$out" 2>&1)"
