@@ -37,6 +37,7 @@ SUBCOMMANDS = {
     "overlap": "overlap",
     "adam-vs-torch": "adam_vs_torch",
     "scaling": "scaling",
+    "deepspeed-compat": "deepspeed_compat",
 }
 
 

@@ -27,6 +27,7 @@ from harness import common  # noqa: E402
 # refused run must make nothing; {bin}: zinf-bench; {fake}: a DeepSpeed tree without its ops).
 REQUIRED = {
     "paths": ["--fast", "{w}/fast", "--slow", "{w}/slow"],
+    "deepspeed-compat": ["--ds-src", "{fake}/src"],
 }
 # Tiny sizes first, so that a check that lets a bad value through costs a short run.
 TINY = {
@@ -35,6 +36,8 @@ TINY = {
     "stage3-lm": ["--d-model", "160", "--layers", "1", "--seq", "8", "--batch", "2",
                   "--steps", "1"],
     "overlap": ["--layers", "1", "--width", "8", "--batch", "2", "--steps", "1", "--rounds", "1"],
+    "deepspeed-compat": ["--params", "64", "--tensors", "2", "--size", "64", "--rounds", "1",
+                         "--world-sizes", "1", "--states", "fp32", "--no-drop-caches"],
 }
 
 # (subcommand, flags, words of the message): the checks run() makes of flags together and of
@@ -50,6 +53,18 @@ CROSS_CHECKS = [
     ("stage3-lm", ["--d-model", "158"], ["give at least 159"]),
     ("stage3-lm", ["--batch", "3", "--np", "2"], ["--batch 3 is not a multiple of --np 2"]),
     ("stage3-lm", ["--no-table", "--no-side-by-side"], ["leave nothing to run"]),
+    ("deepspeed-compat", ["--ds-src", "{w}/missing"], ["--ds-src", "not found"]),
+    ("deepspeed-compat", ["--ds-src", "{w}/file"], ["not a tar.xz", "zero_to_fp32.py"]),
+    ("deepspeed-compat", ["--ds-src", "{fake}/build"], ["not found", "zero_to_fp32.py"]),
+    ("deepspeed-compat", ["--params", "8", "--tensors", "9"], ["--tensors 9", "--params 8"]),
+    ("deepspeed-compat", ["--size", "8", "--tensors", "9"], ["--tensors 9", "--size 8"]),
+    ("deepspeed-compat", ["--path", "{w}/file"], ["--path", "is not a directory"]),
+    ("deepspeed-compat", ["--size", "1T"], ["needs about", "per parameter"]),
+    ("deepspeed-compat", ["--train", "{w}/no-train"], ["is not an executable"]),
+    ("deepspeed-compat", ["--world-sizes", "0"], ["--world-sizes", "'0'"]),
+    ("deepspeed-compat", ["--world-sizes", "4097"], ["--world-sizes", "'4097'"]),
+    ("deepspeed-compat", ["--world-sizes", "2,2"], ["--world-sizes", "a value repeats"]),
+    ("deepspeed-compat", ["--world-sizes", "1,x"], ["--world-sizes", "'1,x'"]),
     ("vs-deepspeed", ["--deepspeed", "{fake}/scripts", "--ds-build", "{fake}/build",
                       "--ds-src", "{fake}/src", "--size", "1M", "--elements", "1M",
                       "--sub-group", "1M", "--rounds", "1", "--steps", "1"], ["not built"]),
@@ -71,8 +86,13 @@ class Refusals(unittest.TestCase):
         self.fake = Path(self.top) / "deepspeed"
         for d in ("scripts", "build", "src/deepspeed/runtime/swap_tensor"):
             (self.fake / d).mkdir(parents=True)
+        # deepspeed-compat finds DeepSpeed's two checkpoint tools in src (empty files).
+        for d in ("src/deepspeed/utils", "src/deepspeed/checkpoint"):
+            (self.fake / d).mkdir(parents=True)
         for f in ("scripts/ds_aio_bench.py", "scripts/ds_swapper_step.py",
-                  "src/deepspeed/runtime/swap_tensor/pipelined_optimizer_swapper.py"):
+                  "src/deepspeed/runtime/swap_tensor/pipelined_optimizer_swapper.py",
+                  "src/deepspeed/utils/zero_to_fp32.py",
+                  "src/deepspeed/checkpoint/ds_to_universal.py"):
             (self.fake / f).write_text("")
         self.old_cwd, self.old_tmp = os.getcwd(), os.environ.get("TMPDIR")
         os.chdir(self.work)
