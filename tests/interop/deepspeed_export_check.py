@@ -14,8 +14,8 @@
 #   deepspeed_export_check.py tools TREE REF EXPECT DIR WORK [UNIVERSAL]
 #       DeepSpeed's own zero_to_fp32 (get_fp32_state_dict_from_zero_checkpoint and
 #       convert_zero_checkpoint_to_fp32_state_dict) and ds_to_universal, run from the DeepSpeed
-#       source tree TREE (deepspeed_shim.py), on DIR: their weights, and the universal files'
-#       fp32 / exp_avg / exp_avg_sq / step, equal the reference bitwise. UNIVERSAL (zinf's
+#       source tree TREE (through bench/harness/deepspeed_shim.py), on DIR: their weights, and
+#       the universal files' fp32 / exp_avg / exp_avg_sq / step, equal the reference bitwise. UNIVERSAL (zinf's
 #       --format deepspeed-universal export of the same checkpoint, W and stage as DIR): the same
 #       files as ds_to_universal's output folder, each loading to the same value (torch.equal on
 #       every tensor, the same keys in the same order, types and values), and the same
@@ -294,7 +294,9 @@ def compare_universal(theirs, ours):
 
 
 def check_tools(tree, ref_path, expect, out_dir, work, universal_dir=None):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    # The shim bench/run.py deepspeed-compat runs DeepSpeed's tools with (one copy, the harness's).
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "..", "bench", "harness"))
     import deepspeed_shim
 
     deepspeed_shim.install(tree)
