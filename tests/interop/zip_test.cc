@@ -22,6 +22,8 @@
 
 #include "testing/status_matchers.h"
 #include "testing/test_env.h"
+#include "zinf/storage/env.h"
+#include "zinf/storage/fault_injection.h"
 
 namespace zinf::interop {
 namespace internal {
@@ -695,6 +697,56 @@ TEST_F(ZipTest, SingleByteCorruptionsNeverCrash) {
       for (const ZipEntry& e : r->entries()) (void)r->ReadEntry(e.name, 1 << 20);
     }
   }
+}
+
+}  // namespace
+}  // namespace zinf::interop
+
+namespace zinf::interop {
+namespace {
+
+// An entry of several write-behind windows (32 MiB each) reads back whole, CRC verified; a
+// failed sync_file_range of the write-behind fails the write and leaves nothing.
+TEST(ZipWriter, WriteBehindKeepsLargeEntriesWholeAndReportsItsErrors) {
+  ScratchDir dir("zip_wb");
+  const std::string path = dir.Join("big.zip");
+  const std::string piece = Content(3 << 20, 7);  // 3 MiB: windows end inside pieces
+  constexpr int kPieces = 30;                      // 90 MiB
+  {
+    ZINF_ASSERT_OK_AND_ASSIGN(ZipWriter w, ZipWriter::Create(path, storage::Overwrite::kNo));
+    ZINF_ASSERT_OK(w.Begin("a/data/0", std::uint64_t{kPieces} * piece.size()));
+    for (int i = 0; i < kPieces; ++i) ZINF_ASSERT_OK(w.Append(Bytes(piece)));
+    ZINF_ASSERT_OK(w.End());
+    ZINF_ASSERT_OK(w.Finish());
+  }
+  ZINF_ASSERT_OK_AND_ASSIGN(ZipReader r, ZipReader::Open(path));
+  ASSERT_EQ(r.entries().size(), 1u);
+  ZINF_EXPECT_OK(r.VerifyCrc(r.entries()[0]));
+  std::string tail(piece.size(), '\0');
+  ZINF_ASSERT_OK(r.ReadRange(r.entries()[0], (kPieces - 1) * piece.size(),
+                             std::as_writable_bytes(std::span(tail.data(), tail.size()))));
+  EXPECT_TRUE(tail == piece);
+
+  ZINF_ASSERT_OK_AND_ASSIGN(storage::FaultSpec spec,
+                            storage::ParseFaultSpec("sync_file_range:2:eio"));
+  storage::FaultInjectingEnv env(storage::Env::Posix(),
+                                 std::make_shared<storage::FaultInjector>(spec));
+  const std::string failed = dir.Join("failed.zip");
+  {
+    storage::ScopedDefaultEnv scope(env);
+    ZINF_ASSERT_OK_AND_ASSIGN(ZipWriter w, ZipWriter::Create(failed, storage::Overwrite::kNo));
+    ZINF_ASSERT_OK(w.Begin("a/data/0", std::uint64_t{kPieces} * piece.size()));
+    Status appended = OkStatus();
+    for (int i = 0; i < kPieces && appended; ++i) appended = w.Append(Bytes(piece));
+    ASSERT_FALSE(appended);
+    EXPECT_THAT(appended.error().message(), HasSubstr("write-behind"));
+    EXPECT_THAT(w.Finish(), ::testing::Not(IsOk()));
+  }
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    left.push_back(e.path().filename().string());
+  }
+  EXPECT_THAT(left, ::testing::ElementsAre("big.zip"));
 }
 
 }  // namespace
