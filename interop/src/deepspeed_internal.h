@@ -164,6 +164,9 @@ Result<DeepSpeedOptimizerGroup> ReadOptimizerGroup(const PyValue& v, const std::
 bool SameGroup(const DeepSpeedOptimizerGroup& a, const DeepSpeedOptimizerGroup& b);
 // The stage of `osd['zero_stage']` (1..3), or nullopt without the key (BF16_Optimizer).
 Result<std::optional<std::int64_t>> ReadZeroStage(const PyDict& osd, const std::string& where);
+// An optimizer state entry holds Adam's keys only (step, exp_avg, exp_avg_sq): anything else
+// (max_exp_avg_sq, another optimizer's state) is InvalidArgument naming `where`.
+Status CheckAdamStateKeys(const PyDict& state, const std::string& where);
 // A 1-dim float32 tensor of `numel` elements with stride 1.
 Status CheckFlat(const PyTensor& t, std::uint64_t numel, const std::string& where);
 // What ReadParam returns must be finite, and a second moment >= 0 (`values` are the param's

@@ -315,15 +315,7 @@ Status ReadZero(CheckpointState& m, int tag_fd, const TagFiles& found,
         if (entry == nullptr) return DataLossError(fmt::format("{}: missing", gsw));
         ZINF_ASSIGN_OR_RETURN(gs, AsDict(*entry, gsw));
       }
-      for (const auto& [k, v] : gs->items) {
-        const auto* key = k.as<std::string>();
-        if (key == nullptr || (*key != "step" && *key != "exp_avg" && *key != "exp_avg_sq")) {
-          return InvalidArgumentError(fmt::format(
-              "{}: optimizer state '{}', which zinf does not import (it imports Adam's step, "
-              "exp_avg and exp_avg_sq)",
-              gsw, key != nullptr ? Printable(*key, 64) : k.TypeName()));
-        }
-      }
+      ZINF_RETURN_IF_ERROR(CheckAdamStateKeys(*gs, gsw));
       for (std::size_t field = 1; field <= 2; ++field) {
         ZINF_ASSIGN_OR_RETURN(const PyValue* mv, Need(*gs, kFieldNames[field], gsw));
         const std::string mw = fmt::format("{}['{}']", gsw, kFieldNames[field]);

@@ -353,6 +353,19 @@ Status CheckFlat(const PyTensor& t, std::uint64_t numel, const std::string& wher
   return OkStatus();
 }
 
+Status CheckAdamStateKeys(const PyDict& state, const std::string& where) {
+  for (const auto& [k, v] : state.items) {
+    const auto* key = k.as<std::string>();
+    if (key == nullptr || (*key != "step" && *key != "exp_avg" && *key != "exp_avg_sq")) {
+      return InvalidArgumentError(fmt::format(
+          "{}: optimizer state '{}', which zinf does not import (it imports Adam's step, "
+          "exp_avg and exp_avg_sq)",
+          where, key != nullptr ? Printable(*key, 64) : k.TypeName()));
+    }
+  }
+  return OkStatus();
+}
+
 // What ReadParam returns must be finite, and a second moment >= 0.
 Status CheckValues(const std::string& tag_dir, const DeepSpeedParam& p,
                    DeepSpeedCheckpoint::Field field, std::uint64_t offset,

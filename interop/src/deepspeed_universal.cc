@@ -217,15 +217,7 @@ Status ReadUniversal(CheckpointState& m, int tag_fd, const TagFiles& found,
       const std::string gsw = fmt::format("{}['state'][{}]", iw, g);
       if (entry == nullptr) return DataLossError(fmt::format("{}: missing", gsw));
       ZINF_ASSIGN_OR_RETURN(const PyDict* gs, AsDict(*entry, gsw));
-      for (const auto& [k, v] : gs->items) {
-        const auto* key = k.as<std::string>();
-        if (key == nullptr || (*key != "step" && *key != "exp_avg" && *key != "exp_avg_sq")) {
-          return InvalidArgumentError(fmt::format(
-              "{}: optimizer state '{}', which zinf does not import (it imports Adam's step, "
-              "exp_avg and exp_avg_sq)",
-              gsw, key != nullptr ? Printable(*key, 64) : k.TypeName()));
-        }
-      }
+      ZINF_RETURN_IF_ERROR(CheckAdamStateKeys(*gs, gsw));
       ZINF_ASSIGN_OR_RETURN(const PyValue* step, Need(*gs, "step", gsw));
       ZINF_ASSIGN_OR_RETURN(std::int64_t s, ReadStep(state_file, *step, gsw + "['step']"));
       ZINF_RETURN_IF_ERROR(same_step(s, gsw + "['step']"));
