@@ -27,12 +27,12 @@
 import json
 import os
 import runpy
-import struct
 import sys
 
 import torch
 
 import fake_deepspeed  # this folder is on sys.path: the script is run by path
+import safetensors_file
 
 
 def fail(message):
@@ -46,22 +46,12 @@ def check(cond, message):
 
 
 def load_safetensors(path):
-    with open(path, "rb") as f:
-        data = f.read()
-    (size,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + size])
-    base = 8 + size
+    """(the weights' names in order, {name: float32 tensor of its shape}) of zinf's safetensors
+    export with --moments (the moments are named exp_avg/<name>, exp_avg_sq/<name>)."""
     tensors = {}
-    names = []
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = spec["data_offsets"]
-        t = torch.frombuffer(bytearray(data[base + begin : base + end]), dtype=torch.float32)
-        tensors[name] = t.reshape(spec["shape"])
-        if "/" not in name:
-            names.append(name)
-    return names, tensors
+    for name, (_, shape, data) in safetensors_file.read(path)[1].items():
+        tensors[name] = torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(shape)
+    return [n for n in tensors if "/" not in n], tensors
 
 
 def bits(t):
